@@ -1,0 +1,168 @@
+"""The paper's cost argument (VIT_REFERENCE.md §3): per-layer attention and linear MACs as the
+patch size changes, the parameter breakdown of the real module, and the crossover length.
+
+Per encoder layer with N patch tokens, width D, MLP width M (class token left out of N):
+    attention products (QK^T and AV):      2 N^2 D
+    linear layers (qkv, out, MLP):         4 N D^2 + 2 N D M   (= 12 N D^2 when M = 4D)
+    crossover (both equal):                N = 2D + M          (= 6D when M = 4D)
+    attention matrix of one layer:         heads x T^2 fp32 numbers, T = N + prefix tokens
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from vitlab.models.registry import get_config, resolve_name
+from vitlab.models.vit import VisionTransformer, ViTConfig
+
+DEFAULT_PATCH_SIZES = (4, 8, 14, 16, 28, 32, 56)
+PARAM_GROUPS = ("patch_embed", "cls_token", "pos_embed", "blocks", "norm", "pre_logits", "head")
+
+
+@dataclass
+class LayerCost:
+    patch_size: int
+    tokens: int  # N, patch tokens
+    attention_macs: int
+    linear_macs: int
+    attention_share: float
+    attention_matrix_bytes: int
+
+
+def layer_cost(cfg: ViTConfig, patch_size: int) -> LayerCost:
+    """One encoder layer's cost for `cfg`'s width, MLP and heads at another patch size (the image
+    is tiled by whole patches; a remainder narrower than a patch is dropped, as the conv does)."""
+    h, w = cfg.img_hw
+    n = (h // patch_size) * (w // patch_size)
+    d, m = cfg.embed_dim, cfg.mlp_dim
+    attention = 2 * n * n * d
+    linear = 4 * n * d * d + 2 * n * d * m
+    t = n + cfg.num_prefix_tokens
+    return LayerCost(
+        patch_size=patch_size,
+        tokens=n,
+        attention_macs=attention,
+        linear_macs=linear,
+        attention_share=attention / (attention + linear) if n else 0.0,
+        attention_matrix_bytes=cfg.num_heads * t * t * 4,
+    )
+
+
+def param_breakdown(model: VisionTransformer) -> dict[str, int]:
+    """Parameters counted from the module, by part; relative-position tables count as pos_embed."""
+    counts = dict.fromkeys(PARAM_GROUPS, 0)
+    for name, p in model.named_parameters():
+        group = "pos_embed" if "rel_pos" in name else name.split(".")[0]
+        counts[group] += p.numel()
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def forward_macs(cfg: ViTConfig) -> int:
+    """Matrix-product MACs of one forward pass at cfg's own patch size (timm's "GFLOPs")."""
+    n, t, d = cfg.num_patches, cfg.num_patches + cfg.num_prefix_tokens, cfg.embed_dim
+    patch = n * cfg.patch_size**2 * cfg.in_chans * d
+    per_layer = 2 * t * t * d + 4 * t * d * d + 2 * t * d * cfg.mlp_dim
+    width = cfg.representation_size or d
+    head = (d * cfg.representation_size if cfg.representation_size else 0) + width * cfg.num_classes
+    return patch + cfg.depth * per_layer + head
+
+
+def cost_report(
+    model: str,
+    img_size: int | tuple[int, int] | None = None,
+    patch_sizes: Sequence[int] = DEFAULT_PATCH_SIZES,
+) -> dict:
+    """Everything `vitlab cost` prints, as a JSON-ready dict. The model is built on the meta
+    device, so even H/14 costs no memory."""
+    overrides = {} if img_size is None else {"img_size": img_size}
+    cfg = get_config(model, **overrides)
+    for p in patch_sizes:
+        if p <= 0 or p > min(cfg.img_hw):
+            raise ValueError(f"patch size {p} does not fit a {cfg.img_hw[0]}x{cfg.img_hw[1]} image")
+    with torch.device("meta"):
+        params = param_breakdown(VisionTransformer(cfg))
+    return {
+        "model": resolve_name(model),
+        "img_size": list(cfg.img_hw),
+        "patch_size": cfg.patch_size,
+        "embed_dim": cfg.embed_dim,
+        "mlp_dim": cfg.mlp_dim,
+        "num_heads": cfg.num_heads,
+        "depth": cfg.depth,
+        "num_prefix_tokens": cfg.num_prefix_tokens,
+        "params": params,
+        "params_share": {k: v / params["total"] for k, v in params.items() if k != "total"},
+        "per_layer": [asdict(layer_cost(cfg, p)) for p in patch_sizes],
+        "crossover_tokens": 2 * cfg.embed_dim + cfg.mlp_dim,
+        "forward_macs": forward_macs(cfg),
+    }
+
+
+def _human(n: float, unit: str = "") -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {suffix}{unit}"
+    return f"{n:.0f} {unit}".rstrip()
+
+
+def _bytes(n: int) -> str:
+    for scale, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.1f} {suffix}"
+    return f"{n} B"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+
+    def fmt(row: Sequence[str]) -> str:  # first column left-aligned, numbers right-aligned
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+        )
+
+    line = fmt(header)
+    return [line, "-" * len(line)] + [fmt(row) for row in rows]
+
+
+def format_cost_report(report: dict) -> str:
+    """The report as readable text tables."""
+    h, w = report["img_size"]
+    d, m, heads = report["embed_dim"], report["mlp_dim"], report["num_heads"]
+    lines = [
+        f"{report['model']}: {h}x{w} image, width D={d}, MLP M={m}, {heads} heads, "
+        f"{report['depth']} layers",
+        "",
+        "Cost of one encoder layer by patch size (MACs; attention 2N^2D, linear 4ND^2 + 2NDM):",
+    ]
+    rows = [
+        [
+            str(r["patch_size"]),
+            f"{r['tokens']:,}",
+            _human(r["attention_macs"]),
+            _human(r["linear_macs"]),
+            f"{100 * r['attention_share']:.1f}%",
+            _bytes(r["attention_matrix_bytes"]),
+        ]
+        for r in report["per_layer"]
+    ]
+    header = ["patch", "tokens N", "attention", "linear", "attn share", "attn matrix fp32"]
+    lines += _table(header, rows)
+    lines += ["", f"Parameters (patch size {report['patch_size']}):"]
+    params, share = report["params"], report["params_share"]
+    rows = [[k, f"{params[k]:,}", f"{100 * share[k]:.2f}%"] for k in PARAM_GROUPS]
+    rows.append(["total", f"{params['total']:,}", "100.00%"])
+    lines += _table(["part", "params", "share"], rows)
+    n = report["crossover_tokens"]
+    side = (h * w / n) ** 0.5
+    lines += [
+        "",
+        f"Crossover: attention costs as much as the linear layers at N = 2D + M = {n:,} tokens "
+        f"(a patch side of {side:.1f} px on {h}x{w}).",
+        f"Forward pass: {_human(report['forward_macs'])}MACs per image "
+        f"({_human(2 * report['forward_macs'])}FLOPs).",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""`vitlab models`: list the registered models with their shape and size."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from vitlab.models.registry import aliases_of, describe, get_config, list_models
+from vitlab.models.vit import VisionTransformer
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "models",
+        help="list registered models",
+        description="List the registered models: name, aliases, input size, patch size, width, "
+        "depth, heads, MLP width and parameter count (counted on the meta device, no memory).",
+    )
+    p.add_argument("pattern", nargs="?", help="glob filter on names, e.g. 'vit_base*'")
+    p.add_argument("--json", action="store_true", help="print one JSON object per model (a list)")
+    p.set_defaults(run=run)
+
+
+def model_rows(pattern: str | None) -> list[dict]:
+    rows = []
+    for name in list_models(pattern):
+        cfg = get_config(name)
+        with torch.device("meta"):
+            params = sum(p.numel() for p in VisionTransformer(cfg).parameters())
+        rows.append(
+            {
+                "name": name,
+                "aliases": aliases_of(name),
+                "img_size": list(cfg.img_hw),
+                "patch_size": cfg.patch_size,
+                "in_chans": cfg.in_chans,
+                "num_classes": cfg.num_classes,
+                "embed_dim": cfg.embed_dim,
+                "depth": cfg.depth,
+                "num_heads": cfg.num_heads,
+                "mlp_dim": cfg.mlp_dim,
+                "params": params,
+                "description": describe(name),
+            }
+        )
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = model_rows(args.pattern)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no model matches {args.pattern!r}")
+        return 1
+    header = ["name", "alias", "input", "patch", "D", "L", "heads", "MLP", "params"]
+    table = [
+        [
+            r["name"],
+            ",".join(r["aliases"]) or "-",
+            f"{r['img_size'][0]}x{r['img_size'][1]}x{r['in_chans']}",
+            str(r["patch_size"]),
+            str(r["embed_dim"]),
+            str(r["depth"]),
+            str(r["num_heads"]),
+            str(r["mlp_dim"]),
+            f"{r['params']:,}",
+        ]
+        for r in rows
+    ]
+    widths = [max(len(c) for c in col) for col in zip(header, *table)]
+    for i, row in enumerate([header, *table]):
+        print(
+            "  ".join(
+                c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))
+            )
+        )
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    return 0

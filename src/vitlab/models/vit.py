@@ -1,0 +1,335 @@
+"""The Vision Transformer (Dosovitskiy et al., ICLR 2021, Eq. 1-4) and its typed config.
+
+tokens  = [x_class ; patches E] + E_pos          (B, T, D), T = prefix + N
+tokens  = Block(tokens) x depth                  pre-LN MSA and MLP, both residual
+tokens  = LN(tokens)                             forward_features() returns this
+pooled  = tokens[:, 0] (token) | mean of patch tokens (gap)
+logits  = head(pre_logits(pooled))               forward_head()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from vitlab.config import ConfigError, check_keys, validate
+from vitlab.models.layers import POS_EMBEDS, Block, PatchEmbed, lecun_normal_
+
+PoolKind = Literal["token", "gap"]
+PosEmbedKind = Literal["learned", "learned_2d", "relative", "sincos2d", "none"]
+ActKind = Literal["gelu", "gelu_tanh"]
+
+
+@dataclass
+class ViTConfig:
+    """Everything that defines a ViT's architecture. Defaults are ViT-B/16 at 224 for ImageNet."""
+
+    img_size: int | tuple[int, int] = 224  # one side, or (height, width)
+    patch_size: int = 16
+    in_chans: int = 3
+    num_classes: int = 1000  # 0: no classifier, forward() returns pooled features
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_dim: int = 3072
+    class_token: bool = True
+    pool: PoolKind = "token"
+    pos_embed: PosEmbedKind = "learned"
+    representation_size: int | None = None  # pre-logits Linear + tanh (the pre-training head)
+    dropout: float = 0.0
+    attn_dropout: float = 0.0
+    drop_path: float = 0.0  # stochastic depth of the last block; linear from 0 over depth
+    act: ActKind = "gelu"  # "gelu_tanh" is the JAX reference's GELU
+    norm_eps: float = 1e-6
+    qkv_bias: bool = True
+
+    def __post_init__(self) -> None:
+        validate(self)
+        h, w = self.img_hw
+        p = self.patch_size
+        if min(h, w, p, self.in_chans, self.embed_dim, self.num_heads, self.mlp_dim) <= 0:
+            raise ConfigError(f"sizes must be positive, got {self}")
+        if self.depth < 0 or self.num_classes < 0:
+            raise ConfigError(
+                f"depth and num_classes must be >= 0, got {self.depth}, {self.num_classes}"
+            )
+        if h % p or w % p:
+            raise ConfigError(f"img_size {h}x{w} is not a multiple of patch_size {p}")
+        if self.embed_dim % self.num_heads:
+            raise ConfigError(
+                f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}"
+            )
+        if self.pool == "token" and not self.class_token:
+            raise ConfigError("pool='token' needs class_token=True; use pool='gap' without it")
+        if self.pos_embed == "learned_2d" and self.embed_dim % 2:
+            raise ConfigError(
+                f"pos_embed='learned_2d' needs an even embed_dim, got {self.embed_dim}"
+            )
+        if self.pos_embed == "sincos2d" and self.embed_dim % 4:
+            raise ConfigError(
+                f"pos_embed='sincos2d' needs embed_dim divisible by 4, got {self.embed_dim}"
+            )
+        if self.representation_size is not None and self.representation_size <= 0:
+            raise ConfigError(
+                f"representation_size must be positive, got {self.representation_size}"
+            )
+        for name in ("dropout", "attn_dropout", "drop_path"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.norm_eps <= 0:
+            raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
+
+    @property
+    def img_hw(self) -> tuple[int, int]:
+        s = self.img_size
+        return (s, s) if isinstance(s, int) else (s[0], s[1])
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        h, w = self.img_hw
+        return h // self.patch_size, w // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return int(self.class_token)
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    def replace(self, **changes: object) -> ViTConfig:
+        """A copy with `changes` applied; unknown keys and wrong types raise ConfigError."""
+        check_keys(ViTConfig, changes.keys())
+        return dataclasses.replace(self, **changes)
+
+
+class Intermediates(NamedTuple):
+    """What forward_intermediates returns."""
+
+    features: Tensor  # (B, T, D) final tokens after the last LayerNorm
+    tokens: list[Tensor]  # per chosen block, its output tokens (B, T, D)
+    attentions: list[Tensor] | None  # per chosen block, attention probabilities (B, H, T, T)
+    indices: list[int]  # the chosen blocks
+
+
+class PreLogits(nn.Module):
+    """The paper's pre-training head hidden layer: Linear(D, R) -> tanh."""
+
+    def __init__(self, dim: int, representation_size: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, representation_size)
+        self.act = nn.Tanh()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(self.fc(x))
+
+
+class VisionTransformer(nn.Module):
+    """ViT of the paper's family, built from one ViTConfig."""
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        cfg = self.config = config
+        d = cfg.embed_dim
+        self.patch_embed = PatchEmbed(cfg.img_hw, cfg.patch_size, cfg.in_chans, d)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.class_token else None
+        self.pos_embed = POS_EMBEDS[cfg.pos_embed](cfg.grid, cfg.num_prefix_tokens, d)
+        self.pos_embed.kind = cfg.pos_embed
+        self.pos_drop = nn.Dropout(cfg.dropout)
+        rates = torch.linspace(0, cfg.drop_path, cfg.depth, device="cpu").tolist()
+        self.blocks = nn.ModuleList(Block(cfg, drop_path=r) for r in rates)
+        self.norm = nn.LayerNorm(d, eps=cfg.norm_eps)
+        self.pre_logits = PreLogits(d, cfg.representation_size) if cfg.representation_size else None
+        self.num_features = cfg.representation_size or d
+        self.head = self._new_head(cfg.num_classes)
+        self.grad_checkpointing = False
+        self.init_weights()
+
+    # --- construction ----------------------------------------------------------------------------
+
+    def init_weights(self) -> None:
+        """The JAX reference init (VIT_REFERENCE.md §1): Xavier-uniform Dense kernels (q, k, v
+        each as its own D x D matrix), zero attention biases, normal(1e-6) MLP biases, LeCun-normal
+        patch and pre-logits kernels, zero class token, normal(0.02) positions, zero head."""
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear):
+                if name == "head":
+                    nn.init.zeros_(m.weight)
+                elif name.startswith("pre_logits"):
+                    lecun_normal_(m.weight)
+                elif name.endswith("attn.qkv"):
+                    bound = math.sqrt(6.0 / (m.weight.shape[1] * 2))  # fan_in D + fan_out D
+                    nn.init.uniform_(m.weight, -bound, bound)
+                else:
+                    nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    if ".mlp." in name:
+                        nn.init.normal_(m.bias, std=1e-6)
+                    else:
+                        nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Conv2d):
+                lecun_normal_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def _new_head(self, num_classes: int) -> nn.Module:
+        if num_classes == 0:
+            return nn.Identity()
+        ref = self.norm.weight
+        head = nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+        return head
+
+    def reset_classifier(self, num_classes: int) -> None:
+        """Replace the classifier by a zero-initialised one for `num_classes` (0: none)."""
+        self.config = self.config.replace(num_classes=num_classes)
+        self.head = self._new_head(num_classes)
+
+    def set_image_size(self, img_size: int | tuple[int, int]) -> None:
+        """Change the input resolution (same patch size): position embeddings are resampled to the
+        new grid (bicubic, prefix tokens untouched); all other weights are kept."""
+        cfg = self.config.replace(img_size=img_size)
+        self.patch_embed.set_image_size(cfg.img_hw)
+        self.pos_embed.set_grid(cfg.grid)
+        for blk in self.blocks:
+            if blk.attn.rel_pos is not None:
+                blk.attn.rel_pos.set_grid(cfg.grid)
+        self.config = cfg
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block's activations in the backward pass instead of storing them."""
+        self.grad_checkpointing = enable
+
+    def no_weight_decay(self) -> set[str]:
+        """Names of the parameters AdamW should not decay: biases, norm scales, the class token and
+        the position embeddings (absolute tables and relative offset tables)."""
+        names = set()
+        for name, p in self.named_parameters():
+            if (
+                p.ndim <= 1
+                or name == "cls_token"
+                or name.startswith("pos_embed.")
+                or "rel_pos" in name
+            ):
+                names.add(name)
+        return names
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return self.config.num_prefix_tokens
+
+    # --- forward ---------------------------------------------------------------------------------
+
+    def _embed(self, x: Tensor) -> Tensor:
+        """(B, C, H, W) images -> (B, T, D) tokens with prefix tokens and positions."""
+        x = self.patch_embed(x)  # (B, N, D)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
+        return self.pos_drop(self.pos_embed(x))
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """(B, C, H, W) -> (B, T, D) final tokens (after the last LayerNorm)."""
+        x = self._embed(x)
+        for blk in self.blocks:
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(blk, x, use_reentrant=False)[0]
+            else:
+                x = blk(x)[0]
+        return self.norm(x)
+
+    def pool(self, tokens: Tensor) -> Tensor:
+        """(B, T, D) -> (B, D): the class token (`token`) or the mean of patch tokens (`gap`)."""
+        if self.config.pool == "token":
+            return tokens[:, 0]
+        return tokens[:, self.num_prefix_tokens :].mean(dim=1)
+
+    def forward_head(self, tokens: Tensor, pre_logits: bool = False) -> Tensor:
+        """(B, T, D) tokens -> (B, num_classes) logits, or the (B, num_features) vector before the
+        classifier (after the pre-logits layer, where there is one) when `pre_logits`."""
+        x = self.pool(tokens)
+        if self.pre_logits is not None:
+            x = self.pre_logits(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, C, H, W) images -> (B, num_classes) logits."""
+        return self.forward_head(self.forward_features(x))
+
+    # --- intermediates (analysis) ----------------------------------------------------------------
+
+    def _block_indices(self, indices: int | Sequence[int] | None) -> list[int]:
+        depth = len(self.blocks)
+        if indices is None:
+            return list(range(depth))
+        if isinstance(indices, int):
+            if not 0 <= indices <= depth:
+                raise ValueError(f"cannot take the last {indices} blocks of a {depth}-block model")
+            return list(range(depth - indices, depth))
+        out = []
+        for i in indices:
+            if not -depth <= i < depth:
+                raise ValueError(f"block index {i} out of range for a {depth}-block model")
+            out.append(i % depth)
+        return sorted(set(out))
+
+    def iter_intermediates(
+        self, x: Tensor, indices: int | Sequence[int] | None = None, return_attention: bool = False
+    ) -> Iterator[tuple[int, Tensor, Tensor | None]]:
+        """Yield (block index, output tokens (B, T, D), attention (B, H, T, T) or None) for each
+        chosen block, one at a time, and stop after the last one; attention is computed only for
+        the chosen blocks. `indices`: an int n (the last n blocks) or block indices (negative
+        allowed); None for all."""
+        chosen = self._block_indices(indices)
+        if not chosen:
+            return
+        for i, tokens, attn in self._walk(self._embed(x), set(chosen), return_attention):
+            if i in chosen:
+                yield i, tokens, attn
+            if i == chosen[-1]:
+                return
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | Sequence[int] | None = None,
+        return_attention: bool = False,
+        norm: bool = False,
+    ) -> Intermediates:
+        """Final tokens plus the chosen blocks' output tokens (with the final LayerNorm applied
+        when `norm`) and, when `return_attention`, their attention probabilities (B, H, T, T),
+        computed exactly as the fused kernel computes them."""
+        chosen = self._block_indices(indices)
+        tokens: list[Tensor] = []
+        attentions: list[Tensor] = []
+        last = self._embed(x)  # stays the embedded input for a model without blocks
+        for i, out, attn in self._walk(last, set(chosen), return_attention):
+            last = out
+            if i in chosen:
+                tokens.append(self.norm(out) if norm else out)
+                if attn is not None:
+                    attentions.append(attn)
+        features = self.norm(last)
+        return Intermediates(features, tokens, attentions if return_attention else None, chosen)
+
+    def _walk(
+        self, x: Tensor, wanted: set[int], return_attention: bool
+    ) -> Iterator[tuple[int, Tensor, Tensor | None]]:
+        """From embedded tokens, yield (index, tokens, attention or None) after every block;
+        attention only for the `wanted` blocks."""
+        for i, blk in enumerate(self.blocks):
+            x, attn = blk(x, return_attention=return_attention and i in wanted)
+            yield i, x, attn
