@@ -1,0 +1,160 @@
+"""Attention: the fused kernel against an explicit reference, attention maps, intermediates, and
+the whole model against timm's VisionTransformer with the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import tiny_config
+from vitlab.models.layers import Attention
+from vitlab.models.vit import VisionTransformer, ViTConfig
+
+
+def reference_attention(attn: Attention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(Q K^T / sqrt(d) + bias) V, written out from the module's weights."""
+    b, t, dim = x.shape
+    h, d = attn.num_heads, dim // attn.num_heads
+    w_q, w_k, w_v = attn.qkv.weight.chunk(3)
+    b_q, b_k, b_v = attn.qkv.bias.chunk(3)
+
+    def heads(y: torch.Tensor) -> torch.Tensor:
+        return y.reshape(b, t, h, d).transpose(1, 2)  # (B, H, T, d)
+
+    q, k, v = heads(x @ w_q.T + b_q), heads(x @ w_k.T + b_k), heads(x @ w_v.T + b_v)
+    logits = q @ k.transpose(-1, -2) / d**0.5
+    if attn.rel_pos is not None:
+        table = attn.rel_pos.table[attn.rel_pos.index]  # (T, T, d)
+        logits = logits + torch.einsum("bhid,ijd->bhij", q, table) / d**0.5
+    probs = logits.softmax(-1)
+    out = (probs @ v).transpose(1, 2).reshape(b, t, dim)
+    return out @ attn.proj.weight.T + attn.proj.bias, probs
+
+
+@pytest.mark.parametrize("pos_embed", ["learned", "relative"])
+def test_fused_attention_matches_explicit_reference(pos_embed: str) -> None:
+    torch.manual_seed(0)
+    model = VisionTransformer(tiny_config(pos_embed=pos_embed, embed_dim=48, num_heads=3)).eval()
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.qkv.bias.normal_()
+        x = torch.randn(3, 17, 48)
+        fused, none = attn(x)
+        explicit, probs = attn(x, return_attention=True)
+        ref_out, ref_probs = reference_attention(attn, x)
+    assert none is None
+    torch.testing.assert_close(fused, ref_out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(explicit, ref_out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(probs, ref_probs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3, 3, 17))
+
+
+def test_forward_intermediates_tokens_and_attention_maps() -> None:
+    torch.manual_seed(0)
+    model = VisionTransformer(tiny_config(depth=4)).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        out = model.forward_intermediates(x, indices=[0, -1], return_attention=True)
+        features = model.forward_features(x)
+        # each block's attention recomputed from its input with the explicit reference
+        tokens = model._embed(x)
+        expected = []
+        for blk in model.blocks:
+            expected.append(reference_attention(blk.attn, blk.norm1(tokens))[1])
+            tokens = blk(tokens)[0]
+    assert out.indices == [0, 3]
+    torch.testing.assert_close(out.features, features, atol=1e-5, rtol=0)
+    assert [t.shape for t in out.tokens] == [(2, 17, 32)] * 2
+    assert [a.shape for a in out.attentions] == [(2, 4, 17, 17)] * 2
+    torch.testing.assert_close(out.attentions[0], expected[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.attentions[1], expected[3], atol=1e-5, rtol=0)
+    torch.testing.assert_close(model.norm(out.tokens[1]), features, atol=1e-5, rtol=0)
+
+    last2 = model.forward_intermediates(x, indices=2, norm=True)
+    assert last2.indices == [2, 3] and last2.attentions is None
+    torch.testing.assert_close(last2.tokens[1], features, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="out of range"):
+        model.forward_intermediates(x, indices=[4])
+
+
+def test_iter_intermediates_yields_one_block_at_a_time_and_stops_early() -> None:
+    model = VisionTransformer(tiny_config(depth=4)).eval()
+    calls = []
+    for i, blk in enumerate(model.blocks):
+        blk.register_forward_hook(lambda *_, i=i: calls.append(i))
+    seen = [
+        (i, a.shape)
+        for i, _, a in model.iter_intermediates(torch.randn(1, 3, 16, 16), [0, 1], True)
+    ]
+    assert seen == [(0, (1, 4, 17, 17)), (1, (1, 4, 17, 17))]
+    assert calls == [0, 1]  # blocks 2 and 3 never ran
+
+
+def test_relative_offsets_share_embeddings() -> None:
+    model = VisionTransformer(tiny_config(pos_embed="relative", img_size=(12, 16)))
+    rel = model.blocks[0].attn.rel_pos
+    index = rel.index  # (T, T) with one class token, grid 3x4
+    assert index.shape == (13, 13)
+    gw = 4
+
+    def patch(r: int, c: int) -> int:
+        return 1 + r * gw + c
+
+    # the same offset (dy, dx) = (1, 1) anywhere in the grid uses the same embedding
+    assert index[patch(1, 1), patch(0, 0)] == index[patch(2, 3), patch(1, 2)]
+    assert index[patch(0, 0), patch(1, 1)] != index[patch(1, 1), patch(0, 0)]
+    assert len(set(index[1:, 0].tolist())) == 1 and len(set(index[0, 1:].tolist())) == 1
+    assert rel.table.shape == (5 * 7 + 3, 8)
+
+
+# --- parity with timm ----------------------------------------------------------------------------
+
+
+def from_timm(timm_model: torch.nn.Module, cfg: ViTConfig) -> VisionTransformer:
+    """Copy a timm VisionTransformer's weights (names differ only for the position table)."""
+    state = dict(timm_model.state_dict())
+    state["pos_embed.weight"] = state.pop("pos_embed")
+    model = VisionTransformer(cfg)
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+@pytest.mark.parametrize(
+    "pool,class_token",
+    [("token", True), ("gap", False), ("gap", True)],
+)
+def test_same_logits_as_timm_with_the_same_weights(pool: str, class_token: bool) -> None:
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    ref = timm.models.vision_transformer.VisionTransformer(
+        img_size=32,
+        patch_size=8,
+        embed_dim=64,
+        depth=3,
+        num_heads=4,
+        mlp_ratio=3.0,
+        num_classes=5,
+        class_token=class_token,
+        global_pool="token" if pool == "token" else "avg",
+        fc_norm=False,
+    ).eval()
+    torch.nn.init.normal_(ref.head.weight)
+    torch.nn.init.normal_(ref.head.bias)
+    cfg = ViTConfig(
+        img_size=32,
+        patch_size=8,
+        num_classes=5,
+        embed_dim=64,
+        depth=3,
+        num_heads=4,
+        mlp_dim=192,
+        class_token=class_token,
+        pool=pool,
+    )
+    model = from_timm(ref, cfg)
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            model.forward_features(x), ref.forward_features(x), atol=1e-5, rtol=0
+        )

@@ -1,0 +1,94 @@
+"""The cost calculator against hand-computed values, and the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vitlab.analysis.cost import cost_report, format_cost_report
+from vitlab.cli.main import main
+
+
+def test_cost_json_for_b16_at_224_matches_hand_computed_values(capsys) -> None:
+    assert main(["cost", "B/16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "vit_base_patch16_224"
+    assert report["img_size"] == [224, 224] and report["embed_dim"] == 768
+    # parameters by part: conv 3*16*16*768 + 768; 197 x 768 positions; 12 blocks of
+    # qkv (768*2304 + 2304) + proj (768*768 + 768) + fc1 (768*3072 + 3072) + fc2 (3072*768 + 768)
+    # + two LayerNorms (4 * 768); final norm 2 * 768; head 768 * 1000 + 1000
+    block = (768 * 2304 + 2304) + (768 * 768 + 768) + (768 * 3072 + 3072) + (3072 * 768 + 768)
+    block += 4 * 768
+    assert report["params"] == {
+        "patch_embed": 590_592,
+        "cls_token": 768,
+        "pos_embed": 151_296,
+        "blocks": 12 * block,
+        "norm": 1_536,
+        "pre_logits": 0,
+        "head": 769_000,
+        "total": 86_567_656,
+    }
+    layers = {r["patch_size"]: r for r in report["per_layer"]}
+    assert sorted(layers) == [4, 8, 14, 16, 28, 32, 56]
+    p16 = layers[16]
+    assert p16["tokens"] == 196
+    assert p16["attention_macs"] == 2 * 196**2 * 768 == 59_006_976
+    assert p16["linear_macs"] == 12 * 196 * 768**2 == 1_387_266_048
+    assert p16["attention_share"] == pytest.approx(59_006_976 / (59_006_976 + 1_387_266_048))
+    assert p16["attention_matrix_bytes"] == 12 * 197**2 * 4 == 1_862_832
+    p4 = layers[4]
+    assert p4["tokens"] == 56 * 56 and p4["attention_macs"] == 2 * 3136**2 * 768
+    assert report["crossover_tokens"] == 6 * 768 == 4608
+    assert report["forward_macs"] == pytest.approx(17.58e9, rel=2e-3)  # timm/fvcore: 17.58 G
+
+
+def test_cost_other_size_and_patch_list() -> None:
+    report = cost_report("B/16", img_size=384, patch_sizes=[16, 32])
+    assert report["params"]["total"] == 86_859_496
+    assert [r["tokens"] for r in report["per_layer"]] == [576, 144]
+    rect = cost_report("Ti/16", img_size=(224, 320), patch_sizes=[16])
+    assert rect["per_layer"][0]["tokens"] == 14 * 20
+    text = format_cost_report(report)
+    assert "86,859,496" in text and "4,608 tokens" in text and "attn share" in text
+
+
+def test_cost_rejects_bad_input(capsys) -> None:
+    assert main(["cost", "B/17"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'B/17'" in err and "B/16" in err
+    assert main(["cost", "B/16", "--img-size", "200"]) == 2
+    assert "not a multiple of patch_size 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["cost", "B/16", "--patch-sizes", "16,x"])
+    assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_models_command(capsys) -> None:
+    assert main(["models", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["vit_huge_patch14_224"]["params"] == 632_045_800
+    assert by_name["vit_base_patch16_224"]["aliases"] == ["B/16"]
+    assert main(["models", "vit_nano*"]) == 0
+    out = capsys.readouterr().out
+    assert "vit_nano_patch4_28" in out and "vit_base" not in out
+    assert main(["models", "nothing*"]) == 1
+
+
+@pytest.mark.parametrize("command", [[], ["models"], ["cost"]])
+def test_help_documents_every_option(command: list[str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "vitlab", *command, "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    expected = {(): ["models", "cost"], ("models",): ["--json", "pattern"]}.get(
+        tuple(command), ["--img-size", "--patch-sizes", "--json", "2 N^2 D"]
+    )
+    for word in expected:
+        assert word in out

@@ -1,0 +1,221 @@
+"""The model family: every registered model runs and trains, exact sizes, API behaviour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vitlab
+from tests.helpers import randomize_head, tiny_config
+from vitlab.models.vit import VisionTransformer
+
+# (name, exact parameter count with 1000 classes) from VIT_REFERENCE.md §2
+EXACT_PARAMS = [
+    ("Ti/16", 5_717_416),
+    ("S/16", 22_050_664),
+    ("B/16", 86_567_656),
+    ("B/32", 88_224_232),
+    ("L/16", 304_326_632),
+    ("L/32", 306_535_400),
+    ("H/14", 632_045_800),
+    ("vit_tiny_patch16_384", 5_790_376),
+    ("vit_small_patch16_384", 22_196_584),
+    ("vit_base_patch16_384", 86_859_496),
+    ("vit_large_patch16_384", 304_715_752),
+]
+
+
+@pytest.mark.parametrize("name", vitlab.list_models())
+def test_every_registered_model_runs_and_every_parameter_gets_a_gradient(name: str) -> None:
+    cfg = vitlab.get_config(name)
+    side = 2 * cfg.patch_size  # small inputs: a 2x2 patch grid
+    overrides: dict[str, object] = {"img_size": side}
+    with torch.device("meta"):
+        big = sum(p.numel() for p in VisionTransformer(cfg).parameters()) > 100_000_000
+    if big:  # keep width, heads and patch; two blocks are enough to exercise them
+        overrides["depth"] = 2
+    torch.manual_seed(0)
+    model = vitlab.create_model(name, **overrides)
+    randomize_head(model)
+    x = torch.randn(2, cfg.in_chans, side, side)
+    logits = model(x)
+    assert logits.shape == (2, cfg.num_classes)
+    assert torch.isfinite(logits).all()
+    logits.square().mean().backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None, f"{name}: {pname} got no gradient"
+        assert torch.isfinite(p.grad).all(), f"{name}: {pname} has a non-finite gradient"
+        assert p.grad.abs().sum() > 0, f"{name}: {pname} has an all-zero gradient"
+
+
+@pytest.mark.parametrize("name,expected", EXACT_PARAMS)
+def test_exact_parameter_counts_on_meta_device(name: str, expected: int) -> None:
+    with torch.device("meta"):
+        model = vitlab.create_model(name)
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == expected
+
+
+def test_aliases_and_unknown_names() -> None:
+    assert vitlab.get_config("B/16") == vitlab.get_config("vit_base_patch16_224")
+    assert vitlab.get_config("b/16") == vitlab.get_config("B/16")
+    with pytest.raises(vitlab.UnknownModelError) as err:
+        vitlab.create_model("vit_base_patch16_225")
+    msg = str(err.value)
+    assert "vit_base_patch16_225" in msg and "vit_base_patch16_224" in msg
+    assert set(vitlab.list_models("vit_base*")) == {
+        f"vit_base_patch{p}_{s}" for p in (8, 16, 32) for s in (224, 384)
+    }
+
+
+def test_config_overrides_are_strict() -> None:
+    with pytest.raises(vitlab.ConfigError, match="unknown key 'embed_dims'.*embed_dim"):
+        vitlab.create_model("Ti/16", embed_dims=10)
+    with pytest.raises(vitlab.ConfigError, match="depth: expected int, got '12'"):
+        vitlab.create_model("Ti/16", depth="12")
+    with pytest.raises(vitlab.ConfigError, match="pool"):
+        vitlab.create_model("Ti/16", pool="max")
+    with pytest.raises(vitlab.ConfigError, match="class_token"):
+        vitlab.create_model("Ti/16", class_token=False, pool="token")
+    with pytest.raises(vitlab.ConfigError, match="not a multiple of patch_size 16"):
+        vitlab.create_model("Ti/16", img_size=200)
+    with pytest.raises(vitlab.ConfigError, match="divisible by num_heads"):
+        vitlab.create_model("Ti/16", num_heads=5)
+    cfg = vitlab.get_config("Ti/16", img_size=[32, 48], dropout=0)
+    assert cfg.img_size == (32, 48) and isinstance(cfg.dropout, float)
+
+
+def test_input_errors_name_the_expected_and_received_sizes() -> None:
+    model = VisionTransformer(tiny_config())
+    with pytest.raises(ValueError, match="expected images of size 16x16, got 20x20"):
+        model(torch.randn(1, 3, 20, 20))
+    with pytest.raises(ValueError, match="multiples of the patch size 4: got 18x16"):
+        model(torch.randn(1, 3, 18, 16))
+    with pytest.raises(ValueError, match="expected images with 3 channels, got 1"):
+        model(torch.randn(1, 1, 16, 16))
+    with pytest.raises(ValueError, match=r"shape \(B, 3, 16, 16\).*\(3, 16, 16\)"):
+        model(torch.randn(3, 16, 16))
+
+
+@pytest.mark.parametrize("in_chans,size", [(1, (16, 16)), (5, (16, 24)), (3, (24, 8))])
+def test_any_channel_count_and_rectangular_images(in_chans: int, size: tuple[int, int]) -> None:
+    model = VisionTransformer(tiny_config(in_chans=in_chans, img_size=size))
+    tokens = model.forward_features(torch.randn(2, in_chans, *size))
+    n = (size[0] // 4) * (size[1] // 4)
+    assert tokens.shape == (2, 1 + n, 32)
+    assert model.config.grid == (size[0] // 4, size[1] // 4)
+
+
+def test_init_follows_the_jax_reference() -> None:
+    torch.manual_seed(0)
+    model = vitlab.create_model("B/16", depth=2)
+    d = 768
+    assert torch.count_nonzero(model.cls_token) == 0
+    assert torch.count_nonzero(model.head.weight) == 0 and torch.count_nonzero(model.head.bias) == 0
+    assert abs(model.pos_embed.weight.std().item() - 0.02) < 1e-3
+    blk = model.blocks[0]
+    assert (
+        torch.count_nonzero(blk.attn.qkv.bias) == 0 and torch.count_nonzero(blk.attn.proj.bias) == 0
+    )
+    assert 0 < blk.mlp.fc1.bias.abs().max() < 1e-5
+    # Xavier-uniform with q, k and v each a D x D matrix: bound sqrt(6 / 2D)
+    bound = (6 / (2 * d)) ** 0.5
+    assert blk.attn.qkv.weight.abs().max() <= bound
+    assert abs(blk.attn.qkv.weight.std().item() - bound / 3**0.5) < 1e-3
+    fc1_bound = (6 / (d + 3072)) ** 0.5
+    assert abs(blk.mlp.fc1.weight.std().item() - fc1_bound / 3**0.5) < 1e-3
+    # LeCun normal on the patch conv: std sqrt(1 / fan_in), fan_in = 3 * 16 * 16
+    w = model.patch_embed.proj.weight
+    assert abs(w.std().item() - (1 / 768) ** 0.5) < 2e-3
+    assert torch.count_nonzero(model.patch_embed.proj.bias) == 0
+
+
+def test_pre_logits_head_and_reset_classifier() -> None:
+    model = VisionTransformer(tiny_config(representation_size=48))
+    x = torch.randn(3, 3, 16, 16)
+    feats = model.forward_head(model.forward_features(x), pre_logits=True)
+    assert feats.shape == (3, 48)
+    assert feats.abs().max() <= 1.0  # tanh
+    model.reset_classifier(11)
+    assert model.config.num_classes == 11
+    assert model(x).shape == (3, 11)
+    assert torch.count_nonzero(model.head.weight) == 0
+    model.reset_classifier(0)
+    assert model(x).shape == (3, 48)
+
+
+def test_gap_pool_is_mean_of_normed_patch_tokens() -> None:
+    for class_token in (True, False):
+        model = VisionTransformer(tiny_config(pool="gap", class_token=class_token))
+        tokens = model.forward_features(torch.randn(2, 3, 16, 16))
+        assert tokens.shape[1] == 16 + int(class_token)
+        pooled = model.forward_head(tokens, pre_logits=True)
+        torch.testing.assert_close(pooled, tokens[:, int(class_token) :].mean(1))
+
+
+def test_gelu_tanh_activation() -> None:
+    model = VisionTransformer(tiny_config(act="gelu_tanh"))
+    assert model.blocks[0].mlp.act.approximate == "tanh"
+    assert VisionTransformer(tiny_config()).blocks[0].mlp.act.approximate == "none"
+
+
+def test_drop_path_rates_rise_linearly_and_only_act_in_training() -> None:
+    model = VisionTransformer(tiny_config(depth=5, drop_path=0.4, dropout=0.1))
+    rates = [blk.drop_path1.p for blk in model.blocks]
+    assert rates == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+    x = torch.randn(4, 3, 16, 16)
+    model.eval()
+    torch.testing.assert_close(model.forward_features(x), model.forward_features(x))
+    model.train()
+    assert not torch.allclose(model.forward_features(x), model.forward_features(x))
+
+
+def test_grad_checkpointing_gives_same_outputs_and_gradients() -> None:
+    torch.manual_seed(0)
+    model = VisionTransformer(tiny_config(depth=3, dropout=0.1, drop_path=0.2, attn_dropout=0.1))
+    randomize_head(model)
+    x = torch.randn(4, 3, 16, 16)
+
+    def run(ckpt: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        model.set_grad_checkpointing(ckpt)
+        torch.manual_seed(123)
+        out = model(x)
+        out.sum().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    out_plain, grads_plain = run(False)
+    out_ckpt, grads_ckpt = run(True)
+    torch.testing.assert_close(out_ckpt, out_plain)
+    for a, b in zip(grads_ckpt, grads_plain, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_no_weight_decay_names() -> None:
+    model = VisionTransformer(tiny_config(representation_size=16))
+    names = model.no_weight_decay()
+    params = dict(model.named_parameters())
+    assert {"cls_token", "pos_embed.weight", "norm.weight", "norm.bias", "head.bias"} <= names
+    assert "blocks.0.attn.qkv.bias" in names and "blocks.1.norm2.weight" in names
+    decayed = set(params) - names
+    assert decayed == {n for n, p in params.items() if p.ndim >= 2 and n not in names}
+    assert {"blocks.0.attn.qkv.weight", "head.weight", "patch_embed.proj.weight"} <= decayed
+    rel = VisionTransformer(tiny_config(pos_embed="relative"))
+    assert "blocks.0.attn.rel_pos.table" in rel.no_weight_decay()
+    two_d = VisionTransformer(tiny_config(pos_embed="learned_2d"))
+    assert {"pos_embed.x_embed", "pos_embed.y_embed", "pos_embed.prefix"} <= two_d.no_weight_decay()
+
+
+def test_zero_head_blocks_gradients_so_tests_randomize_it() -> None:
+    """Guards the gradient and parity tests: with the zero-initialised head, logits and all
+    gradients before the head are zero, so those tests re-initialise it."""
+    model = VisionTransformer(tiny_config())
+    x = torch.randn(2, 3, 16, 16)
+    out = model(x)
+    assert torch.count_nonzero(out) == 0
+    out.square().sum().backward()
+    assert model.blocks[0].mlp.fc1.weight.grad.abs().sum() == 0
+    model.zero_grad()
+    randomize_head(model)
+    model(x).square().sum().backward()
+    assert model.blocks[0].mlp.fc1.weight.grad.abs().sum() > 0
