@@ -12,6 +12,7 @@ import difflib
 import types
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -124,3 +125,212 @@ def to_dict(obj: Any) -> dict[str, Any]:
         return v
 
     return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+# --- run configuration (vitlab train): YAML file + dotted key=value overrides --------------------
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as YAML reads it: '0.1' -> 0.1, 'true' -> True, '[1, 2]' -> [1, 2],
+    'null' -> None; anything else stays a string."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):  # YAML 1.1 reads '1e-3' as a string
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
+    """Apply 'section.key=value' strings to a nested dict (a copy); a malformed item is an error."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"expected an override like optim.lr=0.001, got {item!r}")
+        section, dot, field = key.partition(".")
+        if not dot or not field or "." in field:
+            raise ConfigError(f"override keys are section.key (e.g. train.epochs), got {key!r}")
+        node = out.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{section!r} is not a config section")
+        node[field] = parse_value(value)
+    return out
+
+
+@dataclass
+class ModelSection:
+    """`model.name` (a registered name or alias) plus any ViTConfig field as an override."""
+
+    name: str = "vit_nano_patch4_28"
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def vit_config(self):  # -> ViTConfig (imported lazily: models import this module)
+        from vitlab.models.registry import get_config
+
+        return get_config(self.name, **self.overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **self.overrides}
+
+
+@dataclass
+class DataConfig:
+    """Dataset and augmentation. Every augmentation is off at 0 / False."""
+
+    name: str = "digits"  # digits | fashion-mnist | cifar10 | cifar100 | imagefolder:PATH
+    dir: str | None = None  # where the files are (searched first)
+    val_fraction: float = 0.1  # carved from train, seeded by split_seed
+    split_seed: int = 0
+    crop_padding: int = 0  # random crop with this zero padding
+    random_resized_crop: bool = False
+    crop_scale: tuple[float, float] = (0.08, 1.0)  # random resized crop's area range
+    hflip: float = 0.0  # probability of a horizontal flip
+    randaugment_ops: int = 0  # RandAugment: ops per image (0: off)
+    randaugment_magnitude: int = 9
+    random_erasing: float = 0.0  # probability per image
+    mixup: float = 0.0  # mixup alpha (0: off)
+    cutmix: float = 0.0  # cutmix alpha (0: off)
+    normalize: bool = True  # subtract the dataset's mean, divide by its std
+    workers: int = 2  # DataLoader workers for streamed (image-folder) data
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        for name in ("hflip", "random_erasing"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"data.{name} is a probability, got {getattr(self, name)}")
+        if min(self.mixup, self.cutmix, self.crop_padding, self.randaugment_ops, self.workers) < 0:
+            raise ConfigError("data.mixup, cutmix, crop_padding, randaugment_ops, workers are >= 0")
+
+
+@dataclass
+class OptimConfig:
+    """Optimiser, schedule and loss."""
+
+    name: typing.Literal["adamw", "sgd"] = "adamw"
+    lr: float = 1e-3  # peak learning rate, reached after warm-up
+    weight_decay: float = 0.05  # decoupled; never on biases, norms, positions, class token
+    betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = 0.9  # sgd
+    schedule: typing.Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_epochs: float = 0.0
+    min_lr: float = 0.0
+    clip_grad: float | None = 1.0  # global gradient norm; null: no clipping
+    label_smoothing: float = 0.0
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.lr <= 0 or self.weight_decay < 0 or self.min_lr < 0 or self.warmup_epochs < 0:
+            raise ConfigError("optim.lr must be > 0; weight_decay, min_lr, warmup_epochs >= 0")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(
+                f"optim.label_smoothing must be in [0, 1), got {self.label_smoothing}"
+            )
+
+
+@dataclass
+class TrainConfig:
+    """The loop: length, batch, precision, devices."""
+
+    epochs: int = 20
+    batch_size: int = 128  # global batch (split across ranks), before accumulation
+    accum_steps: int = 1  # gradient accumulation: optimizer step every N batches
+    seed: int = 0
+    ema: float | None = None  # decay of an exponential moving average of the weights
+    precision: typing.Literal["auto", "fp32", "bf16"] = "auto"
+    compile: bool = False  # torch.compile the model
+    grad_checkpointing: bool = False
+    strategy: typing.Literal["ddp", "fsdp"] = "ddp"  # under torchrun
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int | None = None  # CPU threads (default: torch's)
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.epochs < 1 or self.batch_size < 1 or self.accum_steps < 1:
+            raise ConfigError("train.epochs, batch_size and accum_steps must be >= 1")
+        if self.ema is not None and not 0.0 < self.ema < 1.0:
+            raise ConfigError(f"train.ema is a decay in (0, 1), got {self.ema}")
+
+
+@dataclass
+class FinetuneConfig:
+    """Start from another run's or checkpoint's weights (`finetune.from=RUN_OR_CKPT`)."""
+
+    from_: str | None = None
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
+
+    SECTIONS: typing.ClassVar[dict[str, type]] = {
+        "data": DataConfig,
+        "optim": OptimConfig,
+        "train": TrainConfig,
+        "finetune": FinetuneConfig,
+    }
+
+    @classmethod
+    def from_tree(cls, tree: Mapping[str, Any]) -> RunConfig:
+        """Build from nested dicts (YAML), refusing unknown sections, keys and wrong types; the
+        model section is checked against the registry and ViTConfig."""
+        known = ["model", *cls.SECTIONS]
+        for section, body in tree.items():
+            if section not in known:
+                close = difflib.get_close_matches(section, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"unknown config section {section!r}{hint} (sections: {known})")
+            if body is not None and not isinstance(body, Mapping):
+                raise ConfigError(f"config section {section!r} must be a mapping, got {body!r}")
+        model_tree = dict(tree.get("model") or {})
+        name = model_tree.pop("name", ModelSection.name)
+        if not isinstance(name, str):
+            raise ConfigError(f"model.name: expected a model name, got {name!r}")
+        model = ModelSection(name, model_tree)
+        model.vit_config()  # unknown model, key or type: fail now, naming it
+        kwargs: dict[str, Any] = {"model": model}
+        for section, klass in cls.SECTIONS.items():
+            body = {
+                (k + "_" if k == "from" else k): v for k, v in (tree.get(section) or {}).items()
+            }
+            check_keys(klass, body.keys(), where=f"section {section!r}")
+            kwargs[section] = klass(**body)
+        return cls(**kwargs)
+
+    def to_tree(self) -> dict[str, Any]:
+        """Nested plain dicts, as written to config.yaml (round-trips through from_tree)."""
+        tree: dict[str, Any] = {"model": self.model.to_dict()}
+        for section in self.SECTIONS:
+            body = to_dict(getattr(self, section))
+            tree[section] = {k.rstrip("_"): v for k, v in body.items()}
+        return tree
+
+
+def load_run_config(path: str | None = None, overrides: typing.Iterable[str] = ()) -> RunConfig:
+    """A RunConfig from an optional YAML file plus 'section.key=value' overrides."""
+    import yaml
+
+    tree: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path) as f:
+                tree = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return RunConfig.from_tree(apply_overrides(tree, overrides))

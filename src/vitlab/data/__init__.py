@@ -1,0 +1,26 @@
+"""Datasets by name, augmentation and loaders."""
+
+from vitlab.data.datasets import (
+    ArraySplit,
+    DatasetError,
+    DatasetInfo,
+    FolderSplit,
+    dataset_info,
+    load_split,
+    train_val_split,
+)
+from vitlab.data.loader import make_loader
+from vitlab.data.transforms import BatchAugment, Preprocessing
+
+__all__ = [
+    "ArraySplit",
+    "BatchAugment",
+    "DatasetError",
+    "DatasetInfo",
+    "FolderSplit",
+    "Preprocessing",
+    "dataset_info",
+    "load_split",
+    "make_loader",
+    "train_val_split",
+]

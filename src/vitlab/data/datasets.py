@@ -1,0 +1,353 @@
+"""Datasets by name. Small ones load into memory as uint8 tensors (N, C, H, W); image folders are
+listed, checked, and streamed from disk.
+
+    digits          scikit-learn's bundled 8x8 digits (1,797 images); test = a seeded 20%
+    fashion-mnist   60k / 10k 28x28 greyscale, IDX gz files (located or downloaded, SHA-256 checked)
+    cifar10/100     the python-version archive (tar.gz or extracted folder)
+    imagefolder:P   one sub-folder per class; P/train + P/test (or P/val) when present
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import pickle
+import struct
+import tarfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from vitlab.data.download import FASHION_SHA256, find_or_fetch_fashion_mnist
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
+
+FASHION_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be found or read."""
+
+
+@dataclass
+class ArraySplit:
+    """One split held in memory."""
+
+    images: Tensor  # (N, C, H, W) uint8
+    labels: Tensor  # (N,) int64
+    classes: list[str]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def subset(self, index: Tensor) -> ArraySplit:
+        return ArraySplit(self.images[index], self.labels[index], self.classes)
+
+
+@dataclass
+class FolderSplit:
+    """One split of an image folder: file paths and labels, read on demand."""
+
+    files: list[Path]
+    labels: Tensor  # (N,) int64
+    classes: list[str]
+    skipped: list[Path] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def subset(self, index: Tensor) -> FolderSplit:
+        return FolderSplit(
+            [self.files[i] for i in index.tolist()], self.labels[index], self.classes
+        )
+
+
+Split = ArraySplit | FolderSplit
+
+
+@dataclass
+class DatasetInfo:
+    """What the model and the preprocessing need to know about a dataset."""
+
+    name: str
+    classes: list[str]
+    in_chans: int
+    image_size: tuple[int, int] | None  # native size; None for folders of mixed sizes
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+# (mean, std) per channel in [0, 1] units
+STATS = {
+    "digits": ((0.3061,), (0.3954,)),
+    "fashion-mnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # ImageNet statistics
+}
+
+
+def _seeded_split(n: int, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
+    """(kept, carved) index tensors: a seeded `fraction` of range(n) carved out."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    k = int(round(n * fraction))
+    return perm[k:].sort().values, perm[:k].sort().values
+
+
+# --- digits ---------------------------------------------------------------------------------------
+
+
+def load_digits_split(split: str) -> ArraySplit:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    images = torch.from_numpy(np.rint(data.images * (255.0 / 16.0)).astype(np.uint8))[:, None]
+    full = ArraySplit(images, torch.from_numpy(data.target).long(), [str(i) for i in range(10)])
+    train, test = _seeded_split(len(full), 0.2, seed=1797)  # fixed: test never moves
+    return full.subset(test if split == "test" else train)
+
+
+# --- IDX (MNIST family) ---------------------------------------------------------------------------
+
+
+def read_idx(path: Path, sha256: str | None = None) -> np.ndarray:
+    """Read an IDX file (optionally gzipped): magic 0x0000 08 NDIM, NDIM big-endian int32 sizes,
+    then uint8 data. With `sha256`, the (decompressed) bytes must have that digest."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:
+        raise DatasetError(f"cannot read IDX file {path}: {e}") from None
+    if sha256 and hashlib.sha256(raw).hexdigest() != sha256:
+        raise DatasetError(f"{path} is corrupt: its SHA-256 does not match the published data")
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise DatasetError(f"{path} is not an IDX file of unsigned bytes (bad magic number)")
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DatasetError(f"{path} is truncated: no room for its {ndim} sizes")
+    shape = struct.unpack(f">{ndim}i", raw[4:header])
+    count = int(np.prod(shape))
+    if len(raw) - header != count:
+        raise DatasetError(
+            f"{path} is truncated or padded: header says {shape} = {count} bytes, "
+            f"file holds {len(raw) - header}"
+        )
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def load_fashion_mnist_split(split: str, data_dir: str | None) -> ArraySplit:
+    files = find_or_fetch_fashion_mnist(data_dir)
+    prefix = "t10k" if split == "test" else "train"
+    images_name, labels_name = f"{prefix}-images-idx3-ubyte.gz", f"{prefix}-labels-idx1-ubyte.gz"
+    images = read_idx(files[images_name], FASHION_SHA256[images_name])
+    labels = read_idx(files[labels_name], FASHION_SHA256[labels_name])
+    if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+        raise DatasetError(
+            f"Fashion-MNIST {prefix} files disagree: images {images.shape}, labels {labels.shape}"
+        )
+    return ArraySplit(
+        torch.from_numpy(images.copy())[:, None],
+        torch.from_numpy(labels.astype(np.int64)),
+        list(FASHION_CLASSES),
+    )
+
+
+# --- CIFAR ----------------------------------------------------------------------------------------
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """CIFAR's python archive is pickles by definition; allow only what those hold (dicts, lists,
+    bytes and numpy arrays), never arbitrary callables."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise DatasetError(f"refusing to unpickle {module}.{name}: not part of a CIFAR batch")
+
+
+def _load_cifar_batch(raw: bytes, where: str) -> dict:
+    try:
+        batch = _ArrayUnpickler(io.BytesIO(raw), encoding="bytes").load()
+    except DatasetError:
+        raise
+    except Exception as e:
+        raise DatasetError(f"{where} is not a readable CIFAR batch: {e}") from None
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
+
+
+def _cifar_members(root: Path, names: list[str]) -> dict[str, bytes]:
+    """Read the named batch files from an extracted folder or a .tar.gz archive under root."""
+    for folder in (root, *sorted(p for p in root.glob("cifar-*-python") if p.is_dir())):
+        if all((folder / n).is_file() for n in names):
+            return {n: (folder / n).read_bytes() for n in names}
+    for archive in sorted(root.glob("cifar-*python.tar.gz")) + sorted(root.glob("*.tar.gz")):
+        try:
+            with tarfile.open(archive, "r:gz") as tar:
+                found = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
+                if all(n in found for n in names):
+                    return {n: tar.extractfile(found[n]).read() for n in names}
+        except (tarfile.TarError, OSError, EOFError) as e:
+            raise DatasetError(f"cannot read archive {archive}: {e}") from None
+    raise DatasetError(
+        f"CIFAR files {names} not found under {root}: put the python-version archive "
+        f"(cifar-10-python.tar.gz or cifar-100-python.tar.gz) or its extracted folder there"
+    )
+
+
+def load_cifar_split(name: str, split: str, data_dir: str | None) -> ArraySplit:
+    root = Path(data_dir or os.environ.get("VITLAB_DATA") or Path.home() / ".cache" / "vitlab")
+    if name == "cifar10":
+        names = ["test_batch"] if split == "test" else [f"data_batch_{i}" for i in range(1, 6)]
+        members = _cifar_members(root, [*names, "batches.meta"])
+        classes = [
+            c.decode()
+            for c in _load_cifar_batch(members["batches.meta"], "batches.meta")["label_names"]
+        ]
+        label_key = "labels"
+    else:
+        names = ["test" if split == "test" else "train"]
+        members = _cifar_members(root, [*names, "meta"])
+        meta = _load_cifar_batch(members["meta"], "meta")
+        classes = [c.decode() for c in meta["fine_label_names"]]
+        label_key = "fine_labels"
+    images, labels = [], []
+    for n in names:
+        batch = _load_cifar_batch(members[n], n)
+        data = np.asarray(batch["data"], dtype=np.uint8)
+        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+            raise DatasetError(f"CIFAR batch {n}: expected (N, 3072) bytes, got {data.shape}")
+        images.append(data.reshape(-1, 3, 32, 32))
+        labels.append(np.asarray(batch[label_key], dtype=np.int64))
+    return ArraySplit(
+        torch.from_numpy(np.concatenate(images)),
+        torch.from_numpy(np.concatenate(labels)),
+        classes,
+    )
+
+
+# --- image folders --------------------------------------------------------------------------------
+
+
+def _check_image(path: Path) -> str | None:
+    """None when PIL can decode the file, else why not."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im.verify()
+        return None
+    except Exception as e:  # PIL raises many kinds for bad files
+        return f"{type(e).__name__}: {e}"
+
+
+def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSplit:
+    """Files of root/CLASS/*; unreadable and non-image files are skipped with a warning each."""
+    if not root.is_dir():
+        raise DatasetError(f"image folder {root} does not exist")
+    found = sorted(p.name for p in root.iterdir() if p.is_dir())
+    classes = classes or found
+    if not classes:
+        raise DatasetError(f"image folder {root} has no class sub-folders (expected root/CLASS/*)")
+    files, labels, skipped = [], [], []
+    for label, cls in enumerate(classes):
+        folder = root / cls
+        if not folder.is_dir():
+            continue
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            why = (
+                "not an image file"
+                if path.suffix.lower() not in IMAGE_SUFFIXES
+                else _check_image(path)
+            )
+            if why:
+                warnings.warn(f"skipping {path}: {why}", stacklevel=2)
+                skipped.append(path)
+                continue
+            files.append(path)
+            labels.append(label)
+    if skipped:
+        warnings.warn(
+            f"skipped {len(skipped)} unreadable or non-image files in {root}", stacklevel=2
+        )
+    if not files:
+        raise DatasetError(f"image folder {root} holds no readable images")
+    return FolderSplit(files, torch.tensor(labels, dtype=torch.long), list(classes), skipped)
+
+
+def load_folder_split(root: Path, split: str, seed: int) -> FolderSplit:
+    train_dir = root / "train"
+    if train_dir.is_dir():
+        classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
+        if split != "test":
+            return scan_image_folder(train_dir, classes)
+        for name in ("test", "val"):
+            if (root / name).is_dir():
+                return scan_image_folder(root / name, classes)
+        raise DatasetError(f"{root} has train/ but neither test/ nor val/ for the test split")
+    full = scan_image_folder(root)
+    train, test = _seeded_split(len(full), 0.2, seed)
+    return full.subset(test if split == "test" else train)
+
+
+# --- by name --------------------------------------------------------------------------------------
+
+NAMES = ("digits", "fashion-mnist", "cifar10", "cifar100", "imagefolder:PATH")
+
+
+def load_split(name: str, split: str, data_dir: str | None = None, seed: int = 0) -> Split:
+    """The 'train' or 'test' split of a dataset by name."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if name == "digits":
+        return load_digits_split(split)
+    if name == "fashion-mnist":
+        return load_fashion_mnist_split(split, data_dir)
+    if name in ("cifar10", "cifar100"):
+        return load_cifar_split(name, split, data_dir)
+    if name.startswith("imagefolder:"):
+        return load_folder_split(Path(name.split(":", 1)[1]).expanduser(), split, seed)
+    raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(NAMES)}")
+
+
+def dataset_info(name: str, split: Split) -> DatasetInfo:
+    key = "imagefolder" if name.startswith("imagefolder:") else name
+    mean, std = STATS[key]
+    if isinstance(split, ArraySplit):
+        chans, size = split.images.shape[1], tuple(split.images.shape[2:])
+    else:
+        chans, size = 3, None
+    return DatasetInfo(name, split.classes, chans, size, mean, std)
+
+
+def train_val_split(train: Split, fraction: float, seed: int) -> tuple[Split, Split | None]:
+    """Carve a seeded validation set out of train (none when fraction is 0)."""
+    if fraction <= 0:
+        return train, None
+    kept, carved = _seeded_split(len(train), fraction, seed)
+    return train.subset(kept), train.subset(carved)

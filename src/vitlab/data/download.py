@@ -1,0 +1,115 @@
+"""Finding dataset files on disk, and fetching them (with SHA-256 checks) when they are missing."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+FASHION_MIRROR = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
+# SHA-256 of the decompressed IDX payloads: the same whichever gzip wrote the .gz (Debian's
+# dataset-fashion-mnist package recompresses the official files, so their .gz bytes differ).
+FASHION_SHA256 = {
+    name: digest
+    for name, digest in (
+        (
+            "train-images-idx3-ubyte.gz",
+            "c59f468a2f672dc815687fe0f83887768d799fd8a3f3276145d20f83aa44d888",
+        ),
+        (
+            "train-labels-idx1-ubyte.gz",
+            "bad3541b69d912435c50bb6ba87bec294ff4f6a2e1246121d8633921760443d9",
+        ),
+        (
+            "t10k-images-idx3-ubyte.gz",
+            "5b4141f0afbad91edebe8549f8fcffe087ea10ca49f1dbef5c9a5cd8815ce37b",
+        ),
+        (
+            "t10k-labels-idx1-ubyte.gz",
+            "0402a96d92fd2663957122ceb108a494c5af83dab82d92729df917d7dec38c34",
+        ),
+    )
+}
+DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+
+def cache_dir() -> Path:
+    return Path.home() / ".cache" / "vitlab"
+
+
+def fashion_mnist_candidates(data_dir: str | None) -> list[Path]:
+    """Where Fashion-MNIST is looked for, in order: data.dir, $VITLAB_DATA, Debian's package
+    folder, ~/.cache/vitlab (each also with a fashion-mnist/ sub-folder)."""
+    roots = [Path(p).expanduser() for p in (data_dir, os.environ.get("VITLAB_DATA")) if p]
+    roots += [DEBIAN_DIR, cache_dir()]
+    out: list[Path] = []
+    for root in roots:
+        for folder in (root, root / "fashion-mnist"):
+            if folder not in out:
+                out.append(folder)
+    return out
+
+
+def payload_sha256(path: Path) -> str:
+    with gzip.open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def find_fashion_mnist(data_dir: str | None) -> dict[str, Path] | None:
+    for folder in fashion_mnist_candidates(data_dir):
+        files = {name: folder / name for name in FASHION_SHA256}
+        if all(p.is_file() for p in files.values()):
+            return files
+    return None
+
+
+def _fetch(url: str, dest: Path, expected_sha256: str) -> None:
+    """Download url to dest atomically, checking the decompressed payload's SHA-256."""
+    from tqdm import tqdm
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp, os.fdopen(fd, "wb") as out:
+            total = int(resp.headers.get("Content-Length") or 0) or None
+            with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name) as bar:
+                while chunk := resp.read(1 << 20):
+                    out.write(chunk)
+                    bar.update(len(chunk))
+            out.flush()
+            os.fsync(out.fileno())
+        digest = payload_sha256(Path(tmp))
+        if digest != expected_sha256:
+            raise OSError(f"{url}: SHA-256 {digest} does not match the expected {expected_sha256}")
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def find_or_fetch_fashion_mnist(data_dir: str | None) -> dict[str, Path]:
+    """The four Fashion-MNIST files, found on disk or downloaded into ~/.cache/vitlab/fashion-mnist
+    (or data.dir when given); offline and missing, a DatasetError naming both ways to get them."""
+    from vitlab.data.datasets import DatasetError
+
+    found = find_fashion_mnist(data_dir)
+    if found:
+        return found
+    target = (Path(data_dir).expanduser() if data_dir else cache_dir()) / "fashion-mnist"
+    try:
+        for name, sha in FASHION_SHA256.items():
+            if not (target / name).is_file():
+                _fetch(FASHION_MIRROR + name, target / name, sha)
+    except (OSError, urllib.error.URLError) as e:
+        looked = ", ".join(str(p) for p in fashion_mnist_candidates(data_dir))
+        raise DatasetError(
+            f"Fashion-MNIST not found (looked in {looked}) and the download from {FASHION_MIRROR} "
+            f"failed ({e}). Get it either way: `apt-get install dataset-fashion-mnist` (Debian, "
+            f"files in {DEBIAN_DIR}), or download the four *-ubyte.gz files from {FASHION_MIRROR} "
+            f"into {target} (or a folder named by data.dir= or $VITLAB_DATA)."
+        ) from None
+    return {name: target / name for name in FASHION_SHA256}
