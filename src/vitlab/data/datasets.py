@@ -203,7 +203,7 @@ def _load_cifar_batch(raw: bytes, where: str) -> dict:
 
 def _cifar_members(root: Path, names: list[str]) -> dict[str, bytes]:
     """Read the named batch files from an extracted folder or a .tar.gz archive under root."""
-    for folder in (root, *sorted(p for p in root.glob("cifar-*-python") if p.is_dir())):
+    for folder in (root, *sorted(p for p in root.glob("cifar-*") if p.is_dir())):
         if all((folder / n).is_file() for n in names):
             return {n: (folder / n).read_bytes() for n in names}
     for archive in sorted(root.glob("cifar-*python.tar.gz")) + sorted(root.glob("*.tar.gz")):

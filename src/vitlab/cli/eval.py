@@ -1,0 +1,56 @@
+"""`vitlab eval`: metrics of a checkpoint on a dataset split."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="top-1/top-5, per-class accuracy, loss and confusion matrix of a checkpoint",
+        description="Evaluate RUN_OR_CKPT (a run folder: its best checkpoint; a checkpoint folder; "
+        "or a .safetensors file) on a dataset split. Prints top-1, top-5, loss, per-class accuracy "
+        "and the confusion matrix, and saves the confusion matrix as a PNG.",
+    )
+    p.add_argument("checkpoint", metavar="RUN_OR_CKPT")
+    p.add_argument("--data", help="dataset name (default: the run's data.name, else digits)")
+    p.add_argument("--data-dir", help="where the dataset's files are (default: the run's data.dir)")
+    p.add_argument(
+        "--split",
+        choices=["test", "val"],
+        default="test",
+        help="test split (default), or the run's validation split carved from train",
+    )
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="where to save confusion_matrix.png (default: the run folder, else the current one)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vitlab.eval.run import evaluate_checkpoint
+
+    report = evaluate_checkpoint(
+        args.checkpoint,
+        data=args.data,
+        data_dir=args.data_dir,
+        split=args.split,
+        batch_size=args.batch_size,
+        device=args.device,
+        out=args.out,
+    )
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        from vitlab.eval.run import format_report
+
+        print(format_report(report))
+    return 0

@@ -1,0 +1,35 @@
+"""`vitlab predict`: top classes for image files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "predict",
+        help="top classes with probabilities for image files",
+        description="Classify image files (any format PIL reads, any size or mode) with "
+        "RUN_OR_CKPT; each image is converted and resized as the checkpoint's preprocessing says.",
+    )
+    p.add_argument("checkpoint", metavar="RUN_OR_CKPT")
+    p.add_argument("images", nargs="+", metavar="IMAGE")
+    p.add_argument("--topk", type=int, default=5, help="classes to show per image (default 5)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per image")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vitlab.eval.run import predict_files
+
+    results = predict_files(args.checkpoint, args.images, topk=args.topk, device=args.device)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    for r in results:
+        print(r["image"])
+        for p in r["top"]:
+            print(f"  {100 * p['probability']:6.2f}%  {p['class']}")
+    return 0

@@ -1,0 +1,62 @@
+"""`vitlab train`: parse the config and overrides, then call vitlab.train.run.train."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vitlab.config import load_run_config
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train or fine-tune a ViT on a dataset",
+        description="Train a ViT from scratch or fine-tune one. Settings come from the defaults "
+        "(digits, vit_nano_patch4_28), then --config FILE.yaml, then key=value overrides with "
+        "dotted keys: model.* (name and any ViTConfig field), data.* (name: digits | fashion-mnist "
+        "| cifar10 | cifar100 | imagefolder:PATH, dir, val_fraction, crop_padding, "
+        "random_resized_crop, hflip, randaugment_ops, random_erasing, mixup, cutmix, ...), optim.* "
+        "(name adamw | sgd, lr, weight_decay, schedule cosine | linear | constant, warmup_epochs, "
+        "clip_grad, label_smoothing, ...), train.* (epochs, batch_size, accum_steps, seed, ema, "
+        "precision auto | fp32 | bf16, compile, grad_checkpointing, strategy ddp | fsdp, device), "
+        "finetune.from=RUN_OR_CKPT. Unknown keys and wrong types are errors. Under torchrun "
+        "(`torchrun --nproc_per_node=N -m vitlab train ...`) it trains with DDP or FSDP.",
+        epilog="Presets: configs/*.yaml. Example: vitlab train --config configs/fashion-mnist-quick"
+        ".yaml train.epochs=5 optim.lr=0.002",
+    )
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML file with model/data/optim/train")
+    p.add_argument("--out", type=Path, help="run folder (default: runs/DATASET-DATE-TIME)")
+    p.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="continue the run in DIR exactly where it stopped (only train.epochs may change)",
+    )
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=0.001")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vitlab.train.engine import NonFiniteLoss
+    from vitlab.train.run import TrainingStopped, resume_config, train
+
+    if args.resume is not None:
+        if args.config or args.out:
+            raise ValueError(
+                "--resume takes its config and folder from the run; drop --config/--out"
+            )
+        cfg = resume_config(args.resume, args.overrides)
+    else:
+        cfg = load_run_config(args.config, args.overrides)
+    try:
+        out = train(cfg, out=args.out, resume=args.resume)
+    except TrainingStopped as e:
+        print(f"vitlab train: {e}", file=sys.stderr)
+        return 130
+    except NonFiniteLoss as e:
+        print(f"vitlab train: error: {e}", file=sys.stderr)
+        return 3
+    print(out)
+    return 0

@@ -1,0 +1,100 @@
+"""Classification metrics: loss, top-1, top-5, per-class accuracy and the confusion matrix,
+summed over all ranks under torchrun."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from vitlab.train.distributed import Dist
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, Tensor]],
+    num_classes: int,
+    device: torch.device,
+    autocast: AbstractContextManager | None = None,
+    d: Dist | None = None,
+) -> dict:
+    """Metrics of `model` over every batch: {"loss", "top1", "top5", "per_class", "confusion",
+    "num_images"} (accuracies in [0, 1]; per_class is a list; confusion[true][predicted])."""
+    was_training = model.training
+    model.eval()
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, top-5 hits, images
+    k = min(5, num_classes)
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast or nullcontext():
+            logits = model(x)
+        logits = logits.float()
+        totals[0] += nn.functional.cross_entropy(logits, y, reduction="sum")
+        totals[1] += (logits.topk(k, dim=1).indices == y[:, None]).any(dim=1).sum()
+        totals[2] += len(y)
+        pred = logits.argmax(dim=1)
+        confusion.index_put_((y, pred), torch.ones_like(y, dtype=torch.float64), accumulate=True)
+    if d is not None and d.enabled:
+        dist.all_reduce(confusion)
+        dist.all_reduce(totals)
+    model.train(was_training)
+    n = max(totals[2].item(), 1.0)
+    per_class_total = confusion.sum(dim=1)
+    per_class = (confusion.diagonal() / per_class_total.clamp(min=1)).tolist()
+    return {
+        "loss": totals[0].item() / n,
+        "top1": confusion.diagonal().sum().item() / n,
+        "top5": totals[1].item() / n,
+        "per_class": per_class,
+        "confusion": confusion.long().tolist(),
+        "num_images": int(totals[2].item()),
+    }
+
+
+def format_confusion(confusion: list[list[int]], classes: list[str]) -> str:
+    """The confusion matrix as text: rows are true classes, columns predictions."""
+    names = [c[:10] for c in classes]
+    width = max(6, *(len(n) for n in names), *(len(str(v)) for row in confusion for v in row))
+    lines = [" " * (width + 2) + " ".join(f"{i:>{width}}" for i in range(len(names)))]
+    for i, (name, row) in enumerate(zip(names, confusion, strict=True)):
+        cells = " ".join(f"{v:>{width}}" for v in row)
+        lines.append(f"{i:>2} {name:<{width}}"[: width + 2].ljust(width + 2) + cells)
+    return "\n".join(lines)
+
+
+def save_confusion_png(
+    confusion: list[list[int]], classes: list[str], path: Path, title: str
+) -> None:
+    """Row-normalised confusion matrix as a heat map with counts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cm = torch.tensor(confusion, dtype=torch.float64)
+    norm = cm / cm.sum(dim=1, keepdim=True).clamp(min=1)
+    k = len(classes)
+    size = max(5.0, 0.45 * k + 2)
+    fig, ax = plt.subplots(figsize=(size, size))
+    im = ax.imshow(norm.numpy(), cmap="Blues", vmin=0, vmax=1)
+    if k <= 30:
+        ax.set_xticks(range(k), classes, rotation=60, ha="right", fontsize=8)
+        ax.set_yticks(range(k), classes, fontsize=8)
+        for i in range(k):
+            for j in range(k):
+                if cm[i, j]:
+                    color = "white" if norm[i, j] > 0.5 else "black"
+                    ax.text(j, i, int(cm[i, j]), ha="center", va="center", fontsize=7, color=color)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

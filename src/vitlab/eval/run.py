@@ -1,0 +1,126 @@
+"""Evaluating and using trained checkpoints: `vitlab eval` and `vitlab predict`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from vitlab.config import RunConfig
+from vitlab.data import load_split, make_loader, train_val_split
+from vitlab.data.datasets import DatasetError
+from vitlab.eval.classification import evaluate, format_confusion, save_confusion_png
+from vitlab.train.run import pick_device
+from vitlab.train.state import load_model, resolve_checkpoint
+
+
+def _run_folder(weights: Path) -> Path | None:
+    """The run folder a checkpoint belongs to (run/checkpoints/NAME/model.safetensors)."""
+    run = weights.parent.parent.parent
+    return run if (run / "config.yaml").is_file() else None
+
+
+def evaluate_checkpoint(
+    checkpoint: str,
+    data: str | None = None,
+    data_dir: str | None = None,
+    split: str = "test",
+    batch_size: int = 256,
+    device: str = "auto",
+    out: Path | None = None,
+) -> dict:
+    """Metrics of a checkpoint on a split; saves confusion_matrix.png. The dataset and its
+    validation carve-out default to the checkpoint's run config."""
+    weights = resolve_checkpoint(checkpoint)
+    run = _run_folder(weights)
+    run_cfg = None
+    if run is not None:
+        with open(run / "config.yaml") as f:
+            run_cfg = RunConfig.from_tree(yaml.safe_load(f))
+    name = data or (run_cfg.data.name if run_cfg else "digits")
+    folder = data_dir or (run_cfg.data.dir if run_cfg and name == run_cfg.data.name else None)
+    dev = pick_device(device)
+    model, meta = load_model(weights, dev)
+    if split == "val":
+        if run_cfg is None:
+            raise DatasetError("--split val needs a run folder (its config defines the split)")
+        full = load_split(name, "train", folder, run_cfg.data.split_seed)
+        _, part = train_val_split(full, run_cfg.data.val_fraction, run_cfg.data.split_seed)
+        if part is None:
+            raise DatasetError(f"run {run} has no validation split (data.val_fraction=0)")
+    else:
+        part = load_split(name, "test", folder, run_cfg.data.split_seed if run_cfg else 0)
+    if len(part.classes) != meta.config.num_classes:
+        raise DatasetError(
+            f"{name} has {len(part.classes)} classes, the checkpoint's model has "
+            f"{meta.config.num_classes}"
+        )
+    loader = make_loader(part, batch_size, meta.preprocessing)
+    metrics = evaluate(model, loader, meta.config.num_classes, dev)
+    target = Path(out) if out else (run or Path("."))
+    target.mkdir(parents=True, exist_ok=True)
+    png = target / f"confusion_matrix_{split}.png"
+    save_confusion_png(
+        metrics["confusion"],
+        meta.classes,
+        png,
+        f"{name} {split}: top-1 {100 * metrics['top1']:.2f}%",
+    )
+    return {
+        "checkpoint": str(weights),
+        "data": name,
+        "split": split,
+        **metrics,
+        "classes": meta.classes,
+        "confusion_png": str(png),
+    }
+
+
+def format_report(r: dict) -> str:
+    lines = [
+        f"{r['checkpoint']} on {r['data']} ({r['split']}, {r['num_images']:,} images)",
+        f"top-1 {100 * r['top1']:.2f}%   top-5 {100 * r['top5']:.2f}%   loss {r['loss']:.4f}",
+        "",
+        "per-class accuracy:",
+    ]
+    lines += [
+        f"  {c:<16} {100 * a:6.2f}%" for c, a in zip(r["classes"], r["per_class"], strict=True)
+    ]
+    lines += ["", "confusion matrix (rows: true, columns: predicted):"]
+    lines += [format_confusion(r["confusion"], r["classes"]), "", f"saved {r['confusion_png']}"]
+    return "\n".join(lines)
+
+
+def predict_files(checkpoint: str, images: list[str], topk: int = 5, device: str = "auto") -> list:
+    """Top-k classes with probabilities for each image file; unreadable files are reported."""
+    from PIL import Image, UnidentifiedImageError
+
+    dev = pick_device(device)
+    model, meta = load_model(checkpoint, dev)
+    k = min(topk, meta.config.num_classes)
+    results = []
+    for path in images:
+        try:
+            with Image.open(path) as im:
+                x = meta.preprocessing.pil(im)
+        except (OSError, UnidentifiedImageError) as e:
+            raise DatasetError(f"cannot read image {path}: {e}") from None
+        with torch.no_grad():
+            probs = model(x[None].to(dev)).float().softmax(dim=1)[0]
+        top = probs.topk(k)
+        results.append(
+            {
+                "image": path,
+                "top": [
+                    {"class": meta.classes[i], "index": i, "probability": p}
+                    for p, i in zip(top.values.tolist(), top.indices.tolist(), strict=True)
+                ],
+            }
+        )
+    return results
+
+
+def warn(msg: str) -> None:
+    print(msg, file=sys.stderr)

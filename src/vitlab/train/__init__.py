@@ -1,0 +1,1 @@
+"""Training: engine (one epoch), optimisers and schedules, checkpoints, distributed set-up, runs."""

@@ -1,0 +1,136 @@
+"""One training epoch: forward, loss, backward, accumulation, clipping, optimizer step, EMA, and the
+checks that keep a run safe (non-finite loss, a stop request), all with explicit arguments."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from vitlab.data.loader import Loader
+from vitlab.train.distributed import Dist, all_sum
+from vitlab.train.optim import EMA
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+@dataclass
+class Position:
+    """Where training stands: enough to resume exactly."""
+
+    epoch: int = 0  # the epoch in progress (0-based)
+    batch: int = 0  # batches of it already done
+    step: int = 0  # optimizer steps done in all
+    rng: dict[str, Tensor] = field(default_factory=dict)  # RNG states at (epoch, batch)
+
+
+@dataclass
+class StepSettings:
+    accum_steps: int
+    clip_grad: float | None
+    label_smoothing: float
+    lr_at: Callable[[int], float]  # optimizer step -> learning rate
+    autocast: Callable[[], AbstractContextManager]
+
+
+def rng_state(device: torch.device) -> dict[str, Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def train_epoch(
+    model: nn.Module,
+    loader: Loader,
+    optimizer: torch.optim.Optimizer,
+    settings: StepSettings,
+    pos: Position,
+    device: torch.device,
+    d: Dist,
+    ema: EMA | None = None,
+    stop_requested: Callable[[], bool] = lambda: False,
+    progress: Callable[[dict], None] = lambda stats: None,
+) -> tuple[dict, bool]:
+    """Train from pos.batch to the end of the epoch (or until a stop request, honoured at an
+    optimizer-step boundary, where `pos` is then left). Returns (stats, stopped)."""
+    model.train()
+    accum = settings.accum_steps
+    usable = len(loader) - len(loader) % accum  # whole accumulation windows only
+    sums = [0.0, 0.0, 0.0]  # loss sum, correct, images (this rank)
+    start_time, start_images = time.perf_counter(), 0
+    pos.rng = rng_state(device)
+    for i, (x, y) in enumerate(loader.iterate(pos.batch), start=pos.batch):
+        if i >= usable:
+            break
+        first, last = (i % accum == 0), ((i + 1) % accum == 0)
+        if first and any_stop(stop_requested(), d, device):
+            return _stats(sums, start_time, start_images, d, device), True
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        sync = last or not isinstance(model, nn.parallel.DistributedDataParallel)
+        with settings.autocast(), nullcontext() if sync else model.no_sync():
+            logits = model(x)
+            loss = nn.functional.cross_entropy(
+                logits.float(), y, label_smoothing=settings.label_smoothing
+            )
+            bad = not torch.isfinite(loss).item()
+            if any_stop(bad, d, device):
+                raise NonFiniteLoss(
+                    f"loss became {loss.item()} at step {pos.step} (epoch {pos.epoch + 1}, "
+                    f"batch {i + 1})"
+                )
+            (loss / accum).backward()
+        if last:
+            if settings.clip_grad:
+                nn.utils.clip_grad_norm_(model.parameters(), settings.clip_grad)
+            for group in optimizer.param_groups:
+                group["lr"] = settings.lr_at(pos.step)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update(_unwrap(model))
+            pos.step += 1
+            pos.batch = i + 1
+            pos.rng = rng_state(device)
+        target = y.argmax(dim=1) if y.ndim == 2 else y
+        sums[0] += loss.item() * len(y)
+        sums[1] += (logits.argmax(dim=1) == target).sum().item()
+        sums[2] += len(y)
+        start_images += len(y)
+        if last:
+            progress({"loss": sums[0] / sums[2], "acc": sums[1] / sums[2], "batch": i + 1})
+    return _stats(sums, start_time, start_images, d, device), False
+
+
+def any_stop(flag: bool, d: Dist, device: torch.device) -> bool:
+    if not d.enabled:
+        return flag
+    return all_sum([float(flag)], d, device)[0] > 0
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _stats(sums: list[float], t0: float, images: int, d: Dist, device: torch.device) -> dict:
+    loss, correct, n = all_sum(sums, d, device)
+    seconds = time.perf_counter() - t0
+    return {
+        "loss": loss / max(n, 1),
+        "acc": correct / max(n, 1),
+        "images": int(n),
+        "seconds": seconds,
+        "images_per_s": n / seconds if seconds > 0 else 0.0,
+    }

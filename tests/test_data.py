@@ -1,0 +1,265 @@
+"""Datasets, files and loaders: IDX, CIFAR pickles, image folders, downloads, augmentation."""
+
+from __future__ import annotations
+
+import gzip
+import http.server
+import io
+import pickle
+import struct
+import tarfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitlab.config import DataConfig
+from vitlab.data import (
+    BatchAugment,
+    Preprocessing,
+    download,
+    load_split,
+    make_loader,
+    train_val_split,
+)
+from vitlab.data.datasets import DatasetError, read_idx
+from vitlab.data.loader import BatchPlan
+
+FASHION = download.find_fashion_mnist(None)
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}i", *array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_read_idx_and_its_errors(tmp_path: Path) -> None:
+    images = np.random.default_rng(0).integers(0, 256, (5, 28, 28))
+    write_idx(tmp_path / "x.gz", images)
+    assert np.array_equal(read_idx(tmp_path / "x.gz"), images)
+    with pytest.raises(DatasetError, match="SHA-256 does not match"):
+        read_idx(tmp_path / "x.gz", sha256="0" * 64)
+    raw = gzip.decompress((tmp_path / "x.gz").read_bytes())
+    (tmp_path / "short.gz").write_bytes(gzip.compress(raw[:-100]))
+    with pytest.raises(DatasetError, match="truncated"):
+        read_idx(tmp_path / "short.gz")
+    (tmp_path / "bad.gz").write_bytes(gzip.compress(b"\x01\x02\x03\x04" + raw[4:]))
+    with pytest.raises(DatasetError, match="magic"):
+        read_idx(tmp_path / "bad.gz")
+    (tmp_path / "notgz.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(DatasetError, match="cannot read IDX"):
+        read_idx(tmp_path / "notgz.gz")
+
+
+@pytest.mark.skipif(FASHION is None, reason="Fashion-MNIST files not installed")
+def test_real_fashion_mnist_files() -> None:
+    train, test = load_split("fashion-mnist", "train"), load_split("fashion-mnist", "test")
+    assert train.images.shape == (60000, 1, 28, 28) and test.images.shape == (10000, 1, 28, 28)
+    assert train.images.dtype == torch.uint8
+    assert torch.bincount(test.labels).tolist() == [1000] * 10
+    assert train.classes[9] == "Ankle boot"
+
+
+@pytest.mark.skipif(FASHION is None, reason="Fashion-MNIST files not installed")
+def test_corrupt_fashion_mnist_is_refused(tmp_path: Path) -> None:
+    for name, path in FASHION.items():
+        (tmp_path / name).write_bytes(path.read_bytes())
+    labels = tmp_path / "t10k-labels-idx1-ubyte.gz"
+    raw = bytearray(gzip.decompress(labels.read_bytes()))
+    raw[100] = (raw[100] + 1) % 10
+    labels.write_bytes(gzip.compress(bytes(raw)))
+    with pytest.raises(DatasetError, match="corrupt"):
+        load_split("fashion-mnist", "test", str(tmp_path))
+
+
+@pytest.fixture
+def no_fashion_anywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.delenv("VITLAB_DATA", raising=False)
+    monkeypatch.setattr(download, "DEBIAN_DIR", tmp_path / "debian")
+    monkeypatch.setattr(download, "cache_dir", lambda: tmp_path / "cache")
+    return tmp_path
+
+
+def test_missing_fashion_mnist_offline_names_both_ways(no_fashion_anywhere, monkeypatch) -> None:
+    monkeypatch.setattr(download, "FASHION_MIRROR", "http://127.0.0.1:9/")  # refused at once
+    with pytest.raises(DatasetError) as err:
+        load_split("fashion-mnist", "train")
+    msg = str(err.value)
+    assert "apt-get install dataset-fashion-mnist" in msg and "127.0.0.1:9" in msg
+
+
+def test_download_checks_sha256_and_writes_atomically(no_fashion_anywhere, monkeypatch) -> None:
+    """A loopback HTTP server stands in for the mirror: right payloads install, a wrong one is
+    refused and leaves nothing behind."""
+    served = no_fashion_anywhere / "served"
+    served.mkdir()
+    rng = np.random.default_rng(0)
+    write_idx(served / "train-images-idx3-ubyte.gz", rng.integers(0, 256, (6, 28, 28)))
+    write_idx(served / "train-labels-idx1-ubyte.gz", rng.integers(0, 10, (6,)))
+    write_idx(served / "t10k-images-idx3-ubyte.gz", rng.integers(0, 256, (4, 28, 28)))
+    write_idx(served / "t10k-labels-idx1-ubyte.gz", rng.integers(0, 10, (4,)))
+    digests = {p.name: download.payload_sha256(p) for p in served.iterdir()}
+
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(served), **k)  # noqa: E731
+    http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(download, "FASHION_MIRROR", f"http://127.0.0.1:{server.server_port}/")
+        bad = dict(digests, **{"t10k-labels-idx1-ubyte.gz": "0" * 64})
+        monkeypatch.setattr(download, "FASHION_SHA256", bad)
+        with pytest.raises(DatasetError, match="does not match"):
+            download.find_or_fetch_fashion_mnist(None)
+        target = no_fashion_anywhere / "cache" / "fashion-mnist"
+        assert not (target / "t10k-labels-idx1-ubyte.gz").exists()
+        assert not [p for p in target.iterdir() if p.name.startswith(".")]  # no temp files left
+        monkeypatch.setattr(download, "FASHION_SHA256", digests)
+        files = download.find_or_fetch_fashion_mnist(None)
+        assert sorted(files) == sorted(digests)
+        assert all(download.payload_sha256(p) == digests[n] for n, p in files.items())
+    finally:
+        server.shutdown()
+
+
+def cifar_batch(n: int, seed: int, key: str = "labels") -> bytes:
+    rng = np.random.default_rng(seed)
+    batch = {
+        b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+        key.encode(): rng.integers(0, 10, n).tolist(),
+        b"batch_label": b"x",
+    }
+    return pickle.dumps(batch)
+
+
+def make_cifar10(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    for i in range(1, 6):
+        (folder / f"data_batch_{i}").write_bytes(cifar_batch(4, i))
+    (folder / "test_batch").write_bytes(cifar_batch(3, 9))
+    names = [f"c{i}".encode() for i in range(10)]
+    (folder / "batches.meta").write_bytes(pickle.dumps({b"label_names": names}))
+
+
+def test_cifar10_from_folder_and_archive(tmp_path: Path) -> None:
+    make_cifar10(tmp_path / "a" / "cifar-10-batches-py")
+    train = load_split("cifar10", "train", str(tmp_path / "a"))
+    test = load_split("cifar10", "test", str(tmp_path / "a"))
+    assert train.images.shape == (20, 3, 32, 32) and test.images.shape == (3, 3, 32, 32)
+    assert train.classes == [f"c{i}" for i in range(10)]
+    raw = pickle.loads(cifar_batch(4, 1))
+    assert np.array_equal(train.images[:4].numpy().reshape(4, -1), raw[b"data"])
+    (tmp_path / "b").mkdir()
+    with tarfile.open(tmp_path / "b" / "cifar-10-python.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "a" / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    from_tar = load_split("cifar10", "train", str(tmp_path / "b"))
+    assert torch.equal(from_tar.images, train.images) and torch.equal(from_tar.labels, train.labels)
+
+
+def test_cifar_hostile_pickle_and_missing_files(tmp_path: Path) -> None:
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    make_cifar10(tmp_path / "cifar-10-batches-py")
+    (tmp_path / "cifar-10-batches-py" / "test_batch").write_bytes(pickle.dumps({b"data": Evil()}))
+    with pytest.raises(DatasetError, match="refusing to unpickle builtins.print"):
+        load_split("cifar10", "test", str(tmp_path))
+    with pytest.raises(DatasetError, match="not found"):
+        load_split("cifar100", "test", str(tmp_path / "empty"))
+
+
+def make_folder(root: Path) -> None:
+    rng = np.random.default_rng(0)
+    for cls, mode, size in (
+        ("cat", "RGB", (40, 30)),
+        ("dog", "L", (20, 50)),
+        ("eel", "RGBA", (64, 64)),
+    ):
+        (root / cls).mkdir(parents=True)
+        for i in range(4):
+            shape = (size[1], size[0], len(mode)) if mode != "L" else (size[1], size[0])
+            Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode).save(
+                root / cls / f"{i}.{'jpg' if mode == 'L' else 'png'}"
+            )
+    (root / "cat" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    (root / "dog" / "notes.txt").write_text("not an image")
+
+
+def test_image_folder_skips_bad_files_with_warnings(tmp_path: Path) -> None:
+    make_folder(tmp_path / "imgs")
+    with pytest.warns(UserWarning) as record:
+        train = load_split(f"imagefolder:{tmp_path / 'imgs'}", "train")
+    messages = [str(w.message) for w in record]
+    assert any("broken.png" in m for m in messages) and any("notes.txt" in m for m in messages)
+    assert any("skipped 2" in m for m in messages)
+    with pytest.warns(UserWarning):
+        test = load_split(f"imagefolder:{tmp_path / 'imgs'}", "test")
+    assert len(train) + len(test) == 12 and train.classes == ["cat", "dog", "eel"]
+    pre = Preprocessing((16, 16), 3, (0.5,) * 3, (0.5,) * 3)
+    aug = BatchAugment(DataConfig(random_resized_crop=True, hflip=0.5), pre, 3)
+    loader = make_loader(train, 4, pre, augment=aug, shuffle=True, workers=0)
+    batches = list(loader)
+    assert len(batches) == len(train) // 4
+    assert all(x.shape == (4, 3, 16, 16) for x, _ in batches)
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_split(f"imagefolder:{tmp_path / 'nope'}", "train")
+
+
+def test_augmentations_shapes_and_mixed_labels() -> None:
+    split = load_split("digits", "train")
+    pre = Preprocessing((28, 28), 1, (0.3,), (0.4,))
+    cfg = DataConfig(
+        crop_padding=3, hflip=0.5, randaugment_ops=2, random_erasing=0.5, mixup=0.8, cutmix=1.0
+    )
+    torch.manual_seed(0)
+    x, y = next(iter(make_loader(split, 32, pre, augment=BatchAugment(cfg, pre, 10), shuffle=True)))
+    assert x.shape == (32, 1, 28, 28) and x.dtype == torch.float32
+    assert y.shape == (32, 10)
+    torch.testing.assert_close(y.sum(dim=1), torch.ones(32))
+    assert (y.max(dim=1).values < 1).any()  # labels really are mixed
+    x_eval, y_eval = next(iter(make_loader(split, 32, pre)))
+    assert x_eval.shape == (32, 1, 28, 28) and y_eval.dtype == torch.long
+    # evaluation preprocessing is exactly resize + scale + normalise
+    expected = (split.images[:32].float() / 255).sub(0.3).div(0.4)
+    small = Preprocessing((8, 8), 1, (0.3,), (0.4,))
+    torch.testing.assert_close(next(iter(make_loader(split, 32, small)))[0], expected)
+
+
+def test_validation_split_is_seeded_and_disjoint() -> None:
+    full = load_split("digits", "train")
+    a_train, a_val = train_val_split(full, 0.1, seed=0)
+    b_train, b_val = train_val_split(full, 0.1, seed=0)
+    assert torch.equal(a_val.labels, b_val.labels) and len(a_val) == round(0.1 * len(full))
+    assert len(a_train) + len(a_val) == len(full)
+    test = load_split("digits", "test")
+    assert len(test) + len(full) == 1797
+
+
+def test_rank_slices_cover_the_single_process_batches() -> None:
+    single = list(BatchPlan(100, 16, True, seed=3).batches())
+    ranks = [list(BatchPlan(100, 16, True, seed=3, rank=r, world=2).batches()) for r in (0, 1)]
+    for b, whole in enumerate(single):
+        assert torch.equal(torch.cat([ranks[0][b], ranks[1][b]]), whole)
+    evals = [torch.cat(list(BatchPlan(10, 4, False, 0, r, 3).batches())) for r in range(3)]
+    assert sorted(torch.cat(evals).tolist()) == list(range(10))
+    with pytest.raises(ValueError, match="not divisible by 3"):
+        BatchPlan(100, 16, True, 0, 0, 3)
+
+
+def test_unknown_dataset() -> None:
+    with pytest.raises(DatasetError, match="unknown dataset 'mnist'"):
+        load_split("mnist", "train")
+
+
+def test_preprocessing_of_pil_images() -> None:
+    pre = Preprocessing((28, 28), 1, (0.5,), (0.5,))
+    rgb = Image.fromarray(np.full((50, 40, 3), 255, dtype=np.uint8))
+    x = pre.pil(rgb)
+    assert x.shape == (1, 28, 28)
+    torch.testing.assert_close(x, torch.ones(1, 28, 28))
+    buf = io.BytesIO()
+    rgb.save(buf, format="PNG")
