@@ -251,6 +251,7 @@ class TrainConfig:
     strategy: typing.Literal["ddp", "fsdp"] = "ddp"  # under torchrun
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # CPU threads (default: torch's)
+    stop_at_epoch: int | None = None  # stop resumably after this epoch (split a run into jobs)
 
     def __post_init__(self) -> None:
         validate(self)

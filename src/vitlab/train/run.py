@@ -183,12 +183,12 @@ def train(cfg: RunConfig, out: Path | None = None, resume: Path | None = None) -
         distributed.shutdown(d)
 
 
-RESUMABLE_KEYS = ("train.epochs",)
+RESUMABLE_KEYS = ("train.epochs", "train.stop_at_epoch")
 
 
 def resume_config(run: Path, overrides: list[str]) -> RunConfig:
-    """The saved config of run folder `run`; of the overrides only train.epochs may change it
-    (train 2 epochs, then resume to 4)."""
+    """The saved config of run folder `run`; the overrides may change only the run's length
+    (train.epochs, train.stop_at_epoch)."""
     path = Path(run) / "config.yaml"
     if not path.is_file():
         raise CheckpointError(f"cannot resume {run}: it has no config.yaml (not a vitlab run)")
@@ -266,7 +266,7 @@ def _train(
     )
     optimizer = build_optimizer(model, cfg.optim)
     ema = EMA(model, cfg.train.ema) if cfg.train.ema else None
-    pos, best = Position(), -1.0
+    pos, best = Position(), float("-inf")
     if resume is not None:
         pos, best = _restore(resume, model, optimizer, ema, device)
     train_model = distributed.wrap(model, d, cfg.train.strategy, device)
@@ -352,6 +352,15 @@ def _train(
                 save("best", with_state=False, weights=evaluated, info=record)
             save("last", with_state=True, info=record)
             distributed.barrier(d)
+            if cfg.train.stop_at_epoch == pos.epoch and pos.epoch < cfg.train.epochs:
+                if d.is_main:
+                    log.finish()
+                    print(
+                        f"stopped after epoch {pos.epoch} (train.stop_at_epoch); continue with "
+                        f"`vitlab train --resume {out}`",
+                        file=sys.stderr,
+                    )
+                return out
 
     if d.is_main:
         log.finish()
@@ -459,7 +468,7 @@ class _Bar:
             unit="batch",
             disable=not active,
             dynamic_ncols=True,
-            mininterval=1.0,
+            mininterval=1.0 if sys.stderr.isatty() else 30.0,  # keep logs short
             file=sys.stderr,
         )
         self.t0 = time.perf_counter()

@@ -1,0 +1,290 @@
+"""Training end to end on digits: it learns, resumes exactly, survives crashes and bad losses,
+runs under torchrun, and its checkpoints work with eval and predict."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitlab.cli.main import main
+from vitlab.config import ConfigError, load_run_config
+from vitlab.data import load_split
+from vitlab.data.datasets import DatasetError
+from vitlab.train import state as state_mod
+from vitlab.train.engine import NonFiniteLoss
+from vitlab.train.run import train
+from vitlab.train.state import load_model, load_weights, resolve_checkpoint
+
+# small and fast: 8x8 digits at their own size, patch 2
+FAST = [
+    "model.img_size=8",
+    "model.patch_size=2",
+    "model.embed_dim=32",
+    "model.depth=2",
+    "model.num_heads=2",
+    "model.mlp_dim=64",
+    "train.batch_size=64",
+]
+
+
+def cfg(*overrides: str):
+    return load_run_config(None, [*FAST, *overrides])
+
+
+def weights_of(run: Path, which: str = "last") -> dict[str, torch.Tensor]:
+    return load_weights(run / "checkpoints" / which / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """The default recipe (vit_nano_patch4_28 on digits), shortened."""
+    out = tmp_path_factory.mktemp("runs") / "digits"
+    assert main(["train", "--out", str(out), "train.epochs=15"]) == 0
+    return out
+
+
+def test_a_short_run_learns_and_writes_its_folder(trained_run: Path) -> None:
+    records = [json.loads(x) for x in (trained_run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 15
+    assert records[-1]["train_loss"] < 0.5 * records[0]["train_loss"]
+    assert set(records[0]) >= {
+        "epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr", "images_per_s", "seconds"
+    }  # fmt: skip
+    results = json.loads((trained_run / "results.json").read_text())
+    assert results["top1"] > 0.90, results["top1"]
+    for name in ("config.yaml", "curves.png", "checkpoints/best/model.safetensors",
+                 "checkpoints/last/model.safetensors", "checkpoints/last/state.pt"):  # fmt: skip
+        assert (trained_run / name).is_file(), name
+    saved = load_run_config(str(trained_run / "config.yaml"))
+    assert saved.train.epochs == 15 and saved.model.name == "vit_nano_patch4_28"
+    model, meta = load_model(trained_run)
+    assert meta.config.in_chans == 1 and meta.config.num_classes == 10
+    assert meta.preprocessing.img_size == (28, 28) and meta.classes[3] == "3"
+
+
+def test_eval_cli_reports_all_metrics_and_saves_the_confusion_png(trained_run, capsys) -> None:
+    assert main(["eval", str(trained_run), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"top1", "top5", "loss", "per_class", "num_images", "confusion"} <= set(report)
+    results = json.loads((trained_run / "results.json").read_text())
+    assert report["top1"] == pytest.approx(results["top1"])
+    assert report["num_images"] == 359 and len(report["per_class"]) == 10
+    assert Path(report["confusion_png"]).is_file()
+    assert main(["eval", str(trained_run), "--split", "val"]) == 0
+    text = capsys.readouterr().out
+    assert "top-1" in text and "confusion matrix" in text and "per-class" in text
+
+
+def test_predict_cli_on_image_files(trained_run: Path, tmp_path: Path, capsys) -> None:
+    test = load_split("digits", "test")
+    paths = []
+    for i in range(3):
+        grey = test.images[i, 0].numpy()
+        path = tmp_path / f"digit{i}.png"
+        # any size and mode: saved as a large RGB picture
+        Image.fromarray(np.stack([grey] * 3, axis=-1)).resize((64, 64)).save(path)
+        paths.append(str(path))
+    assert main(["predict", str(trained_run), *paths, "--topk", "3", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [r["image"] for r in results] == paths
+    for r in results:
+        probs = [p["probability"] for p in r["top"]]
+        assert len(probs) == 3 and probs == sorted(probs, reverse=True) and sum(probs) <= 1.0001
+    hits = sum(r["top"][0]["index"] == y for r, y in zip(results, test.labels[:3].tolist()))
+    assert hits >= 2
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"nope")
+    assert main(["predict", str(trained_run), str(bad)]) == 2
+    assert "cannot read image" in capsys.readouterr().err
+
+
+def test_resume_is_exact(tmp_path: Path) -> None:
+    """4 epochs straight == 2 epochs, stop, resume to 4 (augmentation, mixup, dropout, EMA on)."""
+    extra = [
+        "data.crop_padding=1",
+        "data.hflip=0.5",
+        "data.mixup=0.5",
+        "model.dropout=0.1",
+        "model.drop_path=0.1",
+        "train.ema=0.9",
+        "optim.label_smoothing=0.1",
+    ]
+    straight = train(cfg(*extra, "train.epochs=4"), out=tmp_path / "straight")
+    half = train(cfg(*extra, "train.epochs=4", "train.stop_at_epoch=2"), out=tmp_path / "half")
+    assert len((half / "metrics.jsonl").read_text().splitlines()) == 2
+    assert not (half / "results.json").exists()
+    resumed = train(load_run_config(str(half / "config.yaml")), resume=half)
+    a, b = weights_of(straight), weights_of(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    best_a, best_b = weights_of(straight, "best"), weights_of(resumed, "best")
+    assert torch.equal(best_a["head.weight"], best_b["head.weight"])
+    lines = (resumed / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["epoch"] for x in lines] == [1, 2, 3, 4]
+
+
+def test_resume_may_only_change_the_length(tmp_path: Path, capsys) -> None:
+    run = train(cfg("train.epochs=1"), out=tmp_path / "r")
+    assert main(["train", "--resume", str(run), "optim.lr=0.1"]) == 2
+    assert "cannot change optim.lr when resuming" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "no config.yaml" in capsys.readouterr().err
+
+
+def test_ctrl_c_saves_and_resume_finishes_identically(tmp_path: Path) -> None:
+    args = [sys.executable, "-m", "vitlab", "train", *FAST, "train.epochs=6"]
+    straight = tmp_path / "straight"
+    subprocess.run([*args, "--out", str(straight)], check=True, capture_output=True)
+    stopped = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [*args, "--out", str(stopped)], stderr=subprocess.PIPE, text=True, bufsize=1
+    )
+    for line in proc.stderr:  # interrupt as soon as the first epoch is done
+        if line.startswith("epoch 1:"):
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, rest
+    assert "checkpoint saved" in rest and "--resume" in rest
+    state = torch.load(stopped / "checkpoints/last/state.pt", weights_only=True)
+    assert state["epoch"] < 6
+    subprocess.run(
+        [sys.executable, "-m", "vitlab", "train", "--resume", str(stopped)],
+        check=True,
+        capture_output=True,
+    )
+    a, b = weights_of(straight), weights_of(stopped)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    run = train(cfg("train.epochs=1"), out=tmp_path / "run")
+    before = weights_of(run)
+    last = run / "checkpoints" / "last"
+
+    def die(*a, **k):
+        raise OSError("simulated kill while writing")
+
+    monkeypatch.setattr(state_mod, "save_file", die)
+    with pytest.raises(OSError, match="simulated"):
+        train(load_run_config(str(run / "config.yaml"), ["train.epochs=2"]), resume=run)
+    monkeypatch.undo()
+    after = load_weights(resolve_checkpoint(last))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    # killed between the two renames: only the aside copy exists, and it is found
+    real_replace, calls = os.replace, []
+
+    def die_before_the_new_one_lands(src, dst):
+        calls.append(dst)
+        if Path(dst) == last and Path(src).name == ".last.tmp":  # old one already moved aside
+            raise OSError("simulated kill mid-swap")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(state_mod.os, "replace", die_before_the_new_one_lands)
+    with pytest.raises(OSError, match="mid-swap"):
+        train(load_run_config(str(run / "config.yaml"), ["train.epochs=2"]), resume=run)
+    monkeypatch.undo()
+    assert not last.exists() and calls
+    assert resolve_checkpoint(last).parent.name == ".last.old"
+    aside = load_weights(run / "checkpoints" / ".last.old" / "model.safetensors")
+    assert all(torch.equal(before[k], aside[k]) for k in before)
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    run = train(cfg("train.epochs=1"), out=tmp_path / "run")
+    before = weights_of(run)
+    real_ce, calls = torch.nn.functional.cross_entropy, [0]
+
+    def poisoned(logits, target, **kw):
+        calls[0] += 1
+        loss = real_ce(logits, target, **kw)
+        return loss * float("nan") if calls[0] == 5 else loss
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", poisoned)
+    with pytest.raises(NonFiniteLoss, match=r"loss became nan at step \d+ \(epoch 2, batch 5\)"):
+        train(load_run_config(str(run / "config.yaml"), ["train.epochs=2"]), resume=run)
+    monkeypatch.undo()
+    after = weights_of(run)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not a multiple of patch_size 2"):
+        cfg("model.img_size=9")
+    with pytest.raises(DatasetError, match="unknown dataset"):
+        train(cfg("data.name=mnist"), out=tmp_path / "a")
+    with pytest.raises(DatasetError, match="not found"):
+        train(cfg("data.name=cifar10", f"data.dir={tmp_path}"), out=tmp_path / "b")
+    with pytest.raises(ConfigError, match="num_classes=5 but dataset digits has 10"):
+        train(cfg("model.num_classes=5"), out=tmp_path / "c")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
+def test_finetune_at_another_resolution_with_a_new_head(trained_run: Path, tmp_path: Path) -> None:
+    run = train(
+        load_run_config(
+            None,
+            [
+                f"finetune.from={trained_run}",
+                "model.img_size=32",
+                "model.num_classes=10",
+                "train.epochs=1",
+            ],
+        ),
+        out=tmp_path / "ft",
+    )
+    model, meta = load_model(run)
+    assert meta.config.img_hw == (32, 32)
+    assert model.pos_embed.weight.shape == (1, 1 + 64, 64)
+
+
+def test_ddp_two_processes_equal_one_process(tmp_path: Path) -> None:
+    # SGD: Adam would turn the float noise in the key bias's (mathematically zero) gradient
+    # into full-size steps, so two summation orders drift apart there
+    common = [*FAST, "train.epochs=2", "data.val_fraction=0", "train.precision=fp32",
+              "optim.name=sgd", "optim.lr=0.05"]  # fmt: skip
+    single = tmp_path / "single"
+    subprocess.run(
+        [sys.executable, "-m", "vitlab", "train", "--out", str(single), *common],
+        check=True,
+        capture_output=True,
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ddp = tmp_path / "ddp"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_port=29533",
+            "-m",
+            "vitlab",
+            "train",
+            "--out",
+            str(ddp),
+            *common,
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = weights_of(single), weights_of(ddp)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=2e-5, rtol=1e-4, msg=k)
+    assert not torch.equal(a["head.weight"], torch.zeros_like(a["head.weight"]))
