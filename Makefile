@@ -18,6 +18,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/vitlab models
 	$(BIN)/vitlab cost B/16
+	BIN=$(BIN) bash scripts/demo.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

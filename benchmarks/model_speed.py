@@ -21,6 +21,7 @@ import torch
 
 import vitlab
 from vitlab.models.vit import VisionTransformer
+from vitlab.train.run import use_bf16
 
 DEFAULT = [("vit_nano_patch4_28", 256), ("Ti/16", 32), ("S/16", 16), ("B/16", 8)]
 
@@ -105,6 +106,7 @@ def main() -> None:
         cfg = ours.config
         x = torch.randn(batch, cfg.in_chans, *cfg.img_hw)
         y = torch.randint(0, cfg.num_classes, (batch,))
+        by_precision = {}
         for bf16 in (False, True):
             row = {"model": name, "batch": batch, "precision": "bf16" if bf16 else "fp32"}
             fns = {lib: step_fns(m, x, y, bf16) for lib, m in (("vitlab", ours), ("timm", theirs))}
@@ -114,7 +116,21 @@ def main() -> None:
                     row[f"{lib}_{kind}_img_s"] = round(batch / s, 1)
                 row[f"{kind}_ratio"] = round(secs["timm"] / secs["vitlab"], 3)
             results.append(row)
+            by_precision[row["precision"]] = row
             print(json.dumps(row), flush=True)
+        # vitlab's default path (train.precision=auto) against timm's eager fp32
+        default = "bf16" if use_bf16("auto", cfg, x.device) else "fp32"
+        summary = {
+            "model": name,
+            "default_precision": default,
+            "default_train_vs_timm_fp32": round(
+                by_precision[default]["vitlab_train_img_s"]
+                / by_precision["fp32"]["timm_train_img_s"],
+                2,
+            ),
+        }
+        results.append(summary)
+        print(json.dumps(summary), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -74,3 +74,47 @@ def barrier(d: Dist) -> None:
 def shutdown(d: Dist) -> None:
     if d.enabled and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def is_sharded(d: Dist, strategy: str) -> bool:
+    return d.enabled and strategy == "fsdp"
+
+
+def full_model_state(model: nn.Module, d: Dist, strategy: str) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) model state on CPU; under FSDP a collective every rank must call."""
+    if not is_sharded(d, strategy):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts)
+
+
+def full_optimizer_state(model: nn.Module, optimizer, d: Dist, strategy: str) -> dict:
+    if not is_sharded(d, strategy):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def load_full_state(
+    model: nn.Module, optimizer, model_state: dict, optim_state: dict, d: Dist, strategy: str
+) -> None:
+    """Load whole (unsharded) states into a possibly sharded model and its optimizer (if any)."""
+    if not is_sharded(d, strategy):
+        model.load_state_dict(model_state)
+        if optimizer is not None:
+            optimizer.load_state_dict(optim_state)
+        return
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=opts)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, optim_state, options=opts)

@@ -14,7 +14,6 @@ Run folder:
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import sys
 import time
@@ -23,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
 from vitlab.config import ConfigError, RunConfig, load_run_config
 from vitlab.data import (
@@ -36,10 +34,10 @@ from vitlab.data import (
 )
 from vitlab.data.datasets import DatasetInfo, Split
 from vitlab.eval.classification import evaluate
-from vitlab.models.layers import resample_pos_embed
 from vitlab.models.vit import VisionTransformer, ViTConfig
 from vitlab.train import distributed
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, set_rng_state, train_epoch
+from vitlab.train.log import RunLog
 from vitlab.train.optim import EMA, build_optimizer, learning_rate
 from vitlab.train.state import (
     Checkpoint,
@@ -93,24 +91,24 @@ def resolve_model_config(cfg: RunConfig, info: DatasetInfo) -> ViTConfig:
 
 
 def finetune_weights(model: VisionTransformer, source: str) -> list[str]:
-    """Load another checkpoint's weights into model: position embeddings resampled to the model's
-    grid, the head left zero-initialised when the class count differs. Returns what was adapted."""
+    """Load another checkpoint's weights into model: the source is moved to the model's resolution
+    with set_image_size (position embeddings of any kind resampled), and the head is left
+    zero-initialised when the class count differs. Returns what was adapted."""
     weights = resolve_checkpoint(source)
-    src_cfg = read_metadata(weights).config
-    state = load_weights(weights)
-    own = model.state_dict()
+    src = VisionTransformer(read_metadata(weights).config)
+    src.load_state_dict(load_weights(weights))
     notes = []
-    key = "pos_embed.weight"
-    if key in state and key in own and state[key].shape != own[key].shape:
-        state[key] = resample_pos_embed(
-            state[key], model.config.grid, src_cfg.grid, src_cfg.num_prefix_tokens
-        )
-        notes.append(f"position embeddings resampled {src_cfg.grid} -> {model.config.grid}")
-    for k in ("head.weight", "head.bias"):
-        if k in state and (k not in own or state[k].shape != own[k].shape):
-            del state[k]
-            if k == "head.weight":
-                notes.append(f"new zero-initialised head for {model.config.num_classes} classes")
+    if (
+        src.config.img_hw != model.config.img_hw
+        and src.config.patch_size == model.config.patch_size
+    ):
+        notes.append(f"position embeddings resampled {src.config.grid} -> {model.config.grid}")
+        src.set_image_size(model.config.img_hw)
+    state, own = src.state_dict(), model.state_dict()
+    src_head, own_head = state.get("head.weight"), own.get("head.weight")
+    if src_head is not None and (own_head is None or src_head.shape != own_head.shape):
+        del state["head.weight"], state["head.bias"]
+        notes.append(f"new zero-initialised head for {model.config.num_classes} classes")
     for k, v in state.items():
         if k not in own:
             raise CheckpointError(f"{weights}: tensor {k} has no place in the model")
@@ -203,305 +201,250 @@ def resume_config(run: Path, overrides: list[str]) -> RunConfig:
 def _train(
     cfg: RunConfig, out: Path | None, resume: Path | None, device: torch.device, d: distributed.Dist
 ) -> Path:
-    data = load_data(cfg)
-    model_cfg = resolve_model_config(cfg, data.info)
-    if cfg.train.batch_size % d.world:
-        raise ConfigError(
-            f"train.batch_size {cfg.train.batch_size} is not divisible by {d.world} processes"
+    run = Run(cfg, out, resume, device, d)
+    if not run.fit():
+        return run.out  # stopped as planned (train.stop_at_epoch)
+    run.test()
+    return run.out
+
+
+class Run:
+    """One training run's objects and its three phases: build (__init__), fit, test."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        out: Path | None,
+        resume: Path | None,
+        device: torch.device,
+        d: distributed.Dist,
+    ) -> None:
+        self.cfg, self.device, self.d, self.strategy = cfg, device, d, cfg.train.strategy
+        self.data = load_data(cfg)
+        mc = self.model_cfg = resolve_model_config(cfg, self.data.info)
+        if cfg.train.batch_size % d.world:
+            raise ConfigError(
+                f"train.batch_size {cfg.train.batch_size} is not divisible by {d.world} processes"
+            )
+        if cfg.train.ema is not None and self.strategy == "fsdp" and d.enabled:
+            raise ConfigError("train.ema is not supported with train.strategy=fsdp")
+        stamp = time.strftime(f"{cfg.data.name.split(':')[0]}-%Y%m%d-%H%M%S")
+        self.out = Path(out or Path("runs") / stamp)
+        info = self.data.info
+        mean, std = (info.mean, info.std) if cfg.data.normalize else ((0.0,), (1.0,))
+        if len(mean) != mc.in_chans:
+            mean, std = mean * mc.in_chans, std * mc.in_chans
+        self.pre = Preprocessing(mc.img_hw, mc.in_chans, mean, std)
+
+        torch.manual_seed(cfg.train.seed)
+        self.model = VisionTransformer(mc)
+        self.notes = []
+        if cfg.finetune.from_ and resume is None:
+            self.notes = finetune_weights(self.model, cfg.finetune.from_)
+        self.model.set_grad_checkpointing(cfg.train.grad_checkpointing)
+        self.model.to(device)
+        self.bf16 = use_bf16(cfg.train.precision, mc, device)
+        self.loader = make_loader(
+            self.data.train,
+            cfg.train.batch_size,
+            self.pre,
+            augment=BatchAugment(cfg.data, self.pre, mc.num_classes),
+            shuffle=True,
+            seed=cfg.train.seed,
+            rank=d.rank,
+            world=d.world,
+            workers=cfg.data.workers,
         )
-    if cfg.train.ema is not None and cfg.train.strategy == "fsdp" and d.enabled:
-        raise ConfigError("train.ema is not supported with train.strategy=fsdp")
-    out = Path(out or Path("runs") / time.strftime(f"{cfg.data.name.split(':')[0]}-%Y%m%d-%H%M%S"))
-    pre = Preprocessing(model_cfg.img_hw, model_cfg.in_chans, data.info.mean, data.info.std)
-    if not cfg.data.normalize:
-        pre = Preprocessing(
-            pre.img_size, pre.in_chans, (0.0,) * pre.in_chans, (1.0,) * pre.in_chans
+        self.settings = self._step_settings()
+        # FSDP shards self.model in place; the optimizer must be built after, to see the shards
+        self.train_model = distributed.wrap(self.model, d, self.strategy, device)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.ema = EMA(self.model, cfg.train.ema) if cfg.train.ema else None
+        self.pos, self.best = Position(), float("-inf")
+        self.best_state: dict | None = None  # this rank's best weights (sharded under FSDP)
+        if resume is not None:
+            self._restore(Path(resume))
+        if cfg.train.compile:
+            self.train_model = torch.compile(self.train_model)
+        self.meta = Checkpoint(mc, self.pre, info.classes, {})
+        self.log = RunLog(self.out, cfg, d.is_main, resume is not None)
+        self._announce()
+
+    # --- building --------------------------------------------------------------------------------
+
+    def autocast(self):
+        return torch.autocast(self.device.type, torch.bfloat16) if self.bf16 else nullcontext()
+
+    def _step_settings(self) -> StepSettings:
+        cfg = self.cfg
+        steps_per_epoch = len(self.loader) // cfg.train.accum_steps
+        if steps_per_epoch == 0:
+            raise ConfigError(
+                f"{len(self.data.train)} training images give no full step of batch_size "
+                f"{cfg.train.batch_size} x accum_steps {cfg.train.accum_steps}"
+            )
+        total = steps_per_epoch * cfg.train.epochs
+        warmup = int(round(cfg.optim.warmup_epochs * steps_per_epoch))
+        return StepSettings(
+            accum_steps=cfg.train.accum_steps,
+            clip_grad=cfg.optim.clip_grad,
+            label_smoothing=cfg.optim.label_smoothing,
+            lr_at=lambda step: learning_rate(cfg.optim, step, total, warmup),
+            autocast=self.autocast,
         )
 
-    torch.manual_seed(cfg.train.seed)
-    model = VisionTransformer(model_cfg)
-    notes = []
-    if cfg.finetune.from_ and resume is None:
-        notes = finetune_weights(model, cfg.finetune.from_)
-    model.set_grad_checkpointing(cfg.train.grad_checkpointing)
-    model.to(device)
-    bf16 = use_bf16(cfg.train.precision, model_cfg, device)
+    def _restore(self, run: Path) -> None:
+        weights = resolve_checkpoint(run / "checkpoints" / "last")
+        state = load_train_state(weights.parent)
+        distributed.load_full_state(
+            self.model, self.optimizer, load_weights(weights), state["optimizer"], self.d,
+            self.strategy,
+        )  # fmt: skip
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.load_state_dict(state["ema"])
+        self.pos = Position(state["epoch"], state["batch"], state["step"], state["rng"])
+        set_rng_state(self.pos.rng, self.device)
+        self.best = float(state["best"])
 
-    def autocast():
-        return torch.autocast(device.type, torch.bfloat16) if bf16 else nullcontext()
-
-    augment = BatchAugment(cfg.data, pre, len(data.info.classes))
-    loader = make_loader(
-        data.train,
-        cfg.train.batch_size,
-        pre,
-        augment=augment,
-        shuffle=True,
-        seed=cfg.train.seed,
-        rank=d.rank,
-        world=d.world,
-        workers=cfg.data.workers,
-    )
-    eval_batch = max(cfg.train.batch_size, 256)
-
-    def eval_loader(split: Split):
-        return make_loader(
-            split, eval_batch, pre, rank=d.rank, world=d.world, workers=cfg.data.workers
-        )
-
-    steps_per_epoch = len(loader) // cfg.train.accum_steps
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"{len(data.train)} training images give no full step of batch_size "
-            f"{cfg.train.batch_size} x accum_steps {cfg.train.accum_steps}"
-        )
-    total_steps = steps_per_epoch * cfg.train.epochs
-    warmup = int(round(cfg.optim.warmup_epochs * steps_per_epoch))
-    settings = StepSettings(
-        accum_steps=cfg.train.accum_steps,
-        clip_grad=cfg.optim.clip_grad,
-        label_smoothing=cfg.optim.label_smoothing,
-        lr_at=lambda s: learning_rate(cfg.optim, s, total_steps, warmup),
-        autocast=autocast,
-    )
-    optimizer = build_optimizer(model, cfg.optim)
-    ema = EMA(model, cfg.train.ema) if cfg.train.ema else None
-    pos, best = Position(), float("-inf")
-    if resume is not None:
-        pos, best = _restore(resume, model, optimizer, ema, device)
-    train_model = distributed.wrap(model, d, cfg.train.strategy, device)
-    if cfg.train.compile:
-        train_model = torch.compile(train_model)
-
-    meta = Checkpoint(model_cfg, pre, data.info.classes, {})
-    log = RunLog(out, cfg, d.is_main, resume is not None)
-    if d.is_main:
+    def _announce(self) -> None:
+        if not self.d.is_main:
+            return
+        data, d = self.data, self.d
+        params = sum(p.numel() for p in self.model.parameters())
         print(
-            f"vitlab train: {cfg.model.name} ({sum(p.numel() for p in model.parameters()):,} "
-            f"params, {'bf16' if bf16 else 'fp32'}, {device}, {d.world} process"
-            f"{'es' if d.world > 1 else ''}) on {cfg.data.name}: {len(data.train):,} train / "
+            f"vitlab train: {self.cfg.model.name} ({params:,} params, "
+            f"{'bf16' if self.bf16 else 'fp32'}, {self.device}, {d.world} process"
+            f"{'es' if d.world > 1 else ''}) on {self.cfg.data.name}: {len(data.train):,} train / "
             f"{len(data.val) if data.val is not None else 0:,} val / {len(data.test):,} test; "
-            f"run folder {out}",
+            f"run folder {self.out}",
             file=sys.stderr,
         )
-        for note in notes:
+        for note in self.notes:
             print(f"fine-tune: {note}", file=sys.stderr)
 
-    def save(folder: str, with_state: bool, weights: dict | None = None, info: dict | None = None):
+    # --- phases ----------------------------------------------------------------------------------
+
+    def evaluate(self, split: Split) -> dict:
+        batches = make_loader(
+            split,
+            max(self.cfg.train.batch_size, 256),
+            self.pre,
+            rank=self.d.rank,
+            world=self.d.world,
+            workers=self.cfg.data.workers,
+        )
+        return evaluate(
+            self.model, batches, self.model_cfg.num_classes, self.device, self.autocast(), self.d
+        )
+
+    def save(self, folder: str, with_state: bool, weights: dict | None = None, info=None) -> None:
+        """Write checkpoint `folder`; gathering sharded (FSDP) state is collective, so every rank
+        takes part and rank 0 writes."""
+        d, model = self.d, self.model
+        if weights is None:
+            weights = distributed.full_model_state(model, d, self.strategy)
+        optim = None
+        if with_state:
+            optim = distributed.full_optimizer_state(model, self.optimizer, d, self.strategy)
         if not d.is_main:
             return
         state = None
         if with_state:
             state = {
-                "optimizer": optimizer.state_dict(),
-                "epoch": pos.epoch,
-                "batch": pos.batch,
-                "step": pos.step,
-                "rng": pos.rng,
-                "best": best,
-                "ema": ema.state_dict() if ema else None,
+                "optimizer": optim,
+                "epoch": self.pos.epoch,
+                "batch": self.pos.batch,
+                "step": self.pos.step,
+                "rng": self.pos.rng,
+                "best": self.best,
+                "ema": self.ema.state_dict() if self.ema else None,
             }
-        meta.info = {"epoch": pos.epoch, "step": pos.step, **(info or {})}
-        save_checkpoint(out / "checkpoints" / folder, weights or model.state_dict(), meta, state)
+        self.meta.info = {"epoch": self.pos.epoch, "step": self.pos.step, **(info or {})}
+        save_checkpoint(self.out / "checkpoints" / folder, weights, self.meta, state)
 
-    with StopFlag() as stop:
-        while pos.epoch < cfg.train.epochs:
-            bar = log.bar(pos.epoch, cfg.train.epochs, len(loader), pos.batch, cfg.train.batch_size)
-            try:
-                stats, stopped = train_epoch(
-                    train_model,
-                    loader,
-                    optimizer,
-                    settings,
-                    pos,
-                    device,
-                    d,
-                    ema=ema,
-                    stop_requested=lambda: stop.requested,
-                    progress=bar.update,
-                )
-            except NonFiniteLoss as e:
-                bar.close()
-                last = out / "checkpoints" / "last"
-                kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint"
-                raise NonFiniteLoss(
-                    f"{e}; stopped, {kept} (weights after this step not saved)"
-                ) from None
-            bar.close()
-            if stopped:
-                save("last", with_state=True)
-                raise TrainingStopped(
-                    f"stopped at epoch {pos.epoch + 1}, batch {pos.batch}; checkpoint saved: "
-                    f"continue with `vitlab train --resume {out}`"
-                )
-            raw = ema.apply_to(model) if ema else None  # validate (and keep) the EMA weights
-            val = None
-            if data.val is not None:
-                val_batches = eval_loader(data.val)
-                val = evaluate(model, val_batches, model_cfg.num_classes, device, autocast(), d)
-            evaluated = None
-            if raw is not None:
-                evaluated = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                model.load_state_dict(raw)
-            pos.epoch, pos.batch = pos.epoch + 1, 0
-            lr = optimizer.param_groups[0]["lr"]
-            record = log.epoch(pos.epoch, stats, val, lr)
-            score = val["top1"] if val else -stats["loss"]
-            if score > best:
-                best = score
-                save("best", with_state=False, weights=evaluated, info=record)
-            save("last", with_state=True, info=record)
-            distributed.barrier(d)
-            if cfg.train.stop_at_epoch == pos.epoch and pos.epoch < cfg.train.epochs:
-                if d.is_main:
-                    log.finish()
-                    print(
-                        f"stopped after epoch {pos.epoch} (train.stop_at_epoch); continue with "
-                        f"`vitlab train --resume {out}`",
-                        file=sys.stderr,
-                    )
-                return out
+    def fit(self) -> bool:
+        """Train to the last epoch (True), or to train.stop_at_epoch (False)."""
+        cfg, pos = self.cfg, self.pos
+        with StopFlag() as stop:
+            while pos.epoch < cfg.train.epochs:
+                stats = self._epoch(stop)
+                self._end_of_epoch(stats)
+                if cfg.train.stop_at_epoch == pos.epoch and pos.epoch < cfg.train.epochs:
+                    if self.d.is_main:
+                        self.log.finish()
+                        print(
+                            f"stopped after epoch {pos.epoch} (train.stop_at_epoch); continue "
+                            f"with `vitlab train --resume {self.out}`",
+                            file=sys.stderr,
+                        )
+                    return False
+        if self.d.is_main:
+            self.log.finish()
+        return True
 
-    if d.is_main:
-        log.finish()
-    # the test split, once, for the best checkpoint
-    best_weights = out / "checkpoints" / "best"
-    distributed.barrier(d)
-    model.load_state_dict(load_weights(resolve_checkpoint(best_weights)))
-    test = evaluate(model, eval_loader(data.test), model_cfg.num_classes, device, autocast(), d)
-    if d.is_main:
-        log.results(test, data.info.classes)
-    return out
-
-
-def _restore(run: Path, model, optimizer, ema, device) -> tuple[Position, float]:
-    folder = run / "checkpoints" / "last"
-    weights = resolve_checkpoint(folder)
-    state = load_train_state(weights.parent)
-    model.load_state_dict(load_weights(weights))
-    optimizer.load_state_dict(state["optimizer"])
-    if ema is not None and state.get("ema") is not None:
-        ema.load_state_dict(state["ema"])
-    pos = Position(state["epoch"], state["batch"], state["step"], state["rng"])
-    set_rng_state(pos.rng, device)
-    return pos, float(state["best"])
-
-
-class RunLog:
-    """Progress bar, metrics.jsonl, TensorBoard, curves.png, results.json (rank 0 only)."""
-
-    def __init__(self, out: Path, cfg: RunConfig, active: bool, resumed: bool) -> None:
-        self.out, self.active = out, active
-        self.tb = None
-        if not active:
-            return
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "config.yaml", "w") as f:
-            yaml.safe_dump(cfg.to_tree(), f, sort_keys=False)
-        self.metrics = out / "metrics.jsonl"
-        if not resumed:
-            self.metrics.write_text("")
+    def _epoch(self, stop: StopFlag) -> dict:
+        cfg, pos = self.cfg, self.pos
+        bar = self.log.bar(
+            pos.epoch, cfg.train.epochs, len(self.loader), pos.batch, cfg.train.batch_size
+        )
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            stats, stopped = train_epoch(
+                self.train_model,
+                self.loader,
+                self.optimizer,
+                self.settings,
+                pos,
+                self.device,
+                self.d,
+                ema=self.ema,
+                stop_requested=lambda: stop.requested,
+                progress=bar.update,
+            )
+        except NonFiniteLoss as e:
+            last = self.out / "checkpoints" / "last"
+            kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint"
+            raise NonFiniteLoss(
+                f"{e}; stopped, {kept} (weights after this step not saved)"
+            ) from None
+        finally:
+            bar.close()
+        if stopped:
+            self.save("last", with_state=True)
+            raise TrainingStopped(
+                f"stopped at epoch {pos.epoch + 1}, batch {pos.batch}; checkpoint saved: "
+                f"continue with `vitlab train --resume {self.out}`"
+            )
+        return stats
 
-            self.tb = SummaryWriter(str(out / "tensorboard"))
-        except ImportError:
-            self.tb = None
+    def _end_of_epoch(self, stats: dict) -> None:
+        """Validate (the EMA weights when train.ema), log, keep the best, save the last."""
+        model, pos = self.model, self.pos
+        raw = self.ema.apply_to(model) if self.ema else None
+        val = self.evaluate(self.data.val) if self.data.val is not None else None
+        evaluated = None
+        if raw is not None:
+            evaluated = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            model.load_state_dict(raw)
+        pos.epoch, pos.batch = pos.epoch + 1, 0
+        record = self.log.epoch(pos.epoch, stats, val, self.optimizer.param_groups[0]["lr"])
+        score = val["top1"] if val else -stats["loss"]
+        if score > self.best:
+            self.best = score
+            kept = evaluated if evaluated is not None else model.state_dict()
+            self.best_state = {k: v.detach().clone() for k, v in kept.items()}
+            self.save("best", with_state=False, weights=evaluated, info=record)
+        self.save("last", with_state=True, info=record)
+        distributed.barrier(self.d)
 
-    def bar(self, epoch: int, epochs: int, batches: int, start: int, batch_size: int):
-        return _Bar(self.active, epoch, epochs, batches, start, batch_size)
-
-    def epoch(self, epoch: int, stats: dict, val: dict | None, lr: float) -> dict:
-        record = {
-            "epoch": epoch,
-            "train_loss": round(stats["loss"], 6),
-            "train_acc": round(stats["acc"], 6),
-            "val_loss": round(val["loss"], 6) if val else None,
-            "val_acc": round(val["top1"], 6) if val else None,
-            "lr": lr,
-            "images_per_s": round(stats["images_per_s"], 1),
-            "seconds": round(stats["seconds"], 2),
-        }
-        if not self.active:
-            return record
-        with open(self.metrics, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for k, v in record.items():
-                if k != "epoch" and v is not None:
-                    self.tb.add_scalar(k, v, epoch)
-        val_text = f" val loss {val['loss']:.4f} acc {100 * val['top1']:.2f}%" if val else ""
-        print(
-            f"epoch {epoch}: train loss {stats['loss']:.4f} acc {100 * stats['acc']:.2f}%"
-            f"{val_text} lr {lr:.2e} {stats['images_per_s']:.0f} img/s {stats['seconds']:.1f}s",
-            file=sys.stderr,
-        )
-        return record
-
-    def finish(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-        records = [json.loads(line) for line in self.metrics.read_text().splitlines() if line]
-        if records:
-            save_curves(records, self.out / "curves.png")
-
-    def results(self, test: dict, classes: list[str]) -> None:
-        summary = {k: v for k, v in test.items() if k != "confusion"}
-        summary["classes"] = classes
-        (self.out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(
-            f"test: top-1 {100 * test['top1']:.2f}%  top-5 {100 * test['top5']:.2f}%  loss "
-            f"{test['loss']:.4f} on {test['num_images']:,} images; run folder {self.out}",
-            file=sys.stderr,
-        )
-
-
-class _Bar:
-    def __init__(self, active: bool, epoch: int, epochs: int, total: int, start: int, bs: int):
-        from tqdm import tqdm
-
-        self.bs, self.start = bs, start
-        self.tqdm = tqdm(
-            total=total,
-            initial=start,
-            desc=f"epoch {epoch + 1}/{epochs}",
-            unit="batch",
-            disable=not active,
-            dynamic_ncols=True,
-            mininterval=1.0 if sys.stderr.isatty() else 30.0,  # keep logs short
-            file=sys.stderr,
-        )
-        self.t0 = time.perf_counter()
-
-    def update(self, stats: dict) -> None:
-        self.tqdm.n = stats["batch"]
-        rate = (stats["batch"] - self.start) * self.bs / max(time.perf_counter() - self.t0, 1e-9)
-        self.tqdm.set_postfix(
-            loss=f"{stats['loss']:.3f}", acc=f"{100 * stats['acc']:.1f}%", img_s=f"{rate:.0f}"
-        )
-
-    def close(self) -> None:
-        self.tqdm.close()
-
-
-def save_curves(records: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    epochs = [r["epoch"] for r in records]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(epochs, [r["train_loss"] for r in records], "o-", label="train")
-    ax2.plot(epochs, [100 * r["train_acc"] for r in records], "o-", label="train")
-    if records[0]["val_loss"] is not None:
-        ax1.plot(epochs, [r["val_loss"] for r in records], "s-", label="validation")
-        ax2.plot(epochs, [100 * r["val_acc"] for r in records], "s-", label="validation")
-    ax1.set(xlabel="epoch", ylabel="loss", title="loss")
-    ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    def test(self) -> dict:
+        """The test split, once, with the best weights (from disk when they predate a resume)."""
+        distributed.barrier(self.d)
+        if self.best_state is None:
+            state = load_weights(resolve_checkpoint(self.out / "checkpoints" / "best"))
+            distributed.load_full_state(self.model, None, state, None, self.d, self.strategy)
+        else:
+            self.model.load_state_dict(self.best_state)
+        result = self.evaluate(self.data.test)
+        if self.d.is_main:
+            self.log.results(result, self.data.info.classes)
+        return result

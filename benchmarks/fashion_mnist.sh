@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Fashion-MNIST from scratch with the two presets, one after the other on an otherwise idle machine:
+# wall-clock (the whole command: start-up, data, training, validation, test) and test accuracy.
+#   bash benchmarks/fashion_mnist.sh [quick|full|both]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-.venv/bin}
+which=${1:-both}
+run() {
+  local preset=$1 out="runs/bench-$1-$(date +%Y%m%d-%H%M%S)"
+  mkdir -p runs
+  local t0=$SECONDS
+  "$BIN/vitlab" train --config "configs/$preset.yaml" --out "$out" 2> "$out.log" || { tail -5 "$out.log"; exit 1; }
+  local wall=$((SECONDS - t0))
+  "$BIN/python" - "$out" "$wall" "$preset" <<'PY'
+import json, sys
+out, wall, preset = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+r = json.load(open(f"{out}/results.json"))
+print(json.dumps({"preset": preset, "test_top1": round(r["top1"], 4), "wall_s": wall, "run": out}))
+PY
+}
+[ "$which" = quick ] || [ "$which" = both ] && run fashion-mnist-quick
+[ "$which" = full ] || [ "$which" = both ] && run fashion-mnist

@@ -1,0 +1,96 @@
+"""The paper's looks inside a trained ViT (§4.5, App. D.7-D.8, Fig. 6-7; VIT_REFERENCE.md §8):
+mean attention distance, attention rollout, position-embedding similarity, embedding filters."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vitlab.models.vit import VisionTransformer
+
+
+def patch_centres(grid: tuple[int, int], patch_size: int) -> Tensor:
+    """(N, 2) pixel coordinates (y, x) of each patch's centre, row-major."""
+    ys, xs = torch.meshgrid(
+        torch.arange(grid[0], dtype=torch.float64),
+        torch.arange(grid[1], dtype=torch.float64),
+        indexing="ij",
+    )
+    return (torch.stack([ys.flatten(), xs.flatten()], dim=1) + 0.5) * patch_size
+
+
+def mean_attention_distance(
+    attention: Tensor, grid: tuple[int, int], patch_size: int, num_prefix_tokens: int
+) -> Tensor:
+    """Per head, the pixel distance between query and key patch centres weighted by attention,
+    summed over keys, averaged over patch queries and the batch: attention (B, H, T, T) -> (H,).
+    Prefix-token rows and columns are left out and each query's weights re-normalised."""
+    if attention.ndim != 4 or attention.shape[-1] != attention.shape[-2]:
+        raise ValueError(
+            f"expected attention of shape (B, heads, T, T), got {tuple(attention.shape)}"
+        )
+    n = grid[0] * grid[1]
+    if attention.shape[-1] != n + num_prefix_tokens:
+        raise ValueError(
+            f"attention has {attention.shape[-1]} tokens, grid {grid[0]}x{grid[1]} with "
+            f"{num_prefix_tokens} prefix tokens needs {n + num_prefix_tokens}"
+        )
+    p = num_prefix_tokens
+    attn = attention[..., p:, p:].double()  # (B, H, N, N)
+    attn = attn / attn.sum(dim=-1, keepdim=True).clamp(min=1e-12)
+    centres = patch_centres(grid, patch_size).to(attn.device)
+    dist = torch.cdist(centres, centres)  # (N, N)
+    per_query = (attn * dist).sum(dim=-1)  # (B, H, N)
+    return per_query.mean(dim=(0, 2)).float()
+
+
+def attention_rollout(
+    attentions: Sequence[Tensor],
+    num_prefix_tokens: int,
+    head_fusion: Literal["mean", "max", "min"] = "mean",
+) -> Tensor:
+    """Abnar & Zuidema's rollout: fuse heads, add the identity (the residual), re-normalise rows,
+    multiply through the layers. Returns (B, N) maps over patches: the class token's row, or the
+    mean over patch queries for models without prefix tokens."""
+    if not attentions:
+        raise ValueError("attention_rollout needs at least one layer's attention")
+    rollout = None
+    for attn in attentions:
+        a = attn.double()
+        fused = {"mean": a.mean(dim=1), "max": a.amax(dim=1), "min": a.amin(dim=1)}[head_fusion]
+        eye = torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
+        fused = fused + eye
+        fused = fused / fused.sum(dim=-1, keepdim=True)
+        rollout = fused if rollout is None else fused @ rollout
+    p = num_prefix_tokens
+    if p:
+        return rollout[:, 0, p:].float()
+    return rollout.mean(dim=1).float()
+
+
+def pos_embed_similarity(model: VisionTransformer) -> Tensor:
+    """Cosine similarity of each patch's position embedding with all others, in patch layout:
+    (N, rows, cols). Raises for kinds without per-patch vectors (relative, none)."""
+    vectors = model.pos_embed.patch_vectors()
+    if vectors is None:
+        raise ValueError(
+            f"position embeddings of kind {model.config.pos_embed!r} have no per-patch vectors"
+        )
+    v = F.normalize(vectors.detach().float(), dim=-1)
+    rows, cols = model.config.grid
+    return (v @ v.T).reshape(rows * cols, rows, cols)
+
+
+def embedding_filters(model: VisionTransformer, k: int = 28) -> Tensor:
+    """The top-k principal components of the patch-embedding filters E as images (k, C, P, P)."""
+    w = model.patch_embed.proj.weight.detach().float()  # (D, C, P, P)
+    d, c, p, _ = w.shape
+    flat = w.reshape(d, c * p * p)
+    flat = flat - flat.mean(dim=0, keepdim=True)
+    k = min(k, *flat.shape)
+    _, _, v = torch.linalg.svd(flat, full_matrices=False)  # rows of v: principal directions
+    return v[:k].reshape(k, c, p, p)

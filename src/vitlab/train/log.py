@@ -1,0 +1,136 @@
+"""What a run shows and leaves behind: the progress bar, metrics.jsonl, TensorBoard, curves.png
+and results.json (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from vitlab.config import RunConfig
+
+
+class RunLog:
+    """Progress bar, metrics.jsonl, TensorBoard, curves.png, results.json (rank 0 only)."""
+
+    def __init__(self, out: Path, cfg: RunConfig, active: bool, resumed: bool) -> None:
+        self.out, self.active = out, active
+        self.tb = None
+        if not active:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "config.yaml", "w") as f:
+            yaml.safe_dump(cfg.to_tree(), f, sort_keys=False)
+        self.metrics = out / "metrics.jsonl"
+        if not resumed:
+            self.metrics.write_text("")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tensorboard"))
+        except ImportError:
+            self.tb = None
+
+    def bar(self, epoch: int, epochs: int, batches: int, start: int, batch_size: int):
+        return _Bar(self.active, epoch, epochs, batches, start, batch_size)
+
+    def epoch(self, epoch: int, stats: dict, val: dict | None, lr: float) -> dict:
+        record = {
+            "epoch": epoch,
+            "train_loss": round(stats["loss"], 6),
+            "train_acc": round(stats["acc"], 6),
+            "val_loss": round(val["loss"], 6) if val else None,
+            "val_acc": round(val["top1"], 6) if val else None,
+            "lr": lr,
+            "images_per_s": round(stats["images_per_s"], 1),
+            "seconds": round(stats["seconds"], 2),
+        }
+        if not self.active:
+            return record
+        with open(self.metrics, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "epoch" and v is not None:
+                    self.tb.add_scalar(k, v, epoch)
+        val_text = f" val loss {val['loss']:.4f} acc {100 * val['top1']:.2f}%" if val else ""
+        print(
+            f"epoch {epoch}: train loss {stats['loss']:.4f} acc {100 * stats['acc']:.2f}%"
+            f"{val_text} lr {lr:.2e} {stats['images_per_s']:.0f} img/s {stats['seconds']:.1f}s",
+            file=sys.stderr,
+        )
+        return record
+
+    def finish(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        records = [json.loads(line) for line in self.metrics.read_text().splitlines() if line]
+        if records:
+            save_curves(records, self.out / "curves.png")
+
+    def results(self, test: dict, classes: list[str]) -> None:
+        summary = {k: v for k, v in test.items() if k != "confusion"}
+        summary["classes"] = classes
+        (self.out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(
+            f"test: top-1 {100 * test['top1']:.2f}%  top-5 {100 * test['top5']:.2f}%  loss "
+            f"{test['loss']:.4f} on {test['num_images']:,} images; run folder {self.out}",
+            file=sys.stderr,
+        )
+
+
+class _Bar:
+    def __init__(self, active: bool, epoch: int, epochs: int, total: int, start: int, bs: int):
+        from tqdm import tqdm
+
+        self.bs, self.start = bs, start
+        self.tqdm = tqdm(
+            total=total,
+            initial=start,
+            desc=f"epoch {epoch + 1}/{epochs}",
+            unit="batch",
+            disable=not active,
+            dynamic_ncols=True,
+            mininterval=1.0 if sys.stderr.isatty() else 30.0,  # keep logs short
+            file=sys.stderr,
+        )
+        self.t0 = time.perf_counter()
+
+    def update(self, stats: dict) -> None:
+        rate = (stats["batch"] - self.start) * self.bs / max(time.perf_counter() - self.t0, 1e-9)
+        self.tqdm.set_postfix(
+            loss=f"{stats['loss']:.3f}",
+            acc=f"{100 * stats['acc']:.1f}%",
+            img_s=f"{rate:.0f}",
+            refresh=False,  # update() redraws, at most every mininterval
+        )
+        self.tqdm.update(stats["batch"] - self.tqdm.n)
+
+    def close(self) -> None:
+        self.tqdm.close()
+
+
+def save_curves(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [r["epoch"] for r in records]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(epochs, [r["train_loss"] for r in records], "o-", label="train")
+    ax2.plot(epochs, [100 * r["train_acc"] for r in records], "o-", label="train")
+    if records[0]["val_loss"] is not None:
+        ax1.plot(epochs, [r["val_loss"] for r in records], "s-", label="validation")
+        ax2.plot(epochs, [100 * r["val_acc"] for r in records], "s-", label="validation")
+    ax1.set(xlabel="epoch", ylabel="loss", title="loss")
+    ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,71 @@
+"""The paper's analyses on constructed attention with known answers (issue 5's functions)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from tests.helpers import tiny_config
+from vitlab.analysis.attention import (
+    attention_rollout,
+    embedding_filters,
+    mean_attention_distance,
+    pos_embed_similarity,
+)
+from vitlab.models.vit import VisionTransformer
+
+
+def test_attending_to_itself_is_distance_zero() -> None:
+    attn = torch.eye(1 + 12).expand(2, 3, 13, 13)
+    assert torch.equal(mean_attention_distance(attn, (3, 4), 16, 1), torch.zeros(3))
+
+
+def test_uniform_attention_gives_the_analytic_mean_distance() -> None:
+    grid, p = (3, 4), 10
+    cells = list(itertools.product(range(grid[0]), range(grid[1])))
+    expected = (
+        sum(((a[0] - b[0]) ** 2 + (a[1] - b[1]) ** 2) ** 0.5 * p for a in cells for b in cells)
+        / len(cells) ** 2
+    )
+    attn = torch.full((1, 2, 13, 13), 1 / 13)  # the class column's weight is dropped, rows renormed
+    torch.testing.assert_close(
+        mean_attention_distance(attn, grid, p, 1), torch.full((2,), expected, dtype=torch.float32)
+    )
+
+
+def test_attending_to_the_right_neighbour_is_one_patch_side() -> None:
+    grid, n = (4, 4), 16
+    attn = torch.zeros(1, 1, n, n)
+    for q in range(n):
+        r, c = divmod(q, 4)
+        neighbour = c + 1 if c < 3 else c - 1  # the last column looks left: also one side away
+        attn[0, 0, q, r * 4 + neighbour] = 1.0
+    torch.testing.assert_close(mean_attention_distance(attn, grid, 16, 0), torch.tensor([16.0]))
+
+
+def test_rollout_of_identity_attention_is_the_identity() -> None:
+    eye = torch.eye(5).expand(2, 4, 5, 5)
+    out = attention_rollout([eye, eye, eye], num_prefix_tokens=1)
+    assert torch.equal(out, torch.zeros(2, 4))  # the class token only ever attends to itself
+    out = attention_rollout([eye, eye], num_prefix_tokens=0)
+    torch.testing.assert_close(out, torch.full((2, 5), 1 / 5))
+
+
+def test_sincos_similarity_is_higher_near_than_far() -> None:
+    model = VisionTransformer(tiny_config(pos_embed="sincos2d", img_size=32, embed_dim=64))
+    sim = pos_embed_similarity(model)
+    assert sim.shape == (64, 8, 8)
+    centre = 3 * 8 + 3
+    assert sim[centre, 3, 4] > sim[centre, 7, 7] and sim[centre, 3, 3] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no per-patch vectors"):
+        pos_embed_similarity(VisionTransformer(tiny_config(pos_embed="relative")))
+
+
+def test_embedding_filters_are_orthonormal_principal_components() -> None:
+    model = VisionTransformer(tiny_config(in_chans=3))
+    f = embedding_filters(model, k=5)
+    assert f.shape == (5, 3, 4, 4)
+    flat = f.reshape(5, -1)
+    torch.testing.assert_close(flat @ flat.T, torch.eye(5), atol=1e-5, rtol=0)

@@ -1,0 +1,69 @@
+"""Presets: each parses strictly, states its command and smoke size; the CLI documents options."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vitlab.cli.main import main
+from vitlab.config import ConfigError, RunConfig, load_run_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def test_the_presets_the_issue_names_exist() -> None:
+    names = {p.stem for p in CONFIGS}
+    assert {
+        "digits",
+        "fashion-mnist-quick",
+        "fashion-mnist",
+        "cifar10",
+        "imagenet-pretrain",
+        "imagenet-finetune-384",
+    } <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_preset_parses_and_states_its_commands(path: Path) -> None:
+    cfg = load_run_config(str(path))
+    cfg.model.vit_config()
+    text = path.read_text()
+    assert "# run:" in text and "# smoke:" in text
+    assert RunConfig.from_tree(cfg.to_tree()) == cfg
+
+
+def test_digits_preset_smoke(tmp_path: Path) -> None:
+    assert main(["train", "--config", "configs/digits.yaml", "--out", str(tmp_path / "r"),
+                 "train.epochs=1"]) == 0  # fmt: skip
+    assert (tmp_path / "r" / "results.json").is_file()
+
+
+def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  epochs: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_run_config(str(bad))
+    bad.write_text("train:\n  epocs: 3\n")
+    with pytest.raises(ConfigError, match="unknown key 'epocs' for section 'train'"):
+        load_run_config(str(bad))
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_run_config(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize(
+    "command,words",
+    [
+        ("train", ["--config", "--out", "--resume", "key=value", "finetune.from", "fsdp"]),
+        ("eval", ["--data", "--split", "--json", "--out"]),
+        ("predict", ["--topk", "--json", "IMAGE"]),
+    ],
+)
+def test_help_explains_the_options(command: str, words: list[str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "vitlab", command, "--help"], capture_output=True, text=True
+    ).stdout
+    for word in words:
+        assert word in out, word
