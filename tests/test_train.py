@@ -252,7 +252,9 @@ def test_finetune_at_another_resolution_with_a_new_head(trained_run: Path, tmp_p
     assert model.pos_embed.weight.shape == (1, 1 + 64, 64)
 
 
-def test_ddp_two_processes_equal_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_equal_one_process(tmp_path: Path, strategy: str) -> None:
+    """torchrun with 2 CPU processes (gloo) against one process with the same global batch."""
     # SGD: Adam would turn the float noise in the key bias's (mathematically zero) gradient
     # into full-size steps, so two summation orders drift apart there
     common = [*FAST, "train.epochs=2", "data.val_fraction=0", "train.precision=fp32",
@@ -264,27 +266,45 @@ def test_ddp_two_processes_equal_one_process(tmp_path: Path) -> None:
         capture_output=True,
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ddp = tmp_path / "ddp"
+    multi = tmp_path / strategy
+    port = 29533 if strategy == "ddp" else 29534
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--nproc_per_node=2",
-            "--master_port=29533",
+            f"--master_port={port}",
             "-m",
             "vitlab",
             "train",
             "--out",
-            str(ddp),
+            str(multi),
             *common,
+            f"train.strategy={strategy}",
         ],  # fmt: skip
         capture_output=True,
         text=True,
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = weights_of(single), weights_of(ddp)
+    assert "2 processes" in proc.stderr
+    a, b = weights_of(single), weights_of(multi)
+    assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=2e-5, rtol=1e-4, msg=k)
     assert not torch.equal(a["head.weight"], torch.zeros_like(a["head.weight"]))
+    ra = json.loads((single / "results.json").read_text())
+    rb = json.loads((multi / "results.json").read_text())
+    assert ra["num_images"] == rb["num_images"] == 359  # every test image counted once
+    assert ra["top1"] == pytest.approx(rb["top1"], abs=1 / 359)
+
+
+def test_gradient_accumulation_equals_the_larger_batch(tmp_path: Path) -> None:
+    """2 x 32 accumulated == one batch of 64 (the same samples, the mean loss), with SGD."""
+    common = ["train.epochs=1", "data.val_fraction=0", "optim.name=sgd", "optim.lr=0.05"]
+    big = train(cfg(*common, "train.batch_size=64"), out=tmp_path / "big")
+    accum = train(cfg(*common, "train.batch_size=32", "train.accum_steps=2"), out=tmp_path / "acc")
+    a, b = weights_of(big), weights_of(accum)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
