@@ -58,13 +58,13 @@ def evaluate(
 
 
 def format_confusion(confusion: list[list[int]], classes: list[str]) -> str:
-    """The confusion matrix as text: rows are true classes, columns predictions."""
-    names = [c[:10] for c in classes]
-    width = max(6, *(len(n) for n in names), *(len(str(v)) for row in confusion for v in row))
-    lines = [" " * (width + 2) + " ".join(f"{i:>{width}}" for i in range(len(names)))]
-    for i, (name, row) in enumerate(zip(names, confusion, strict=True)):
-        cells = " ".join(f"{v:>{width}}" for v in row)
-        lines.append(f"{i:>2} {name:<{width}}"[: width + 2].ljust(width + 2) + cells)
+    """The confusion matrix as text: rows are true classes, columns predictions (by index)."""
+    names = [f"{i:>2} {c[:12]}" for i, c in enumerate(classes)]
+    label = max(len(n) for n in names)
+    cell = max(3, *(len(str(v)) for row in confusion for v in row))
+    lines = [" " * label + " " + " ".join(f"{i:>{cell}}" for i in range(len(classes)))]
+    for name, row in zip(names, confusion, strict=True):
+        lines.append(f"{name:<{label}} " + " ".join(f"{v:>{cell}}" for v in row))
     return "\n".join(lines)
 
 
