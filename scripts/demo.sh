@@ -24,5 +24,7 @@ fi
 out="runs/demo-$(date +%Y%m%d-%H%M%S)"
 "$BIN/vitlab" train --config "$config" --out "$out"
 "$BIN/vitlab" eval "$out"
+index=$("$BIN/vitlab" analyze "$out" --out "$out/analysis")
 echo
 echo "run folder: $out"
+echo "analysis:   $index (open it in a browser)"

@@ -48,28 +48,37 @@ def mean_attention_distance(
     return per_query.mean(dim=(0, 2)).float()
 
 
+def rollout_step(
+    rollout: Tensor | None, attention: Tensor, head_fusion: Literal["mean", "max", "min"] = "mean"
+) -> Tensor:
+    """One layer of rollout: fuse heads of (B, H, T, T), add the identity (the residual),
+    re-normalise rows, multiply onto the product so far. Returns (B, T, T) in float64."""
+    a = attention.double()
+    fused = {"mean": a.mean(dim=1), "max": a.amax(dim=1), "min": a.amin(dim=1)}[head_fusion]
+    fused = fused + torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
+    fused = fused / fused.sum(dim=-1, keepdim=True)
+    return fused if rollout is None else fused @ rollout
+
+
+def rollout_map(rollout: Tensor, num_prefix_tokens: int) -> Tensor:
+    """(B, T, T) rollout -> (B, N) map over patches: the class token's row, or the mean over
+    patch queries for models without prefix tokens."""
+    p = num_prefix_tokens
+    return (rollout[:, 0, p:] if p else rollout.mean(dim=1)).float()
+
+
 def attention_rollout(
     attentions: Sequence[Tensor],
     num_prefix_tokens: int,
     head_fusion: Literal["mean", "max", "min"] = "mean",
 ) -> Tensor:
-    """Abnar & Zuidema's rollout: fuse heads, add the identity (the residual), re-normalise rows,
-    multiply through the layers. Returns (B, N) maps over patches: the class token's row, or the
-    mean over patch queries for models without prefix tokens."""
+    """Abnar & Zuidema's rollout through all layers (see rollout_step): (B, N) maps over patches."""
     if not attentions:
         raise ValueError("attention_rollout needs at least one layer's attention")
     rollout = None
     for attn in attentions:
-        a = attn.double()
-        fused = {"mean": a.mean(dim=1), "max": a.amax(dim=1), "min": a.amin(dim=1)}[head_fusion]
-        eye = torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
-        fused = fused + eye
-        fused = fused / fused.sum(dim=-1, keepdim=True)
-        rollout = fused if rollout is None else fused @ rollout
-    p = num_prefix_tokens
-    if p:
-        return rollout[:, 0, p:].float()
-    return rollout.mean(dim=1).float()
+        rollout = rollout_step(rollout, attn, head_fusion)
+    return rollout_map(rollout, num_prefix_tokens)
 
 
 def pos_embed_similarity(model: VisionTransformer) -> Tensor:

@@ -7,12 +7,12 @@ import sys
 from collections.abc import Sequence
 
 from vitlab import __version__
-from vitlab.cli import cost, models, predict, train
+from vitlab.cli import analyze, cost, models, predict, train
 from vitlab.cli import eval as eval_cmd
 from vitlab.config import ConfigError
 from vitlab.models.registry import UnknownModelError
 
-COMMANDS = (models, cost, train, eval_cmd, predict)
+COMMANDS = (models, cost, train, eval_cmd, predict, analyze)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,6 +22,15 @@ def _run_folder(weights: Path) -> Path | None:
     return run if (run / "config.yaml").is_file() else None
 
 
+def run_config_of(weights: Path) -> RunConfig | None:
+    """The config of the run a checkpoint belongs to, if it belongs to one."""
+    run = _run_folder(weights)
+    if run is None:
+        return None
+    with open(run / "config.yaml") as f:
+        return RunConfig.from_tree(yaml.safe_load(f))
+
+
 def evaluate_checkpoint(
     checkpoint: str,
     data: str | None = None,
@@ -35,10 +44,7 @@ def evaluate_checkpoint(
     validation carve-out default to the checkpoint's run config."""
     weights = resolve_checkpoint(checkpoint)
     run = _run_folder(weights)
-    run_cfg = None
-    if run is not None:
-        with open(run / "config.yaml") as f:
-            run_cfg = RunConfig.from_tree(yaml.safe_load(f))
+    run_cfg = run_config_of(weights)
     name = data or (run_cfg.data.name if run_cfg else "digits")
     folder = data_dir or (run_cfg.data.dir if run_cfg and name == run_cfg.data.name else None)
     dev = pick_device(device)

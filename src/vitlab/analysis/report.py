@@ -1,0 +1,283 @@
+"""`vitlab analyze`: the paper's Fig. 6-7 analyses of one checkpoint, written as images, raw numbers
+(analysis.json) and a page (index.html) that opens from disk without a server.
+
+Attention is taken one layer at a time (iter_intermediates), folded into the running statistics
+(mean distances, rollout product) and dropped, so memory holds one layer's maps beyond the model."""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from vitlab.analysis.attention import (
+    embedding_filters,
+    mean_attention_distance,
+    pos_embed_similarity,
+    rollout_map,
+    rollout_step,
+)
+from vitlab.data import load_split
+from vitlab.data.datasets import ArraySplit, DatasetError
+from vitlab.data.transforms import Preprocessing
+from vitlab.models.vit import VisionTransformer
+
+
+@dataclass
+class Images:
+    names: list[str]
+    display: Tensor  # (B, C, H, W) uint8 at the model's size, for overlays
+    inputs: Tensor  # (B, C, H, W) normalised model input
+
+
+@dataclass
+class Report:
+    out: Path
+    files: list[tuple[str, str]] = field(default_factory=list)  # (file, caption)
+    notes: list[str] = field(default_factory=list)
+
+
+def load_images(
+    pre: Preprocessing, files: list[str] | None, data: str | None, data_dir: str | None, n: int
+) -> Images:
+    """Image files (any format, size, mode), or the first n test images of a dataset."""
+    from PIL import Image, UnidentifiedImageError
+    from torchvision.transforms.v2 import functional as TF
+
+    if files:
+        shown = []
+        for path in files:
+            try:
+                with Image.open(path) as im:
+                    rgb = im.convert("L" if pre.in_chans == 1 else "RGB")
+                    shown.append(pre.resize(TF.pil_to_tensor(rgb)[None])[0])
+            except (OSError, UnidentifiedImageError) as e:
+                raise DatasetError(f"cannot read image {path}: {e}") from None
+        display = torch.stack(shown)
+        return Images([Path(f).name for f in files], display, pre.batch(display))
+    split = load_split(data or "digits", "test", data_dir)
+    if not isinstance(split, ArraySplit):
+        raise DatasetError("analyze --data takes in-memory datasets; pass folders via --images")
+    if split.images.shape[1] != pre.in_chans:
+        raise DatasetError(
+            f"{data} has {split.images.shape[1]} channels, the model takes {pre.in_chans}"
+        )
+    display = pre.resize(split.images[:n])
+    names = [f"{data}-test-{i}-{split.classes[y]}" for i, y in enumerate(split.labels[:n].tolist())]
+    return Images(names, display, pre.batch(display))
+
+
+@torch.no_grad()
+def attention_statistics(
+    model: VisionTransformer, inputs: Tensor, batch_size: int = 16
+) -> tuple[Tensor, Tensor]:
+    """(mean attention distance per layer and head (L, H) in pixels, rollout maps (B, N))."""
+    cfg = model.config
+    depth = len(model.blocks)
+    sums = torch.zeros(depth, cfg.num_heads, dtype=torch.float64)
+    maps = []
+    for batch in inputs.split(batch_size):
+        rollout = None
+        for i, _, attn in model.iter_intermediates(batch, return_attention=True):
+            sums[i] += (
+                len(batch)
+                * mean_attention_distance(
+                    attn, cfg.grid, cfg.patch_size, cfg.num_prefix_tokens
+                ).double()
+            )
+            rollout = rollout_step(rollout, attn)
+            del attn  # one layer's maps at a time
+        maps.append(rollout_map(rollout, cfg.num_prefix_tokens))
+    return (sums / len(inputs)).float(), torch.cat(maps)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_distances(distances: Tensor, path: Path, title: str) -> None:
+    plt = _plt()
+    depth, heads = distances.shape
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for h in range(heads):
+        ax.scatter(torch.arange(1, depth + 1), distances[:, h], s=18, alpha=0.8, label=f"head {h}")
+    ax.set(xlabel="network depth (layer)", ylabel="mean attention distance (pixels)", title=title)
+    ax.set_xticks(range(1, depth + 1))
+    if heads <= 16:
+        ax.legend(fontsize=6, ncol=2, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_similarity(sim: Tensor, path: Path) -> None:
+    """A grid of small maps in patch layout, drawn as one mosaic."""
+    plt = _plt()
+    n, rows, cols = sim.shape
+    pad = 1
+    mosaic = torch.full((rows * (rows + pad), cols * (cols + pad)), float("nan"))
+    for idx in range(n):
+        r, c = divmod(idx, cols)
+        y, x = r * (rows + pad), c * (cols + pad)
+        mosaic[y : y + rows, x : x + cols] = sim[idx]
+    fig, ax = plt.subplots(figsize=(7, 7 * rows / cols + 0.5))
+    im = ax.imshow(mosaic.numpy(), cmap="viridis", vmin=-1, vmax=1)
+    ax.set(xticks=[], yticks=[], xlabel="input patch column", ylabel="input patch row")
+    ax.set_title("position embedding similarity")
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="cosine similarity")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_filters(filters: Tensor, path: Path) -> None:
+    plt = _plt()
+    k, c = filters.shape[:2]
+    cols = min(7, k)
+    rows = -(-k // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.1, rows * 1.1 + 0.4), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        ax.axis("off")
+        if i >= k:
+            continue
+        f = filters[i]
+        f = (f - f.min()) / (f.max() - f.min()).clamp(min=1e-12)
+        ax.imshow(f[0].numpy() if c == 1 else f[:3].permute(1, 2, 0).numpy(), cmap="gray")
+    fig.suptitle("embedding filters (first principal components)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_rollout(image: Tensor, heat: Tensor, grid: tuple[int, int], path: Path, name: str) -> None:
+    plt = _plt()
+    h, w = image.shape[-2:]
+    m = heat.reshape(1, 1, *grid)
+    m = torch.nn.functional.interpolate(m, size=(h, w), mode="bilinear", align_corners=False)[0, 0]
+    m = (m - m.min()) / (m.max() - m.min()).clamp(min=1e-12)
+    img = image.float() / 255
+    shown = img[0].numpy() if img.shape[0] == 1 else img[:3].permute(1, 2, 0).numpy()
+    fig, axes = plt.subplots(1, 3, figsize=(7.5, 2.8))
+    axes[0].imshow(shown, cmap="gray")
+    axes[0].set_title("input")
+    axes[1].imshow(m.numpy(), cmap="inferno")
+    axes[1].set_title("attention rollout")
+    axes[2].imshow(shown, cmap="gray")
+    axes[2].imshow(m.numpy(), cmap="inferno", alpha=0.55)
+    axes[2].set_title("overlay")
+    for ax in axes:
+        ax.axis("off")
+    fig.suptitle(name, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_index(report: Report, title: str, summary: str) -> Path:
+    parts = [
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title>",
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+        "figure{display:inline-block;margin:1em;vertical-align:top}"
+        "img{max-width:100%;border:1px solid #ddd}figcaption{font-size:.9em;color:#333;"
+        "max-width:520px}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        f"<p>{html.escape(summary)}</p>",
+    ]
+    if report.notes:
+        parts.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in report.notes) + "</ul>")
+    for file, caption in report.files:
+        parts.append(
+            f'<figure><img src="{html.escape(file)}" alt="{html.escape(caption)}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+        )
+    parts.append('<p><a href="analysis.json">analysis.json</a>: the raw numbers.</p>')
+    # lets a headless browser (and a curious reader) see that every image really decoded
+    parts.append(
+        "<script>window.addEventListener('load',()=>{const a=[...document.images];"
+        "const ok=a.filter(i=>i.complete&&i.naturalWidth>0).length;"
+        "document.body.dataset.imagesLoaded=ok+'/'+a.length;});</script></body></html>"
+    )
+    path = report.out / "index.html"
+    path.write_text("\n".join(parts) + "\n")
+    return path
+
+
+def analyze(
+    model: VisionTransformer,
+    pre: Preprocessing,
+    images: Images,
+    out: Path,
+    title: str,
+) -> Path:
+    """Write every figure, analysis.json and index.html into `out`; returns index.html's path."""
+    cfg = model.config
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(out)
+    distances, maps = attention_statistics(model, images.inputs)
+    plot_distances(distances, out / "mean_attention_distance.png", "mean attention distance")
+    report.files.append(
+        (
+            "mean_attention_distance.png",
+            f"Mean attention distance (paper Fig. 7 right): one dot per head and layer, over "
+            f"{len(images.names)} images; {cfg.patch_size}-pixel patches on a "
+            f"{cfg.img_hw[0]}x{cfg.img_hw[1]} image.",
+        )
+    )
+    try:
+        plot_similarity(pos_embed_similarity(model), out / "pos_embed_similarity.png")
+        report.files.append(
+            (
+                "pos_embed_similarity.png",
+                "Position embedding similarity (Fig. 7 centre): tile (r, c) shows the cosine "
+                "similarity of patch (r, c)'s embedding with every other patch's.",
+            )
+        )
+    except ValueError as e:
+        report.notes.append(f"position-embedding similarity skipped: {e}")
+    filters = embedding_filters(model, k=28)
+    plot_filters(filters, out / "embedding_filters.png")
+    report.files.append(
+        (
+            "embedding_filters.png",
+            f"Patch embedding filters (Fig. 7 left): the top {len(filters)} principal "
+            f"components of E, as {cfg.patch_size}x{cfg.patch_size} images.",
+        )
+    )
+    for i, name in enumerate(images.names):
+        file = f"rollout_{i:03d}.png"
+        plot_rollout(images.display[i], maps[i], cfg.grid, out / file, name)
+        report.files.append(
+            (file, f"Attention rollout (Fig. 6) for {name}: input, map, map over the input.")
+        )
+    if cfg.pool == "gap" or not cfg.class_token:
+        report.notes.append("no class token: rollout maps are the mean over patch queries")
+    result = {
+        "image_size": list(cfg.img_hw),
+        "patch_size": cfg.patch_size,
+        "grid": list(cfg.grid),
+        "num_images": len(images.names),
+        "pos_embed": cfg.pos_embed,
+        "pool": cfg.pool,
+        "mean_attention_distance": distances.tolist(),  # layers x heads, pixels
+        "rollout": {n: maps[i].tolist() for i, n in enumerate(images.names)},
+        "files": [f for f, _ in report.files],
+        "notes": report.notes,
+    }
+    (out / "analysis.json").write_text(json.dumps(result, indent=1) + "\n")
+    summary = (
+        f"{cfg.depth} layers, {cfg.num_heads} heads, width {cfg.embed_dim}, {cfg.pos_embed} "
+        f"position embeddings, {cfg.pool} pooling, {len(images.names)} images."
+    )
+    return write_index(report, title, summary)

@@ -1,0 +1,46 @@
+"""`vitlab analyze`: attention distance, rollout, position similarity, filters of a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "analyze",
+        help="the paper's Fig. 6-7 analyses of a checkpoint, as images and an HTML page",
+        description="Writes into --out: mean_attention_distance.png (per layer and head), "
+        "pos_embed_similarity.png, embedding_filters.png, rollout_NNN.png (attention rollout "
+        "overlays per image), analysis.json (the raw numbers) and index.html (all of it, opens "
+        "from disk). Attention is held one layer at a time.",
+    )
+    p.add_argument("checkpoint", metavar="RUN_OR_CKPT")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", help="dataset whose test images to use (default: the run's)")
+    src.add_argument("--images", nargs="+", metavar="FILE", help="image files to analyse")
+    p.add_argument("--data-dir", help="where the dataset's files are")
+    p.add_argument("--num-images", type=int, default=8, help="test images to use (default 8)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--out", type=Path, required=True, help="folder for the figures and index.html")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vitlab.analysis.report import analyze, load_images
+    from vitlab.eval.run import run_config_of
+    from vitlab.train.run import pick_device
+    from vitlab.train.state import load_model, resolve_checkpoint
+
+    if args.num_images < 1:
+        raise ValueError(f"--num-images must be at least 1, got {args.num_images}")
+    weights = resolve_checkpoint(args.checkpoint)
+    model, meta = load_model(weights, pick_device(args.device))
+    model = model.cpu()
+    run_cfg = run_config_of(weights)
+    data = args.data or (run_cfg.data.name if run_cfg else "digits")
+    data_dir = args.data_dir or (run_cfg.data.dir if run_cfg else None)
+    images = load_images(meta.preprocessing, args.images, data, data_dir, args.num_images)
+    index = analyze(model, meta.preprocessing, images, args.out, f"vitlab analyze: {weights}")
+    print(index)
+    return 0

@@ -1,0 +1,135 @@
+"""`vitlab analyze` end to end on tiny trained models, and index.html in a real headless browser."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vitlab.cli.main import main
+from vitlab.config import load_run_config
+from vitlab.train.run import train
+
+TINY = [
+    "model.img_size=8",
+    "model.patch_size=2",
+    "model.embed_dim=32",
+    "model.depth=3",
+    "model.num_heads=2",
+    "model.mlp_dim=64",
+    "train.epochs=2",
+]
+FIGURES = ["mean_attention_distance.png", "pos_embed_similarity.png", "embedding_filters.png"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("analyze")
+    token = train(load_run_config(None, TINY), out=root / "token")
+    gap_rel = train(
+        load_run_config(
+            None, [*TINY, "model.pos_embed=relative", "model.pool=gap", "model.class_token=false"]
+        ),
+        out=root / "gap",
+    )
+    return {"token": token, "gap": gap_rel}
+
+
+def referenced(index: Path) -> list[str]:
+    return re.findall(r'(?:src|href)="([^"]+)"', index.read_text())
+
+
+def test_analyze_writes_every_file_and_the_page_references_only_those(runs, tmp_path, capsys):
+    out = tmp_path / "a"
+    assert main(["analyze", str(runs["token"]), "--num-images", "3", "--out", str(out)]) == 0
+    index = Path(capsys.readouterr().out.strip())
+    assert index == out / "index.html"
+    for name in [*FIGURES, "rollout_000.png", "rollout_002.png", "analysis.json"]:
+        assert (out / name).is_file(), name
+    refs = referenced(index)
+    assert set(FIGURES) <= set(refs)
+    assert all((out / r).is_file() for r in refs), refs
+    data = json.loads((out / "analysis.json").read_text())
+    assert data["image_size"] == [8, 8] and data["patch_size"] == 2 and data["num_images"] == 3
+    distances = np.array(data["mean_attention_distance"])
+    assert distances.shape == (3, 2)  # layers x heads
+    max_distance = (6**2 + 6**2) ** 0.5  # corner patch centres of a 4x4 grid of 2-px patches
+    assert (distances > 0).all() and (distances <= max_distance).all()
+    assert len(data["rollout"]) == 3
+
+
+def test_gap_model_with_relative_positions_skips_what_does_not_apply(runs, tmp_path, capsys):
+    out = tmp_path / "g"
+    assert main(["analyze", str(runs["gap"]), "--num-images", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    data = json.loads((out / "analysis.json").read_text())
+    assert not (out / "pos_embed_similarity.png").exists()
+    assert any("no per-patch vectors" in n for n in data["notes"])
+    assert any("mean over patch queries" in n for n in data["notes"])
+    assert "position-embedding similarity skipped" in (out / "index.html").read_text()
+    assert all((out / r).is_file() for r in referenced(out / "index.html"))
+
+
+def test_analyze_image_files_of_any_size_and_mode(runs, tmp_path, capsys) -> None:
+    files = []
+    for i, (mode, size) in enumerate([("RGB", (40, 30)), ("RGBA", (9, 9)), ("L", (64, 64))]):
+        shape = (size[1], size[0], len(mode)) if mode != "L" else (size[1], size[0])
+        path = tmp_path / f"img{i}.png"
+        Image.fromarray(
+            np.random.default_rng(i).integers(0, 256, shape, dtype=np.uint8), mode
+        ).save(path)
+        files.append(str(path))
+    out = tmp_path / "f"
+    assert main(["analyze", str(runs["token"]), "--images", *files, "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert json.loads((out / "analysis.json").read_text())["num_images"] == 3
+    assert (out / "rollout_002.png").is_file()
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"nope")
+    assert main(["analyze", str(runs["token"]), "--images", str(bad), "--out", str(out)]) == 2
+    assert "cannot read image" in capsys.readouterr().err
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def images_loaded(index: Path, profile: Path) -> str:
+    dom = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            "--dump-dom",
+            index.as_uri(),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    found = re.search(r'data-images-loaded="(\d+/\d+)"', dom)
+    assert found, dom[-2000:]
+    return found.group(1)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+def test_index_html_renders_in_headless_chromium_with_every_image(runs, tmp_path, capsys):
+    out = tmp_path / "b"
+    assert main(["analyze", str(runs["token"]), "--num-images", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    count = len(re.findall(r"<img ", (out / "index.html").read_text()))
+    assert images_loaded(out / "index.html", tmp_path / "p1") == f"{count}/{count}"
+    (out / "rollout_001.png").unlink()  # the check can fail: a missing image is seen as missing
+    assert images_loaded(out / "index.html", tmp_path / "p2") == f"{count - 1}/{count}"
