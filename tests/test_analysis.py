@@ -69,3 +69,27 @@ def test_embedding_filters_are_orthonormal_principal_components() -> None:
     assert f.shape == (5, 3, 4, 4)
     flat = f.reshape(5, -1)
     torch.testing.assert_close(flat @ flat.T, torch.eye(5), atol=1e-5, rtol=0)
+
+
+def test_statistics_hold_one_layer_of_attention_at_a_time() -> None:
+    """When block i starts, no earlier block's attention maps are alive any more."""
+    import weakref
+
+    from vitlab.analysis.report import attention_statistics
+
+    model = VisionTransformer(tiny_config(depth=4)).eval()
+    alive: list[weakref.ref] = []
+    seen_alive = []
+
+    def keep_ref(module, args, output):
+        alive.append(weakref.ref(output[1]))
+
+    def check(module, args):
+        seen_alive.append(sum(r() is not None for r in alive))
+
+    for blk in model.blocks:
+        blk.register_forward_pre_hook(check)
+        blk.register_forward_hook(keep_ref)
+    distances, maps = attention_statistics(model, torch.randn(3, 3, 16, 16))
+    assert seen_alive == [0, 0, 0, 0]
+    assert distances.shape == (4, 4) and maps.shape == (3, 16)

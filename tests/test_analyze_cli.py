@@ -133,3 +133,26 @@ def test_index_html_renders_in_headless_chromium_with_every_image(runs, tmp_path
     assert images_loaded(out / "index.html", tmp_path / "p1") == f"{count}/{count}"
     (out / "rollout_001.png").unlink()  # the check can fail: a missing image is seen as missing
     assert images_loaded(out / "index.html", tmp_path / "p2") == f"{count - 1}/{count}"
+
+
+@pytest.mark.parametrize("pool", ["token", "gap"])
+@pytest.mark.parametrize("kind", ["learned", "learned_2d", "relative", "sincos2d", "none"])
+def test_every_position_kind_and_pooling_at_another_resolution(tmp_path, kind, pool) -> None:
+    import torch
+
+    from tests.helpers import tiny_config
+    from vitlab.analysis.report import Images, analyze
+    from vitlab.data.transforms import Preprocessing
+    from vitlab.models.vit import VisionTransformer
+
+    model = VisionTransformer(tiny_config(pos_embed=kind, pool=pool, img_size=16)).eval()
+    model.set_image_size((12, 20))  # any resolution, rectangular too
+    pre = Preprocessing((12, 20), 3, (0.5,) * 3, (0.5,) * 3)
+    display = torch.randint(0, 256, (2, 3, 12, 20), dtype=torch.uint8)
+    index = analyze(model, pre, Images(["a", "b"], display, pre.batch(display)), tmp_path, "t")
+    data = json.loads((tmp_path / "analysis.json").read_text())
+    assert np.array(data["mean_attention_distance"]).shape == (2, 4)
+    assert data["grid"] == [3, 5] and len(data["rollout"]["a"]) == 15
+    has_vectors = kind in ("learned", "learned_2d", "sincos2d")
+    assert (tmp_path / "pos_embed_similarity.png").exists() == has_vectors
+    assert all((tmp_path / r).is_file() for r in referenced(index))

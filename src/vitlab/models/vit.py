@@ -299,6 +299,7 @@ class VisionTransformer(nn.Module):
         for i, tokens, attn in self._walk(self._embed(x), set(chosen), return_attention):
             if i in chosen:
                 yield i, tokens, attn
+            del tokens, attn  # hold no layer's maps while the next block runs
             if i == chosen[-1]:
                 return
 
@@ -333,3 +334,4 @@ class VisionTransformer(nn.Module):
         for i, blk in enumerate(self.blocks):
             x, attn = blk(x, return_attention=return_attention and i in wanted)
             yield i, x, attn
+            del attn
