@@ -86,9 +86,11 @@ def test_analyze_image_files_of_any_size_and_mode(runs, tmp_path, capsys) -> Non
         ).save(path)
         files.append(str(path))
     out = tmp_path / "f"
-    assert main(["analyze", str(runs["token"]), "--images", *files, "--out", str(out)]) == 0
+    args = ["analyze", str(runs["token"]), "--images", *files, "--out", str(out)]
+    assert main([*args, "--head-fusion", "max"]) == 0
     capsys.readouterr()
-    assert json.loads((out / "analysis.json").read_text())["num_images"] == 3
+    data = json.loads((out / "analysis.json").read_text())
+    assert data["num_images"] == 3 and data["head_fusion"] == "max"
     assert (out / "rollout_002.png").is_file()
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"nope")

@@ -73,7 +73,7 @@ def load_images(
 
 @torch.no_grad()
 def attention_statistics(
-    model: VisionTransformer, inputs: Tensor, batch_size: int = 16
+    model: VisionTransformer, inputs: Tensor, batch_size: int = 16, head_fusion: str = "mean"
 ) -> tuple[Tensor, Tensor]:
     """(mean attention distance per layer and head (L, H) in pixels, rollout maps (B, N))."""
     cfg = model.config
@@ -89,7 +89,7 @@ def attention_statistics(
                     attn, cfg.grid, cfg.patch_size, cfg.num_prefix_tokens
                 ).double()
             )
-            rollout = rollout_step(rollout, attn)
+            rollout = rollout_step(rollout, attn, head_fusion)
             del attn  # one layer's maps at a time
         maps.append(rollout_map(rollout, cfg.num_prefix_tokens))
     return (sums / len(inputs)).float(), torch.cat(maps)
@@ -220,12 +220,13 @@ def analyze(
     images: Images,
     out: Path,
     title: str,
+    head_fusion: str = "mean",
 ) -> Path:
     """Write every figure, analysis.json and index.html into `out`; returns index.html's path."""
     cfg = model.config
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out)
-    distances, maps = attention_statistics(model, images.inputs)
+    distances, maps = attention_statistics(model, images.inputs, head_fusion=head_fusion)
     plot_distances(distances, out / "mean_attention_distance.png", "mean attention distance")
     report.files.append(
         (
@@ -259,7 +260,11 @@ def analyze(
         file = f"rollout_{i:03d}.png"
         plot_rollout(images.display[i], maps[i], cfg.grid, out / file, name)
         report.files.append(
-            (file, f"Attention rollout (Fig. 6) for {name}: input, map, map over the input.")
+            (
+                file,
+                f"Attention rollout (Fig. 6, heads fused by {head_fusion}) for {name}: input, "
+                f"map, map over the input.",
+            )
         )
     if cfg.pool == "gap" or not cfg.class_token:
         report.notes.append("no class token: rollout maps are the mean over patch queries")
@@ -270,6 +275,7 @@ def analyze(
         "num_images": len(images.names),
         "pos_embed": cfg.pos_embed,
         "pool": cfg.pool,
+        "head_fusion": head_fusion,
         "mean_attention_distance": distances.tolist(),  # layers x heads, pixels
         "rollout": {n: maps[i].tolist() for i, n in enumerate(images.names)},
         "files": [f for f, _ in report.files],

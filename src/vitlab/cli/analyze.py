@@ -21,6 +21,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--images", nargs="+", metavar="FILE", help="image files to analyse")
     p.add_argument("--data-dir", help="where the dataset's files are")
     p.add_argument("--num-images", type=int, default=8, help="test images to use (default 8)")
+    p.add_argument(
+        "--head-fusion",
+        choices=["mean", "max", "min"],
+        default="mean",
+        help="how rollout fuses the heads of each layer (default mean)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--out", type=Path, required=True, help="folder for the figures and index.html")
     p.set_defaults(run=run)
@@ -41,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     data = args.data or (run_cfg.data.name if run_cfg else "digits")
     data_dir = args.data_dir or (run_cfg.data.dir if run_cfg else None)
     images = load_images(meta.preprocessing, args.images, data, data_dir, args.num_images)
-    index = analyze(model, meta.preprocessing, images, args.out, f"vitlab analyze: {weights}")
+    title = f"vitlab analyze: {weights}"
+    index = analyze(model, meta.preprocessing, images, args.out, title, args.head_fusion)
     print(index)
     return 0
