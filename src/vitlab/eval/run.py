@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
@@ -126,7 +125,3 @@ def predict_files(checkpoint: str, images: list[str], topk: int = 5, device: str
             }
         )
     return results
-
-
-def warn(msg: str) -> None:
-    print(msg, file=sys.stderr)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from vitlab.data.loader import Loader
-from vitlab.train.distributed import Dist, all_sum
+from vitlab.train.distributed import Dist, all_sum, any_rank
 from vitlab.train.optim import EMA
 
 
@@ -76,7 +76,7 @@ def train_epoch(
         if i >= usable:
             break
         first, last = (i % accum == 0), ((i + 1) % accum == 0)
-        if first and any_stop(stop_requested(), d, device):
+        if first and any_rank(stop_requested(), d, device):
             return _stats(sums, start_time, start_images, d, device), True
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         sync = last or not isinstance(model, nn.parallel.DistributedDataParallel)
@@ -86,7 +86,7 @@ def train_epoch(
                 logits.float(), y, label_smoothing=settings.label_smoothing
             )
             bad = not torch.isfinite(loss).item()
-            if any_stop(bad, d, device):
+            if any_rank(bad, d, device):
                 raise NonFiniteLoss(
                     f"loss became {loss.item()} at step {pos.step} (epoch {pos.epoch + 1}, "
                     f"batch {i + 1})"
@@ -112,12 +112,6 @@ def train_epoch(
         if last:
             progress({"loss": sums[0] / sums[2], "acc": sums[1] / sums[2], "batch": i + 1})
     return _stats(sums, start_time, start_images, d, device), False
-
-
-def any_stop(flag: bool, d: Dist, device: torch.device) -> bool:
-    if not d.enabled:
-        return flag
-    return all_sum([float(flag)], d, device)[0] > 0
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
