@@ -72,7 +72,10 @@ def barrier(d: Dist) -> None:
 
 
 def shutdown(d: Dist) -> None:
+    """Leave the process group once every rank is done with it (tearing it down while a peer
+    still has collectives in flight can abort the process at exit)."""
     if d.enabled and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
