@@ -11,9 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from contextlib import nullcontext
 
-import torch
+from model_speed import median_seconds, step_fns  # benchmarks/ is on sys.path when run as a script
 
 from vitlab.config import load_run_config
 from vitlab.data import BatchAugment, Preprocessing, make_loader
@@ -34,21 +33,8 @@ def loader_rate(loader, batches: int) -> float:
 
 
 def step_rate(model, x, y, bf16: bool, steps: int) -> float:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ctx = (lambda: torch.autocast("cpu", torch.bfloat16)) if bf16 else nullcontext
-
-    def step():
-        with ctx():
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    step()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return len(x) * steps / (time.perf_counter() - t)
+    _, train = step_fns(model, x, y, bf16)
+    return len(x) / median_seconds({"step": train}, steps, warmup=1)["step"]
 
 
 def main() -> None:

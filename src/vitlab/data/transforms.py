@@ -102,6 +102,3 @@ class BatchAugment:
         if self.mix is not None:
             x, labels = self.mix(x, labels)
         return x, labels
-
-    def __call__(self, images: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        return self.finish(self.per_image_only(images), labels)

@@ -271,11 +271,17 @@ class SinCos2dPosEmbed(PosEmbed):
         super().set_grid(grid)
 
 
+class RelativeOnlyPosEmbed(PosEmbed):
+    """Nothing added at the input: the relative bias lives in every attention layer."""
+
+    kind = "relative"
+
+
 POS_EMBEDS: dict[str, type[PosEmbed]] = {
     "learned": LearnedPosEmbed,
     "learned_2d": Learned2dPosEmbed,
     "sincos2d": SinCos2dPosEmbed,
-    "relative": PosEmbed,  # nothing added at the input: the bias lives in every attention layer
+    "relative": RelativeOnlyPosEmbed,
     "none": PosEmbed,
 }
 

@@ -145,7 +145,6 @@ class VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(cfg.img_hw, cfg.patch_size, cfg.in_chans, d)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.class_token else None
         self.pos_embed = POS_EMBEDS[cfg.pos_embed](cfg.grid, cfg.num_prefix_tokens, d)
-        self.pos_embed.kind = cfg.pos_embed
         self.pos_drop = nn.Dropout(cfg.dropout)
         rates = torch.linspace(0, cfg.drop_path, cfg.depth, device="cpu").tolist()
         self.blocks = nn.ModuleList(Block(cfg, drop_path=r) for r in rates)

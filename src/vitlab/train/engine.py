@@ -3,6 +3,7 @@ checks that keep a run safe (non-finite loss, a stop request), all with explicit
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -85,11 +86,10 @@ def train_epoch(
             loss = nn.functional.cross_entropy(
                 logits.float(), y, label_smoothing=settings.label_smoothing
             )
-            bad = not torch.isfinite(loss).item()
-            if any_rank(bad, d, device):
+            value = loss.item()  # the step's one host sync
+            if any_rank(not math.isfinite(value), d, device):
                 raise NonFiniteLoss(
-                    f"loss became {loss.item()} at step {pos.step} (epoch {pos.epoch + 1}, "
-                    f"batch {i + 1})"
+                    f"loss became {value} at step {pos.step} (epoch {pos.epoch + 1}, batch {i + 1})"
                 )
             (loss / accum).backward()
         if last:
@@ -105,7 +105,7 @@ def train_epoch(
             pos.batch = i + 1
             pos.rng = rng_state(device)
         target = y.argmax(dim=1) if y.ndim == 2 else y
-        sums[0] += loss.item() * len(y)
+        sums[0] += value * len(y)
         sums[1] += (logits.argmax(dim=1) == target).sum().item()
         sums[2] += len(y)
         start_images += len(y)

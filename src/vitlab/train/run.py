@@ -430,8 +430,9 @@ class Run:
         score = val["top1"] if val else -stats["loss"]
         if score > self.best:
             self.best = score
-            kept = evaluated if evaluated is not None else model.state_dict()
-            self.best_state = {k: v.detach().clone() for k, v in kept.items()}
+            self.best_state = evaluated or {
+                k: v.detach().clone() for k, v in model.state_dict().items()
+            }
             self.save("best", with_state=False, weights=evaluated, info=record)
         self.save("last", with_state=True, info=record)
         distributed.barrier(self.d)
