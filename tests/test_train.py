@@ -20,6 +20,7 @@ from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
 from vitlab.data import load_split
 from vitlab.data.datasets import DatasetError
+from vitlab.models import checkpoint as checkpoint_mod
 from vitlab.train import state as state_mod
 from vitlab.train.engine import NonFiniteLoss
 from vitlab.train.run import train
@@ -178,7 +179,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path: Path, monk
     def die(*a, **k):
         raise OSError("simulated kill while writing")
 
-    monkeypatch.setattr(state_mod, "save_file", die)
+    monkeypatch.setattr(checkpoint_mod, "save_file", die)
     with pytest.raises(OSError, match="simulated"):
         train(load_run_config(str(run / "config.yaml"), ["train.epochs=2"]), resume=run)
     monkeypatch.undo()

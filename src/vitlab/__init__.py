@@ -10,10 +10,13 @@ from vitlab.models import (
     list_models,
     resample_pos_embed,
 )
+from vitlab.models.checkpoint import CheckpointError, load_checkpoint, load_pretrained
+from vitlab.models.preprocessing import Preprocessing
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "UnknownModelError",
     "ViTConfig",
@@ -22,5 +25,8 @@ __all__ = [
     "create_model",
     "get_config",
     "list_models",
+    "load_checkpoint",
+    "load_pretrained",
+    "Preprocessing",
     "resample_pos_embed",
 ]

@@ -20,6 +20,7 @@ from vitlab.models.vit import VisionTransformer, ViTConfig
 
 DEFAULT_PATCH_SIZES = (4, 8, 14, 16, 28, 32, 56)
 PARAM_GROUPS = ("patch_embed", "cls_token", "pos_embed", "blocks", "norm", "pre_logits", "head")
+_GROUP_OF = {"dist_token": "cls_token", "fc_norm": "norm", "head_dist": "head"}
 
 
 @dataclass
@@ -52,10 +53,12 @@ def layer_cost(cfg: ViTConfig, patch_size: int) -> LayerCost:
 
 
 def param_breakdown(model: VisionTransformer) -> dict[str, int]:
-    """Parameters counted from the module, by part; relative-position tables count as pos_embed."""
+    """Parameters counted from the module, by part; relative-position tables count as pos_embed,
+    a distillation token with the class token, fc_norm with norm and head_dist with head."""
     counts = dict.fromkeys(PARAM_GROUPS, 0)
     for name, p in model.named_parameters():
         group = "pos_embed" if "rel_pos" in name else name.split(".")[0]
+        group = _GROUP_OF.get(group, group)
         counts[group] += p.numel()
     counts["total"] = sum(counts.values())
     return counts
@@ -67,7 +70,9 @@ def forward_macs(cfg: ViTConfig) -> int:
     patch = n * cfg.patch_size**2 * cfg.in_chans * d
     per_layer = 2 * t * t * d + 4 * t * d * d + 2 * t * d * cfg.mlp_dim
     width = cfg.representation_size or d
-    head = (d * cfg.representation_size if cfg.representation_size else 0) + width * cfg.num_classes
+    heads = 2 if cfg.distilled else 1
+    head = d * cfg.representation_size if cfg.representation_size else 0
+    head += heads * width * cfg.num_classes
     return patch + cfg.depth * per_layer + head
 
 

@@ -34,20 +34,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import analyze, load_images
-    from vitlab.eval.run import run_config_of
+    from vitlab.eval.run import open_model, run_config_of
     from vitlab.train.run import pick_device
-    from vitlab.train.state import load_model, resolve_checkpoint
 
     if args.num_images < 1:
         raise ValueError(f"--num-images must be at least 1, got {args.num_images}")
-    weights = resolve_checkpoint(args.checkpoint)
-    model, meta = load_model(weights, pick_device(args.device))
+    model, meta, weights = open_model(args.checkpoint, pick_device(args.device))
     model = model.cpu()
-    run_cfg = run_config_of(weights)
+    run_cfg = run_config_of(weights) if weights else None
     data = args.data or (run_cfg.data.name if run_cfg else "digits")
     data_dir = args.data_dir or (run_cfg.data.dir if run_cfg else None)
     images = load_images(meta.preprocessing, args.images, data, data_dir, args.num_images)
-    title = f"vitlab analyze: {weights}"
+    title = f"vitlab analyze: {weights or args.checkpoint}"
     index = analyze(model, meta.preprocessing, images, args.out, title, args.head_fusion)
     print(index)
     return 0

@@ -7,19 +7,20 @@ import sys
 from collections.abc import Sequence
 
 from vitlab import __version__
-from vitlab.cli import analyze, cost, models, predict, train
+from vitlab.cli import analyze, convert, cost, export, models, predict, train
 from vitlab.cli import eval as eval_cmd
 from vitlab.config import ConfigError
 from vitlab.models.registry import UnknownModelError
 
-COMMANDS = (models, cost, train, eval_cmd, predict, analyze)
+COMMANDS = (models, cost, train, eval_cmd, predict, analyze, convert, export)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vitlab",
         description="Vision Transformers (Dosovitskiy et al., ICLR 2021): build, inspect and "
-        "measure ViTs. `vitlab COMMAND --help` explains each command.",
+        "measure ViTs, and convert and export their checkpoints. `vitlab COMMAND --help` "
+        "explains each command.",
     )
     parser.add_argument("--version", action="version", version=f"vitlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

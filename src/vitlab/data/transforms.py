@@ -6,55 +6,12 @@ erased (per image) and mixed (mixup / cutmix, with mixed soft labels)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 from torch import Tensor
 from torchvision.transforms import v2
-from torchvision.transforms.v2 import functional as TF
 
 from vitlab.config import DataConfig
-
-
-@dataclass
-class Preprocessing:
-    """What turns an image into model input; travels with every checkpoint."""
-
-    img_size: tuple[int, int]
-    in_chans: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    interpolation: str = "bilinear"
-
-    def to_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Preprocessing:
-        return cls(
-            img_size=tuple(d["img_size"]),
-            in_chans=int(d["in_chans"]),
-            mean=tuple(d["mean"]),
-            std=tuple(d["std"]),
-            interpolation=d.get("interpolation", "bilinear"),
-        )
-
-    def resize(self, images: Tensor) -> Tensor:
-        """(B, C, H, W) -> (B, C, h, w) at img_size (unchanged when already that size)."""
-        if tuple(images.shape[-2:]) == self.img_size:
-            return images
-        return TF.resize(images, list(self.img_size), antialias=True)
-
-    def batch(self, images: Tensor) -> Tensor:
-        """uint8 (B, C, H, W) -> normalised float (B, C, h, w) at img_size."""
-        x = self.resize(images).float().div_(255.0)
-        return TF.normalize(x, list(self.mean), list(self.std))
-
-    def pil(self, image) -> Tensor:
-        """A PIL image of any mode and size -> normalised float (C, h, w)."""
-        image = image.convert("L" if self.in_chans == 1 else "RGB")
-        x = TF.pil_to_tensor(image)
-        return self.batch(x[None])[0]
+from vitlab.models.preprocessing import Preprocessing
 
 
 def sample_transform(cfg: DataConfig, img_size: tuple[int, int]) -> v2.Compose | None:

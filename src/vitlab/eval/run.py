@@ -11,8 +11,19 @@ from vitlab.config import RunConfig
 from vitlab.data import load_split, make_loader, train_val_split
 from vitlab.data.datasets import DatasetError
 from vitlab.eval.classification import evaluate, format_confusion, save_confusion_png
+from vitlab.models.checkpoint import Checkpoint, load_checkpoint, vitlab_weights
+from vitlab.models.vit import VisionTransformer
 from vitlab.train.run import pick_device
-from vitlab.train.state import load_model, resolve_checkpoint
+
+
+def open_model(
+    source: str | Path, device: torch.device
+) -> tuple[VisionTransformer, Checkpoint, Path | None]:
+    """A model from any checkpoint vitlab reads (a run, a vitlab checkpoint, a timm / HF /
+    torchvision / npz file or folder, a hub name) with its metadata, plus the vitlab weights file
+    when it is one (its run folder holds the data config)."""
+    model, meta = load_checkpoint(source, device=device)
+    return model, meta, vitlab_weights(source)
 
 
 def _run_folder(weights: Path) -> Path | None:
@@ -41,13 +52,12 @@ def evaluate_checkpoint(
 ) -> dict:
     """Metrics of a checkpoint on a split; saves confusion_matrix.png. The dataset and its
     validation carve-out default to the checkpoint's run config."""
-    weights = resolve_checkpoint(checkpoint)
-    run = _run_folder(weights)
-    run_cfg = run_config_of(weights)
+    dev = pick_device(device)
+    model, meta, weights = open_model(checkpoint, dev)
+    run = _run_folder(weights) if weights else None
+    run_cfg = run_config_of(weights) if weights else None
     name = data or (run_cfg.data.name if run_cfg else "digits")
     folder = data_dir or (run_cfg.data.dir if run_cfg and name == run_cfg.data.name else None)
-    dev = pick_device(device)
-    model, meta = load_model(weights, dev)
     if split == "val":
         if run_cfg is None:
             raise DatasetError("--split val needs a run folder (its config defines the split)")
@@ -74,7 +84,7 @@ def evaluate_checkpoint(
         f"{name} {split}: top-1 {100 * metrics['top1']:.2f}%",
     )
     return {
-        "checkpoint": str(weights),
+        "checkpoint": str(weights or checkpoint),
         "data": name,
         "split": split,
         **metrics,
@@ -103,7 +113,9 @@ def predict_files(checkpoint: str, images: list[str], topk: int = 5, device: str
     from PIL import Image, UnidentifiedImageError
 
     dev = pick_device(device)
-    model, meta = load_model(checkpoint, dev)
+    model, meta, _ = open_model(checkpoint, dev)
+    if meta.config.num_classes == 0:
+        raise ValueError(f"{checkpoint} has no classifier (num_classes=0): nothing to predict")
     k = min(topk, meta.config.num_classes)
     results = []
     for path in images:

@@ -400,8 +400,21 @@ class Mlp(nn.Module):
         return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
 
 
+class LayerScale(nn.Module):
+    """Per-channel scale of a residual branch (CaiT, DeiT-3): x * gamma, gamma (D,) starting at
+    `init`."""
+
+    def __init__(self, dim: int, init: float) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), float(init)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gamma
+
+
 class Block(nn.Module):
-    """Pre-LN encoder layer (Eq. 2-3): x + DropPath(MSA(LN(x))), then x + DropPath(MLP(LN(x)))."""
+    """Pre-LN encoder layer (Eq. 2-3): x + DropPath(MSA(LN(x))), then x + DropPath(MLP(LN(x)));
+    with `layer_scale`, each branch is scaled per channel before it is added."""
 
     def __init__(self, cfg: ViTConfig, drop_path: float = 0.0) -> None:
         super().__init__()
@@ -410,13 +423,16 @@ class Block(nn.Module):
             rel_pos = RelativePositionBias(cfg.grid, cfg.num_prefix_tokens, cfg.head_dim)
         self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg, rel_pos)
+        scaled = cfg.layer_scale is not None
+        self.ls1 = LayerScale(cfg.embed_dim, cfg.layer_scale) if scaled else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
         self.mlp = Mlp(cfg)
+        self.ls2 = LayerScale(cfg.embed_dim, cfg.layer_scale) if scaled else nn.Identity()
         self.drop_path2 = DropPath(drop_path)
 
     def forward(self, x: Tensor, return_attention: bool = False) -> tuple[Tensor, Tensor | None]:
         y, attn = self.attn(self.norm1(x), return_attention)
-        x = x + self.drop_path1(y)
-        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        x = x + self.drop_path1(self.ls1(y))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x, attn

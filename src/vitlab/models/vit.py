@@ -5,6 +5,11 @@ tokens  = Block(tokens) x depth                  pre-LN MSA and MLP, both residu
 tokens  = LN(tokens)                             forward_features() returns this
 pooled  = tokens[:, 0] (token) | mean of patch tokens (gap)
 logits  = head(pre_logits(pooled))               forward_head()
+
+Variants of the checkpoints people bring: positions for the patches only, added before the prefix
+tokens are joined (`no_embed_class`, DeiT-3 / big_vision); the final LayerNorm after pooling
+(`fc_norm`, timm's avg-pooled models); a DeiT distillation token with its own head, whose logits
+are averaged with the class token's (`distilled`); per-channel residual scales (`layer_scale`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ class ViTConfig:
     act: ActKind = "gelu"  # "gelu_tanh" is the JAX reference's GELU
     norm_eps: float = 1e-6
     qkv_bias: bool = True
+    no_embed_class: bool = False  # positions cover the patches only, added before the prefix
+    fc_norm: bool = False  # final LayerNorm after pooling instead of over all tokens (timm `avg`)
+    distilled: bool = False  # DeiT: a distillation token after the class token, and its own head
+    layer_scale: float | None = None  # CaiT / DeiT-3 per-channel residual scale, its initial value
 
     def __post_init__(self) -> None:
         validate(self)
@@ -85,6 +94,10 @@ class ViTConfig:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
+        if self.distilled and not (self.class_token and self.pool == "token"):
+            raise ConfigError("distilled=True needs class_token=True and pool='token'")
+        if self.distilled and (self.fc_norm or self.representation_size):
+            raise ConfigError("distilled=True has no fc_norm and no representation_size")
 
     @property
     def img_hw(self) -> tuple[int, int]:
@@ -102,7 +115,7 @@ class ViTConfig:
 
     @property
     def num_prefix_tokens(self) -> int:
-        return int(self.class_token)
+        return int(self.class_token) + int(self.distilled)
 
     @property
     def head_dim(self) -> int:
@@ -144,15 +157,21 @@ class VisionTransformer(nn.Module):
         d = cfg.embed_dim
         self.patch_embed = PatchEmbed(cfg.img_hw, cfg.patch_size, cfg.in_chans, d)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.class_token else None
-        self.pos_embed = POS_EMBEDS[cfg.pos_embed](cfg.grid, cfg.num_prefix_tokens, d)
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.distilled else None
+        pos_prefix = 0 if cfg.no_embed_class else cfg.num_prefix_tokens
+        self.pos_embed = POS_EMBEDS[cfg.pos_embed](cfg.grid, pos_prefix, d)
         self.pos_drop = nn.Dropout(cfg.dropout)
         rates = torch.linspace(0, cfg.drop_path, cfg.depth, device="cpu").tolist()
         self.blocks = nn.ModuleList(Block(cfg, drop_path=r) for r in rates)
-        self.norm = nn.LayerNorm(d, eps=cfg.norm_eps)
+        self.norm = nn.Identity() if cfg.fc_norm else nn.LayerNorm(d, eps=cfg.norm_eps)
+        self.fc_norm = nn.LayerNorm(d, eps=cfg.norm_eps) if cfg.fc_norm else None
         self.pre_logits = PreLogits(d, cfg.representation_size) if cfg.representation_size else None
         self.num_features = cfg.representation_size or d
         self.head = self._new_head(cfg.num_classes)
+        self.head_dist = self._new_head(cfg.num_classes) if cfg.distilled else None
         self.grad_checkpointing = False
+        self.preprocessing = None  # a vitlab.models.Preprocessing when the weights come with one
+        self.classes: list[str] | None = None  # class names, likewise
         self.init_weights()
 
     # --- construction ----------------------------------------------------------------------------
@@ -160,10 +179,13 @@ class VisionTransformer(nn.Module):
     def init_weights(self) -> None:
         """The JAX reference init (VIT_REFERENCE.md §1): Xavier-uniform Dense kernels (q, k, v
         each as its own D x D matrix), zero attention biases, normal(1e-6) MLP biases, LeCun-normal
-        patch and pre-logits kernels, zero class token, normal(0.02) positions, zero head."""
+        patch and pre-logits kernels, zero class token, normal(0.02) positions and distillation
+        token, zero heads."""
+        if self.dist_token is not None:
+            nn.init.normal_(self.dist_token, std=0.02)
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
-                if name == "head":
+                if name in ("head", "head_dist"):
                     nn.init.zeros_(m.weight)
                 elif name.startswith("pre_logits"):
                     lecun_normal_(m.weight)
@@ -187,7 +209,7 @@ class VisionTransformer(nn.Module):
     def _new_head(self, num_classes: int) -> nn.Module:
         if num_classes == 0:
             return nn.Identity()
-        ref = self.norm.weight
+        ref = self.patch_embed.proj.weight
         head = nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
         nn.init.zeros_(head.weight)
         nn.init.zeros_(head.bias)
@@ -197,6 +219,8 @@ class VisionTransformer(nn.Module):
         """Replace the classifier by a zero-initialised one for `num_classes` (0: none)."""
         self.config = self.config.replace(num_classes=num_classes)
         self.head = self._new_head(num_classes)
+        if self.head_dist is not None:
+            self.head_dist = self._new_head(num_classes)
 
     def set_image_size(self, img_size: int | tuple[int, int]) -> None:
         """Change the input resolution (same patch size): position embeddings are resampled to the
@@ -220,7 +244,7 @@ class VisionTransformer(nn.Module):
         for name, p in self.named_parameters():
             if (
                 p.ndim <= 1
-                or name == "cls_token"
+                or name in ("cls_token", "dist_token")
                 or name.startswith("pos_embed.")
                 or "rel_pos" in name
             ):
@@ -236,9 +260,15 @@ class VisionTransformer(nn.Module):
     def _embed(self, x: Tensor) -> Tensor:
         """(B, C, H, W) images -> (B, T, D) tokens with prefix tokens and positions."""
         x = self.patch_embed(x)  # (B, N, D)
-        if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
-        return self.pos_drop(self.pos_embed(x))
+        if self.config.no_embed_class:
+            x = self.pos_embed(x)
+        prefix = [t for t in (self.cls_token, self.dist_token) if t is not None]
+        if prefix:
+            b = x.shape[0]
+            x = torch.cat([t.expand(b, -1, -1).to(x.dtype) for t in prefix] + [x], dim=1)
+        if not self.config.no_embed_class:
+            x = self.pos_embed(x)
+        return self.pos_drop(x)
 
     def forward_features(self, x: Tensor) -> Tensor:
         """(B, C, H, W) -> (B, T, D) final tokens (after the last LayerNorm)."""
@@ -258,8 +288,16 @@ class VisionTransformer(nn.Module):
 
     def forward_head(self, tokens: Tensor, pre_logits: bool = False) -> Tensor:
         """(B, T, D) tokens -> (B, num_classes) logits, or the (B, num_features) vector before the
-        classifier (after the pre-logits layer, where there is one) when `pre_logits`."""
+        classifier (after the pre-logits layer, where there is one) when `pre_logits`. A
+        distilled model averages its two tokens' vectors, or its two heads' logits (DeiT)."""
+        if self.head_dist is not None:
+            x, x_dist = tokens[:, 0], tokens[:, 1]
+            if pre_logits:
+                return (x + x_dist) / 2
+            return (self.head(x) + self.head_dist(x_dist)) / 2
         x = self.pool(tokens)
+        if self.fc_norm is not None:
+            x = self.fc_norm(x)
         if self.pre_logits is not None:
             x = self.pre_logits(x)
         return x if pre_logits else self.head(x)

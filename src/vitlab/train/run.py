@@ -34,6 +34,7 @@ from vitlab.data import (
 )
 from vitlab.data.datasets import DatasetInfo, Split
 from vitlab.eval.classification import evaluate
+from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict, read_source
 from vitlab.models.vit import VisionTransformer, ViTConfig
 from vitlab.train import distributed
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, set_rng_state, train_epoch
@@ -70,15 +71,19 @@ def use_bf16(precision: str, model_cfg: ViTConfig, device: torch.device) -> bool
     return model_cfg.embed_dim >= 192
 
 
-def resolve_model_config(cfg: RunConfig, info: DatasetInfo) -> ViTConfig:
-    """The registry's config with the run's overrides; class count and channels follow the data
-    unless set explicitly. Fails before training when the data cannot fit the model."""
+def resolve_model_config(
+    cfg: RunConfig, info: DatasetInfo, base: ViTConfig | None = None
+) -> ViTConfig:
+    """The registry's config (or `base`, a fine-tuning source's architecture) with the run's
+    overrides; class count and channels follow the data unless set explicitly. Fails before
+    training when the data cannot fit the model."""
     auto = {}
     if "num_classes" not in cfg.model.overrides:
         auto["num_classes"] = len(info.classes)
     if "in_chans" not in cfg.model.overrides:
         auto["in_chans"] = info.in_chans
-    mc = cfg.model.vit_config().replace(**auto)
+    mc = cfg.model.vit_config() if base is None else base.replace(**cfg.model.overrides)
+    mc = mc.replace(**auto)
     if mc.num_classes != len(info.classes):
         raise ConfigError(
             f"model.num_classes={mc.num_classes} but dataset {info.name} has {len(info.classes)}"
@@ -90,33 +95,29 @@ def resolve_model_config(cfg: RunConfig, info: DatasetInfo) -> ViTConfig:
     return mc
 
 
+def finetune_source_config(source: str) -> ViTConfig:
+    """The architecture of the checkpoint a run fine-tunes (any format vitlab reads)."""
+    return infer_config(read_source(source))
+
+
 def finetune_weights(model: VisionTransformer, source: str) -> list[str]:
-    """Load another checkpoint's weights into model: the source is moved to the model's resolution
-    with set_image_size (position embeddings of any kind resampled), and the head is left
-    zero-initialised when the class count differs. Returns what was adapted."""
-    weights = resolve_checkpoint(source)
-    src = VisionTransformer(read_metadata(weights).config)
-    src.load_state_dict(load_weights(weights))
+    """Load another checkpoint's weights (any format vitlab reads) into model: the source is moved
+    to the model's resolution (position embeddings of any kind resampled) and channels (patch
+    kernels adapted), and gets a zero-initialised head when the class count differs. Returns
+    what was adapted."""
+    cfg = model.config
+    src_cfg = finetune_source_config(source)
     notes = []
-    if (
-        src.config.img_hw != model.config.img_hw
-        and src.config.patch_size == model.config.patch_size
-    ):
-        notes.append(f"position embeddings resampled {src.config.grid} -> {model.config.grid}")
-        src.set_image_size(model.config.img_hw)
-    state, own = src.state_dict(), model.state_dict()
-    src_head, own_head = state.get("head.weight"), own.get("head.weight")
-    if src_head is not None and (own_head is None or src_head.shape != own_head.shape):
-        del state["head.weight"], state["head.bias"]
-        notes.append(f"new zero-initialised head for {model.config.num_classes} classes")
-    for k, v in state.items():
-        if k not in own:
-            raise CheckpointError(f"{weights}: tensor {k} has no place in the model")
-        if v.shape != own[k].shape:
-            raise CheckpointError(
-                f"{weights}: {k} has shape {tuple(v.shape)}, the model needs {tuple(own[k].shape)}"
-            )
-    model.load_state_dict(state, strict=False)
+    if src_cfg.img_hw != cfg.img_hw:
+        notes.append(f"position embeddings resampled {src_cfg.grid} -> {cfg.grid}")
+    if src_cfg.in_chans != cfg.in_chans:
+        notes.append(f"patch kernels adapted {src_cfg.in_chans} -> {cfg.in_chans} channels")
+    if src_cfg.num_classes != cfg.num_classes:
+        notes.append(f"new zero-initialised head for {cfg.num_classes} classes")
+    src, _ = load_checkpoint(
+        source, img_size=cfg.img_size, in_chans=cfg.in_chans, num_classes=cfg.num_classes
+    )
+    load_state_strict(model, src.state_dict(), source)
     return notes
 
 
@@ -221,7 +222,14 @@ class Run:
     ) -> None:
         self.cfg, self.device, self.d, self.strategy = cfg, device, d, cfg.train.strategy
         self.data = load_data(cfg)
-        mc = self.model_cfg = resolve_model_config(cfg, self.data.info)
+        base = None  # fine-tuning: the architecture is the source's (kept in `last` on resume)
+        if cfg.finetune.from_:
+            base = (
+                read_metadata(resolve_checkpoint(Path(resume) / "checkpoints" / "last")).config
+                if resume is not None
+                else finetune_source_config(cfg.finetune.from_)
+            )
+        mc = self.model_cfg = resolve_model_config(cfg, self.data.info, base)
         if cfg.train.batch_size % d.world:
             raise ConfigError(
                 f"train.batch_size {cfg.train.batch_size} is not divisible by {d.world} processes"

@@ -1,0 +1,70 @@
+"""`vitlab convert`: read a ViT checkpoint in any known layout, write it in vitlab's, timm's or
+Hugging Face's."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert ViT checkpoints between vitlab, timm, Hugging Face, torchvision and .npz",
+        description="Read SRC (a file, a folder, a vitlab run, or a Hugging Face Hub name such "
+        "as timm/vit_base_patch16_224.augreg2_in21k_ft_in1k or google/vit-base-patch16-224) and "
+        "write DST as safetensors. --to vitlab: DST.safetensors or DST/model.safetensors with the "
+        "config, preprocessing and class names in its metadata (eval, predict, analyze and "
+        "finetune.from take it). --to timm: DST.safetensors, or a folder with a timm config.json "
+        "(timm.create_model('local-dir:DST', pretrained=True)). --to hf: a folder with "
+        "config.json and preprocessor_config.json (ViTForImageClassification.from_pretrained). "
+        "KEY=VALUE overrides change the model on the way: num_classes (new zero head), img_size "
+        "(positions resampled), in_chans, num_heads when the weights cannot tell.",
+    )
+    p.add_argument("source", metavar="SRC")
+    p.add_argument("dest", metavar="DST", type=Path)
+    p.add_argument(
+        "--from",
+        dest="src_format",
+        default="auto",
+        choices=["auto", "vitlab", "timm", "hf", "torchvision", "npz"],
+        help="layout of SRC (default: detected)",
+    )
+    p.add_argument("--to", default="vitlab", choices=["vitlab", "timm", "hf"], help="layout of DST")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="ViTConfig fields")
+    p.set_defaults(run=run)
+
+
+def parse_overrides(items: list[str]) -> dict:
+    from vitlab.config import ConfigError, parse_value
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"expected an override like num_classes=10, got {item!r}")
+        out[key] = parse_value(value)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from vitlab.models.checkpoint import load_checkpoint, save_hf, save_timm, save_vitlab
+
+    model, meta = load_checkpoint(args.source, args.src_format, **parse_overrides(args.overrides))
+    if args.to == "vitlab":
+        written = save_vitlab(model, args.dest, meta)
+    elif args.to == "timm":
+        written = save_timm(model, args.dest, meta.classes)
+    else:
+        written = save_hf(model, args.dest, meta.classes)
+    cfg = model.config
+    print(
+        f"read {args.source} ({meta.info.get('source_format', 'vitlab')}): {cfg.depth} blocks, "
+        f"width {cfg.embed_dim}, {cfg.num_heads} heads, patch {cfg.patch_size}, "
+        f"{cfg.img_hw[0]}x{cfg.img_hw[1]}, {cfg.num_classes} classes, pool {cfg.pool}"
+    )
+    for note in meta.info.get("notes", []):
+        print(f"note: {note}")
+    for path in written:
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,110 @@
+"""Deployment exports of a model: ONNX (through torch.export, checked with onnxruntime against
+PyTorch) and a torch.export program (.pt2). Both carry the preprocessing and class names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from vitlab.models.checkpoint import Checkpoint
+from vitlab.models.vit import VisionTransformer
+
+TOLERANCE = 1e-4
+
+
+class ExportError(ValueError):
+    """An export that cannot be made, or whose output does not match PyTorch's."""
+
+
+def _inputs(model: VisionTransformer, batch: int, seed: int = 0) -> torch.Tensor:
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, cfg.in_chans, *cfg.img_hw, generator=g)
+
+
+def _dynamic(dynamic_batch: bool) -> tuple | None:
+    if not dynamic_batch:
+        return None
+    return ({0: torch.export.Dim("batch", min=1, max=65536)},)
+
+
+def _meta(meta: Checkpoint) -> dict[str, str]:
+    return {
+        "vitlab_preprocessing": json.dumps(meta.preprocessing.to_dict()),
+        "vitlab_classes": json.dumps(meta.classes),
+    }
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
+    diff = (got - want).abs().max().item()
+    if not diff <= TOLERANCE:
+        raise ExportError(f"{what} differs from PyTorch by {diff:.2e} (tolerance {TOLERANCE})")
+    return diff
+
+
+def export_onnx(
+    model: VisionTransformer, meta: Checkpoint, out: Path, dynamic_batch: bool = False
+) -> dict[str, float | int]:
+    """Write `out` (.onnx; input `images` (B, C, H, W) float32, output `logits`), then run it in
+    onnxruntime and compare with PyTorch. Returns the batch sizes checked and the max diff."""
+    try:
+        import onnx
+        import onnxruntime as ort
+    except ImportError as e:
+        raise ExportError(
+            f"ONNX export needs onnx, onnxscript and onnxruntime ({e}): "
+            "pip install 'vitlab[export]'"
+        ) from None
+    model = model.float().cpu().eval()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    x = _inputs(model, 2)
+    torch.onnx.export(
+        model,
+        (x,),
+        str(out),
+        dynamo=True,
+        input_names=["images"],
+        output_names=["logits"],
+        dynamic_shapes=_dynamic(dynamic_batch),
+        external_data=False,
+        verbose=False,
+    )
+    proto = onnx.load(str(out))
+    for key, value in _meta(meta).items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
+    onnx.save(proto, str(out))
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    worst, batches = 0.0, [2] + ([5] if dynamic_batch else [])
+    for b in batches:
+        xb = _inputs(model, b, seed=b)
+        with torch.no_grad():
+            want = model(xb)
+        got = torch.from_numpy(session.run(None, {"images": xb.numpy()})[0])
+        worst = max(worst, _check(got, want, f"onnxruntime output at batch {b}"))
+    return {"max_abs_diff": worst, "batches_checked": batches}
+
+
+def export_program(
+    model: VisionTransformer, meta: Checkpoint, out: Path, dynamic_batch: bool = False
+) -> dict[str, float | int]:
+    """Write a torch.export program (`torch.export.load(out).module()(images)`), reload it and
+    compare with the model."""
+    model = model.float().cpu().eval()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    program = torch.export.export(
+        model, (_inputs(model, 2),), dynamic_shapes=_dynamic(dynamic_batch)
+    )
+    extra = {"vitlab.json": json.dumps(_meta(meta))}
+    torch.export.save(program, str(out), extra_files=extra)
+    loaded = torch.export.load(str(out)).module()
+    worst, batches = 0.0, [2] + ([5] if dynamic_batch else [])
+    for b in batches:
+        xb = _inputs(model, b, seed=b)
+        with torch.no_grad():
+            worst = max(worst, _check(loaded(xb), model(xb), f"exported program at batch {b}"))
+    return {"max_abs_diff": worst, "batches_checked": batches}

@@ -1,0 +1,442 @@
+"""Loading the checkpoints other libraries write: each reference library builds its own model with
+random weights (random heads too), saves it the way it saves, vitlab loads the file and must give
+the same logits and pre-logits features (fp32, max abs diff <= 1e-4). Round trips vitlab -> timm
+-> vitlab and vitlab -> HF -> vitlab are exact. Broken and hostile files are refused."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vitlab import load_pretrained
+from vitlab.models.checkpoint import CheckpointError, load_checkpoint, save_hf, save_timm
+
+timm = pytest.importorskip("timm")
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-4
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter random (norm scales around 1), so that no tensor can be silently skipped."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * 0.05
+            is_scale = p.ndim == 1 and ("norm" in name or "ln" in name) and "weight" in name
+            p.copy_(noise + 1.0 if is_scale else noise)
+    return model.eval()
+
+
+def images(size: int | tuple[int, int], chans: int = 3, n: int = 2, seed: int = 1) -> torch.Tensor:
+    h, w = (size, size) if isinstance(size, int) else size
+    return torch.randn(n, chans, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    diff = (a - b).abs().max().item()
+    assert diff <= TOL, diff
+    return diff
+
+
+def timm_features(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model.forward_head(model.forward_features(x), pre_logits=True)
+
+
+def ours_features(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model.forward_head(model.forward_features(x), pre_logits=True)
+
+
+# --- timm ----------------------------------------------------------------------------------------
+
+TIMM_CASES = {
+    "Ti/16 at 224": ("vit_tiny_patch16_224", {}, 224),
+    "Ti/16 at 384": ("vit_tiny_patch16_384", {"depth": 4}, 384),
+    "GAP with fc_norm": ("vit_tiny_patch16_224", {"depth": 2, "global_pool": "avg"}, 224),
+    "no class token": (
+        "vit_tiny_patch16_224",
+        {"depth": 2, "class_token": False, "global_pool": "avg", "fc_norm": False},
+        224,
+    ),
+    "no_embed_class (DeiT-3, layer scale)": ("deit3_small_patch16_224", {"depth": 2}, 224),
+    "DeiT distilled": ("deit_tiny_distilled_patch16_224", {"depth": 2}, 224),
+}
+
+
+@pytest.mark.parametrize(
+    "case,save",
+    [(case, "save_for_hf") for case in TIMM_CASES]
+    + [("Ti/16 at 224", "torch.save"), ("DeiT distilled", "torch.save")],
+)
+def test_timm_checkpoints_give_timm_outputs(case: str, save: str, tmp_path: Path) -> None:
+    name, kwargs, size = TIMM_CASES[case]
+    ref = randomize(timm.create_model(name, num_classes=7, **kwargs))
+    if save == "save_for_hf":
+        from timm.models._hub import save_for_hf
+
+        save_for_hf(ref, tmp_path / "m", safe_serialization=True)
+        source = tmp_path / "m"
+    else:  # a DeiT-style training checkpoint: {"model": state_dict}
+        source = tmp_path / "m.pth"
+        torch.save({"model": ref.state_dict(), "epoch": 3}, source)
+    model = load_pretrained(source)
+    x = images(size)
+    with torch.no_grad():
+        close(model(x), ref(x))
+        close(ours_features(model, x), timm_features(ref, x))
+    assert model.config.num_classes == 7
+
+
+def test_timm_folder_carries_preprocessing_and_infers_pooling(tmp_path: Path) -> None:
+    from timm.models._hub import save_for_hf
+
+    ref = randomize(timm.create_model("vit_tiny_patch16_224", depth=1, global_pool="avg"))
+    ref.fc_norm = torch.nn.Identity()  # an avg-pooled model without fc_norm: only config tells
+    ref.norm = randomize(torch.nn.LayerNorm(192, eps=1e-6))
+    save_for_hf(ref, tmp_path, safe_serialization=True)
+    model = load_pretrained(tmp_path)
+    assert model.config.pool == "gap" and not model.config.fc_norm
+    pre = model.preprocessing
+    assert pre.mean == tuple(ref.pretrained_cfg["mean"]) and pre.crop_pct == 0.9
+    assert pre.interpolation == "bicubic"
+    x = images(224)
+    with torch.no_grad():
+        close(model(x), ref(x))
+
+
+def test_overrides_resample_positions_like_timm_and_replace_the_head(tmp_path: Path) -> None:
+    ref = randomize(timm.create_model("vit_tiny_patch16_224", depth=2, num_classes=7))
+    save_file(ref.state_dict(), tmp_path / "w.safetensors")
+    # timm's own loader at 256, resampling the table on load
+    at256 = timm.create_model(
+        "vit_tiny_patch16_224",
+        depth=2,
+        num_classes=7,
+        img_size=256,
+        pretrained=True,
+        pretrained_cfg_overlay={"file": str(tmp_path / "w.safetensors"), "num_classes": 7},
+    ).eval()
+    model = load_pretrained(tmp_path / "w.safetensors", img_size=256)
+    assert model.config.img_hw == (256, 256) and model.preprocessing.img_size == (256, 256)
+    x = images(256)
+    with torch.no_grad():
+        close(model(x), at256(x))
+    five = load_pretrained(tmp_path / "w.safetensors", num_classes=5)
+    assert five.head.weight.shape == (5, 192) and five.head.weight.abs().sum() == 0
+    with torch.no_grad():
+        close(ours_features(five, images(224)), timm_features(ref, images(224)))
+
+
+# --- Hugging Face --------------------------------------------------------------------------------
+
+
+def hf_config(**kw) -> transformers.ViTConfig:
+    base = dict(
+        hidden_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=192,
+        image_size=32,
+        patch_size=8,
+    )
+    return transformers.ViTConfig(**{**base, **kw})
+
+
+def test_hf_classifier_folder(tmp_path: Path) -> None:
+    ref = randomize(transformers.ViTForImageClassification(hf_config(num_labels=6)))
+    ref.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
+    assert model.config.norm_eps == 1e-12 and model.config.num_heads == 4
+    assert model.classes == [f"LABEL_{i}" for i in range(6)]
+    x = images(32)
+    with torch.no_grad():
+        close(model(x), ref(pixel_values=x).logits)
+        close(ours_features(model, x), ref.vit(pixel_values=x).last_hidden_state[:, 0])
+
+
+def test_hf_model_with_pooler_is_the_pre_logits_layer(tmp_path: Path) -> None:
+    ref = randomize(transformers.ViTModel(hf_config(), add_pooling_layer=True))
+    ref.save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
+    assert model.config.representation_size == 96 and model.config.num_classes == 0
+    x = images(32)
+    with torch.no_grad():
+        close(model(x), ref(pixel_values=x).pooler_output)
+
+
+def test_hf_in_memory_names_of_transformers_5(tmp_path: Path) -> None:
+    ref = randomize(transformers.ViTForImageClassification(hf_config(num_labels=3)))
+    torch.save(ref.state_dict(), tmp_path / "sd.bin")  # vit.layers.{i}.attention.q_proj ...
+    model = load_pretrained(tmp_path / "sd.bin", norm_eps=1e-12, num_heads=4)
+    x = images(32)
+    with torch.no_grad():
+        close(model(x), ref(pixel_values=x).logits)
+
+
+# --- torchvision ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("representation_size", [None, 128])
+def test_torchvision_vit_b32_shape(representation_size: int | None, tmp_path: Path) -> None:
+    from torchvision.models.vision_transformer import VisionTransformer as TV
+
+    ref = TV(
+        image_size=64,
+        patch_size=32,
+        num_layers=2,
+        num_heads=12,
+        hidden_dim=768,
+        mlp_dim=3072,
+        num_classes=5,
+        representation_size=representation_size,
+    )
+    randomize(ref)
+    torch.save(ref.state_dict(), tmp_path / "vit_b_32.pth")
+    model = load_pretrained(tmp_path / "vit_b_32.pth")
+    assert model.preprocessing.crop_pct == 224 / 256
+    seen = {}
+    ref.heads.head.register_forward_hook(lambda m, inp, out: seen.update(f=inp[0]))
+    x = images(64)
+    with torch.no_grad():
+        close(model(x), ref(x))
+        close(ours_features(model, x), seen["f"])
+
+
+# --- Google .npz ---------------------------------------------------------------------------------
+
+
+def google_arrays(
+    rng: np.random.Generator, d: int, depth: int, heads: int, mlp: int, p: int, grid: int,
+    classes: int, linen: bool, stacked: bool, cls: bool, pre_logits: int | None = None,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """A ViT in Google's .npz naming: the released one, or Flax linen / big_vision's."""
+    r = lambda *s: rng.standard_normal(s).astype(np.float32) * 0.05  # noqa: E731
+    one = lambda *s: (1 + r(*s)).astype(np.float32)  # noqa: E731
+    hd = d // heads
+    a = {"embedding/kernel": r(p, p, 3, d), "embedding/bias": r(d)}
+    if cls:
+        a["cls"] = r(1, 1, d)
+    if linen:  # big_vision: positions of the patches only, at the top level
+        a["pos_embedding"] = r(1, grid * grid, d)
+    else:
+        a["Transformer/posembed_input/pos_embedding"] = r(1, grid * grid + int(cls), d)
+    ln1, mha, ln2, mb = (
+        ("LayerNorm_0", "MultiHeadDotProductAttention_0", "LayerNorm_1", "MlpBlock_0")
+        if linen
+        else ("LayerNorm_0", "MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3")
+    )
+
+    def block() -> dict[str, np.ndarray]:
+        b = {}
+        for ln in (ln1, ln2):
+            b[f"{ln}/scale"], b[f"{ln}/bias"] = one(d), r(d)
+        for n in ("query", "key", "value"):
+            b[f"{mha}/{n}/kernel"], b[f"{mha}/{n}/bias"] = r(d, heads, hd), r(heads, hd)
+        b[f"{mha}/out/kernel"], b[f"{mha}/out/bias"] = r(heads, hd, d), r(d)
+        b[f"{mb}/Dense_0/kernel"], b[f"{mb}/Dense_0/bias"] = r(d, mlp), r(mlp)
+        b[f"{mb}/Dense_1/kernel"], b[f"{mb}/Dense_1/bias"] = r(mlp, d), r(d)
+        return b
+
+    blocks = [block() for _ in range(depth)]
+    if stacked:
+        for k in blocks[0]:
+            a[f"Transformer/encoderblock/{k}"] = np.stack([b[k] for b in blocks])
+    else:
+        for i, b in enumerate(blocks):
+            a.update({f"Transformer/encoderblock_{i}/{k}": v for k, v in b.items()})
+    a["Transformer/encoder_norm/scale"], a["Transformer/encoder_norm/bias"] = one(d), r(d)
+    width = d
+    if pre_logits:
+        a["pre_logits/kernel"], a["pre_logits/bias"] = r(d, pre_logits), r(pre_logits)
+        width = pre_logits
+    a["head/kernel"], a["head/bias"] = r(width, classes), r(classes)
+    return {("params/" if linen else "") + k: v for k, v in a.items()}
+
+
+@pytest.mark.parametrize("naming", ["released", "big_vision stacked"])
+def test_google_npz_matches_timms_npz_loader(naming: str, tmp_path: Path) -> None:
+    from timm.models.vision_transformer import VisionTransformer as TimmViT
+    from timm.models.vision_transformer import _load_weights
+
+    linen = naming != "released"
+    d, depth, heads, mlp, p, grid, k = 64, 2, 4, 128, 8, 4, 5
+    arrays = google_arrays(
+        np.random.default_rng(0), d, depth, heads, mlp, p, grid, k,
+        linen=linen, stacked=linen, cls=not linen,
+    )  # fmt: skip
+    np.savez(tmp_path / "vit.npz", **arrays)
+    ref = TimmViT(
+        img_size=grid * p, patch_size=p, embed_dim=d, depth=depth, num_heads=heads,
+        mlp_ratio=mlp / d, num_classes=k, act_layer="gelu_tanh",
+        class_token=not linen, global_pool="avg" if linen else "token", fc_norm=False,
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        _load_weights(ref, str(tmp_path / "vit.npz"))
+    model = load_pretrained(tmp_path / "vit.npz")
+    assert model.config.act == "gelu_tanh" and model.config.num_heads == heads
+    assert model.preprocessing.mean == (0.5, 0.5, 0.5) and model.preprocessing.std == (0.5,) * 3
+    x = images(grid * p)
+    with torch.no_grad():
+        close(model(x), ref(x))
+        close(ours_features(model, x), timm_features(ref, x))
+
+
+def test_google_npz_keeps_pre_logits(tmp_path: Path) -> None:
+    from timm.models.vision_transformer import VisionTransformer as TimmViT
+    from timm.models.vision_transformer import _load_weights
+
+    arrays = google_arrays(
+        np.random.default_rng(1), 64, 1, 2, 128, 8, 4, 3,
+        linen=False, stacked=False, cls=True, pre_logits=32,
+    )  # fmt: skip
+    np.savez(tmp_path / "vit.npz", **arrays)
+    model = load_pretrained(tmp_path / "vit.npz")
+    assert model.config.representation_size == 32
+    ref = TimmViT(
+        img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=2, mlp_ratio=2,
+        num_classes=0, act_layer="gelu_tanh",
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        _load_weights(ref, str(tmp_path / "vit.npz"))  # timm drops pre_logits: apply it by hand
+        pooled = timm_features(ref, images(32))
+        kernel, bias = (torch.from_numpy(arrays[f"pre_logits/{n}"]) for n in ("kernel", "bias"))
+        expected = torch.tanh(pooled @ kernel + bias)
+        close(ours_features(model, images(32)), expected)
+        head_k, head_b = (torch.from_numpy(arrays[f"head/{n}"]) for n in ("kernel", "bias"))
+        close(model(images(32)), expected @ head_k + head_b)
+
+
+# --- round trips ---------------------------------------------------------------------------------
+
+
+def test_round_trip_vitlab_timm_vitlab_is_exact(tmp_path: Path) -> None:
+    ref = randomize(timm.create_model("vit_small_patch16_224", depth=2, num_classes=4))
+    torch.save(ref.state_dict(), tmp_path / "a.pth")
+    model = load_pretrained(tmp_path / "a.pth")
+    save_timm(model, tmp_path / "out", classes=list("abcd"))
+    again = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
+    x = images(224)
+    with torch.no_grad():
+        assert torch.equal(again(x), ref(x))
+    back = load_pretrained(tmp_path / "out")
+    assert back.classes == list("abcd")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("case", ["GAP with fc_norm", "no_embed_class (DeiT-3, layer scale)",
+                                  "DeiT distilled"])  # fmt: skip
+def test_timm_layout_written_by_vitlab_loads_in_timm(case: str, tmp_path: Path) -> None:
+    name, kwargs, size = TIMM_CASES[case]
+    ref = randomize(timm.create_model(name, num_classes=3, **kwargs))
+    save_file(ref.state_dict(), tmp_path / "w.safetensors")
+    model = load_pretrained(tmp_path / "w.safetensors")
+    save_timm(model, tmp_path / "out")
+    again = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
+    x = images(size)
+    with torch.no_grad():
+        close(again(x), model(x))
+
+
+def test_round_trip_vitlab_hf_vitlab_is_exact(tmp_path: Path) -> None:
+    from vitlab import create_model
+
+    model = randomize(create_model("vit_nano_patch4_32", num_classes=4))
+    model.classes = ["cat", "dog", "ship", "frog"]
+    save_hf(model, tmp_path / "hf", classes=model.classes)
+    ref = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
+    assert ref.config.id2label[2] == "ship"
+    x = images(32)
+    with torch.no_grad():
+        close(ref(pixel_values=x).logits, model(x))
+    back = load_pretrained(tmp_path / "hf")
+    assert back.classes == model.classes
+    assert back.config == model.config
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+
+
+def test_layouts_that_cannot_hold_a_model_say_why(tmp_path: Path) -> None:
+    from vitlab import create_model
+
+    model = create_model("vit_nano_patch4_28", pos_embed="relative")
+    with pytest.raises(CheckpointError, match="pos_embed='relative'"):
+        save_timm(model, tmp_path / "t")
+    with pytest.raises(CheckpointError, match="position tables other than learned"):
+        save_hf(model, tmp_path / "h")
+
+
+# --- broken and hostile files --------------------------------------------------------------------
+
+
+class Payload:
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {Path.cwd() / 'PWNED'}",))
+
+
+def test_pickle_with_code_is_refused_and_never_runs(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with open(tmp_path / "evil.pth", "wb") as f:
+        pickle.dump({"patch_embed.proj.weight": Payload()}, f)
+    with pytest.raises(CheckpointError, match="refuses to unpickle"):
+        load_pretrained(tmp_path / "evil.pth")
+    assert not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "pth", "npz"])
+def test_truncated_files_are_named(kind: str, tmp_path: Path) -> None:
+    ref = timm.create_model("vit_tiny_patch16_224", depth=1, num_classes=2)
+    path = tmp_path / f"w.{kind}"
+    if kind == "safetensors":
+        save_file(ref.state_dict(), path)
+    elif kind == "pth":
+        torch.save(ref.state_dict(), path)
+    else:
+        arrays = google_arrays(np.random.default_rng(0), 64, 1, 2, 128, 8, 4, 3, False, False, True)
+        np.savez(path, **arrays)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_pretrained(path)
+
+
+def test_not_a_checkpoint_and_mismatches_are_named(tmp_path: Path) -> None:
+    (tmp_path / "notes.bin").write_text("hello")
+    with pytest.raises(CheckpointError, match="notes.bin"):
+        load_pretrained(tmp_path / "notes.bin")
+    ref = timm.create_model("vit_tiny_patch16_224", depth=1, num_classes=2)
+    state = ref.state_dict()
+    state["blocks.0.attn.q_norm.weight"] = torch.ones(64)  # a qk-norm model: not a plain ViT
+    save_file(state, tmp_path / "extra.safetensors")
+    with pytest.raises(CheckpointError, match=r"blocks\.0\.attn\.q_norm\.weight"):
+        load_pretrained(tmp_path / "extra.safetensors")
+    save_file(ref.state_dict(), tmp_path / "ok.safetensors")
+    with pytest.raises(
+        CheckpointError, match=r"cls_token: checkpoint \(1, 1, 192\), model \(1, 1, 256\)"
+    ):
+        load_pretrained(tmp_path / "ok.safetensors", embed_dim=256, num_heads=4, mlp_dim=768)
+    with pytest.raises(CheckpointError, match="no file or folder"):
+        load_pretrained(tmp_path / "missing.safetensors")
+
+
+def test_vitlab_checkpoint_loads_through_the_same_door(tmp_path: Path) -> None:
+    from vitlab import create_model
+    from vitlab.models.checkpoint import Checkpoint, save_vitlab
+    from vitlab.models.preprocessing import Preprocessing
+
+    model = randomize(create_model("vit_nano_patch4_28"))
+    pre = Preprocessing((28, 28), 1, (0.3,), (0.4,))
+    save_vitlab(model, tmp_path / "ck", Checkpoint(model.config, pre, list("0123456789"), {}))
+    loaded, meta = load_checkpoint(tmp_path / "ck")
+    assert meta.preprocessing == pre and loaded.preprocessing == pre
+    x = images(28, chans=1)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
