@@ -10,7 +10,12 @@ from vitlab.models import (
     list_models,
     resample_pos_embed,
 )
-from vitlab.models.checkpoint import CheckpointError, load_checkpoint, load_pretrained
+from vitlab.models.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    load_pretrained,
+    save_pretrained,
+)
 from vitlab.models.preprocessing import Preprocessing
 
 __version__ = "0.1.0"
@@ -29,4 +34,5 @@ __all__ = [
     "load_pretrained",
     "Preprocessing",
     "resample_pos_embed",
+    "save_pretrained",
 ]

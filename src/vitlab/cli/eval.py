@@ -12,7 +12,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "eval",
         help="top-1/top-5, per-class accuracy, loss and confusion matrix of a checkpoint",
         description="Evaluate RUN_OR_CKPT (a run folder: its best checkpoint; a checkpoint folder; "
-        "or a .safetensors file) on a dataset split. Prints top-1, top-5, loss, per-class accuracy "
+        "a .safetensors file; or any timm / HF / torchvision / .npz source `vitlab convert` "
+        "reads) on a dataset split. Prints top-1, top-5, loss, per-class accuracy "
         "and the confusion matrix, and saves the confusion matrix as a PNG.",
     )
     p.add_argument("checkpoint", metavar="RUN_OR_CKPT")

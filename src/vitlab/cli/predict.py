@@ -11,7 +11,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "predict",
         help="top classes with probabilities for image files",
         description="Classify image files (any format PIL reads, any size or mode) with "
-        "RUN_OR_CKPT; each image is converted and resized as the checkpoint's preprocessing says.",
+        "RUN_OR_CKPT (a vitlab run or checkpoint, or any source `vitlab convert` reads); each "
+        "image is converted, resized, centre-cropped and normalised as the checkpoint's "
+        "preprocessing says.",
     )
     p.add_argument("checkpoint", metavar="RUN_OR_CKPT")
     p.add_argument("images", nargs="+", metavar="IMAGE")

@@ -21,7 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(name adamw | sgd, lr, weight_decay, schedule cosine | linear | constant, warmup_epochs, "
         "clip_grad, label_smoothing, ...), train.* (epochs, batch_size, accum_steps, seed, ema, "
         "precision auto | fp32 | bf16, compile, grad_checkpointing, strategy ddp | fsdp, device), "
-        "finetune.from=RUN_OR_CKPT. Unknown keys and wrong types are errors. Under torchrun "
+        "finetune.from=RUN_OR_CKPT (a vitlab run or checkpoint, or any timm / HF / torchvision / "
+        ".npz file, folder or hub name: the architecture is then the checkpoint's, model.* "
+        "overrides apply on top, positions are resampled and a new head made as needed). "
+        "Unknown keys and wrong types are errors. Under torchrun "
         "(`torchrun --nproc_per_node=N -m vitlab train ...`) it trains with DDP or FSDP.",
         epilog="Presets: configs/*.yaml. Example: vitlab train --config configs/fashion-mnist-quick"
         ".yaml train.epochs=5 optim.lr=0.002",

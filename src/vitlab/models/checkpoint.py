@@ -482,13 +482,8 @@ def read_source(source: str | Path, fmt: str = "auto") -> Source:
 # --- the architecture from the tensors -----------------------------------------------------------
 
 
-def _heads_for(width: int) -> int | None:
-    from vitlab.models.registry import _MODELS
-
-    for cfg in _MODELS.values():
-        if cfg.embed_dim == width:
-            return cfg.num_heads
-    return None
+# heads of the paper's widths (Ti, S, B, L, H): every released checkpoint of these widths uses them
+_PAPER_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
 
 
 def infer_config(src: Source) -> ViTConfig:
@@ -513,7 +508,7 @@ def infer_config(src: Source) -> ViTConfig:
     fc_norm = "fc_norm.weight" in s
     if not fc_norm:
         need("norm.weight")
-    heads = hints.pop("num_heads", None) or _heads_for(d)
+    heads = hints.pop("num_heads", None) or _PAPER_HEADS.get(d)
     if heads is None:
         if d % 64:
             raise CheckpointError(
@@ -843,6 +838,24 @@ def save_vitlab(model: VisionTransformer, dst: Path, meta: Checkpoint) -> list[P
     path = dst if dst.suffix == ".safetensors" else dst / WEIGHTS
     write_weights(path, model.state_dict(), meta)
     return [path]
+
+
+def save_pretrained(
+    model: VisionTransformer, dst: str | Path, layout: str = "vitlab"
+) -> list[Path]:
+    """Write `model` in vitlab's, timm's or Hugging Face's layout (see save_vitlab, save_timm,
+    save_hf) with its `.preprocessing` (inputs in [-1, 1] when it has none) and `.classes`.
+    Returns the files written."""
+    cfg = model.config
+    pre = model.preprocessing or _default_pre(cfg)
+    classes = model.classes or [str(i) for i in range(cfg.num_classes)]
+    if layout == "vitlab":
+        return save_vitlab(model, Path(dst), Checkpoint(cfg, pre, classes))
+    if layout == "timm":
+        return save_timm(model, Path(dst), classes)
+    if layout == "hf":
+        return save_hf(model, Path(dst), classes)
+    raise ValueError(f"layout must be vitlab, timm or hf, got {layout!r}")
 
 
 def _default_pre(cfg: ViTConfig) -> Preprocessing:

@@ -1,0 +1,176 @@
+"""`vitlab convert`, `vitlab export`, hub names through the offline cache, and predict / fine-tune
+from converted weights, end to end through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitlab import create_model, load_pretrained
+from vitlab.cli.main import main
+from vitlab.models.checkpoint import Checkpoint, save_hf, save_vitlab
+from vitlab.models.preprocessing import Preprocessing
+
+timm = pytest.importorskip("timm")
+transformers = pytest.importorskip("transformers")
+
+
+def randomized(name: str, **kw) -> torch.nn.Module:
+    model = create_model(name, **kw)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def vitlab(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "vitlab", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_convert_timm_file_to_vitlab_hf_and_back(tmp_path: Path, capsys) -> None:
+    ref = timm.create_model("vit_tiny_patch16_224", depth=2, num_classes=5).eval()
+    torch.save(ref.state_dict(), tmp_path / "timm.pth")
+    assert main(["convert", str(tmp_path / "timm.pth"), str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "read" in out and "(timm)" in out and "2 blocks" in out
+    model = load_pretrained(tmp_path / "ck")
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        assert (model(x) - ref(x)).abs().max() <= 1e-4
+    assert main(["convert", str(tmp_path / "ck"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    hf = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert (hf(pixel_values=x).logits - ref(x)).abs().max() <= 1e-4
+
+
+def test_convert_with_overrides_and_bad_input(tmp_path: Path, capsys) -> None:
+    ref = timm.create_model("vit_tiny_patch16_224", depth=1, num_classes=5)
+    torch.save(ref.state_dict(), tmp_path / "t.pth")
+    args = ["convert", str(tmp_path / "t.pth"), str(tmp_path / "o.safetensors")]
+    assert main([*args, "num_classes=3", "img_size=160"]) == 0
+    model = load_pretrained(tmp_path / "o.safetensors")
+    assert model.config.num_classes == 3 and model.config.img_hw == (160, 160)
+    assert main([*args, "depth_of_field=3"]) == 2
+    assert "depth_of_field" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "nothing.pth"), str(tmp_path / "x")]) == 2
+    assert "no file or folder" in capsys.readouterr().err
+
+
+def test_hub_names_use_the_offline_cache(tmp_path: Path) -> None:
+    """A hub name resolves through huggingface_hub's cache with the network off; a name that is
+    not cached is a clear error."""
+    from timm.models._hub import save_for_hf
+
+    ref = timm.create_model("vit_tiny_patch16_224", depth=1, num_classes=4).eval()
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--timm--vit_tiny_test"
+    save_for_hf(ref, repo / "snapshots" / revision, safe_serialization=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    r = vitlab("convert", "timm/vit_tiny_test", str(tmp_path / "out"), env=env)
+    assert r.returncode == 0, r.stderr
+    model = load_pretrained(tmp_path / "out")
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        assert (model(x) - ref(x)).abs().max() <= 1e-4
+    r = vitlab("convert", "google/vit-not-cached", str(tmp_path / "o2"), env=env)
+    assert r.returncode == 2
+    assert "cannot get google/vit-not-cached" in r.stderr and "cache" in r.stderr
+
+
+def test_export_onnx_and_torch_export_match_pytorch(tmp_path: Path) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnxscript")
+    model = randomized("vit_nano_patch4_28")
+    pre = Preprocessing((28, 28), 1, (0.3,), (0.4,))
+    save_vitlab(model, tmp_path / "ck", Checkpoint(model.config, pre, list("abcdefghij")))
+    r = vitlab(
+        "export", str(tmp_path / "ck"), "--onnx", str(tmp_path / "m.onnx"), "--dynamic-batch",
+        "--torch-export", str(tmp_path / "m.pt2"),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "onnxruntime matches PyTorch" in r.stdout
+    x = torch.randn(7, 1, 28, 28)  # a batch size the export never saw
+    with torch.no_grad():
+        want = model(x)
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"images": x.numpy()})[0]
+    assert np.abs(got - want.numpy()).max() <= 1e-4
+    props = {p.key: p.value for p in onnx.load(str(tmp_path / "m.onnx")).metadata_props}
+    assert json.loads(props["vitlab_preprocessing"])["mean"] == [0.3]
+    program = torch.export.load(str(tmp_path / "m.pt2")).module()
+    with torch.no_grad():
+        assert (program(x) - want).abs().max() <= 1e-4
+    assert vitlab("export", str(tmp_path / "ck")).returncode == 2
+
+
+def test_predict_applies_the_weights_preprocessing_like_transformers(tmp_path: Path) -> None:
+    model = randomized("vit_nano_patch4_32", num_classes=4)
+    model.preprocessing = Preprocessing((32, 32), 3, (0.2, 0.3, 0.4), (0.5, 0.6, 0.7))
+    save_hf(model, tmp_path / "hf", classes=["a", "b", "c", "d"])
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(tmp_path / "x.png")
+    r = vitlab("predict", str(tmp_path / "hf"), str(tmp_path / "x.png"), "--json", "--topk", "4")
+    assert r.returncode == 0, r.stderr
+    ours = {t["class"]: t["probability"] for t in json.loads(r.stdout)[0]["top"]}
+    processor = transformers.ViTImageProcessor.from_pretrained(tmp_path / "hf")
+    ref = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
+    pixels = processor(Image.open(tmp_path / "x.png"), return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        probs = ref(pixel_values=pixels).logits.softmax(-1)[0]
+    for i, name in enumerate("abcd"):
+        assert abs(ours[name] - probs[i].item()) <= 1e-4
+
+
+def test_centre_crop_preprocessing_matches_timm_eval_transform(tmp_path: Path) -> None:
+    """crop_pct (timm / torchvision weights): shorter side to size / crop_pct, centre crop."""
+    from timm.data import create_transform, resolve_data_config
+
+    ref = timm.create_model("vit_tiny_patch16_224", depth=1, num_classes=3).eval()
+    torch.save(ref.state_dict(), tmp_path / "t.pth")
+    model = load_pretrained(tmp_path / "t.pth")
+    assert model.preprocessing.crop_pct == 0.9
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (300, 400, 3), dtype=np.uint8))
+    cfg = resolve_data_config(
+        {"mean": model.preprocessing.mean, "std": model.preprocessing.std, "crop_pct": 0.9,
+         "interpolation": "bicubic"}, model=ref)  # fmt: skip
+    want = create_transform(**cfg)(image)
+    got = model.preprocessing.pil(image)
+    assert got.shape == want.shape == (3, 224, 224)
+    # PIL's and torchvision's bicubic resamplers differ by a few grey levels, never by a shift
+    assert (got - want).abs().mean() < 0.02
+
+
+def test_finetune_from_a_timm_checkpoint(tmp_path: Path) -> None:
+    """finetune.from= takes other formats: the architecture is the checkpoint's, RGB patch
+    kernels are summed for greyscale digits, positions resampled to 8x8, a new 10-class head."""
+    ref = timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, patch_size=4, embed_dim=64, depth=1, num_heads=2,
+        num_classes=1000,
+    )  # fmt: skip
+    torch.save(ref.state_dict(), tmp_path / "pre.pth")
+    r = vitlab(
+        "train", "--out", str(tmp_path / "run"), f"finetune.from={tmp_path / 'pre.pth'}",
+        "model.img_size=8", "model.patch_size=4", "model.num_heads=2", "train.epochs=1",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    model = load_pretrained(tmp_path / "run")
+    assert model.config.embed_dim == 64 and model.config.in_chans == 1
+    assert model.config.num_classes == 10 and model.pos_embed.weight.shape == (1, 5, 64)
