@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 
 import vitlab
+from vitlab.models.formats import vitlab_to_timm
 from vitlab.models.vit import VisionTransformer
 from vitlab.train.run import use_bf16
 
@@ -44,9 +45,7 @@ def timm_twin(model: VisionTransformer) -> torch.nn.Module:
         global_pool="token" if cfg.pool == "token" else "avg",
         fc_norm=False,
     )
-    state = dict(model.state_dict())
-    state["pos_embed"] = state.pop("pos_embed.weight")
-    twin.load_state_dict(state)
+    twin.load_state_dict(vitlab_to_timm(model.state_dict()))
     return twin
 
 

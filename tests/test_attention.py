@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_config
+from vitlab.models.formats import timm_to_vitlab
 from vitlab.models.layers import Attention
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
@@ -111,11 +112,9 @@ def test_relative_offsets_share_embeddings() -> None:
 
 
 def from_timm(timm_model: torch.nn.Module, cfg: ViTConfig) -> VisionTransformer:
-    """Copy a timm VisionTransformer's weights (names differ only for the position table)."""
-    state = dict(timm_model.state_dict())
-    state["pos_embed.weight"] = state.pop("pos_embed")
+    """Copy a timm VisionTransformer's weights through vitlab's timm layout reader."""
     model = VisionTransformer(cfg)
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(timm_to_vitlab(timm_model.state_dict()), strict=True)
     return model.eval()
 
 
