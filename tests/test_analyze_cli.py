@@ -158,3 +158,26 @@ def test_every_position_kind_and_pooling_at_another_resolution(tmp_path, kind, p
     has_vectors = kind in ("learned", "learned_2d", "sincos2d")
     assert (tmp_path / "pos_embed_similarity.png").exists() == has_vectors
     assert all((tmp_path / r).is_file() for r in referenced(index))
+
+
+@pytest.mark.parametrize(
+    "variant", [{"stem": "conv"}, {"distilled": True}, {"no_embed_class": True}]
+)
+def test_checkpoint_variants_are_analysed(tmp_path, variant) -> None:
+    """A conv stem (no linear filters: skipped with a note), a distillation token (two prefix
+    tokens) and positions without the class row all give a complete page."""
+    import torch
+
+    from tests.helpers import tiny_config
+    from vitlab.analysis.report import Images, analyze
+    from vitlab.data.transforms import Preprocessing
+    from vitlab.models.vit import VisionTransformer
+
+    model = VisionTransformer(tiny_config(img_size=16, **variant)).eval()
+    pre = Preprocessing((16, 16), 3, (0.5,) * 3, (0.5,) * 3)
+    display = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
+    index = analyze(model, pre, Images(["a", "b"], display, pre.batch(display)), tmp_path, "t")
+    data = json.loads((tmp_path / "analysis.json").read_text())
+    assert len(data["rollout"]["a"]) == model.config.num_patches
+    assert (tmp_path / "embedding_filters.png").exists() == (variant.get("stem") != "conv")
+    assert all((tmp_path / r).is_file() for r in referenced(index))

@@ -382,6 +382,7 @@ class Payload:
         return (os.system, (f"touch {Path.cwd() / 'PWNED'}",))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_pickle_with_code_is_refused_and_never_runs(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     with open(tmp_path / "evil.pth", "wb") as f:

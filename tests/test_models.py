@@ -219,3 +219,51 @@ def test_zero_head_blocks_gradients_so_tests_randomize_it() -> None:
     randomize_head(model)
     model(x).square().sum().backward()
     assert model.blocks[0].mlp.fc1.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"stem": "conv"},
+        {"distilled": True},
+        {"no_embed_class": True, "layer_scale": 0.1},
+        {"pool": "gap", "fc_norm": True},
+    ],
+)
+def test_checkpoint_variants_run_train_and_change_resolution(variant: dict) -> None:
+    """Conv stem, DeiT distillation token, positions without the class row + layer scale, and
+    fc_norm: outputs at two resolutions and a gradient for every parameter."""
+    torch.manual_seed(0)
+    model = vitlab.create_model("vit_nano_patch4_28", **variant)
+    randomize_head(model)
+    if model.head_dist is not None:
+        torch.nn.init.normal_(model.head_dist.weight, std=0.02)
+    logits = model(torch.randn(3, 1, 28, 28))
+    assert logits.shape == (3, 10) and torch.isfinite(logits).all()
+    logits.square().mean().backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, pname
+    model.set_image_size(36)
+    assert model(torch.randn(2, 1, 36, 36)).shape == (2, 10)
+    assert model.num_prefix_tokens == 1 + int(variant.get("distilled", False))
+
+
+def test_conv_stem_has_the_patch_grid_and_rejects_odd_patches() -> None:
+    model = vitlab.create_model("vit_nano_patch4_28", stem="conv", stem_width=16)
+    convs = [m for m in model.patch_embed.stem if isinstance(m, torch.nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [16, 32]  # log2(4) stride-2 layers, doubling
+    assert model.forward_features(torch.randn(1, 1, 28, 28)).shape == (1, 1 + 49, 64)
+    with pytest.raises(vitlab.ConfigError, match="power-of-two patch_size"):
+        vitlab.create_model("vit_nano_patch4_28", stem="conv", patch_size=7)
+
+
+def test_distilled_model_averages_its_two_heads() -> None:
+    torch.manual_seed(0)
+    model = vitlab.create_model("vit_nano_patch4_28", distilled=True).eval()
+    randomize_head(model)
+    torch.nn.init.normal_(model.head_dist.weight, std=0.02)
+    x = torch.randn(2, 1, 28, 28)
+    tokens = model.forward_features(x)
+    expected = (model.head(tokens[:, 0]) + model.head_dist(tokens[:, 1])) / 2
+    assert torch.allclose(model(x), expected)
+    assert torch.allclose(model.forward_head(tokens, pre_logits=True), tokens[:, :2].mean(1))

@@ -95,7 +95,10 @@ def pos_embed_similarity(model: VisionTransformer) -> Tensor:
 
 
 def embedding_filters(model: VisionTransformer, k: int = 28) -> Tensor:
-    """The top-k principal components of the patch-embedding filters E as images (k, C, P, P)."""
+    """The top-k principal components of the patch-embedding filters E as images (k, C, P, P).
+    A conv stem has no such linear filters: ValueError."""
+    if model.config.stem != "patch":
+        raise ValueError(f"a {model.config.stem} stem has no P x P linear embedding filters")
     w = model.patch_embed.proj.weight.detach().float()  # (D, C, P, P)
     d, c, p, _ = w.shape
     flat = w.reshape(d, c * p * p)

@@ -10,6 +10,7 @@ Per encoder layer with N patch tokens, width D, MLP width M (class token left ou
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -68,6 +69,14 @@ def forward_macs(cfg: ViTConfig) -> int:
     """Matrix-product MACs of one forward pass at cfg's own patch size (timm's "GFLOPs")."""
     n, t, d = cfg.num_patches, cfg.num_patches + cfg.num_prefix_tokens, cfg.embed_dim
     patch = n * cfg.patch_size**2 * cfg.in_chans * d
+    if cfg.stem == "conv":  # 3x3 stride-2 layers, then the 1x1 projection
+        h, w = cfg.img_hw
+        patch, c = 0, cfg.in_chans
+        for i in range(int(math.log2(cfg.patch_size))):
+            h, w, out = (h + 1) // 2, (w + 1) // 2, cfg.stem_width * 2**i
+            patch += h * w * 9 * c * out
+            c = out
+        patch += n * c * d
     per_layer = 2 * t * t * d + 4 * t * d * d + 2 * t * d * cfg.mlp_dim
     width = cfg.representation_size or d
     heads = 2 if cfg.distilled else 1

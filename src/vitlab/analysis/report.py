@@ -247,15 +247,18 @@ def analyze(
         )
     except ValueError as e:
         report.notes.append(f"position-embedding similarity skipped: {e}")
-    filters = embedding_filters(model, k=28)
-    plot_filters(filters, out / "embedding_filters.png")
-    report.files.append(
-        (
-            "embedding_filters.png",
-            f"Patch embedding filters (Fig. 7 left): the top {len(filters)} principal "
-            f"components of E, as {cfg.patch_size}x{cfg.patch_size} images.",
+    try:
+        filters = embedding_filters(model, k=28)
+        plot_filters(filters, out / "embedding_filters.png")
+        report.files.append(
+            (
+                "embedding_filters.png",
+                f"Patch embedding filters (Fig. 7 left): the top {len(filters)} principal "
+                f"components of E, as {cfg.patch_size}x{cfg.patch_size} images.",
+            )
         )
-    )
+    except ValueError as e:
+        report.notes.append(f"embedding filters skipped: {e}")
     for i, name in enumerate(images.names):
         file = f"rollout_{i:03d}.png"
         plot_rollout(images.display[i], maps[i], cfg.grid, out / file, name)

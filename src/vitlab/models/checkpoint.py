@@ -680,6 +680,8 @@ _TIMM_NAMES = {
 def timm_model_args(cfg: ViTConfig) -> tuple[str, dict[str, Any]]:
     """(timm architecture name, model_args) that build `cfg` with timm.create_model."""
     why = []
+    if cfg.stem != "patch":
+        why.append(f"stem={cfg.stem!r} (timm's ViT patchifies with one conv)")
     if cfg.pos_embed != "learned":
         why.append(f"pos_embed={cfg.pos_embed!r} (timm's ViT has learned tables only)")
     if cfg.representation_size:
@@ -764,6 +766,7 @@ def hf_config(cfg: ViTConfig, classes: list[str] | None) -> tuple[dict[str, Any]
         (not cfg.class_token or cfg.pool != "token", "pooling other than the class token"),
         (cfg.pos_embed != "learned" or cfg.no_embed_class, "position tables other than learned"),
         (cfg.fc_norm, "fc_norm"),
+        (cfg.stem != "patch", "a conv stem"),
         (cfg.distilled, "a distillation token (transformers has DeiT models for that)"),
         (cfg.layer_scale is not None, "layer scale"),
         (

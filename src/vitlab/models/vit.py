@@ -25,11 +25,12 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vitlab.config import ConfigError, check_keys, validate
-from vitlab.models.layers import POS_EMBEDS, Block, PatchEmbed, lecun_normal_
+from vitlab.models.layers import POS_EMBEDS, Block, ConvStem, PatchEmbed, lecun_normal_
 
 PoolKind = Literal["token", "gap"]
 PosEmbedKind = Literal["learned", "learned_2d", "relative", "sincos2d", "none"]
 ActKind = Literal["gelu", "gelu_tanh"]
+StemKind = Literal["patch", "conv"]
 
 
 @dataclass
@@ -58,6 +59,8 @@ class ViTConfig:
     fc_norm: bool = False  # final LayerNorm after pooling instead of over all tokens (timm `avg`)
     distilled: bool = False  # DeiT: a distillation token after the class token, and its own head
     layer_scale: float | None = None  # CaiT / DeiT-3 per-channel residual scale, its initial value
+    stem: StemKind = "patch"  # "conv": log2(P) stride-2 3x3 convs, then 1x1 to D (a small hybrid)
+    stem_width: int = 32  # channels of the conv stem's first layer, doubling per layer
 
     def __post_init__(self) -> None:
         validate(self)
@@ -94,6 +97,11 @@ class ViTConfig:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
+        if self.stem == "conv" and (p & (p - 1) or p < 2 or self.stem_width <= 0):
+            raise ConfigError(
+                f"stem='conv' needs a power-of-two patch_size >= 2 and stem_width > 0, got "
+                f"patch_size {p}, stem_width {self.stem_width}"
+            )
         if self.distilled and not (self.class_token and self.pool == "token"):
             raise ConfigError("distilled=True needs class_token=True and pool='token'")
         if self.distilled and (self.fc_norm or self.representation_size):
@@ -155,7 +163,10 @@ class VisionTransformer(nn.Module):
         super().__init__()
         cfg = self.config = config
         d = cfg.embed_dim
-        self.patch_embed = PatchEmbed(cfg.img_hw, cfg.patch_size, cfg.in_chans, d)
+        if cfg.stem == "conv":
+            self.patch_embed = ConvStem(cfg.img_hw, cfg.patch_size, cfg.in_chans, d, cfg.stem_width)
+        else:
+            self.patch_embed = PatchEmbed(cfg.img_hw, cfg.patch_size, cfg.in_chans, d)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.class_token else None
         self.dist_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.distilled else None
         pos_prefix = 0 if cfg.no_embed_class else cfg.num_prefix_tokens
@@ -200,9 +211,13 @@ class VisionTransformer(nn.Module):
                     else:
                         nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Conv2d):
-                lecun_normal_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
+                if ".stem." in name:  # conv -> BN -> ReLU
+                    nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                else:
+                    lecun_normal_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, (nn.LayerNorm, nn.BatchNorm2d)):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
