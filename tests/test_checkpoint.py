@@ -179,6 +179,24 @@ def test_hf_in_memory_names_of_transformers_5(tmp_path: Path) -> None:
         close(model(x), ref(pixel_values=x).logits)
 
 
+def test_hf_pooler_beside_a_classifier_is_ignored_as_transformers_does(tmp_path: Path) -> None:
+    """Older hub files of ViTForImageClassification still hold the pooler, which transformers
+    does not use; vitlab skips it too, and says so."""
+    ref = randomize(transformers.ViTForImageClassification(hf_config(num_labels=3)))
+    ref.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    state = load_file(tmp_path / "model.safetensors")
+    state["vit.pooler.dense.weight"] = torch.randn(96, 96)
+    state["vit.pooler.dense.bias"] = torch.randn(96)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="pooler weights beside a classifier ignored"):
+        model = load_pretrained(tmp_path)
+    assert model.pre_logits is None
+    with torch.no_grad():
+        close(model(images(32)), ref(pixel_values=images(32)).logits)
+
+
 # --- torchvision ---------------------------------------------------------------------------------
 
 

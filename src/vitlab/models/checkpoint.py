@@ -645,6 +645,8 @@ def load_checkpoint(
     pre = _preprocessing(src, model.config)
     model.preprocessing = pre
     model.classes = classes
+    for note in src.notes:
+        warnings.warn(f"{src.where}: {note}", stacklevel=2)
     info = dict(src.info)  # a vitlab checkpoint keeps its training info
     if src.format != "vitlab":
         info.update(source=str(source), source_format=src.format, notes=src.notes)
