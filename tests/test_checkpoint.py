@@ -5,6 +5,7 @@ the same logits and pre-logits features (fp32, max abs diff <= 1e-4). Round trip
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -108,6 +109,10 @@ def test_timm_folder_carries_preprocessing_and_infers_pooling(tmp_path: Path) ->
     x = images(224)
     with torch.no_grad():
         close(model(x), ref(x))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["pretrained_cfg"].update(crop_mode="squash", crop_pct=1.0)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_pretrained(tmp_path).preprocessing.crop_pct is None  # whole image resized
 
 
 def test_overrides_resample_positions_like_timm_and_replace_the_head(tmp_path: Path) -> None:
@@ -165,6 +170,7 @@ def test_hf_model_with_pooler_is_the_pre_logits_layer(tmp_path: Path) -> None:
     ref.save_pretrained(tmp_path)
     model = load_pretrained(tmp_path)
     assert model.config.representation_size == 96 and model.config.num_classes == 0
+    assert model.classes == []  # transformers' default id2label names no classes of this model
     x = images(32)
     with torch.no_grad():
         close(model(x), ref(pixel_values=x).pooler_output)

@@ -312,8 +312,9 @@ def _hints_from_config(cfg: dict[str, Any], src: Source) -> None:
     for ours, theirs in (("mean", "mean"), ("std", "std"), ("interpolation", "interpolation")):
         if theirs in pre:
             src.preprocessing[ours] = pre[theirs]
-    if "crop_pct" in pre:
-        src.preprocessing["crop_pct"] = pre["crop_pct"]
+    if "crop_pct" in pre:  # timm's `squash` resizes the whole image, as crop_pct None does
+        squash = pre.get("crop_mode") == "squash"
+        src.preprocessing["crop_pct"] = None if squash else pre["crop_pct"]
     names = cfg.get("label_names") or pre.get("label_names")
     if names:
         src.classes = list(names)
@@ -429,8 +430,9 @@ def _download(repo: str, revision: str | None) -> Path:
             "(pip install huggingface_hub)"
         ) from None
 
+    errors: list[str] = []
+
     def fetch(filename: str) -> Path | None:
-        errors = []
         for local_only in (False, True):
             try:
                 path = hf_hub_download(
@@ -439,7 +441,6 @@ def _download(repo: str, revision: str | None) -> Path:
                 return Path(path)
             except Exception as e:  # offline, not cached, no such file, no such repo
                 errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-        fetch.errors = errors  # type: ignore[attr-defined]
         return None
 
     config = fetch("config.json")
@@ -454,9 +455,10 @@ def _download(repo: str, revision: str | None) -> Path:
     from huggingface_hub.constants import HF_HUB_CACHE
 
     raise CheckpointError(
-        f"cannot get {repo} from the Hugging Face Hub (offline, or no such repo) and it is not in "
-        f"the local cache ({HF_HUB_CACHE}). Download it where there is internet (it lands in "
-        f"that cache), or pass a local file or folder. Last error: {fetch.errors[-1]}"  # type: ignore[attr-defined]
+        f"cannot get {repo} from the Hugging Face Hub (offline, or no such repo; nor is it a "
+        f"local file or folder) and it is not in the local cache ({HF_HUB_CACHE}). Download it "
+        f"where there is internet (it lands in that cache), or pass a local file or folder. "
+        f"Last error: {errors[-1]}"
     )
 
 
@@ -630,15 +632,15 @@ def load_checkpoint(
     state = dict(src.state)
     if "in_chans" in overrides:
         chans = int(overrides["in_chans"])
-        state["patch_embed.proj.weight"] = _adapt_in_chans(
-            state["patch_embed.proj.weight"], chans, src.where
-        )
+        first = "patch_embed.stem.0.weight" if cfg.stem == "conv" else "patch_embed.proj.weight"
+        state[first] = _adapt_in_chans(state[first], chans, src.where)
         cfg = cfg.replace(in_chans=chans)
     model = VisionTransformer(cfg)
     load_state_strict(model, state, src.where)
     if "img_size" in overrides:
         model.set_image_size(overrides["img_size"])
-    classes = src.classes or [str(i) for i in range(cfg.num_classes)]
+    classes = src.classes if src.classes and len(src.classes) == cfg.num_classes else None
+    classes = classes or [str(i) for i in range(cfg.num_classes)]
     if "num_classes" in overrides and overrides["num_classes"] != cfg.num_classes:
         model.reset_classifier(int(overrides["num_classes"]))
         classes = [str(i) for i in range(model.config.num_classes)]
