@@ -320,7 +320,7 @@ class Run:
         data, d = self.data, self.d
         params = sum(p.numel() for p in self.model.parameters())
         print(
-            f"vitlab train: {self.cfg.model.name} ({params:,} params, "
+            f"vitlab train: {self._model_label()} ({params:,} params, "
             f"{'bf16' if self.bf16 else 'fp32'}, {self.device}, {d.world} process"
             f"{'es' if d.world > 1 else ''}) on {self.cfg.data.name}: {len(data.train):,} train / "
             f"{len(data.val) if data.val is not None else 0:,} val / {len(data.test):,} test; "
@@ -329,6 +329,17 @@ class Run:
         )
         for note in self.notes:
             print(f"fine-tune: {note}", file=sys.stderr)
+
+    def _model_label(self) -> str:
+        """What is trained: the registered name with its overrides, or the fine-tuning source's
+        architecture, and the shape either way."""
+        c, cfg = self.model_cfg, self.cfg
+        h, w = c.img_hw
+        shape = f"D={c.embed_dim}, {c.depth} layers, patch {c.patch_size}, {h}x{w}"
+        if cfg.finetune.from_:
+            return f"the architecture of {cfg.finetune.from_} [{shape}]"
+        changes = ", ".join(f"{k}={v}" for k, v in cfg.model.overrides.items())
+        return f"{cfg.model.name}{f' with {changes}' if changes else ''} [{shape}]"
 
     # --- phases ----------------------------------------------------------------------------------
 
