@@ -65,7 +65,8 @@ class Checkpoint:
 # --- vitlab's own weights files ------------------------------------------------------------------
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush a file or a folder (its entries) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -92,9 +93,9 @@ def _write_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[st
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, tmp, metadata=metadata)
-    _fsync(tmp)
+    fsync(tmp)
     os.replace(tmp, path)
-    _fsync(path.parent)
+    fsync(path.parent)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -872,5 +873,5 @@ def _default_pre(cfg: ViTConfig) -> Preprocessing:
 def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text + "\n")
-    _fsync(tmp)
+    fsync(tmp)
     os.replace(tmp, path)

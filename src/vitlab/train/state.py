@@ -21,6 +21,7 @@ from vitlab.models.checkpoint import (
     WEIGHTS,
     Checkpoint,
     CheckpointError,
+    fsync,
     load_state_strict,
     load_weights,
     read_metadata,
@@ -45,19 +46,6 @@ __all__ = [
 ]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
 def save_checkpoint(
     folder: Path,
     model_state: dict[str, torch.Tensor],
@@ -74,13 +62,13 @@ def save_checkpoint(
     write_weights(tmp / WEIGHTS, model_state, meta)
     if train_state is not None:
         torch.save(train_state, tmp / STATE)
-        _fsync_file(tmp / STATE)
-    _fsync_dir(tmp)
+        fsync(tmp / STATE)
+    fsync(tmp)
     if folder.exists():
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(folder, aside)
     os.replace(tmp, folder)
-    _fsync_dir(parent)
+    fsync(parent)
     shutil.rmtree(aside, ignore_errors=True)
 
 
