@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 
 import vitlab
+from vitlab.models.checkpoint import timm_model_args
 from vitlab.models.formats import vitlab_to_timm
 from vitlab.models.vit import VisionTransformer
 from vitlab.train.run import use_bf16
@@ -28,23 +29,12 @@ DEFAULT = [("vit_nano_patch4_28", 256), ("Ti/16", 32), ("S/16", 16), ("B/16", 8)
 
 
 def timm_twin(model: VisionTransformer) -> torch.nn.Module:
-    """timm's VisionTransformer with model's shape and weights."""
-    from timm.models.vision_transformer import VisionTransformer as TimmViT
+    """timm's VisionTransformer with model's shape and weights (built from the same model_args
+    that `vitlab convert --to timm` writes)."""
+    import timm
 
-    cfg = model.config
-    twin = TimmViT(
-        img_size=cfg.img_hw,
-        patch_size=cfg.patch_size,
-        in_chans=cfg.in_chans,
-        num_classes=cfg.num_classes,
-        embed_dim=cfg.embed_dim,
-        depth=cfg.depth,
-        num_heads=cfg.num_heads,
-        mlp_ratio=cfg.mlp_dim / cfg.embed_dim,
-        class_token=cfg.class_token,
-        global_pool="token" if cfg.pool == "token" else "avg",
-        fc_norm=False,
-    )
+    arch, args = timm_model_args(model.config)
+    twin = timm.create_model(arch, **args)
     twin.load_state_dict(vitlab_to_timm(model.state_dict()))
     return twin
 
