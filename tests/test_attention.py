@@ -50,6 +50,29 @@ def test_fused_attention_matches_explicit_reference(pos_embed: str) -> None:
     torch.testing.assert_close(probs.sum(-1), torch.ones(3, 3, 17))
 
 
+@pytest.mark.parametrize("pos_embed", ["learned", "relative"])
+def test_bf16_autocast_on_cpu_matches_float32_in_outputs_and_gradients(pos_embed: str) -> None:
+    """Under CPU bf16 autocast (vitlab train's default where the CPU computes in bf16) attention
+    takes the explicit path; its outputs and gradients agree with float32 to bf16 precision."""
+    torch.manual_seed(0)
+    attn = VisionTransformer(tiny_config(pos_embed=pos_embed, embed_dim=64)).blocks[0].attn
+    x = torch.randn(4, 17, 64)
+    grads = {}
+    for precision in ("fp32", "bf16"):
+        attn.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+            out, _ = attn(xi)
+        assert out.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+        out.float().square().sum().backward()
+        grads[precision] = [out.detach().float(), xi.grad, attn.qkv.weight.grad]
+        if attn.rel_pos is not None:
+            grads[precision].append(attn.rel_pos.table.grad)
+    for ref, low in zip(grads["fp32"], grads["bf16"], strict=True):
+        scale = ref.abs().max()
+        assert (low - ref).abs().max() <= 0.03 * scale, (low - ref).abs().max() / scale
+
+
 def test_forward_intermediates_tokens_and_attention_maps() -> None:
     torch.manual_seed(0)
     model = VisionTransformer(tiny_config(depth=4)).eval()

@@ -376,17 +376,20 @@ class RelativePositionBias(nn.Module):
 
 
 def attention_probs(q: Tensor, k: Tensor, scale: float, bias: Tensor | None = None) -> Tensor:
-    """softmax(q k^T * scale + bias) with the softmax in float32: (B, H, T, T)."""
-    logits = (q @ k.transpose(-2, -1)) * scale
+    """softmax((q * scale) k^T + bias): (B, H, T, T), in q's dtype (PyTorch's reduced-precision
+    softmax accumulates in float32)."""
+    logits = (q * scale) @ k.transpose(-2, -1)
     if bias is not None:
         logits = logits + bias
-    return logits.float().softmax(dim=-1).to(q.dtype)
+    return logits.softmax(dim=-1)
 
 
 class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection. The plain path runs
     F.scaled_dot_product_attention; `return_attention=True` computes the same result explicitly and
-    also returns the attention probabilities (B, H, T, T)."""
+    also returns the attention probabilities (B, H, T, T). bf16 on CPU always takes the explicit
+    path: there it trains several times faster than PyTorch's fused kernel, whose bf16 backward
+    is ~10x slower than its float32 one (BENCHMARKS.md)."""
 
     def __init__(self, cfg: ViTConfig, rel_pos: RelativePositionBias | None = None) -> None:
         super().__init__()
@@ -406,9 +409,10 @@ class Attention(nn.Module):
         bias = None if self.rel_pos is None else self.rel_pos(q, self.scale)  # (B, H, T, T)
         drop = self.attn_drop if self.training else 0.0
         attn = None
-        if return_attention:
-            attn = attention_probs(q, k, self.scale, bias)
-            out = F.dropout(attn, drop, training=self.training) @ v
+        if return_attention or (q.device.type == "cpu" and q.dtype == torch.bfloat16):
+            probs = attention_probs(q, k, self.scale, bias)
+            attn = probs if return_attention else None
+            out = F.dropout(probs, drop, training=self.training) @ v
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=bias, dropout_p=drop, scale=self.scale
