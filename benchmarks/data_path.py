@@ -53,7 +53,7 @@ def main() -> None:
         x, y = next(iter(loader))
         if y.ndim == 2:
             y = y.argmax(dim=1)
-        consumed = step_rate(VisionTransformer(mc), x, y, use_bf16("auto", mc, x.device), 10)
+        consumed = step_rate(VisionTransformer(mc), x, y, use_bf16("auto", x.device), 10)
         row = {
             "config": path,
             "batch": cfg.train.batch_size,

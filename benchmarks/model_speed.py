@@ -108,7 +108,7 @@ def main() -> None:
             by_precision[row["precision"]] = row
             print(json.dumps(row), flush=True)
         # vitlab's default path (train.precision=auto) against timm's eager fp32
-        default = "bf16" if use_bf16("auto", cfg, x.device) else "fp32"
+        default = "bf16" if use_bf16("auto", x.device) else "fp32"
         summary = {
             "model": name,
             "default_precision": default,

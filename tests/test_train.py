@@ -21,9 +21,10 @@ from vitlab.config import ConfigError, load_run_config
 from vitlab.data import load_split
 from vitlab.data.datasets import DatasetError
 from vitlab.models import checkpoint as checkpoint_mod
+from vitlab.train import run as run_mod
 from vitlab.train import state as state_mod
 from vitlab.train.engine import NonFiniteLoss
-from vitlab.train.run import train
+from vitlab.train.run import train, use_bf16
 from vitlab.train.state import load_model, load_weights, resolve_checkpoint
 
 # small and fast: 8x8 digits at their own size, patch 2
@@ -304,8 +305,22 @@ def test_two_processes_equal_one_process(tmp_path: Path, strategy: str) -> None:
 def test_gradient_accumulation_equals_the_larger_batch(tmp_path: Path) -> None:
     """2 x 32 accumulated == one batch of 64 (the same samples, the mean loss), with SGD."""
     common = ["train.epochs=1", "data.val_fraction=0", "optim.name=sgd", "optim.lr=0.05"]
+    common.append("train.precision=fp32")  # bf16 rounds the two batchings differently
     big = train(cfg(*common, "train.batch_size=64"), out=tmp_path / "big")
     accum = train(cfg(*common, "train.batch_size=32", "train.accum_steps=2"), out=tmp_path / "acc")
     a, b = weights_of(big), weights_of(accum)
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_precision_auto_takes_bf16_where_the_device_computes_in_it(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    assert not use_bf16("fp32", cpu) and use_bf16("bf16", cpu)
+    for native in (False, True):
+        monkeypatch.setattr(run_mod, "cpu_has_bf16", lambda native=native: native)
+        assert use_bf16("auto", cpu) is native
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():  # Linux: the kernel's own flags say whether the CPU has bf16 arithmetic
+        flags = set(cpuinfo.read_text().split())
+        monkeypatch.undo()
+        assert run_mod.cpu_has_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"})

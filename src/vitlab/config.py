@@ -245,6 +245,7 @@ class TrainConfig:
     accum_steps: int = 1  # gradient accumulation: optimizer step every N batches
     seed: int = 0
     ema: float | None = None  # decay of an exponential moving average of the weights
+    # auto: bf16 autocast on GPUs with bf16 and on CPUs that compute in it (AVX512-BF16 / AMX)
     precision: typing.Literal["auto", "fp32", "bf16"] = "auto"
     compile: bool = False  # torch.compile the model
     grad_checkpointing: bool = False

@@ -60,15 +60,21 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def use_bf16(precision: str, model_cfg: ViTConfig, device: torch.device) -> bool:
-    """`auto`: bf16 on GPUs that support it; on CPU only from width 192 up, because at small widths
-    autocast's casts cost more than the bf16 matrix products save (BENCHMARKS.md: at D=64 training
-    is 2.4x slower in bf16, at D=192 2x faster)."""
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """`auto`: bf16 on GPUs that support it, and on CPUs with bf16 arithmetic (AVX512-BF16 or
+    AMX; elsewhere PyTorch emulates bf16 and float32 is faster). On the project's CPU bf16 trains
+    1.7x faster than float32 at D=64 and 2.5-3x from D=128 up (BENCHMARKS.md)."""
     if precision != "auto":
         return precision == "bf16"
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return model_cfg.embed_dim >= 192
+    return device.type == "cpu" and cpu_has_bf16()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (x86 AVX512-BF16 or AMX tiles)."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
 def resolve_model_config(
@@ -251,7 +257,7 @@ class Run:
             self.notes = finetune_weights(self.model, cfg.finetune.from_)
         self.model.set_grad_checkpointing(cfg.train.grad_checkpointing)
         self.model.to(device)
-        self.bf16 = use_bf16(cfg.train.precision, mc, device)
+        self.bf16 = use_bf16(cfg.train.precision, device)
         self.loader = make_loader(
             self.data.train,
             cfg.train.batch_size,
