@@ -236,7 +236,13 @@ def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
 
 
-def test_finetune_at_another_resolution_with_a_new_head(trained_run: Path, tmp_path: Path) -> None:
+def test_finetune_at_another_resolution_with_a_new_head(
+    trained_run: Path, tmp_path: Path, monkeypatch
+) -> None:
+    reads = []
+    real_read = run_mod.read_source
+    for module in (run_mod, checkpoint_mod):
+        monkeypatch.setattr(module, "read_source", lambda *a: reads.append(a) or real_read(*a))
     run = train(
         load_run_config(
             None,
@@ -249,6 +255,7 @@ def test_finetune_at_another_resolution_with_a_new_head(trained_run: Path, tmp_p
         ),
         out=tmp_path / "ft",
     )
+    assert len(reads) == 1  # the source checkpoint is read once (it may be gigabytes)
     model, meta = load_model(run)
     assert meta.config.img_hw == (32, 32)
     assert model.pos_embed.weight.shape == (1, 1 + 64, 64)

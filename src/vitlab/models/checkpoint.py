@@ -609,19 +609,20 @@ def _preprocessing(src: Source, cfg: ViTConfig) -> Preprocessing:
 
 
 def load_checkpoint(
-    source: str | Path,
+    source: str | Path | Source,
     format: str = "auto",
     device: str | torch.device = "cpu",
     **overrides: Any,
 ) -> tuple[VisionTransformer, Checkpoint]:
     """A model with the weights of `source` (a file, a folder, a vitlab run or a hub name, in any
-    format vitlab reads) and its Checkpoint (config, preprocessing, class names, info).
+    format vitlab reads, or a Source read_source made) and its Checkpoint (config, preprocessing,
+    class names, info).
 
     `overrides` are ViTConfig fields: img_size resamples the position embeddings, num_classes
     replaces the head(s) with zero-initialised ones, in_chans adapts the patch kernels; any other
     field (dropout, drop_path, num_heads, ...) is set before the weights are loaded, and a field
     the weights cannot take (another width ...) fails naming the tensors."""
-    src = read_source(source, format)
+    src = source if isinstance(source, Source) else read_source(source, format)
     check_keys(ViTConfig, overrides.keys())
     before = {k: v for k, v in overrides.items() if k not in _AFTER_LOADING}
     src.hints.update(before)  # e.g. num_heads, which no tensor shape tells
@@ -652,7 +653,8 @@ def load_checkpoint(
         warnings.warn(f"{src.where}: {note}", stacklevel=2)
     info = dict(src.info)  # a vitlab checkpoint keeps its training info
     if src.format != "vitlab":
-        info.update(source=str(source), source_format=src.format, notes=src.notes)
+        name = src.where if isinstance(source, Source) else str(source)
+        info.update(source=name, source_format=src.format, notes=src.notes)
     return model.to(device).eval(), Checkpoint(model.config, pre, classes, info)
 
 

@@ -34,7 +34,13 @@ from vitlab.data import (
 )
 from vitlab.data.datasets import DatasetInfo, Split
 from vitlab.eval.classification import evaluate
-from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict, read_source
+from vitlab.models.checkpoint import (
+    Source,
+    infer_config,
+    load_checkpoint,
+    load_state_strict,
+    read_source,
+)
 from vitlab.models.vit import VisionTransformer, ViTConfig
 from vitlab.train import distributed
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, set_rng_state, train_epoch
@@ -101,18 +107,13 @@ def resolve_model_config(
     return mc
 
 
-def finetune_source_config(source: str) -> ViTConfig:
-    """The architecture of the checkpoint a run fine-tunes (any format vitlab reads)."""
-    return infer_config(read_source(source))
-
-
-def finetune_weights(model: VisionTransformer, source: str) -> list[str]:
-    """Load another checkpoint's weights (any format vitlab reads) into model: the source is moved
-    to the model's resolution (position embeddings of any kind resampled) and channels (patch
-    kernels adapted), and gets a zero-initialised head when the class count differs. Returns
-    what was adapted."""
+def finetune_weights(model: VisionTransformer, source: Source) -> list[str]:
+    """Load another checkpoint's weights (read by read_source, any format vitlab reads) into
+    model: the source is moved to the model's resolution (position embeddings of any kind
+    resampled) and channels (patch kernels adapted), and gets a zero-initialised head when the
+    class count differs. Returns what was adapted."""
     cfg = model.config
-    src_cfg = finetune_source_config(source)
+    src_cfg = infer_config(source)
     notes = []
     if src_cfg.img_hw != cfg.img_hw:
         notes.append(f"position embeddings resampled {src_cfg.grid} -> {cfg.grid}")
@@ -123,7 +124,7 @@ def finetune_weights(model: VisionTransformer, source: str) -> list[str]:
     src, _ = load_checkpoint(
         source, img_size=cfg.img_size, in_chans=cfg.in_chans, num_classes=cfg.num_classes
     )
-    load_state_strict(model, src.state_dict(), source)
+    load_state_strict(model, src.state_dict(), source.where)
     return notes
 
 
@@ -229,12 +230,12 @@ class Run:
         self.cfg, self.device, self.d, self.strategy = cfg, device, d, cfg.train.strategy
         self.data = load_data(cfg)
         base = None  # fine-tuning: the architecture is the source's (kept in `last` on resume)
-        if cfg.finetune.from_:
-            base = (
-                read_metadata(resolve_checkpoint(Path(resume) / "checkpoints" / "last")).config
-                if resume is not None
-                else finetune_source_config(cfg.finetune.from_)
-            )
+        source = None  # the fine-tuning checkpoint, read once
+        if cfg.finetune.from_ and resume is not None:
+            base = read_metadata(resolve_checkpoint(Path(resume) / "checkpoints" / "last")).config
+        elif cfg.finetune.from_:
+            source = read_source(cfg.finetune.from_)
+            base = infer_config(source)
         mc = self.model_cfg = resolve_model_config(cfg, self.data.info, base)
         if cfg.train.batch_size % d.world:
             raise ConfigError(
@@ -253,8 +254,9 @@ class Run:
         torch.manual_seed(cfg.train.seed)
         self.model = VisionTransformer(mc)
         self.notes = []
-        if cfg.finetune.from_ and resume is None:
-            self.notes = finetune_weights(self.model, cfg.finetune.from_)
+        if source is not None:
+            self.notes = finetune_weights(self.model, source)
+            del source
         self.model.set_grad_checkpointing(cfg.train.grad_checkpointing)
         self.model.to(device)
         self.bf16 = use_bf16(cfg.train.precision, device)
