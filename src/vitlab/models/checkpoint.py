@@ -198,7 +198,7 @@ class Source:
     hints: dict[str, Any] = field(default_factory=dict)  # ViTConfig fields the format states
     preprocessing: dict[str, Any] = field(default_factory=dict)  # Preprocessing fields
     classes: list[str] | None = None
-    config: ViTConfig | None = None  # vitlab checkpoints carry theirs
+    config: ViTConfig | None = None  # the architecture once known (vitlab files carry theirs)
     info: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 

@@ -235,7 +235,7 @@ class Run:
             base = read_metadata(resolve_checkpoint(Path(resume) / "checkpoints" / "last")).config
         elif cfg.finetune.from_:
             source = read_source(cfg.finetune.from_)
-            base = infer_config(source)
+            base = source.config = infer_config(source)  # inferred (and any guess warned) once
         mc = self.model_cfg = resolve_model_config(cfg, self.data.info, base)
         if cfg.train.batch_size % d.world:
             raise ConfigError(
