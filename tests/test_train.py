@@ -136,6 +136,31 @@ def test_resume_is_exact(tmp_path: Path) -> None:
     assert [json.loads(x)["epoch"] for x in lines] == [1, 2, 3, 4]
 
 
+def test_every_epoch_is_a_fresh_shuffle(tmp_path: Path, monkeypatch) -> None:
+    """Each epoch draws its own permutation: epochs 1 and 2 see different batch orders, and each
+    epoch sees every sample at most once (the plan once repeated epoch 1's order forever)."""
+    from vitlab.data import loader as loader_mod
+
+    seen: list[list[int]] = []
+    original = loader_mod.BatchPlan.batches
+
+    def recording(self, *args, **kwargs):
+        order: list[int] = []
+        if self.shuffle:
+            seen.append(order)
+        for chunk in original(self, *args, **kwargs):
+            order.extend(chunk.tolist())
+            yield chunk
+
+    monkeypatch.setattr(loader_mod.BatchPlan, "batches", recording)
+    train(cfg("train.epochs=3", "data.val_fraction=0"), out=tmp_path / "r")
+    assert len(seen) == 3
+    for order in seen:
+        assert len(order) == len(set(order)) == (len(order) // 64) * 64
+    assert seen[0] != seen[1] and seen[1] != seen[2] and seen[0] != seen[2]
+    assert set(seen[0]) != set(seen[1])  # the dropped remainder differs too
+
+
 def test_resume_may_only_change_the_length(tmp_path: Path, capsys) -> None:
     run = train(cfg("train.epochs=1"), out=tmp_path / "r")
     assert main(["train", "--resume", str(run), "optim.lr=0.1"]) == 2

@@ -1,6 +1,7 @@
 """Batches for training and evaluation.
 
-Each epoch's order is a permutation seeded by (seed, epoch): a resumed run sees the same batches.
+Each epoch's order is a fresh permutation seeded by (seed, epoch), the epoch passed explicitly by
+the caller on every pass: a resumed run sees the same batches, and no two epochs share an order.
 Under torchrun each global batch is cut into equal per-rank slices: N ranks see exactly the samples
 one process would see with the same global batch."""
 
@@ -31,16 +32,16 @@ class BatchPlan:
             raise ValueError(f"{n} training images are fewer than one batch of {batch_size}")
         self.n, self.batch_size, self.shuffle = n, batch_size, shuffle
         self.seed, self.rank, self.world = seed, rank, world
-        self.epoch = 0
 
     def __len__(self) -> int:
         if self.shuffle:  # full global batches only, so every rank steps together
             return self.n // self.batch_size
         return -(-self.n // self.batch_size)
 
-    def batches(self, start: int = 0) -> Iterator[Tensor]:
+    def batches(self, epoch: int = 0, start: int = 0) -> Iterator[Tensor]:
+        """Epoch `epoch`'s batches (0-based) from batch `start` on."""
         if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+            gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
             order = torch.randperm(self.n, generator=gen)
             per_rank = self.batch_size // self.world
             for b in range(start, len(self)):
@@ -60,8 +61,8 @@ class ArrayLoader:
     def __len__(self) -> int:
         return len(self.plan)
 
-    def iterate(self, start: int = 0) -> Iterator[Batch]:
-        for index in self.plan.batches(start):
+    def iterate(self, epoch: int = 0, start: int = 0) -> Iterator[Batch]:
+        for index in self.plan.batches(epoch, start):
             yield self.transform(self.split.images[index], self.split.labels[index])
 
     def __iter__(self) -> Iterator[Batch]:
@@ -104,8 +105,8 @@ class FolderLoader:
     def __len__(self) -> int:
         return len(self.plan)
 
-    def iterate(self, start: int = 0) -> Iterator[Batch]:
-        batches = [b.tolist() for b in self.plan.batches(start)]
+    def iterate(self, epoch: int = 0, start: int = 0) -> Iterator[Batch]:
+        batches = [b.tolist() for b in self.plan.batches(epoch, start)]
         loader = DataLoader(
             self.dataset,
             batch_sampler=batches,

@@ -73,7 +73,7 @@ def train_epoch(
     sums = [0.0, 0.0, 0.0]  # loss sum, correct, images (this rank)
     start_time, start_images = time.perf_counter(), 0
     pos.rng = rng_state(device)
-    for i, (x, y) in enumerate(loader.iterate(pos.batch), start=pos.batch):
+    for i, (x, y) in enumerate(loader.iterate(pos.epoch, pos.batch), start=pos.batch):
         if i >= usable:
             break
         first, last = (i % accum == 0), ((i + 1) % accum == 0)
