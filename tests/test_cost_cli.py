@@ -56,6 +56,31 @@ def test_cost_other_size_and_patch_list() -> None:
     assert "86,859,496" in text and "4,608 tokens" in text and "attn share" in text
 
 
+def test_cost_runs_on_every_registered_model_with_no_options(capsys) -> None:
+    """The default patch sizes are those of the paper's list that tile the model's image, plus
+    the model's own (28x28 presets: 4, 14, 28; the list once failed on them with 'patch size 32
+    does not fit')."""
+    from vitlab.models.registry import list_models
+
+    names = list_models()
+    assert "vit_nano_patch4_28" in names
+    for name in names:
+        assert main(["cost", name, "--json"]) == 0, name
+        report = json.loads(capsys.readouterr().out)
+        sizes = [r["patch_size"] for r in report["per_layer"]]
+        h, w = report["img_size"]
+        assert report["patch_size"] in sizes, name
+        assert all(h % p == 0 and w % p == 0 for p in sizes), (name, sizes)
+    assert main(["cost", "vit_nano_patch4_28", "--json"]) == 0
+    sizes = [r["patch_size"] for r in json.loads(capsys.readouterr().out)["per_layer"]]
+    assert sizes == [4, 14, 28]
+    assert main(["cost", "vit_huge_patch14_518", "--json"]) == 0  # 518 = 14 x 37: only its own
+    sizes = [r["patch_size"] for r in json.loads(capsys.readouterr().out)["per_layer"]]
+    assert sizes == [14]
+    assert main(["cost", "vit_nano_patch4_28"]) == 0
+    assert "patch" in capsys.readouterr().out
+
+
 def test_cost_rejects_bad_input(capsys) -> None:
     assert main(["cost", "B/17"]) == 2
     err = capsys.readouterr().err

@@ -85,15 +85,24 @@ def forward_macs(cfg: ViTConfig) -> int:
     return patch + cfg.depth * per_layer + head
 
 
+def default_patch_sizes(cfg: ViTConfig) -> list[int]:
+    """The sizes of DEFAULT_PATCH_SIZES that tile the model's image, and the model's own."""
+    h, w = cfg.img_hw
+    fits = {p for p in DEFAULT_PATCH_SIZES if h % p == 0 and w % p == 0}
+    return sorted(fits | {cfg.patch_size})
+
+
 def cost_report(
     model: str,
     img_size: int | tuple[int, int] | None = None,
-    patch_sizes: Sequence[int] = DEFAULT_PATCH_SIZES,
+    patch_sizes: Sequence[int] | None = None,
 ) -> dict:
-    """Everything `vitlab cost` prints, as a JSON-ready dict. The model is built on the meta
-    device, so even H/14 costs no memory."""
+    """Everything `vitlab cost` prints, as a JSON-ready dict; patch_sizes defaults to
+    default_patch_sizes. The model is built on the meta device, so even H/14 costs no memory."""
     overrides = {} if img_size is None else {"img_size": img_size}
     cfg = get_config(model, **overrides)
+    if patch_sizes is None:
+        patch_sizes = default_patch_sizes(cfg)
     for p in patch_sizes:
         if p <= 0 or p > min(cfg.img_hw):
             raise ValueError(f"patch size {p} does not fit a {cfg.img_hw[0]}x{cfg.img_hw[1]} image")

@@ -7,6 +7,8 @@ import json
 
 from vitlab.analysis.cost import DEFAULT_PATCH_SIZES, cost_report, format_cost_report
 
+DEFAULTS = ",".join(map(str, DEFAULT_PATCH_SIZES))
+
 
 def parse_size(text: str) -> int | tuple[int, int]:
     """'224' -> 224; '224x320' -> (224, 320)."""
@@ -57,9 +59,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--patch-sizes",
         type=parse_int_list,
-        default=list(DEFAULT_PATCH_SIZES),
+        default=None,
         metavar="P,P,...",
-        help="patch sides for the per-layer table (default: %(default)s)",
+        help=f"patch sides for the per-layer table (default: those of {DEFAULTS} that tile the "
+        "image, and the model's own)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=run)
