@@ -15,7 +15,16 @@ import torch
 from safetensors.torch import save_file
 
 from vitlab import load_pretrained
-from vitlab.models.checkpoint import CheckpointError, load_checkpoint, save_hf, save_timm
+from vitlab.models.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    save_hf,
+    save_timm,
+    timm_model_args,
+)
+from vitlab.models.formats import vitlab_to_timm
+from vitlab.models.registry import get_config, list_models
+from vitlab.models.vit import VisionTransformer, ViTConfig
 
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
@@ -364,6 +373,54 @@ def test_timm_layout_written_by_vitlab_loads_in_timm(case: str, tmp_path: Path) 
     save_timm(model, tmp_path / "out")
     again = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
     x = images(size)
+    with torch.no_grad():
+        close(again(x), model(x))
+
+
+def at_new_size(name: str) -> ViTConfig:
+    """A registered model's config two patches larger than its registered size (a resolution no
+    timm name carries), with a 3-way head."""
+    cfg = get_config(name, num_classes=3)
+    return cfg.replace(img_size=cfg.img_hw[0] + 2 * cfg.patch_size)
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_timm_layout_of_every_registered_size_builds_in_timm(name: str, tmp_path: Path) -> None:
+    """`vitlab convert --to timm` names an architecture timm registers, and timm builds the very
+    shapes from it (on the meta device, so H/14 costs nothing); written and read back with
+    `local-dir:`, timm's logits are vitlab's (models wider than Ti with one block, to stay fast)."""
+    cfg = at_new_size(name)
+    arch, args = timm_model_args(cfg)
+    assert arch in timm.list_models(arch), f"timm registers no {arch!r}"
+    with torch.device("meta"):
+        theirs = timm.create_model(arch, **args).state_dict()
+        ours = vitlab_to_timm(VisionTransformer(cfg).state_dict())
+    assert {k: v.shape for k, v in theirs.items()} == {k: v.shape for k, v in ours.items()}
+    small = cfg if cfg.embed_dim <= 192 else cfg.replace(depth=1)
+    model = randomize(VisionTransformer(small))
+    save_timm(model, tmp_path / "t")
+    again = timm.create_model(f"local-dir:{tmp_path / 't'}", pretrained=True).eval()
+    x = images(small.img_hw, chans=small.in_chans, n=1)
+    with torch.no_grad():
+        close(again(x), model(x))
+
+
+def test_every_timm_name_vitlab_writes_is_registered_in_timm() -> None:
+    from vitlab.models.checkpoint import _TIMM_REGISTERED
+
+    assert not _TIMM_REGISTERED - set(timm.list_models("vit_*"))
+    assert "deit_base_distilled_patch16_224" in timm.list_models("deit_*")
+
+
+def test_timm_layout_keeps_an_mlp_width_that_is_no_whole_ratio(tmp_path: Path) -> None:
+    """D=448, MLP 488: timm builds its MLP as int(D * mlp_ratio), and 488 / 448 * 448 is
+    487.99..., so the ratio written must be one that comes back as 488."""
+    cfg = ViTConfig(img_size=32, patch_size=8, embed_dim=448, depth=2, num_heads=7, mlp_dim=488)
+    model = randomize(VisionTransformer(cfg.replace(num_classes=5)))
+    save_timm(model, tmp_path / "t")
+    again = timm.create_model(f"local-dir:{tmp_path / 't'}", pretrained=True).eval()
+    assert again.blocks[0].mlp.fc1.out_features == 488
+    x = images(32)
     with torch.no_grad():
         close(again(x), model(x))
 

@@ -70,6 +70,20 @@ def test_convert_with_overrides_and_bad_input(tmp_path: Path, capsys) -> None:
     assert "no file or folder" in capsys.readouterr().err
 
 
+def test_convert_to_timm_at_another_resolution_builds_in_timm(tmp_path: Path) -> None:
+    """`--to timm` with img_size=256 writes an architecture timm registers (there is no
+    vit_tiny_patch16_256) and timm's own loader gives vitlab's logits."""
+    ref = timm.create_model("vit_tiny_patch16_224", num_classes=5)  # all 12 blocks: a Ti/16
+    torch.save(ref.state_dict(), tmp_path / "t.pth")
+    args = ["convert", str(tmp_path / "t.pth"), str(tmp_path / "out"), "img_size=256"]
+    assert main([*args, "--to", "timm"]) == 0
+    again = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
+    model = load_pretrained(tmp_path / "out")
+    x = torch.randn(2, 3, 256, 256)
+    with torch.no_grad():
+        assert (again(x) - model(x)).abs().max() <= 1e-4
+
+
 def test_hub_names_use_the_offline_cache(tmp_path: Path) -> None:
     """A hub name resolves through huggingface_hub's cache with the network off; a name that is
     not cached is a clear error."""

@@ -673,15 +673,44 @@ def load_pretrained(
 
 # --- writing other layouts -----------------------------------------------------------------------
 
-# timm entry points whose defaults match these shapes; any other shape is built from
-# vit_base_patch16_224 (or the DeiT distilled one) with every size in model_args
-_TIMM_NAMES = {
-    (192, 12, 3): "vit_tiny",
-    (384, 12, 6): "vit_small",
-    (768, 12, 12): "vit_base",
-    (1024, 24, 16): "vit_large",
-    (1280, 32, 16): "vit_huge",
+# (width, heads) -> timm's family name, and the entry points timm registers for the paper's sizes
+# (tests check each against timm.list_models()). The name only picks timm's entry point: every
+# size, the image size included, is in model_args, so any other shape is built from
+# vit_base_patch16_224 (or the DeiT distilled one).
+_TIMM_FAMILIES = {
+    (192, 3): "vit_tiny",
+    (384, 6): "vit_small",
+    (768, 12): "vit_base",
+    (1024, 16): "vit_large",
+    (1280, 16): "vit_huge",
 }
+_TIMM_REGISTERED = frozenset(
+    ["vit_tiny_patch16_224", "vit_tiny_patch16_384", "vit_small_patch8_224"]
+    + [f"vit_{s}_patch{p}_{r}" for s in ("small", "base", "large") for p in (16, 32)
+       for r in (224, 384)]
+    + ["vit_base_patch8_224", "vit_large_patch14_224", "vit_huge_patch14_224"]
+)  # fmt: skip
+
+
+def timm_arch(cfg: ViTConfig) -> str:
+    """The registered timm name closest to `cfg`: its family, patch and resolution when timm has
+    that entry point, else the family's at 224, else vit_base_patch16_224."""
+    family = _TIMM_FAMILIES.get((cfg.embed_dim, cfg.num_heads))
+    h, w = cfg.img_hw
+    for name in (f"{family}_patch{cfg.patch_size}_{h}", f"{family}_patch{cfg.patch_size}_224"):
+        if family and h == w and name in _TIMM_REGISTERED:
+            return name
+    return "vit_base_patch16_224"
+
+
+def timm_mlp_ratio(dim: int, mlp_dim: int) -> float:
+    """An mlp_ratio from which timm builds exactly `mlp_dim` hidden units: timm takes
+    int(dim * mlp_ratio), and mlp_dim / dim can land just below mlp_dim (448 * (488 / 448) is
+    487.99...), so the ratio of mlp_dim + 0.5 is taken then."""
+    for ratio in (mlp_dim / dim, (mlp_dim + 0.5) / dim):
+        if int(dim * ratio) == mlp_dim:
+            return ratio
+    raise CheckpointError(f"no mlp_ratio gives timm an MLP of {mlp_dim} at width {dim}")
 
 
 def timm_model_args(cfg: ViTConfig) -> tuple[str, dict[str, Any]]:
@@ -706,7 +735,7 @@ def timm_model_args(cfg: ViTConfig) -> tuple[str, dict[str, Any]]:
         embed_dim=cfg.embed_dim,
         depth=cfg.depth,
         num_heads=cfg.num_heads,
-        mlp_ratio=cfg.mlp_dim / cfg.embed_dim,
+        mlp_ratio=timm_mlp_ratio(cfg.embed_dim, cfg.mlp_dim),
         qkv_bias=cfg.qkv_bias,
     )
     if cfg.distilled:
@@ -721,9 +750,7 @@ def timm_model_args(cfg: ViTConfig) -> tuple[str, dict[str, Any]]:
         args["init_values"] = cfg.layer_scale
     if cfg.act == "gelu_tanh":
         args["act_layer"] = "gelu_tanh"
-    size = _TIMM_NAMES.get((cfg.embed_dim, cfg.depth, cfg.num_heads))
-    name = f"{size}_patch{cfg.patch_size}_{h}" if size and h == w else "vit_base_patch16_224"
-    return name, args
+    return timm_arch(cfg), args
 
 
 def save_timm(model: VisionTransformer, dst: Path, classes: list[str] | None = None) -> list[Path]:
