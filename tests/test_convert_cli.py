@@ -168,8 +168,7 @@ def test_centre_crop_preprocessing_matches_timm_eval_transform(tmp_path: Path) -
     want = create_transform(**cfg)(image)
     got = model.preprocessing.pil(image)
     assert got.shape == want.shape == (3, 224, 224)
-    # PIL's and torchvision's bicubic resamplers differ by a few grey levels, never by a shift
-    assert (got - want).abs().mean() < 0.02
+    assert (got - want).abs().max() <= 1e-5  # both resize with PIL: the same pixels
 
 
 def test_finetune_from_a_timm_checkpoint(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from PIL import Image
 from torch import Tensor
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
@@ -22,9 +23,10 @@ _MODES["bicubic"] = InterpolationMode.BICUBIC
 class Preprocessing:
     """What turns an image into model input.
 
-    `crop_pct` None: the whole image is resized to img_size (how vitlab's own runs train);
-    a number: the shorter side is resized to img_size / crop_pct, then the centre img_size crop
-    is taken (timm's and torchvision's evaluation transform, e.g. 0.875 = 224 of 256)."""
+    `crop_pct` None: the whole image is resized to img_size (how vitlab's own runs train, and
+    transformers' ViTImageProcessor); a number: the image is resized to img_size / crop_pct
+    keeping its aspect ratio, then the centre img_size crop is taken, also when it already has
+    img_size (timm's and torchvision's evaluation transform, e.g. 0.875 = 224 of 256)."""
 
     img_size: tuple[int, int]
     in_chans: int
@@ -55,28 +57,44 @@ class Preprocessing:
             crop_pct=d.get("crop_pct"),
         )
 
-    def resize(self, images: Tensor) -> Tensor:
-        """(B, C, H, W) -> (B, C, h, w) at img_size (unchanged when already that size)."""
-        if tuple(images.shape[-2:]) == self.img_size:
-            return images
+    def resize(self, images: Tensor | Image.Image) -> Tensor | Image.Image:
+        """uint8 (B, C, H, W), or a PIL image -> the same at img_size (see crop_pct)."""
         mode = _MODES[self.interpolation]
+        size = TF.get_size(images)
         if self.crop_pct is None:
+            if tuple(size) == self.img_size:
+                return images
             return TF.resize(images, list(self.img_size), interpolation=mode, antialias=True)
+        images = TF.resize(images, self.scale_size(*size), interpolation=mode, antialias=True)
+        return TF.center_crop(images, list(self.img_size))
+
+    def scale_size(self, height: int, width: int) -> list[int]:
+        """The size an image of `height` x `width` is resized to before the centre crop, as in
+        timm's eval transform: a square img_size puts the shorter side at floor(size / crop_pct)
+        (a one-number size: torchvision scales the other side); any other puts the side that is
+        shorter relative to floor(img_size / crop_pct) there (timm's ResizeKeepRatio)."""
+        assert self.crop_pct is not None
         h, w = self.img_size
-        if h == w:  # shorter side to img_size / crop_pct, keeping the aspect ratio
-            size = [math.floor(h / self.crop_pct)]
-        else:
-            size = [math.floor(h / self.crop_pct), math.floor(w / self.crop_pct)]
-        images = TF.resize(images, size, interpolation=mode, antialias=True)
-        return TF.center_crop(images, [h, w])
+        sh, sw = math.floor(h / self.crop_pct), math.floor(w / self.crop_pct)
+        if sh == sw:
+            return [sh]
+        ratio = min(height / sh, width / sw)
+        return [round(height / ratio), round(width / ratio)]
+
+    def normalize(self, images: Tensor) -> Tensor:
+        """uint8 (B, C, h, w) at img_size -> float (B, C, h, w), scaled to [0, 1], normalised."""
+        return TF.normalize(images.float().div_(255.0), list(self.mean), list(self.std))
 
     def batch(self, images: Tensor) -> Tensor:
         """uint8 (B, C, H, W) -> normalised float (B, C, h, w) at img_size."""
-        x = self.resize(images).float().div_(255.0)
-        return TF.normalize(x, list(self.mean), list(self.std))
+        return self.normalize(self.resize(images))
 
-    def pil(self, image) -> Tensor:
-        """A PIL image of any mode and size -> normalised float (C, h, w)."""
+    def pil(self, image: Image.Image) -> Tensor:
+        """A PIL image of any mode and size -> normalised float (C, h, w). With a crop_pct the
+        image is resized by PIL, as timm's and torchvision's evaluation transforms do; without,
+        as a uint8 tensor by torchvision, as transformers' ViTImageProcessor and vitlab's training
+        batches do: either way the same pixels as the reference."""
         image = image.convert("L" if self.in_chans == 1 else "RGB")
-        x = TF.pil_to_tensor(image)
-        return self.batch(x[None])[0]
+        if self.crop_pct is not None:
+            return self.normalize(TF.pil_to_tensor(self.resize(image))[None])[0]
+        return self.batch(TF.pil_to_tensor(image)[None])[0]
