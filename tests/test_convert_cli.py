@@ -3,8 +3,10 @@ from converted weights, end to end through the CLI."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +107,93 @@ def test_hub_names_use_the_offline_cache(tmp_path: Path) -> None:
     r = vitlab("convert", "google/vit-not-cached", str(tmp_path / "o2"), env=env)
     assert r.returncode == 2
     assert "cannot get google/vit-not-cached" in r.stderr and "cache" in r.stderr
+
+
+def fill_hub_cache(cache: Path, repo_id: str, folder: Path, revision: str) -> None:
+    """Lay `folder`'s files out in a hub cache as huggingface_hub writes them: the content in
+    blobs/<sha256>, snapshots/<revision>/<name> symlinks to it, refs/main naming the revision."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / revision).mkdir(parents=True)
+    for f in folder.iterdir() if folder.is_dir() else []:
+        blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, blob)
+        link = repo / "snapshots" / revision / f.name
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+
+
+def test_hub_names_read_the_preprocessor_config_as_the_folder_does(tmp_path: Path) -> None:
+    """google/vit-* repos state their resize in preprocessor_config.json (bilinear): a hub name
+    gives the preprocessing the same folder on disk gives, through the offline cache."""
+    config = transformers.ViTConfig(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+        image_size=32, patch_size=8, num_labels=3,
+    )  # fmt: skip
+    transformers.ViTForImageClassification(config).save_pretrained(tmp_path / "repo")
+    processor = transformers.ViTImageProcessor(
+        size={"height": 32, "width": 32}, resample=2, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    )
+    processor.save_pretrained(tmp_path / "repo")
+    revision = "89abcdef0123456789abcdef0123456789abcdef"
+    fill_hub_cache(tmp_path / "cache", "google/vit-tiny-test", tmp_path / "repo", revision)
+    env = {"HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    r = vitlab("convert", "google/vit-tiny-test", str(tmp_path / "from_hub"), env=env)
+    assert r.returncode == 0, r.stderr
+    hub = load_pretrained(tmp_path / "from_hub").preprocessing
+    disk = load_pretrained(tmp_path / "repo").preprocessing
+    assert hub == disk
+    assert hub.interpolation == "bilinear"  # resample=2 is PIL's BILINEAR
+
+
+def test_a_hub_download_fetches_the_preprocessor_config(tmp_path: Path, monkeypatch) -> None:
+    """Online, only the files a loader asks for land in the cache: a stand-in hub serves a
+    google/vit-* repo into an empty cache file by file, through huggingface_hub's own cache code,
+    and the model must come with the resize its preprocessor_config.json states."""
+    import fnmatch
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    remote = tmp_path / "remote"
+    config = transformers.ViTConfig(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+        image_size=32, patch_size=8, num_labels=3,
+    )  # fmt: skip
+    transformers.ViTForImageClassification(config).save_pretrained(remote)
+    transformers.ViTImageProcessor(size={"height": 32, "width": 32}, resample=2).save_pretrained(
+        remote
+    )
+    cache, revision = tmp_path / "cache", "fedcba9876543210fedcba9876543210fedcba98"
+    fill_hub_cache(cache, "google/vit-tiny-test", tmp_path / "empty", revision)
+    served = []
+
+    def serve(patterns: list[str]) -> None:
+        snapshot = cache / "models--google--vit-tiny-test" / "snapshots" / revision
+        for f in remote.iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in patterns) and f.name not in served:
+                served.append(f.name)
+                (snapshot / f.name).symlink_to(f)
+
+    real_file, real_snapshot = huggingface_hub.hf_hub_download, huggingface_hub.snapshot_download
+
+    def hf_hub_download(repo_id, filename, **kw):
+        serve([filename])
+        return real_file(repo_id, filename, **{**kw, "local_files_only": True})
+
+    def snapshot_download(repo_id, allow_patterns=None, **kw):
+        serve(allow_patterns or ["*"])
+        kw.update(allow_patterns=allow_patterns, local_files_only=True)
+        return real_snapshot(repo_id, **kw)
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    model = load_pretrained("google/vit-tiny-test")
+    assert "preprocessor_config.json" in served and "model.safetensors" in served
+    assert model.preprocessing == load_pretrained(remote).preprocessing
+    assert model.preprocessing.interpolation == "bilinear"  # resample=2 is PIL's BILINEAR
 
 
 def test_export_onnx_and_torch_export_match_pytorch(tmp_path: Path) -> None:

@@ -421,10 +421,11 @@ _HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
 
 
 def _download(repo: str, revision: str | None) -> Path:
-    """A hub repo's config.json and weights in the local Hugging Face cache (downloaded when
-    online, the cached copy when offline); the folder holding them."""
+    """A hub repo's snapshot folder in the local Hugging Face cache with config.json,
+    preprocessor_config.json and the weights (model.safetensors, else pytorch_model.bin):
+    downloaded when online, the cached copy when offline."""
     try:
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import snapshot_download
     except ImportError:
         raise CheckpointError(
             f"{repo} looks like a Hugging Face Hub name, but huggingface_hub is not installed "
@@ -432,27 +433,23 @@ def _download(repo: str, revision: str | None) -> Path:
         ) from None
 
     errors: list[str] = []
-
-    def fetch(filename: str) -> Path | None:
+    for weights in ("model.safetensors", "pytorch_model.bin"):
+        patterns = ["config.json", "preprocessor_config.json", weights]
         for local_only in (False, True):
             try:
-                path = hf_hub_download(
-                    repo, filename, revision=revision, local_files_only=local_only
-                )
-                return Path(path)
-            except Exception as e:  # offline, not cached, no such file, no such repo
+                folder = Path(
+                    snapshot_download(
+                        repo, revision=revision, allow_patterns=patterns,
+                        local_files_only=local_only,
+                    )
+                )  # fmt: skip
+            except Exception as e:  # offline, not cached, no such repo or revision
                 errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-        return None
-
-    config = fetch("config.json")
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        weights = fetch(name)
-        if weights is not None:
-            if config is not None and config.parent != weights.parent:
-                raise CheckpointError(
-                    f"{repo}: config.json and {name} are from different revisions"
-                )
-            return weights.parent
+                continue
+            if (folder / weights).is_file():
+                return folder
+            errors.append(f"no {weights} in {folder}")
+            break
     from huggingface_hub.constants import HF_HUB_CACHE
 
     raise CheckpointError(
