@@ -43,6 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vitlab.train.distributed import RankLost
     from vitlab.train.engine import NonFiniteLoss
     from vitlab.train.run import TrainingStopped, resume_config, train
 
@@ -62,5 +63,8 @@ def run(args: argparse.Namespace) -> int:
     except NonFiniteLoss as e:
         print(f"vitlab train: error: {e}", file=sys.stderr)
         return 3
+    except RankLost as e:  # under torchrun: a peer process died or hung
+        print(f"vitlab train: error: {e}", file=sys.stderr)
+        return 4
     print(out)
     return 0

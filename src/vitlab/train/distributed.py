@@ -4,11 +4,30 @@ fully_shard), and reductions of metrics across ranks."""
 from __future__ import annotations
 
 import os
+import socket
+import time
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+TIMEOUT_ENV = "VITLAB_DIST_TIMEOUT"
+# the longest a rank waits in a collective for a peer (torch's default is 30 minutes). A peer that
+# dies is noticed at once (its sockets close); this bounds a peer that hangs or whose host vanishes.
+# It must exceed the longest one-rank pause between collectives: rank 0 writing a checkpoint.
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class RankLost(RuntimeError):
+    """A peer process left a distributed run (died, or stopped answering): the process group is
+    unusable and the run must be restarted from its last checkpoint."""
+
+    def __init__(self, message: str, lost: dict[int, str]) -> None:
+        super().__init__(message)
+        self.lost = lost  # {rank: what became of it}
 
 
 @dataclass
@@ -16,6 +35,7 @@ class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    peers: tuple[str, ...] = ()  # "HOST PID" of every rank, to name one that is lost
 
     @property
     def enabled(self) -> bool:
@@ -26,14 +46,117 @@ class Dist:
         return self.rank == 0
 
 
-def init(device: torch.device) -> Dist:
-    """Join the process group torchrun describes in the environment (a single process otherwise)."""
+def init(device: torch.device, timeout_s: float | None = None) -> Dist:
+    """Join the process group torchrun describes in the environment (a single process otherwise).
+    A collective waits at most `timeout_s` for a peer (default: $VITLAB_DIST_TIMEOUT, else
+    DEFAULT_TIMEOUT_S); every rank leaves its host and process id in the store, so that a rank
+    that is lost can be named (lost_ranks)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist()
+    seconds = collective_timeout() if timeout_s is None else timeout_s
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=seconds))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"vitlab/process/{rank}", f"{socket.gethostname()} {os.getpid()}")
+    peers = tuple(store.get(f"vitlab/process/{r}").decode() for r in range(world))
+    return Dist(rank, world, int(os.environ.get("LOCAL_RANK", "0")), peers)
+
+
+def collective_timeout() -> float:
+    """Seconds a collective waits for a peer: $VITLAB_DIST_TIMEOUT or DEFAULT_TIMEOUT_S."""
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV} is a number of seconds > 0, got {raw!r}")
+    return seconds
+
+
+def is_comm_error(e: BaseException) -> bool:
+    """Whether e came from a collective or the store (gloo raises plain RuntimeErrors that name
+    its transport; NCCL and the store raise DistError)."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or (
+        isinstance(e, RuntimeError) and ("gloo" in text or "Timed out" in text)
+    )
+
+
+def lost_ranks(d: Dist, grace_s: float = 5.0) -> dict[int, str]:
+    """The peers that left, {rank: what became of it}, asked after a collective failed. A peer on
+    this host is lost when its process is gone; any other peer is lost unless it too checks in at
+    the store (as every survivor of a failure does here) within `grace_s`. Empty: all are here."""
+    host = socket.gethostname()
+    others = {r: p.rsplit(" ", 1) for r, p in enumerate(d.peers) if r != d.rank}
+    lost: dict[int, str] = {}
+
+    def local_deaths() -> None:
+        for r, (peer_host, pid) in others.items():
+            if r not in lost and peer_host == host and not process_alive(int(pid)):
+                lost[r] = f"its process {pid} on {host} is gone"
+
+    local_deaths()
+    if grace_s <= 0:
+        return lost
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=grace_s))
+        store.set(f"vitlab/failed/{d.rank}", "here")
+        waiting = [r for r in others if r not in lost]
+        deadline = time.monotonic() + grace_s
+        while waiting and time.monotonic() < deadline:
+            time.sleep(0.1)
+            local_deaths()
+            waiting = [r for r in waiting if r not in lost]
+            waiting = [r for r in waiting if not store.check([f"vitlab/failed/{r}"])]
+    except (RuntimeError, OSError) as e:  # the store is gone with its host (rank 0 or the agent)
+        waiting = [r for r in others if r not in lost]
+        for r in waiting:
+            lost[r] = f"no answer, and the rendezvous store is unreachable ({e})"
+        return lost
+    for r in waiting:
+        peer_host, pid = others[r]
+        lost[r] = (
+            f"process {pid} on {peer_host} did not answer within {grace_s:.0f}s: hung or cut off"
+        )
+    return lost
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` on this host still runs (a zombie, dead but not yet reaped by its
+    parent, does not)."""
+    stat = Path(f"/proc/{pid}/stat")
+    if Path("/proc/self/stat").exists():
+        try:
+            return stat.read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def rank_lost(d: Dist, error: BaseException) -> RankLost | None:
+    """A RankLost naming the peers that left, when `error` (raised on this rank) came from losing
+    them; None when every peer is still here or the error is not about communication (a peer
+    whose process is gone counts whatever the error)."""
+    if not d.enabled or not d.peers:
+        return None
+    lost = lost_ranks(d, grace_s=5.0 if is_comm_error(error) else 0.0)
+    if not lost:
+        return None
+    names = ", ".join(f"rank {r} of {d.world} ({why})" for r, why in sorted(lost.items()))
+    return RankLost(f"lost {names}; rank {d.rank} stops too", lost)
 
 
 def wrap(model: nn.Module, d: Dist, strategy: str, device: torch.device) -> nn.Module:
@@ -71,10 +194,12 @@ def barrier(d: Dist) -> None:
         dist.barrier()
 
 
-def shutdown(d: Dist) -> None:
+def shutdown(d: Dist, failed: bool = False) -> None:
     """Leave the process group once every rank is done with it (tearing it down while a peer
-    still has collectives in flight can abort the process at exit)."""
-    if d.enabled and dist.is_initialized():
+    still has collectives in flight can abort the process at exit). After a failure it is left
+    as it is: a peer may be gone, or still in another collective, which a barrier would wait on
+    until the timeout."""
+    if d.enabled and dist.is_initialized() and not failed:
         dist.barrier()
         dist.destroy_process_group()
 

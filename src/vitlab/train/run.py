@@ -144,10 +144,16 @@ def load_data(cfg: RunConfig) -> Data:
 
 
 class StopFlag:
-    """First Ctrl-C (SIGINT) or SIGTERM: finish the step, save, exit. Second Ctrl-C: stop now."""
+    """First Ctrl-C (SIGINT) or SIGTERM: finish the step, save, exit. Second Ctrl-C: stop now.
 
-    def __init__(self) -> None:
-        self.requested = False
+    In a distributed run the save needs every rank: if a rank is lost the next collective fails
+    (at once, or after the collective timeout), nothing is saved and the last epoch's checkpoint
+    stands. Leaving on an error there, SIGTERM is ignored from then on: torchrun's agent sends it
+    to every survivor as soon as one rank dies, and it would cut short the report of which rank
+    was lost (see raise_if_rank_lost); the process is ending anyway."""
+
+    def __init__(self, distributed: bool = False) -> None:
+        self.requested, self.distributed = False, distributed
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> StopFlag:
@@ -160,10 +166,14 @@ class StopFlag:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
-        print("\nstop requested: saving a checkpoint after this step ...", file=sys.stderr)
+        note = " (if every rank is still there)" if self.distributed else ""
+        print(f"\nstop requested: saving a checkpoint after this step{note} ...", file=sys.stderr)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        failed = exc_type is not None and not issubclass(exc_type, TrainingStopped)
         for sig, old in self._old.items():
+            if sig == signal.SIGTERM and failed and self.distributed:
+                old = signal.SIG_IGN
             signal.signal(sig, old)
 
 
@@ -183,10 +193,35 @@ def train(cfg: RunConfig, out: Path | None = None, resume: Path | None = None) -
         torch.cuda.set_device(device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    failed = False
     try:
         return _train(cfg, out, resume, device, d)
+    except TrainingStopped:
+        raise  # every rank agreed to stop: leave the process group together
+    except BaseException as e:
+        failed = True
+        if d.enabled and isinstance(e, Exception):
+            raise_if_rank_lost(d, e, out)
+        raise
     finally:
-        distributed.shutdown(d)
+        distributed.shutdown(d, failed)
+
+
+def raise_if_rank_lost(d: distributed.Dist, error: Exception, out: Path | None) -> None:
+    """After `error` in a distributed run: RankLost naming the ranks that left, if any did, with
+    how to resume. SIGTERM is ignored from here on (see StopFlag)."""
+    with contextlib.suppress(ValueError):  # ValueError: not the main thread
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    lost = distributed.rank_lost(d, error)
+    if lost is None:
+        return
+    folder = out if out is not None else "RUN_FOLDER (named when the run started)"
+    raise distributed.RankLost(
+        f"{lost}. The run folder keeps the checkpoint of the last finished epoch; continue with "
+        f"`torchrun --nproc_per_node=... -m vitlab train --resume {folder}` on {d.world} "
+        f"processes again for an exact continuation",
+        lost.lost,
+    ) from error
 
 
 RESUMABLE_KEYS = ("train.epochs", "train.stop_at_epoch")
@@ -392,7 +427,7 @@ class Run:
     def fit(self) -> bool:
         """Train to the last epoch (True), or to train.stop_at_epoch (False)."""
         cfg, pos = self.cfg, self.pos
-        with StopFlag() as stop:
+        with StopFlag(self.d.enabled) as stop:
             while pos.epoch < cfg.train.epochs:
                 stats = self._epoch(stop)
                 self._end_of_epoch(stats)

@@ -1,0 +1,123 @@
+"""A rank dies: SIGKILL one of two torchrun workers (gloo on CPU) mid-epoch. The survivor must exit
+non-zero quickly with an error naming the lost rank, the run folder's last checkpoint must load,
+and `--resume` on two ranks must end with the weights of an uninterrupted two-rank run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vitlab.train.state import load_model, load_train_state, load_weights, resolve_checkpoint
+
+# tiny and deterministic; batch 8 gives 179 steps an epoch, so "mid-epoch" is a window of seconds
+ARGS = [
+    "model.img_size=8",
+    "model.patch_size=2",
+    "model.embed_dim=32",
+    "model.depth=2",
+    "model.num_heads=2",
+    "model.mlp_dim=64",
+    "train.batch_size=8",
+    "train.epochs=2",
+    "train.precision=fp32",
+    "data.val_fraction=0",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(*args: str) -> list[str]:
+    """A 2-process torchrun command line (standalone: a free port of its own)."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    return [*run, "-m", "vitlab", "train", *args]
+
+
+def worker_pids(agent: int) -> dict[int, int]:
+    """{rank: pid} of the torchrun agent's worker processes, read from /proc."""
+    kids = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
+    ranks = {}
+    for pid in map(int, kids):
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        for item in env:
+            if item.startswith(b"RANK="):
+                ranks[int(item[5:])] = pid
+    return ranks
+
+
+def saved_epoch(run: Path) -> int | None:
+    """The epoch of the run's last checkpoint, None while there is none (or it is being written)."""
+    try:
+        return load_train_state(run / "checkpoints" / "last")["epoch"]
+    except Exception:
+        return None
+
+
+def kill_rank_mid_epoch(out: Path, victim: int, delay: float) -> tuple[int, str, float]:
+    """Start a 2-rank run, SIGKILL rank `victim` `delay` seconds into epoch 2. Returns the exit
+    code, the whole output and the seconds from the kill to the exit."""
+    proc = subprocess.Popen(
+        torchrun("--out", str(out), *ARGS),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("epoch 1: "):  # epoch 1's summary, printed before its checkpoint
+            break
+    while saved_epoch(out) != 1:  # then epoch 2 begins (tqdm's bar shows only at its end)
+        time.sleep(0.02)
+    time.sleep(delay)
+    os.kill(worker_pids(proc.pid)[victim], signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        rest, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rest, _ = proc.communicate()
+        lines.append(rest)
+        raise AssertionError("hung after a rank was killed:\n" + "".join(lines)[-4000:]) from None
+    return proc.returncode, "".join(lines) + rest, time.monotonic() - killed
+
+
+def test_a_killed_rank_fails_fast_and_the_run_resumes_exactly(tmp_path: Path) -> None:
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    uninterrupted = subprocess.Popen(  # alongside the broken run, to halve the wall time
+        torchrun("--out", str(straight), *ARGS),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
+    # rank 0 writes the checkpoints and the log; rank 1 must name it
+    rc, output, seconds = kill_rank_mid_epoch(broken, victim=0, delay=0.3)
+    assert rc != 0, output[-3000:]
+    assert seconds < 60, f"took {seconds:.0f}s to exit after the kill"
+    # the survivor's own report, not torchrun's summary (which names the root cause anyway)
+    assert "vitlab train: error: lost rank 0 of 2" in output, output[-3000:]
+    assert "--resume" in output
+
+    state = load_train_state(resolve_checkpoint(broken / "checkpoints" / "last").parent)
+    assert (state["epoch"], state["batch"]) == (1, 0)  # killed in epoch 2: epoch 1's checkpoint
+    model, meta = load_model(broken / "checkpoints" / "last")
+    assert meta.config.embed_dim == 32 and torch.isfinite(model.head.weight).all()
+
+    resumed = subprocess.run(
+        torchrun("--resume", str(broken)), capture_output=True, text=True, env=ENV, timeout=180
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    out, _ = uninterrupted.communicate(timeout=180)
+    assert uninterrupted.returncode == 0, out[-3000:]
+    a = load_weights(straight / "checkpoints" / "last" / "model.safetensors")
+    b = load_weights(broken / "checkpoints" / "last" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert load_train_state(broken / "checkpoints" / "last")["epoch"] == 2
