@@ -101,6 +101,8 @@ def check_keys(cls: type, keys: typing.Iterable[str], where: str | None = None) 
     """Raise ConfigError naming any key that is not a field of dataclass `cls`."""
     names = [f.name for f in dataclasses.fields(cls)]
     for key in keys:
+        if not isinstance(key, str):
+            raise ConfigError(f"keys of {where or cls.__name__} are names, got {key!r}")
         if key not in names:
             close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -293,6 +295,8 @@ class RunConfig:
         model section is checked against the registry and ViTConfig."""
         known = ["model", *cls.SECTIONS]
         for section, body in tree.items():
+            if not isinstance(section, str):
+                raise ConfigError(f"config sections are names ({known}), got {section!r}")
             if section not in known:
                 close = difflib.get_close_matches(section, known, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -303,6 +307,9 @@ class RunConfig:
         name = model_tree.pop("name", ModelSection.name)
         if not isinstance(name, str):
             raise ConfigError(f"model.name: expected a model name, got {name!r}")
+        for key in model_tree:
+            if not isinstance(key, str):
+                raise ConfigError(f"keys of section 'model' are names, got {key!r}")
         model = ModelSection(name, model_tree)
         model.vit_config()  # unknown model, key or type: fail now, naming it
         kwargs: dict[str, Any] = {"model": model}
@@ -330,11 +337,17 @@ def load_run_config(path: str | None = None, overrides: typing.Iterable[str] = (
     tree: dict[str, Any] = {}
     if path:
         try:
-            with open(path) as f:
-                tree = yaml.safe_load(f) or {}
+            with open(path, encoding="utf-8") as f:
+                # libyaml's loader where built: the pure-Python scanner takes seconds on a few
+                # thousand nested brackets (quadratic), libyaml refuses past 1,000 levels
+                tree = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from None
+        # ValueError / OverflowError: values YAML parses but Python cannot hold (an integer of
+        # thousands of digits, a 13th month); RecursionError: nesting thousands deep
+        except (yaml.YAMLError, ValueError, OverflowError, RecursionError) as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")

@@ -12,11 +12,13 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import logging
+import math
 import os
 import pickle
 import struct
 import tarfile
-import warnings
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,8 @@ import torch
 from torch import Tensor
 
 from vitlab.data.download import FASHION_SHA256, find_or_fetch_fashion_mnist
+
+log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
 
@@ -134,18 +138,22 @@ def read_idx(path: Path, sha256: str | None = None) -> np.ndarray:
     try:
         with opener(path, "rb") as f:
             raw = f.read()
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged deflate stream
         raise DatasetError(f"cannot read IDX file {path}: {e}") from None
     if sha256 and hashlib.sha256(raw).hexdigest() != sha256:
         raise DatasetError(f"{path} is corrupt: its SHA-256 does not match the published data")
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
         raise DatasetError(f"{path} is not an IDX file of unsigned bytes (bad magic number)")
     ndim = raw[3]
+    if ndim > 32:  # numpy holds up to 64 dimensions; an IDX file has a handful
+        raise DatasetError(f"{path} is not an IDX file of images or labels: {ndim} dimensions")
     header = 4 + 4 * ndim
     if len(raw) < header:
         raise DatasetError(f"{path} is truncated: no room for its {ndim} sizes")
     shape = struct.unpack(f">{ndim}i", raw[4:header])
-    count = int(np.prod(shape))
+    if min(shape, default=0) < 0:
+        raise DatasetError(f"{path} is not an IDX file: negative size in its shape {shape}")
+    count = math.prod(shape)  # exact: numpy's product of int32 sizes can overflow
     if len(raw) - header != count:
         raise DatasetError(
             f"{path} is truncated or padded: header says {shape} = {count} bytes, "
@@ -196,9 +204,41 @@ def _load_cifar_batch(raw: bytes, where: str) -> dict:
         batch = _ArrayUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except DatasetError:
         raise
-    except Exception as e:
+    except Exception as e:  # truncated or damaged pickles fail in many ways, memory included
         raise DatasetError(f"{where} is not a readable CIFAR batch: {e}") from None
-    return {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
+    if not isinstance(batch, dict):
+        raise DatasetError(f"{where} is not a CIFAR batch: a {type(batch).__name__}, not a dict")
+    return {k.decode("latin-1") if isinstance(k, bytes) else k: v for k, v in batch.items()}
+
+
+def _cifar_field(batch: dict, key: str, where: str) -> object:
+    if key not in batch:
+        raise DatasetError(f"CIFAR file {where} has no {key!r} entry")
+    return batch[key]
+
+
+def _cifar_names(meta: dict, key: str, where: str) -> list[str]:
+    names = _cifar_field(meta, key, where)
+    if not isinstance(names, list) or not all(isinstance(n, (bytes, str)) for n in names):
+        raise DatasetError(f"CIFAR file {where}: {key!r} is not a list of names")
+    return [n.decode("utf-8", "replace") if isinstance(n, bytes) else n for n in names]
+
+
+def _cifar_arrays(batch: dict, label_key: str, classes: int, where: str) -> tuple:
+    """(images (N, 3, 32, 32) uint8, labels (N,) int64) of one batch, checked."""
+    data = _cifar_field(batch, "data", where)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape[1:] != (3072,):
+        shape = getattr(data, "shape", type(data).__name__)
+        raise DatasetError(f"CIFAR batch {where}: expected (N, 3072) bytes, got {shape}")
+    labels = _cifar_field(batch, label_key, where)
+    if not isinstance(labels, (list, np.ndarray)) or not all(
+        isinstance(y, (int, np.integer)) and not isinstance(y, bool) and 0 <= y < classes
+        for y in labels
+    ):
+        raise DatasetError(f"CIFAR batch {where}: {label_key!r} are not class indices < {classes}")
+    if len(labels) != len(data):
+        raise DatasetError(f"CIFAR batch {where}: {len(data)} images but {len(labels)} labels")
+    return data.reshape(-1, 3, 32, 32), np.array([int(y) for y in labels], dtype=np.int64)
 
 
 def _cifar_members(root: Path, names: list[str]) -> dict[str, bytes]:
@@ -212,7 +252,7 @@ def _cifar_members(root: Path, names: list[str]) -> dict[str, bytes]:
                 found = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
                 if all(n in found for n in names):
                     return {n: tar.extractfile(found[n]).read() for n in names}
-        except (tarfile.TarError, OSError, EOFError) as e:
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
             raise DatasetError(f"cannot read archive {archive}: {e}") from None
     raise DatasetError(
         f"CIFAR files {names} not found under {root}: put the python-version archive "
@@ -224,26 +264,17 @@ def load_cifar_split(name: str, split: str, data_dir: str | None) -> ArraySplit:
     root = Path(data_dir or os.environ.get("VITLAB_DATA") or Path.home() / ".cache" / "vitlab")
     if name == "cifar10":
         names = ["test_batch"] if split == "test" else [f"data_batch_{i}" for i in range(1, 6)]
-        members = _cifar_members(root, [*names, "batches.meta"])
-        classes = [
-            c.decode()
-            for c in _load_cifar_batch(members["batches.meta"], "batches.meta")["label_names"]
-        ]
-        label_key = "labels"
+        meta_name, names_key, label_key = "batches.meta", "label_names", "labels"
     else:
         names = ["test" if split == "test" else "train"]
-        members = _cifar_members(root, [*names, "meta"])
-        meta = _load_cifar_batch(members["meta"], "meta")
-        classes = [c.decode() for c in meta["fine_label_names"]]
-        label_key = "fine_labels"
+        meta_name, names_key, label_key = "meta", "fine_label_names", "fine_labels"
+    members = _cifar_members(root, [*names, meta_name])
+    classes = _cifar_names(_load_cifar_batch(members[meta_name], meta_name), names_key, meta_name)
     images, labels = [], []
     for n in names:
-        batch = _load_cifar_batch(members[n], n)
-        data = np.asarray(batch["data"], dtype=np.uint8)
-        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
-            raise DatasetError(f"CIFAR batch {n}: expected (N, 3072) bytes, got {data.shape}")
-        images.append(data.reshape(-1, 3, 32, 32))
-        labels.append(np.asarray(batch[label_key], dtype=np.int64))
+        x, y = _cifar_arrays(_load_cifar_batch(members[n], n), label_key, len(classes), n)
+        images.append(x)
+        labels.append(y)
     return ArraySplit(
         torch.from_numpy(np.concatenate(images)),
         torch.from_numpy(np.concatenate(labels)),
@@ -255,15 +286,29 @@ def load_cifar_split(name: str, split: str, data_dir: str | None) -> ArraySplit:
 
 
 def _check_image(path: Path) -> str | None:
-    """None when PIL can decode the file, else why not."""
+    """None when PIL can decode the whole file, else why not. Decoded, not only verified: verify()
+    checks little (nothing for JPEG), and a truncated file would fail mid-training instead."""
     from PIL import Image
 
     try:
         with Image.open(path) as im:
-            im.verify()
+            im.draft("RGB", (1, 1))  # JPEG: decode every block, at 1/8 scale (fast)
+            im.load()
         return None
     except Exception as e:  # PIL raises many kinds for bad files
         return f"{type(e).__name__}: {e}"
+
+
+def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
+    """The image file at `path` decoded and converted to `mode` ('L', 'RGB'); a DatasetError naming
+    the file when it cannot be (PIL raises OSError, ValueError, DecompressionBombError ...)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return im.convert(mode)
+    except Exception as e:
+        raise DatasetError(f"cannot read image {path}: {type(e).__name__}: {e}") from None
 
 
 def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSplit:
@@ -286,15 +331,13 @@ def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSpl
                 else _check_image(path)
             )
             if why:
-                warnings.warn(f"skipping {path}: {why}", stacklevel=2)
+                log.warning("skipping %s: %s", path, why)
                 skipped.append(path)
                 continue
             files.append(path)
             labels.append(label)
     if skipped:
-        warnings.warn(
-            f"skipped {len(skipped)} unreadable or non-image files in {root}", stacklevel=2
-        )
+        log.warning("skipped %d unreadable or non-image files in %s", len(skipped), root)
     if not files:
         raise DatasetError(f"image folder {root} holds no readable images")
     return FolderSplit(files, torch.tensor(labels, dtype=torch.long), list(classes), skipped)

@@ -19,7 +19,6 @@ import math
 import os
 import re
 import warnings
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,9 +150,15 @@ def read_metadata(weights: Path) -> Checkpoint:
     try:
         config = from_dict(ViTConfig, json.loads(meta["config"]), where=f"config in {weights}")
         pre = Preprocessing.from_dict(json.loads(meta["preprocessing"]))
-        return Checkpoint(config, pre, json.loads(meta["classes"]), json.loads(meta["info"]))
-    except (KeyError, json.JSONDecodeError, TypeError, ValueError) as e:
+        classes, info = json.loads(meta["classes"]), json.loads(meta["info"])
+    # AttributeError: JSON of the wrong shape (a list for a mapping); RecursionError: deep nesting
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
         raise CheckpointError(f"{weights}: damaged vitlab metadata ({e})") from None
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise CheckpointError(f"{weights}: damaged vitlab metadata (classes are not names)")
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{weights}: damaged vitlab metadata (info is not a mapping)")
+    return Checkpoint(config, pre, classes, info)
 
 
 def load_weights(weights: Path) -> dict[str, Tensor]:
@@ -243,13 +248,20 @@ def _unwrap(obj: Any, path: Path | str) -> dict[str, Tensor]:
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as f:
-            return {k: f[k] for k in f.files}
+            arrays = {k: f[k] for k in f.files}
     except FileNotFoundError:
         raise CheckpointError(f"no such file: {path}") from None
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+    # numpy never unpickles here (allow_pickle=False), and a damaged zip or .npy header fails in
+    # many ways: BadZipFile, zlib.error, NotImplementedError (compression method), RuntimeError
+    # (encrypted), SyntaxError / TokenError (header), MemoryError (shape), ...
+    except Exception as e:
         raise CheckpointError(
             f"{path} is truncated or not a numpy .npz of arrays (pickled objects are refused): {e}"
         ) from None
+    for k, v in arrays.items():  # members not named .npy come back as raw bytes
+        if not isinstance(v, np.ndarray) or v.dtype.kind not in "biuf":
+            raise CheckpointError(f"{path}: {k} is not an array of numbers")
+    return arrays
 
 
 def detect_layout(keys: list[str] | set[str] | Any) -> str:
@@ -369,6 +381,8 @@ def _read_file(path: Path, fmt: str) -> Source:
             state, heads = npz_to_vitlab(arrays)
         except LayoutError as e:
             raise CheckpointError(f"{path}: {e}") from None
+        except (ValueError, IndexError) as e:  # transposes and slices of arrays of other ranks
+            raise CheckpointError(f"{path}: arrays of shapes no ViT has ({e})") from None
         src = Source(state, "npz", str(path), hints={"num_heads": heads, "act": "gelu_tanh"})
         src.preprocessing = dict(mean=HALF, std=HALF, crop_pct=None)
         return src
