@@ -6,6 +6,7 @@ the same logits and pre-logits features (fp32, max abs diff <= 1e-4). Round trip
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 from pathlib import Path
 
@@ -194,7 +195,9 @@ def test_hf_in_memory_names_of_transformers_5(tmp_path: Path) -> None:
         close(model(x), ref(pixel_values=x).logits)
 
 
-def test_hf_pooler_beside_a_classifier_is_ignored_as_transformers_does(tmp_path: Path) -> None:
+def test_hf_pooler_beside_a_classifier_is_ignored_as_transformers_does(
+    tmp_path: Path, caplog
+) -> None:
     """Older hub files of ViTForImageClassification still hold the pooler, which transformers
     does not use; vitlab skips it too, and says so."""
     ref = randomize(transformers.ViTForImageClassification(hf_config(num_labels=3)))
@@ -205,8 +208,9 @@ def test_hf_pooler_beside_a_classifier_is_ignored_as_transformers_does(tmp_path:
     state["vit.pooler.dense.weight"] = torch.randn(96, 96)
     state["vit.pooler.dense.bias"] = torch.randn(96)
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.warns(UserWarning, match="pooler weights beside a classifier ignored"):
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
         model = load_pretrained(tmp_path)
+    assert "pooler weights beside a classifier ignored" in caplog.text
     assert model.pre_logits is None
     with torch.no_grad():
         close(model(images(32)), ref(pixel_values=images(32)).logits)

@@ -277,3 +277,24 @@ def test_finetune_from_a_timm_checkpoint(tmp_path: Path) -> None:
     model = load_pretrained(tmp_path / "run")
     assert model.config.embed_dim == 64 and model.config.in_chans == 1
     assert model.config.num_classes == 10 and model.pos_embed.weight.shape == (1, 5, 64)
+
+
+def test_cli_notes_are_log_lines_that_q_hides_and_python_warnings_filters_do_not(tmp_path) -> None:
+    """Loading notes reach the CLI user as one `vitlab: warning:` line each: no Python source
+    line after it (as warnings.warn printed), still shown under PYTHONWARNINGS=ignore, hidden by
+    -q; -v adds the logger's name."""
+    ref = timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, patch_size=4, embed_dim=64, depth=1, num_heads=2
+    )
+    torch.save(ref.state_dict(), tmp_path / "w.pth")
+    dst = str(tmp_path / "out")
+    ignore = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    r = vitlab("convert", str(tmp_path / "w.pth"), dst, env=ignore)
+    assert r.returncode == 0, r.stderr
+    notes = [x for x in r.stderr.splitlines() if "assuming num_heads=1" in x]
+    assert len(notes) == 1 and notes[0].startswith("vitlab: warning: "), r.stderr
+    assert "log.warning" not in r.stderr and ".py:" not in r.stderr
+    r = vitlab("-q", "convert", str(tmp_path / "w.pth"), dst + "q")
+    assert r.returncode == 0 and "assuming num_heads" not in r.stderr, r.stderr
+    r = vitlab("convert", "-v", str(tmp_path / "w.pth"), dst + "v")
+    assert "[vitlab.models.checkpoint]" in r.stderr, r.stderr

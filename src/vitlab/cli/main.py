@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from vitlab import __version__
 from vitlab.cli import analyze, convert, cost, export, models, predict, train
@@ -23,16 +25,73 @@ def build_parser() -> argparse.ArgumentParser:
         "explains each command.",
     )
     parser.add_argument("--version", action="version", version=f"vitlab {__version__}")
+    add_verbosity(parser)
+    parser.set_defaults(verbose=0, quiet=0)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMANDS:
         module.add_parser(sub)
+    for command in sub.choices.values():  # `vitlab -q train` and `vitlab train -q` alike
+        add_verbosity(command)
     return parser
+
+
+def add_verbosity(parser: argparse.ArgumentParser) -> None:
+    """-v / -q, counted; SUPPRESS keeps a subcommand's absent flag from hiding the main one's."""
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS,
+        help="more messages: -v adds details (debug), each on a line naming its module",
+    )
+    parser.add_argument(
+        "-q",
+        "--quiet",
+        action="count",
+        default=argparse.SUPPRESS,
+        help="fewer messages: -q hides notes and warnings (skipped images, loading notes, "
+        "guesses), leaving errors",
+    )
+
+
+class _CliFormatter(logging.Formatter):
+    """`vitlab: warning: MESSAGE` (no source line, unlike warnings.warn); with -v each line also
+    names the module that wrote it."""
+
+    def __init__(self, verbose: bool) -> None:
+        super().__init__()
+        self.verbose = verbose
+
+    def format(self, record: logging.LogRecord) -> str:
+        kind = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
+        where = f" [{record.name}]" if self.verbose else ""
+        return f"vitlab: {kind}{record.getMessage()}{where}"
+
+
+@contextlib.contextmanager
+def cli_logging(verbose: int, quiet: int) -> Iterator[None]:
+    """While a command runs, messages of the `vitlab` loggers go to stderr through one handler,
+    at the level -v / -q set (default: notes and warnings shown)."""
+    level = logging.DEBUG if verbose > quiet else logging.ERROR if quiet > verbose else logging.INFO
+    logger = logging.getLogger("vitlab")
+    saved = logger.level, logger.propagate
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_CliFormatter(level == logging.DEBUG))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.level, logger.propagate = saved
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args) or 0
+        with cli_logging(args.verbose, args.quiet):
+            return args.run(args) or 0
     except (ConfigError, UnknownModelError, ValueError) as e:
         print(f"vitlab {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -15,10 +15,10 @@ ever unpickled beyond tensors: safetensors, numpy without pickle, torch.load(wei
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,8 @@ from vitlab.models.formats import (
 )
 from vitlab.models.preprocessing import HALF, IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 from vitlab.models.vit import VisionTransformer, ViTConfig
+
+log = logging.getLogger(__name__)
 
 WEIGHTS = "model.safetensors"
 FORMATS = ("auto", "vitlab", "timm", "hf", "torchvision", "npz")
@@ -476,6 +478,13 @@ def _download(repo: str, revision: str | None) -> Path:
 
 def read_source(source: str | Path, fmt: str = "auto") -> Source:
     """Read a checkpoint file, folder or hub name into a Source (tensors in vitlab's names)."""
+    src = _read_any(source, fmt)
+    params = sum(t.numel() for t in src.state.values())
+    log.debug("%s: %s format, %d tensors, %d values", src.where, src.format, len(src.state), params)
+    return src
+
+
+def _read_any(source: str | Path, fmt: str) -> Source:
     if fmt not in FORMATS:
         raise CheckpointError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     path = Path(source).expanduser()
@@ -529,9 +538,8 @@ def infer_config(src: Source) -> ViTConfig:
                 f"{where}: cannot tell the number of heads of width {d}: pass num_heads="
             )
         heads = d // 64
-        warnings.warn(
-            f"{where}: assuming num_heads={heads} (head width 64); pass num_heads= if not",
-            stacklevel=3,
+        log.warning(
+            "%s: assuming num_heads=%d (head width 64); pass num_heads= if not", where, heads
         )
     no_embed_class, pos_kind = False, "learned"
     img = hints.pop("img_size", None)
@@ -661,7 +669,7 @@ def load_checkpoint(
     model.preprocessing = pre
     model.classes = classes
     for note in src.notes:
-        warnings.warn(f"{src.where}: {note}", stacklevel=2)
+        log.warning("%s: %s", src.where, note)
     info = dict(src.info)  # a vitlab checkpoint keeps its training info
     if src.format != "vitlab":
         name = src.where if isinstance(source, Source) else str(source)
