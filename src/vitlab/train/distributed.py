@@ -190,6 +190,25 @@ def any_rank(flag: bool, d: Dist, device: torch.device) -> bool:
     return all_sum([float(flag)], d, device)[0] > 0
 
 
+def gather(value: object, d: Dist) -> list | None:
+    """Every rank's `value` (picklable), in rank order, on rank 0; None on the others."""
+    if not d.enabled:
+        return [value]
+    values = [None] * d.world if d.is_main else None
+    dist.gather_object(value, values, dst=0)
+    return values
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank `rank`'s random stream: `seed` itself on rank 0 (a single process's
+    stream), a derived one elsewhere, so ranks draw their own dropout and augmentation."""
+    if rank == 0:
+        return seed
+    from vitlab.runtime import derive_seed
+
+    return derive_seed(seed, rank)
+
+
 def barrier(d: Dist) -> None:
     if d.enabled:
         dist.barrier()

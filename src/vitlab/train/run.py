@@ -42,8 +42,16 @@ from vitlab.models.checkpoint import (
     read_source,
 )
 from vitlab.models.vit import VisionTransformer, ViTConfig
+from vitlab.runtime import derive_seed
 from vitlab.train import distributed
-from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, set_rng_state, train_epoch
+from vitlab.train.engine import (
+    NonFiniteLoss,
+    Position,
+    StepSettings,
+    rng_state,
+    set_rng_state,
+    train_epoch,
+)
 from vitlab.train.log import RunLog
 from vitlab.train.optim import EMA, build_optimizer, learning_rate
 from vitlab.train.state import (
@@ -292,6 +300,8 @@ class Run:
         if source is not None:
             self.notes = finetune_weights(self.model, source)
             del source
+        if d.rank:  # the same model on every rank; then each rank draws its own dropout and
+            torch.manual_seed(distributed.rank_seed(cfg.train.seed, d.rank))  # augmentation
         self.model.set_grad_checkpointing(cfg.train.grad_checkpointing)
         self.model.to(device)
         self.bf16 = use_bf16(cfg.train.precision, device)
@@ -353,9 +363,19 @@ class Run:
         )  # fmt: skip
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
-        self.pos = Position(state["epoch"], state["batch"], state["step"], state["rng"])
+        self.pos = Position(state["epoch"], state["batch"], state["step"], self._saved_rng(state))
         set_rng_state(self.pos.rng, self.device)
         self.best = float(state["best"])
+
+    def _saved_rng(self, state: dict) -> dict[str, torch.Tensor]:
+        """This rank's RNG state at the checkpoint (each rank's is saved). A rank the saving run
+        did not have, or any rank but 0 of a checkpoint from before per-rank states, starts a
+        stream seeded by (seed, rank, step) instead: reproducible, but not the run it continues."""
+        ranks = state.get("rng_ranks") or [state["rng"]]
+        if self.d.rank < len(ranks):
+            return ranks[self.d.rank]
+        torch.manual_seed(derive_seed(self.cfg.train.seed, self.d.rank, state["step"]))
+        return rng_state(self.device)
 
     def _announce(self) -> None:
         if not self.d.is_main:
@@ -406,8 +426,10 @@ class Run:
         if weights is None:
             weights = distributed.full_model_state(model, d, self.strategy)
         optim = None
+        rngs = None  # every rank's random stream, to resume each exactly
         if with_state:
             optim = distributed.full_optimizer_state(model, self.optimizer, d, self.strategy)
+            rngs = distributed.gather(self.pos.rng, d)
         if not d.is_main:
             return
         state = None
@@ -418,6 +440,7 @@ class Run:
                 "batch": self.pos.batch,
                 "step": self.pos.step,
                 "rng": self.pos.rng,
+                "rng_ranks": rngs,
                 "best": self.best,
                 "ema": self.ema.state_dict() if self.ema else None,
             }
