@@ -72,6 +72,7 @@ def train_epoch(
     usable = len(loader) - len(loader) % accum  # whole accumulation windows only
     sums = [0.0, 0.0, 0.0]  # loss sum, correct, images (this rank)
     start_time, start_images = time.perf_counter(), 0
+    ddp = _ddp(model)
     pos.rng = rng_state(device)
     for i, (x, y) in enumerate(loader.iterate(pos.epoch, pos.batch), start=pos.batch):
         if i >= usable:
@@ -80,8 +81,8 @@ def train_epoch(
         if first and any_rank(stop_requested(), d, device):
             return _stats(sums, start_time, start_images, d, device), True
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        sync = last or not isinstance(model, nn.parallel.DistributedDataParallel)
-        with settings.autocast(), nullcontext() if sync else model.no_sync():
+        sync = last or ddp is None  # accumulating: no gradient all-reduce until the last
+        with settings.autocast(), nullcontext() if sync else ddp.no_sync():
             logits = model(x)
             loss = nn.functional.cross_entropy(
                 logits.float(), y, label_smoothing=settings.label_smoothing
@@ -111,10 +112,22 @@ def train_epoch(
         start_images += len(y)
         if last:
             progress({"loss": sums[0] / sums[2], "acc": sums[1] / sums[2], "batch": i + 1})
+    # a batch past the last whole window was drawn (augmented) but not stepped on: the next
+    # epoch goes on from the random state after it, and so must a run resumed from here
+    pos.rng = rng_state(device)
     return _stats(sums, start_time, start_images, d, device), False
 
 
+def _ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+    """The DDP module that `model` is or that torch.compile wrapped (None: not DDP)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+    return model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
+    """The plain model under torch.compile and DDP wrappers (whose state-dict keys carry
+    `_orig_mod.` and `module.`)."""
+    model = getattr(model, "_orig_mod", model)
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
