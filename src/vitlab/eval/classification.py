@@ -24,7 +24,9 @@ def evaluate(
     d: Dist | None = None,
 ) -> dict:
     """Metrics of `model` over every batch: {"loss", "top1", "top5", "per_class", "confusion",
-    "num_images"} (accuracies in [0, 1]; per_class is a list; confusion[true][predicted])."""
+    "num_images"} (accuracies in [0, 1]; per_class is a list; confusion[true][predicted]).
+    Samples labelled below 0 (the loaders' padding, which keeps ranks stepping together) run
+    through the model but are not counted."""
     was_training = model.training
     model.eval()
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
@@ -35,6 +37,9 @@ def evaluate(
         with autocast or nullcontext():
             logits = model(x)
         logits = logits.float()
+        counted = y >= 0
+        if not counted.all():
+            logits, y = logits[counted], y[counted]
         totals[0] += nn.functional.cross_entropy(logits, y, reduction="sum")
         totals[1] += (logits.topk(k, dim=1).indices == y[:, None]).any(dim=1).sum()
         totals[2] += len(y)
