@@ -1,0 +1,183 @@
+"""What a run carries from step to step: compiled training keeps its EMA and its accumulation, and
+image-folder runs (augmented in DataLoader workers) resume exactly from the middle of an epoch."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitlab.config import DataConfig, load_run_config
+from vitlab.data import BatchAugment, Preprocessing, load_split, make_loader
+from vitlab.train import run as run_mod
+from vitlab.train.run import TrainingStopped, train
+from vitlab.train.state import load_train_state, load_weights
+
+# small and fast: 8x8 digits at their own size, patch 2 (as tests/test_train.py)
+FAST = [
+    "model.img_size=8",
+    "model.patch_size=2",
+    "model.embed_dim=32",
+    "model.depth=2",
+    "model.num_heads=2",
+    "model.mlp_dim=64",
+]
+# SGD in fp32: two batchings (or eager against compiled kernels) then agree to float noise
+EXACT = ["train.precision=fp32", "optim.name=sgd", "optim.lr=0.05", "data.val_fraction=0"]
+
+
+def cfg(*overrides: str):
+    return load_run_config(None, [*FAST, *overrides])
+
+
+def weights_of(run: Path, which: str = "last") -> dict[str, torch.Tensor]:
+    return load_weights(run / "checkpoints" / which / "model.safetensors")
+
+
+def test_compiled_training_with_ema_and_accumulation_equals_the_larger_batch(tmp_path) -> None:
+    """train.compile with train.ema and 2 x 32 accumulated == eager training on batches of 64:
+    the same samples per step, the same mean loss, the same EMA updates (compiling once crashed on
+    the first EMA update: the compiled wrapper's keys carry `_orig_mod.`)."""
+    common = [*EXACT, "train.epochs=1", "train.ema=0.9"]
+    big = train(cfg(*common, "train.batch_size=64"), out=tmp_path / "eager")
+    compiled = train(
+        cfg(*common, "train.batch_size=32", "train.accum_steps=2", "train.compile=true"),
+        out=tmp_path / "compiled",
+    )
+    for which in ("last", "best"):  # last: the raw weights; best: the EMA weights
+        a, b = weights_of(big, which), weights_of(compiled, which)
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=f"{which} {k}")
+    raw, ema = weights_of(compiled), weights_of(compiled, "best")
+    assert not torch.allclose(raw["head.weight"], ema["head.weight"])  # the EMA really lags
+    state = load_train_state(compiled / "checkpoints" / "last")
+    # 1,438 training images: 44 batches of 32, a step every 2 (eager: 22 batches of 64)
+    assert state["step"] == 22
+
+
+def write_image_folder(root: Path, per_class: int = 40) -> Path:
+    """3 classes of 8x8 RGB PNGs: noise around a class colour."""
+    rng = np.random.default_rng(0)
+    for c, colour in enumerate([(200, 40, 40), (40, 200, 40), (40, 40, 200)]):
+        (root / f"class{c}").mkdir(parents=True)
+        for i in range(per_class):
+            pixels = np.clip(rng.normal(colour, 50, size=(8, 8, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(root / f"class{c}" / f"{i:03d}.png")
+    return root
+
+
+class CtrlCAtCheck(run_mod.StopFlag):
+    """The trainer's own Ctrl-C handling, with SIGINT raised at the `at`-th stop check (the
+    engine checks once an optimizer step), so the interruption lands mid-epoch every time."""
+
+    at = 7
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.checks = 0
+        super().__init__(*args, **kwargs)
+
+    @property
+    def requested(self) -> bool:
+        self.checks += 1
+        if self.checks == self.at:
+            signal.raise_signal(signal.SIGINT)  # handled before this returns
+        return self._requested
+
+    @requested.setter
+    def requested(self, value: bool) -> None:
+        self._requested = value
+
+
+def test_image_folder_run_interrupted_mid_epoch_resumes_exactly(tmp_path, monkeypatch) -> None:
+    """Per-image augmentation in a DataLoader worker, Ctrl-C in epoch 2, resume: the weights equal
+    an uninterrupted run's bit for bit (workers were seeded from the global RNG after its state was
+    saved, so a resumed run drew other augmentations)."""
+    root = write_image_folder(tmp_path / "images")
+    common = [
+        f"data.name=imagefolder:{root}",
+        "data.crop_padding=1",
+        "data.hflip=0.5",
+        "data.random_erasing=0.25",
+        "data.workers=1",
+        "data.val_fraction=0.2",
+        "model.dropout=0.1",
+        "train.batch_size=16",
+        "train.epochs=2",
+        "train.precision=fp32",
+    ]
+    straight = train(cfg(*common), out=tmp_path / "straight")
+    monkeypatch.setattr(run_mod, "StopFlag", CtrlCAtCheck)
+    with pytest.raises(TrainingStopped, match="stopped at epoch 2, batch 2"):
+        train(cfg(*common), out=tmp_path / "stopped")
+    monkeypatch.undo()
+    # 120 images: 24 test, 96 train of which 19 validation: 77 = 4 batches of 16 an epoch;
+    # checks 1-4 in epoch 1, the 7th before epoch 2's third batch
+    state = load_train_state(tmp_path / "stopped" / "checkpoints" / "last")
+    assert (state["epoch"], state["batch"], state["step"]) == (1, 2, 6)
+    resumed = train(
+        load_run_config(str(tmp_path / "stopped" / "config.yaml")), resume=tmp_path / "stopped"
+    )
+    for which in ("last", "best"):
+        a, b = weights_of(straight, which), weights_of(resumed, which)
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{which} {k}"
+
+
+def test_folder_augmentation_is_a_function_of_seed_epoch_and_batch(tmp_path) -> None:
+    """Workers draw each batch's augmentation from a seed of (seed, epoch, batch, rank): the same
+    batches from any start and any number of workers, fresh draws every epoch, and the trainer's
+    global RNG untouched."""
+    split = load_split(f"imagefolder:{write_image_folder(tmp_path / 'images', 8)}", "train")
+    pre = Preprocessing((8, 8), 3, (0.5,) * 3, (0.5,) * 3)
+    aug = BatchAugment(DataConfig(crop_padding=1, hflip=0.5), pre, 3)
+
+    def loader(workers: int):
+        return make_loader(split, 4, pre, augment=aug, shuffle=True, seed=5, workers=workers)
+
+    before = torch.get_rng_state()
+    epoch0 = list(loader(2).iterate(0))
+    assert torch.equal(torch.get_rng_state(), before)  # no draw from the global RNG
+    assert len(epoch0) == len(split) // 4 == 4
+    for whole, part in zip(epoch0[2:], loader(2).iterate(0, start=2), strict=True):
+        assert torch.equal(whole[0], part[0]) and torch.equal(whole[1], part[1])
+    for a, b in zip(epoch0, loader(0).iterate(0), strict=True):
+        assert torch.equal(a[0], b[0])
+
+    def by_index(epoch: int) -> dict[int, torch.Tensor]:
+        plan = loader(1).plan
+        batches = zip(plan.batches(epoch), loader(1).iterate(epoch), strict=True)
+        return {i: x for index, (xs, _) in batches for i, x in zip(index.tolist(), xs)}
+
+    first, second = by_index(0), by_index(1)
+    plain = make_loader(split, len(split), pre).iterate()
+    originals = next(iter(plain))[0]
+    shared = sorted(first.keys() & second.keys())
+    assert len(shared) >= 8
+    assert sum(not torch.equal(first[i], second[i]) for i in shared) >= len(shared) * 3 // 4
+    assert sum(not torch.equal(first[i], originals[i]) for i in first) >= len(first) * 3 // 4
+
+
+def test_resume_after_an_epoch_with_a_dropped_partial_window_is_exact(tmp_path) -> None:
+    """13 batches with accum_steps=2: the 13th is drawn (augmented) but never stepped on; a run
+    stopped after epoch 1 must resume from the random state after that draw, as the straight
+    run goes on from it (the checkpoint held the state before it)."""
+    common = [
+        "data.crop_padding=1",
+        "data.hflip=0.5",
+        "model.dropout=0.1",
+        "train.batch_size=96",  # 1,294 training images: 13 batches, 6 steps an epoch
+        "train.accum_steps=2",
+        "train.epochs=2",
+    ]
+    straight = train(cfg(*common), out=tmp_path / "straight")
+    half = train(cfg(*common, "train.stop_at_epoch=1"), out=tmp_path / "half")
+    assert load_train_state(half / "checkpoints" / "last")["step"] == 6
+    resumed = train(load_run_config(str(half / "config.yaml")), resume=half)
+    a, b = weights_of(straight), weights_of(resumed)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
