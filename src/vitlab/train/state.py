@@ -10,6 +10,7 @@ loadable checkpoint: the old one, the new one, or (mid-swap) the old one under i
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -37,6 +38,7 @@ __all__ = [
     "WEIGHTS",
     "Checkpoint",
     "CheckpointError",
+    "CheckpointWriteError",
     "load_model",
     "load_train_state",
     "load_weights",
@@ -58,18 +60,48 @@ def save_checkpoint(
     parent.mkdir(parents=True, exist_ok=True)
     tmp, aside = parent / f".{folder.name}.tmp", parent / f".{folder.name}.old"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    write_weights(tmp / WEIGHTS, model_state, meta)
-    if train_state is not None:
-        torch.save(train_state, tmp / STATE)
-        fsync(tmp / STATE)
-    fsync(tmp)
+    try:
+        tmp.mkdir()
+        write_weights(tmp / WEIGHTS, model_state, meta)
+        if train_state is not None:
+            with open(tmp / STATE, "wb") as f:  # a Python file: a failed write keeps its errno
+                torch.save(train_state, f)
+            fsync(tmp / STATE)
+        fsync(tmp)
+    except BaseException as e:  # disk full, file-size limit, Ctrl-C: no half-written folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception):
+            raise CheckpointWriteError(_write_failure(folder, e)) from e
+        raise
     if folder.exists():
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(folder, aside)
     os.replace(tmp, folder)
     fsync(parent)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (disk full, file-size limit, I/O error); the previous
+    checkpoint in its place is intact."""
+
+
+def _write_failure(folder: Path, e: BaseException) -> str:
+    """Why writing checkpoint `folder` failed, in words, from the errno wherever it was kept (torch
+    raises a RuntimeError whose context is the OSError of the failed write)."""
+    text, no, link = str(e), None, e
+    while link is not None and no is None:
+        no, link = getattr(link, "errno", None), link.__cause__ or link.__context__
+    if no == errno.ENOSPC or "No space left" in text or "os error 28" in text:
+        why = "the disk is full (ENOSPC)"
+    elif no == errno.EFBIG or "File too large" in text or "os error 27" in text:
+        why = "the file-size limit was hit (EFBIG, e.g. ulimit -f)"
+    elif no == errno.EDQUOT or "quota" in text.lower():
+        why = "the disk quota is exceeded (EDQUOT)"
+    else:
+        why = f"writing failed ({type(e).__name__}: {text.splitlines()[0][:200] if text else ''})"
+    kept = f"the previous checkpoint {folder} is intact" if folder.exists() else "nothing replaced"
+    return f"cannot save checkpoint {folder}: {why}; {kept}, the partial copy removed"
 
 
 def load_model(

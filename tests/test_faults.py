@@ -1,0 +1,170 @@
+"""Faults a trusted trainer survives: kill -9 around checkpoint writes, and a disk that fills up (a
+file-size limit, or a tiny tmpfs where one can be mounted). Real processes, real limits; the long
+trials are in benchmarks/faults.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_train import FAST
+from vitlab.train.state import load_train_state, load_weights, resolve_checkpoint
+
+TRAIN = [sys.executable, "-m", "vitlab", "train", *FAST, "data.val_fraction=0.1"]
+
+
+def checkpoint(run: Path, which: str) -> tuple[dict[str, torch.Tensor], Path]:
+    """The weights of run's `which` checkpoint (found where a killed save may have left it)."""
+    weights = resolve_checkpoint(run / "checkpoints" / which)
+    return load_weights(weights), weights.parent
+
+
+def kill_during_save(run: Path, epochs: int, epoch: int, delay: float) -> str:
+    """Start `vitlab train`, SIGKILL it `delay` s after it logs epoch `epoch` (the log line comes
+    just before that epoch's best and last checkpoints are written); the tail of its log."""
+    proc = subprocess.Popen(
+        [*TRAIN, f"train.epochs={epochs}", "--out", str(run)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        bufsize=1,
+    )
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith(f"epoch {epoch}:"):
+            time.sleep(delay)
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == -signal.SIGKILL, "".join(lines[-5:])
+    return "".join(lines[-5:])
+
+
+def survived(run: Path, straight: Path) -> None:
+    """After a kill: `last` (weights and training state) and `best` load, and --resume finishes
+    with the weights of the uninterrupted run."""
+    _, folder = checkpoint(run, "last")
+    state = load_train_state(folder)
+    assert state["epoch"] >= 1
+    checkpoint(run, "best")
+    done = subprocess.run(
+        [sys.executable, "-m", "vitlab", "train", "--resume", str(run)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    a, b = checkpoint(straight, "last")[0], checkpoint(run, "last")[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (run / "results.json").is_file()
+
+
+def test_kill_9_around_checkpoint_writes_keeps_a_loadable_checkpoint(tmp_path: Path) -> None:
+    epochs, rng = 3, random.Random(0)
+    straight = tmp_path / "straight"
+    subprocess.run([*TRAIN, f"train.epochs={epochs}", "--out", str(straight)], check=True,
+                   capture_output=True)  # fmt: skip
+    for trial, delay in enumerate((0.0, rng.uniform(0.0, 0.2))):
+        run = tmp_path / f"killed{trial}"
+        kill_during_save(run, epochs, epoch=2, delay=delay)
+        survived(run, straight)
+
+
+# --- a disk that fills up ------------------------------------------------------------------------
+
+RESUME_UNDER_LIMIT = """
+import json, resource, signal, sys
+from pathlib import Path
+from vitlab.config import load_run_config
+from vitlab.train.run import train
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+run, limit = Path(sys.argv[1]), int(sys.argv[2])
+cfg = load_run_config(str(run / "config.yaml"))
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+try:
+    train(cfg, resume=run)
+    print(json.dumps({"error": None}))
+except Exception as e:
+    print(json.dumps({"error": [c.__name__ for c in type(e).__mro__], "message": str(e)}))
+"""
+
+
+def stopped_run(tmp_path: Path, name: str) -> Path:
+    run = tmp_path / name
+    subprocess.run([*TRAIN, "train.epochs=2", "train.stop_at_epoch=1", "--out", str(run)],
+                   check=True, capture_output=True)  # fmt: skip
+    return run
+
+
+def assert_previous_intact(run: Path, before: dict[str, dict[str, torch.Tensor]], message: str):
+    """The checkpoint whose save failed (named in `message`) holds its previous weights, in its
+    own folder; every checkpoint loads; no temporary folder is left."""
+    failed = [w for w in before if f"cannot save checkpoint {run / 'checkpoints' / w}:" in message]
+    assert len(failed) == 1, message
+    for which, weights in before.items():
+        after, folder = checkpoint(run, which)
+        assert folder == run / "checkpoints" / which
+        if which == failed[0]:
+            assert all(torch.equal(weights[k], after[k]) for k in weights)
+    load_train_state(run / "checkpoints" / "last")
+    left = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert left == ["best", "last"], left  # the temporary folder is gone
+
+
+def test_a_save_past_the_file_size_limit_fails_clearly_and_keeps_the_previous(tmp_path) -> None:
+    """RLIMIT_FSIZE below the weights file (the safetensors writer fails), then between the
+    weights and the training state (torch.save fails): each time a CheckpointWriteError naming
+    the limit and the folder, the previous best and last intact, no temporary folder left."""
+    run = stopped_run(tmp_path, "run")
+    weights = (run / "checkpoints/last/model.safetensors").stat().st_size
+    state = (run / "checkpoints/last/state.pt").stat().st_size
+    assert weights < state
+    before = {w: checkpoint(run, w)[0] for w in ("best", "last")}
+    for limit in (weights // 2, (weights + state) // 2):
+        out = subprocess.run(
+            [sys.executable, "-c", RESUME_UNDER_LIMIT, str(run), str(limit)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+        assert report["error"] and "CheckpointWriteError" in report["error"], report
+        assert "CheckpointError" in report["error"]
+        assert "file-size limit was hit" in report["message"], report
+        assert_previous_intact(run, before, report["message"])
+
+
+def test_a_full_disk_fails_clearly_and_keeps_the_previous(tmp_path: Path) -> None:
+    """A tmpfs with room for one checkpoint set but not two (the new one is written before the
+    old one goes): the CLI fails with exit status 2 saying the disk is full."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    probe = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                           capture_output=True)  # fmt: skip
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {probe.stderr.decode().strip()}")
+    try:
+        run = stopped_run(mount, "run")
+        before = {w: checkpoint(run, w)[0] for w in ("best", "last")}
+        used = sum(p.stat().st_size for p in run.rglob("*") if p.is_file())
+        with open(mount / "filler", "wb") as f:  # leave less room than a second checkpoint
+            f.write(b"\0" * max(os.statvfs(mount).f_bavail * 4096 - used // 2, 0))
+        out = subprocess.run(
+            [sys.executable, "-m", "vitlab", "train", "--resume", str(run)],
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "the disk is full (ENOSPC)" in out.stderr and "cannot save checkpoint" in out.stderr
+        assert_previous_intact(run, before, out.stderr)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
