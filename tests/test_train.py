@@ -169,6 +169,75 @@ def test_resume_may_only_change_the_length(tmp_path: Path, capsys) -> None:
     assert "no config.yaml" in capsys.readouterr().err
 
 
+def test_a_new_length_on_resume_is_refused_unless_extended(tmp_path: Path, capsys) -> None:
+    """train.epochs on --resume used to reshape the cosine schedule silently. Now it is refused;
+    with --extend the schedule spans the new length from the current step on, and says so."""
+    import math
+
+    schedule = ["optim.lr=0.001", "optim.warmup_epochs=1", "optim.schedule=cosine"]
+    run = train(cfg(*schedule, "train.epochs=4", "train.stop_at_epoch=2"), out=tmp_path / "r")
+    before = (run / "metrics.jsonl").read_text()
+    assert main(["train", "--resume", str(run), "train.epochs=6"]) == 2
+    err = capsys.readouterr().err
+    assert "train.epochs=6 differs from the run's 4" in err and "--extend" in err
+    assert (run / "metrics.jsonl").read_text() == before  # nothing trained, nothing lost
+    with pytest.raises(ConfigError, match="--extend"):
+        train(load_run_config(str(run / "config.yaml"), ["train.epochs=3"]), resume=run)
+    assert main(["train", "--resume", str(run), "train.epochs=6", "--extend"]) == 0
+    err = capsys.readouterr().err
+    assert "extending the run from 4 to 6 epochs" in err
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2, 3, 4, 5, 6]
+    state = torch.load(run / "checkpoints/last/state.pt", weights_only=True)
+    per_epoch = state["step"] // 6
+    assert state["step"] == 6 * per_epoch
+
+    def cosine(step: int, total: int) -> float:  # warm-up of one epoch, then cosine to 0
+        if step < per_epoch:
+            return 0.001 * (step + 1) / per_epoch
+        return 0.001 * 0.5 * (1 + math.cos(math.pi * (step - per_epoch) / (total - per_epoch)))
+
+    for r in records[:2]:  # planned over 4 epochs
+        assert r["lr"] == pytest.approx(cosine(r["epoch"] * per_epoch - 1, 4 * per_epoch))
+    for r in records[2:]:  # extended: over 6 epochs from step 2 * per_epoch on
+        assert r["lr"] == pytest.approx(cosine(r["epoch"] * per_epoch - 1, 6 * per_epoch))
+    assert "epochs: 6" in (run / "config.yaml").read_text()
+
+
+def test_out_naming_an_existing_run_is_refused_unless_overwritten(tmp_path: Path, capsys) -> None:
+    """--out at an existing run once wiped its metrics.jsonl; now refused, naming --resume and
+    --overwrite; --overwrite replaces the old run's files."""
+    out = tmp_path / "r"
+    args = ["train", *FAST, "train.epochs=1", "--out", str(out)]
+    assert main(args) == 0
+    capsys.readouterr()
+    (out / "metrics.jsonl").write_text('{"epoch": 1, "marker": "old run"}\n')
+    (out / "notes.txt").write_text("the user's own file")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--resume" in err and "--overwrite" in err
+    assert "old run" in (out / "metrics.jsonl").read_text()
+    assert main([*args, "--overwrite"]) == 0
+    assert "old run" not in (out / "metrics.jsonl").read_text()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert (out / "notes.txt").read_text() == "the user's own file"  # not a run file: kept
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train", *FAST, "train.epochs=1", "--out", str(empty)]) == 0
+
+
+def test_resume_drops_metrics_of_epochs_the_checkpoint_does_not_hold(tmp_path: Path) -> None:
+    """A kill after an epoch's metrics line but before its checkpoint: that epoch is trained
+    again on resume, and logged once."""
+    run = train(cfg("train.epochs=3", "train.stop_at_epoch=1"), out=tmp_path / "r")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"epoch": 2, "train_loss": 9.0}\n{"epoch": 3, "tr')  # and a torn line
+    train(load_run_config(str(run / "config.yaml")), resume=run)
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2, 3]
+    assert records[1]["train_loss"] != 9.0
+
+
 def test_ctrl_c_saves_and_resume_finishes_identically(tmp_path: Path) -> None:
     args = [sys.executable, "-m", "vitlab", "train", *FAST, "train.epochs=6"]
     straight = tmp_path / "straight"

@@ -36,7 +36,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--resume",
         type=Path,
         metavar="DIR",
-        help="continue the run in DIR exactly where it stopped (only train.epochs may change)",
+        help="continue the run in DIR exactly where it stopped; train.stop_at_epoch may change, "
+        "train.epochs only with --extend",
+    )
+    p.add_argument(
+        "--extend",
+        action="store_true",
+        help="with --resume and a new train.epochs: train to that length, the learning-rate "
+        "schedule then spanning the new length from the current step on (the log states the "
+        "change); without it a different train.epochs is refused",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="let --out name a folder that already holds a run, replacing that run's files "
+        "(without it such a folder is refused, so no metrics or checkpoints are lost)",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=0.001")
     p.set_defaults(run=run)
@@ -54,9 +68,13 @@ def run(args: argparse.Namespace) -> int:
             )
         cfg = resume_config(args.resume, args.overrides)
     else:
+        if args.extend:
+            raise ValueError("--extend lengthens a resumed run: use it with --resume")
         cfg = load_run_config(args.config, args.overrides)
     try:
-        out = train(cfg, out=args.out, resume=args.resume)
+        out = train(
+            cfg, out=args.out, resume=args.resume, extend=args.extend, overwrite=args.overwrite
+        )
     except TrainingStopped as e:
         print(f"vitlab train: {e}", file=sys.stderr)
         return 130

@@ -4,6 +4,7 @@ and results.json (rank 0 only)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,21 +13,40 @@ import yaml
 
 from vitlab.config import RunConfig
 
+# what a run writes into its folder (a folder holding any of these holds a run)
+RUN_FILES = (
+    "config.yaml",
+    "metrics.jsonl",
+    "checkpoints",
+    "curves.png",
+    "results.json",
+    "tensorboard",
+)
+
 
 class RunLog:
-    """Progress bar, metrics.jsonl, TensorBoard, curves.png, results.json (rank 0 only)."""
+    """Progress bar, metrics.jsonl, TensorBoard, curves.png, results.json (rank 0 only).
+    `resumed_at`: the epochs the resumed checkpoint holds (None: a new run); lines of later
+    epochs (logged before a kill that came ahead of their checkpoint) are dropped, since those
+    epochs are trained again."""
 
-    def __init__(self, out: Path, cfg: RunConfig, active: bool, resumed: bool) -> None:
+    def __init__(
+        self, out: Path, cfg: RunConfig, active: bool, resumed_at: int | None = None
+    ) -> None:
         self.out, self.active = out, active
         self.tb = None
         if not active:
             return
         out.mkdir(parents=True, exist_ok=True)
-        with open(out / "config.yaml", "w") as f:
-            yaml.safe_dump(cfg.to_tree(), f, sort_keys=False)
+        write_atomic(out / "config.yaml", yaml.safe_dump(cfg.to_tree(), sort_keys=False))
         self.metrics = out / "metrics.jsonl"
-        if not resumed:
+        if resumed_at is None or not self.metrics.exists():
             self.metrics.write_text("")
+        else:
+            lines = self.metrics.read_text().splitlines()
+            kept = [x for x in lines if x.strip() and _epoch_of(x) <= resumed_at]
+            if len(kept) != len(lines):
+                write_atomic(self.metrics, "".join(x + "\n" for x in kept))
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -74,12 +94,29 @@ class RunLog:
     def results(self, test: dict, classes: list[str]) -> None:
         summary = {k: v for k, v in test.items() if k != "confusion"}
         summary["classes"] = classes
-        (self.out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(self.out / "results.json", json.dumps(summary, indent=2) + "\n")
         print(
             f"test: top-1 {100 * test['top1']:.2f}%  top-5 {100 * test['top5']:.2f}%  loss "
             f"{test['loss']:.4f} on {test['num_images']:,} images; run folder {self.out}",
             file=sys.stderr,
         )
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that a kill at any moment leaves the old or the new file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _epoch_of(line: str) -> int:
+    try:
+        return int(json.loads(line)["epoch"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 30  # a torn or foreign line: dropped
 
 
 class _Bar:

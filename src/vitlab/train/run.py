@@ -14,6 +14,7 @@ Run folder:
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import sys
 import time
@@ -52,7 +53,7 @@ from vitlab.train.engine import (
     set_rng_state,
     train_epoch,
 )
-from vitlab.train.log import RunLog
+from vitlab.train.log import RUN_FILES, RunLog
 from vitlab.train.optim import EMA, build_optimizer, learning_rate
 from vitlab.train.state import (
     Checkpoint,
@@ -189,9 +190,18 @@ class TrainingStopped(RuntimeError):
     """The run was stopped on request after saving a checkpoint."""
 
 
-def train(cfg: RunConfig, out: Path | None = None, resume: Path | None = None) -> Path:
+def train(
+    cfg: RunConfig,
+    out: Path | None = None,
+    resume: Path | None = None,
+    *,
+    extend: bool = False,
+    overwrite: bool = False,
+) -> Path:
     """Run cfg; returns the run folder. With `resume` (a run folder, whose saved config cfg must
-    be, see resume_config) training continues exactly where it stopped."""
+    be, see resume_config) training continues exactly where it stopped; a different train.epochs
+    is refused unless `extend` (the schedule then spans the new length, see Run._extend). An
+    `out` that already holds a run is refused unless `overwrite` (its files are then removed)."""
     if resume is not None:
         out = Path(resume)
     device = pick_device(cfg.train.device)
@@ -203,7 +213,11 @@ def train(cfg: RunConfig, out: Path | None = None, resume: Path | None = None) -
         torch.set_num_threads(cfg.train.threads)
     failed = False
     try:
-        return _train(cfg, out, resume, device, d)
+        if resume is None and out is not None:  # rank 0 writes the run folder: it decides
+            refusal = claim_run_folder(Path(out), overwrite) if d.is_main else None
+            if distributed.any_rank(refusal is not None, d, device):
+                raise ConfigError(refusal or f"rank 0 refused the run folder {out}")
+        return _train(cfg, out, resume, device, d, extend)
     except TrainingStopped:
         raise  # every rank agreed to stop: leave the process group together
     except BaseException as e:
@@ -249,10 +263,46 @@ def resume_config(run: Path, overrides: list[str]) -> RunConfig:
     return load_run_config(str(path), overrides)
 
 
+def check_resume_length(run: Path, cfg: RunConfig, extend: bool) -> int:
+    """The run's planned train.epochs (from its saved config). A different cfg.train.epochs
+    would silently reshape the learning-rate schedule mid-run: refused unless `extend`."""
+    saved = load_run_config(str(run / "config.yaml"), []).train.epochs
+    new = cfg.train.epochs
+    if new != saved and not extend:
+        raise ConfigError(
+            f"train.epochs={new} differs from the run's {saved}: the {cfg.optim.schedule} "
+            f"learning-rate schedule was planned over {saved} epochs. To stop early keep "
+            f"train.epochs and set train.stop_at_epoch; to train to {new} epochs pass --extend "
+            f"(extend=True), and the schedule will span {new} epochs from the current step on"
+        )
+    return saved
+
+
+def claim_run_folder(out: Path, overwrite: bool) -> str | None:
+    """Why a new run may not start in `out`: it holds a run, whose metrics and checkpoints would
+    be lost (None: it may). With `overwrite` that run's files are removed instead."""
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if found and not overwrite:
+        return (
+            f"{out} already holds a run ({', '.join(found)}): continue it with "
+            f"`vitlab train --resume {out}`, choose another --out, or pass --overwrite to "
+            f"replace it"
+        )
+    for name in found:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return None
+
+
 def _train(
-    cfg: RunConfig, out: Path | None, resume: Path | None, device: torch.device, d: distributed.Dist
+    cfg: RunConfig,
+    out: Path | None,
+    resume: Path | None,
+    device: torch.device,
+    d: distributed.Dist,
+    extend: bool = False,
 ) -> Path:
-    run = Run(cfg, out, resume, device, d)
+    run = Run(cfg, out, resume, device, d, extend)
     if not run.fit():
         return run.out  # stopped as planned (train.stop_at_epoch)
     run.test()
@@ -269,8 +319,12 @@ class Run:
         resume: Path | None,
         device: torch.device,
         d: distributed.Dist,
+        extend: bool = False,
     ) -> None:
         self.cfg, self.device, self.d, self.strategy = cfg, device, d, cfg.train.strategy
+        planned = None  # the resumed run's train.epochs, before this command's overrides
+        if resume is not None:
+            planned = check_resume_length(Path(resume), cfg, extend)
         self.data = load_data(cfg)
         base = None  # fine-tuning: the architecture is the source's (kept in `last` on resume)
         source = None  # the fine-tuning checkpoint, read once
@@ -325,10 +379,12 @@ class Run:
         self.best_state: dict | None = None  # this rank's best weights (sharded under FSDP)
         if resume is not None:
             self._restore(Path(resume))
+            if planned is not None and planned != cfg.train.epochs:
+                self._extend(planned)
         if cfg.train.compile:
             self.train_model = torch.compile(self.train_model)
         self.meta = Checkpoint(mc, self.pre, info.classes, {})
-        self.log = RunLog(self.out, cfg, d.is_main, resume is not None)
+        self.log = RunLog(self.out, cfg, d.is_main, self.pos.epoch if resume is not None else None)
         self._announce()
 
     # --- building --------------------------------------------------------------------------------
@@ -344,8 +400,7 @@ class Run:
                 f"{len(self.data.train)} training images give no full step of batch_size "
                 f"{cfg.train.batch_size} x accum_steps {cfg.train.accum_steps}"
             )
-        total = steps_per_epoch * cfg.train.epochs
-        warmup = int(round(cfg.optim.warmup_epochs * steps_per_epoch))
+        total, warmup = self._total_steps(), self._warmup_steps()
         return StepSettings(
             accum_steps=cfg.train.accum_steps,
             clip_grad=cfg.optim.clip_grad,
@@ -353,6 +408,13 @@ class Run:
             lr_at=lambda step: learning_rate(cfg.optim, step, total, warmup),
             autocast=self.autocast,
         )
+
+    def _total_steps(self) -> int:
+        return len(self.loader) // self.cfg.train.accum_steps * self.cfg.train.epochs
+
+    def _warmup_steps(self) -> int:
+        steps_per_epoch = len(self.loader) // self.cfg.train.accum_steps
+        return int(round(self.cfg.optim.warmup_epochs * steps_per_epoch))
 
     def _restore(self, run: Path) -> None:
         weights = resolve_checkpoint(run / "checkpoints" / "last")
@@ -376,6 +438,24 @@ class Run:
             return ranks[self.d.rank]
         torch.manual_seed(derive_seed(self.cfg.train.seed, self.d.rank, state["step"]))
         return rng_state(self.device)
+
+    def _extend(self, planned: int) -> None:
+        """Say how the learning-rate schedule changes when a resumed run's length changes: it now
+        spans the new length, as if the run had been started with it (warm-up unchanged)."""
+        if not self.d.is_main:
+            return
+        cfg, step = self.cfg, self.pos.step
+        steps_per_epoch = len(self.loader) // cfg.train.accum_steps
+        old_total = steps_per_epoch * planned
+        old_lr = learning_rate(cfg.optim, step, old_total, self._warmup_steps())
+        print(
+            f"extending the run from {planned} to {cfg.train.epochs} epochs (--extend): the "
+            f"{cfg.optim.schedule} schedule now spans {self._total_steps():,} steps instead of "
+            f"{old_total:,}; the learning rate at step {step:,} is {self.settings.lr_at(step):.3e}"
+            f" (was {old_lr:.3e}) and reaches {self.settings.lr_at(self._total_steps()):.3e} at "
+            f"the end",
+            file=sys.stderr,
+        )
 
     def _announce(self) -> None:
         if not self.d.is_main:
