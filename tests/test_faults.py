@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.test_train import FAST
-from vitlab.train.state import load_train_state, load_weights, resolve_checkpoint
+from vitlab.train.state import load_model, load_train_state, load_weights, resolve_checkpoint
 
 TRAIN = [sys.executable, "-m", "vitlab", "train", *FAST, "data.val_fraction=0.1"]
 
@@ -168,3 +168,20 @@ def test_a_full_disk_fails_clearly_and_keeps_the_previous(tmp_path: Path) -> Non
         assert_previous_intact(run, before, out.stderr)
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_run_killed_mid_swap_of_best_still_serves_its_best(tmp_path: Path) -> None:
+    """A kill between the two renames of a `best` save leaves best under its aside name: a run
+    folder then resolves to that best (it resolved to `last`, so `vitlab eval RUN` silently
+    evaluated other weights)."""
+    run = tmp_path / "run"
+    # with EMA, best holds the averaged weights and last the raw ones
+    subprocess.run([*TRAIN, "train.epochs=2", "train.ema=0.9", "--out", str(run)], check=True,
+                   capture_output=True)  # fmt: skip
+    best = load_weights(run / "checkpoints/best/model.safetensors")
+    last = load_weights(run / "checkpoints/last/model.safetensors")
+    assert any(not torch.equal(best[k], last[k]) for k in best)
+    (run / "checkpoints/best").rename(run / "checkpoints/.best.old")  # what the kill leaves
+    assert resolve_checkpoint(run).parent.name == ".best.old"
+    model, _ = load_model(run)
+    assert all(torch.equal(v, best[k]) for k, v in model.state_dict().items())

@@ -105,13 +105,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
     p = Path(path).expanduser()
     if p.is_file():
         return p
+    # a save killed mid-swap leaves the previous checkpoint under its aside name: a run's best
+    # there still comes before its last
     candidates = [
         p / "checkpoints" / "best" / WEIGHTS,
-        p / "checkpoints" / "last" / WEIGHTS,
-        p / WEIGHTS,
-        # a save killed mid-swap leaves the previous checkpoint under its aside name
         p / "checkpoints" / ".best.old" / WEIGHTS,
+        p / "checkpoints" / "last" / WEIGHTS,
         p / "checkpoints" / ".last.old" / WEIGHTS,
+        p / WEIGHTS,
         p.parent / f".{p.name}.old" / WEIGHTS,
     ]
     for c in candidates:

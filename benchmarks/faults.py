@@ -1,0 +1,118 @@
+"""Faults a trusted trainer survives, by the trial: kill -9 at random moments around checkpoint
+writes, and saves that hit a file-size limit or a full disk. Prints a table row per fault: trials,
+survived, data lost.
+
+    .venv/bin/python benchmarks/faults.py [--kills 24] [--seed 0]
+
+A kill trial starts `vitlab train` (the tiny FAST model on digits, many short epochs, so saves are
+frequent), waits for the log line of a random epoch (written just before that epoch's best and
+last checkpoints), sleeps a random time spread over the save window and SIGKILLs it. It survives
+when `last` (weights and training state) and `best` load and `--resume` finishes with the weights
+of an uninterrupted run; data is lost when a checkpoint is missing or unloadable, the resumed
+weights differ, or metrics.jsonl does not hold each epoch once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from tests.test_faults import RESUME_UNDER_LIMIT, TRAIN, checkpoint, kill_during_save  # noqa: E402
+from vitlab.train.state import load_train_state  # noqa: E402
+
+EPOCHS = 6
+
+
+def kill_trial(root: Path, straight: Path, epoch: int, delay: float) -> tuple[bool, list[str]]:
+    """(survived, what was lost) for one kill."""
+    run, lost = root / f"killed-{epoch}-{delay:.3f}", []
+    kill_during_save(run, EPOCHS, epoch, delay)
+    try:
+        load_train_state(checkpoint(run, "last")[1])
+        checkpoint(run, "best")
+    except Exception as e:
+        return False, [f"checkpoint: {e}"]
+    done = subprocess.run([sys.executable, "-m", "vitlab", "train", "--resume", str(run)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        return False, [f"resume failed: {done.stderr[-300:]}"]
+    a, b = checkpoint(straight, "last")[0], checkpoint(run, "last")[0]
+    if not all(torch.equal(a[k], b[k]) for k in a):
+        lost.append("resumed weights differ")
+    epochs = [json.loads(x)["epoch"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    if epochs != list(range(1, EPOCHS + 1)):
+        lost.append(f"metrics.jsonl epochs {epochs}")
+    return not lost, lost
+
+
+def limit_trial(root: Path, limit: int) -> tuple[bool, list[str]]:
+    run = root / f"limit-{limit}"
+    subprocess.run([*TRAIN, "train.epochs=2", "train.stop_at_epoch=1", "--out", str(run)],
+                   check=True, capture_output=True)  # fmt: skip
+    before = {w: checkpoint(run, w)[0] for w in ("best", "last")}
+    out = subprocess.run([sys.executable, "-c", RESUME_UNDER_LIMIT, str(run), str(limit)],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    lost = []
+    if not report["error"] or "CheckpointWriteError" not in report["error"]:
+        lost.append(f"no CheckpointWriteError: {report}")
+    for which, weights in before.items():
+        after, folder = checkpoint(run, which)
+        failed = f"checkpoint {run / 'checkpoints' / which}:" in report.get("message", "")
+        if folder.name != which or (failed and not all(torch.equal(weights[k], after[k])
+                                                       for k in weights)):  # fmt: skip
+            lost.append(f"{which} changed or moved")
+    if sorted(p.name for p in (run / "checkpoints").iterdir()) != ["best", "last"]:
+        lost.append("temporary folder left")
+    return not lost, lost
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        straight = root / "straight"
+        subprocess.run([*TRAIN, f"train.epochs={EPOCHS}", "--out", str(straight)], check=True,
+                       capture_output=True)  # fmt: skip
+        t0, survived, lost = time.time(), 0, []
+        for i in range(args.kills):
+            epoch, delay = rng.randint(1, EPOCHS - 1), rng.uniform(0.0, 0.25)
+            if epoch == 1:  # the first save has nothing before it to keep: kill at the second
+                epoch = 2
+            ok, why = kill_trial(root, straight, epoch, delay)
+            survived += ok
+            lost += why
+            print(f"  kill {i + 1}: epoch {epoch} +{delay * 1000:.0f} ms: "
+                  f"{'survived' if ok else why}", flush=True)  # fmt: skip
+        rows.append(("kill -9 during a save", args.kills, survived, lost, time.time() - t0))
+        t0, survived, lost = time.time(), 0, []
+        limits = [20_000, 50_000, 70_000, 100_000, 150_000, 200_000]
+        for limit in limits:
+            ok, why = limit_trial(root, limit)
+            survived += ok
+            lost += why
+            print(f"  file-size limit {limit:,} B: {'survived' if ok else why}", flush=True)
+        rows.append(("file-size limit (RLIMIT_FSIZE)", len(limits), survived, lost,
+                     time.time() - t0))  # fmt: skip
+    print("\n| fault | trials | survived | data lost | seconds |\n|---|---|---|---|---|")
+    for fault, trials, ok, why, secs in rows:
+        print(f"| {fault} | {trials} | {ok} | {'none' if not why else '; '.join(why)} | "
+              f"{secs:.0f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
