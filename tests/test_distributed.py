@@ -105,6 +105,9 @@ def test_eval_plan_gives_every_rank_the_same_batch_count() -> None:
     seen = torch.cat([torch.cat(b) for b in batches]).tolist()
     assert sorted(seen) == list(range(513))
     assert len(BatchPlan(513, 256, False, 0)) == 3  # one process: unchanged
+    # fewer samples than ranks: the ranks without one still step, on a padding batch
+    tiny = [list(BatchPlan(1, 4, False, 0, rank, 3).batches()) for rank in range(3)]
+    assert [[b.tolist() for b in t] for t in tiny] == [[[0]], [[]], [[]]]
 
 
 def test_padding_batches_carry_no_labels(tmp_path: Path) -> None:

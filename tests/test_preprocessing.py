@@ -100,3 +100,29 @@ def test_whole_image_resize_matches_transformers_vit_image_processor(
     got = pre.pil(image)
     assert got.shape == want.shape == (3, 224, 224)
     assert (got - want).abs().max().item() <= SAME
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_evaluation_loaders_crop_once_as_timm_does(tmp_path, workers: int) -> None:
+    """`vitlab eval` of weights with a crop_pct: the loader's batches (in memory and from an
+    image folder) are timm's eval transform of each image, cropped once (the loader once
+    resized per image and then again per batch: an effective crop of 0.81)."""
+    from vitlab.data.datasets import ArraySplit, load_split
+    from vitlab.data.loader import make_loader
+
+    pre = Preprocessing((224, 224), 3, IMAGENET_MEAN, IMAGENET_STD, "bicubic", 0.9)
+    image = photo((300, 400))
+    want = timm_eval(pre)(image)
+    pixels = TF.pil_to_tensor(image)[None]
+    if workers == 0:
+        split = ArraySplit(pixels.repeat(2, 1, 1, 1), torch.tensor([0, 1]), ["a", "b"])
+    else:
+        for name in "ab":
+            (tmp_path / name).mkdir()
+            for i in range(4):
+                image.save(tmp_path / name / f"{i}.png")
+        split = load_split(f"imagefolder:{tmp_path}", "test")
+    (x, _), *_ = list(make_loader(split, 2, pre, workers=workers))
+    for got in x:
+        levels = (got - want) * torch.tensor(pre.std)[:, None, None] * 255
+        assert levels.abs().mean().item() < 0.1

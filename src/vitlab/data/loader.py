@@ -59,7 +59,7 @@ class BatchPlan:
                 chunk = order[b * self.batch_size : (b + 1) * self.batch_size]
                 yield chunk[self.rank * per_rank : (self.rank + 1) * per_rank]
         else:  # evaluation: every sample exactly once across ranks, empty batches to pad
-            mine = torch.arange(self.rank, self.n, self.world).split(self.batch_size)
+            mine = torch.arange(self.n)[self.rank :: self.world].split(self.batch_size)
             mine = [b for b in mine if len(b)]
             mine += [torch.zeros(0, dtype=torch.long)] * (len(self) - len(mine))
             yield from mine[start:]
@@ -178,8 +178,8 @@ def make_loader(
     plan = BatchPlan(len(split), batch_size, shuffle, seed, rank, world)
     if augment is None:
 
-        def evaluate_batch(images: Tensor, labels: Tensor) -> Batch:
-            return pre.batch(images), labels
+        def evaluate_batch(images: Tensor, labels: Tensor) -> Batch:  # resized by per_image
+            return pre.normalize(images), labels
 
         per_image, finish = pre.resize, evaluate_batch
     else:
