@@ -4,12 +4,12 @@ survived, data lost.
 
     .venv/bin/python benchmarks/faults.py [--kills 24] [--seed 0]
 
-A kill trial starts `vitlab train` (the tiny FAST model on digits, many short epochs, so saves are
-frequent), waits for the log line of a random epoch (written just before that epoch's best and
-last checkpoints), sleeps a random time spread over the save window and SIGKILLs it. It survives
-when `last` (weights and training state) and `best` load and `--resume` finishes with the weights
-of an uninterrupted run; data is lost when a checkpoint is missing or unloadable, the resumed
-weights differ, or metrics.jsonl does not hold each epoch once."""
+A kill trial SIGKILLs `vitlab train` (the tiny FAST model on digits, many short epochs, so saves
+are frequent) a random 0-250 ms after an epoch's log line, which comes just before that epoch's
+best and last checkpoints are written; the next trial resumes the same run (see chain). A kill
+survives when `last` (weights and training state) and `best` load; each run, resumed to its end,
+must equal an uninterrupted run. Data is lost when a checkpoint is missing or unloadable, the
+resumed weights differ, or metrics.jsonl does not hold each epoch once."""
 
 from __future__ import annotations
 
@@ -29,29 +29,43 @@ import torch  # noqa: E402
 from tests.test_faults import RESUME_UNDER_LIMIT, TRAIN, checkpoint, kill_during_save  # noqa: E402
 from vitlab.train.state import load_train_state  # noqa: E402
 
-EPOCHS = 6
+EPOCHS = 13
 
 
-def kill_trial(root: Path, straight: Path, epoch: int, delay: float) -> tuple[bool, list[str]]:
-    """(survived, what was lost) for one kill."""
-    run, lost = root / f"killed-{epoch}-{delay:.3f}", []
-    kill_during_save(run, EPOCHS, epoch, delay)
-    try:
-        load_train_state(checkpoint(run, "last")[1])
-        checkpoint(run, "best")
-    except Exception as e:
-        return False, [f"checkpoint: {e}"]
+def chain(root: Path, straight: Path, kills: int, rng: random.Random) -> tuple[int, list[str]]:
+    """Train one run through `kills` kills: each process is SIGKILLed a random 0-250 ms after its
+    first epoch log line (inside or just after that epoch's saves) and the next resumes it. After
+    each kill `last` (weights and state) and `best` must load; at the end the run is resumed to
+    its last epoch and must equal the uninterrupted one. (survived kills, what was lost)."""
+    run, survived, lost = root / f"chain-{rng.random():.6f}", 0, []
+    for i in range(kills):
+        delay = rng.uniform(0.0, 0.25)
+        if i and load_train_state(checkpoint(run, "last")[1])["epoch"] >= EPOCHS - 1:
+            break  # the run is about to end: start another chain
+        # the first process at epoch 2's saves (epoch 1's have nothing before them to keep)
+        kill_during_save(run, EPOCHS, None if i else 2, delay, resume=i > 0)
+        try:
+            state = load_train_state(checkpoint(run, "last")[1])
+            checkpoint(run, "best")
+            survived += 1
+            print(f"  kill after epoch {state['epoch']} log +{delay * 1000:.0f} ms: loadable",
+                  flush=True)  # fmt: skip
+        except Exception as e:
+            lost.append(f"checkpoint after kill {i + 1}: {e}")
+            return survived, lost
     done = subprocess.run([sys.executable, "-m", "vitlab", "train", "--resume", str(run)],
                           capture_output=True, text=True)  # fmt: skip
     if done.returncode != 0:
-        return False, [f"resume failed: {done.stderr[-300:]}"]
+        return survived, [*lost, f"resume failed: {done.stderr[-300:]}"]
     a, b = checkpoint(straight, "last")[0], checkpoint(run, "last")[0]
     if not all(torch.equal(a[k], b[k]) for k in a):
-        lost.append("resumed weights differ")
+        lost.append("resumed weights differ from the uninterrupted run")
     epochs = [json.loads(x)["epoch"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     if epochs != list(range(1, EPOCHS + 1)):
         lost.append(f"metrics.jsonl epochs {epochs}")
-    return not lost, lost
+    if not (run / "results.json").is_file():
+        lost.append("no results.json")
+    return survived, lost
 
 
 def limit_trial(root: Path, limit: int) -> tuple[bool, list[str]]:
@@ -88,17 +102,11 @@ def main() -> None:
         straight = root / "straight"
         subprocess.run([*TRAIN, f"train.epochs={EPOCHS}", "--out", str(straight)], check=True,
                        capture_output=True)  # fmt: skip
-        t0, survived, lost = time.time(), 0, []
-        for i in range(args.kills):
-            epoch, delay = rng.randint(1, EPOCHS - 1), rng.uniform(0.0, 0.25)
-            if epoch == 1:  # the first save has nothing before it to keep: kill at the second
-                epoch = 2
-            ok, why = kill_trial(root, straight, epoch, delay)
-            survived += ok
-            lost += why
-            print(f"  kill {i + 1}: epoch {epoch} +{delay * 1000:.0f} ms: "
-                  f"{'survived' if ok else why}", flush=True)  # fmt: skip
-        rows.append(("kill -9 during a save", args.kills, survived, lost, time.time() - t0))
+        t0, survived, lost, trials = time.time(), 0, [], 0
+        while trials < args.kills:
+            ok, why = chain(root, straight, min(args.kills - trials, EPOCHS - 1), rng)
+            trials, survived, lost = trials + ok + bool(why), survived + ok, lost + why
+        rows.append(("kill -9 during a save", trials, survived, lost, time.time() - t0))
         t0, survived, lost = time.time(), 0, []
         limits = [20_000, 50_000, 70_000, 100_000, 150_000, 200_000]
         for limit in limits:

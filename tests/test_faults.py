@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -28,11 +29,15 @@ def checkpoint(run: Path, which: str) -> tuple[dict[str, torch.Tensor], Path]:
     return load_weights(weights), weights.parent
 
 
-def kill_during_save(run: Path, epochs: int, epoch: int, delay: float) -> str:
-    """Start `vitlab train`, SIGKILL it `delay` s after it logs epoch `epoch` (the log line comes
-    just before that epoch's best and last checkpoints are written); the tail of its log."""
+def kill_during_save(
+    run: Path, epochs: int, epoch: int | None, delay: float, resume: bool = False
+) -> str:
+    """Start `vitlab train` (or resume `run`), SIGKILL it `delay` s after it logs epoch `epoch`
+    (any epoch: None); the log line comes just before that epoch's best and last checkpoints are
+    written. The tail of its log."""
+    start = ["--resume", str(run)] if resume else [f"train.epochs={epochs}", "--out", str(run)]
     proc = subprocess.Popen(
-        [*TRAIN, f"train.epochs={epochs}", "--out", str(run)],
+        [*(TRAIN[:4] if resume else TRAIN), *start],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -41,7 +46,7 @@ def kill_during_save(run: Path, epochs: int, epoch: int, delay: float) -> str:
     lines = []
     for line in proc.stderr:
         lines.append(line)
-        if line.startswith(f"epoch {epoch}:"):
+        if re.match(rf"epoch {epoch or '[0-9]+'}: train loss", line):
             time.sleep(delay)
             proc.send_signal(signal.SIGKILL)
             break

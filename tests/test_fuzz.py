@@ -13,6 +13,7 @@ import json
 import pickle
 import struct
 import tempfile
+import time
 import warnings
 import zipfile
 from collections.abc import Callable
@@ -498,3 +499,20 @@ def test_code_in_a_cifar_pickle_never_runs(tmp_path: Path) -> None:
         subprocess.run([sys.executable, "-c", code], input=raw, check=True)
         assert marker.exists()
         marker.unlink()
+
+
+def test_a_cifar_batch_claiming_a_billion_labels_is_refused_at_once(tmp_path: Path) -> None:
+    """An array pickled without its data (numpy's own pickles carry shape (0,) until the bytes
+    are set) would make the reader allocate, and check one by one, what the file does not hold:
+    the fuzzer found such a batch taking over a minute. Refused at once."""
+    reconstruct = np.zeros(1).__reduce__()[0]
+    labels = _Payload(reconstruct, np.ndarray, (10**9,), b"b")
+    d = tmp_path / "cifar-10-batches-py"
+    d.mkdir()
+    raw = pickle.dumps({b"data": np.zeros((0, 3072), np.uint8), b"labels": labels})
+    (d / "test_batch").write_bytes(raw)
+    (d / "batches.meta").write_bytes(pickle.dumps({b"label_names": [b"a"]}))
+    t0 = time.perf_counter()
+    with pytest.raises(DatasetError, match=r"shape \(1000000000,\) without its data"):
+        load_split("cifar10", "test", str(tmp_path))
+    assert time.perf_counter() - t0 < 5

@@ -194,9 +194,19 @@ class _ArrayUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str):
-        if (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        raise DatasetError(f"refusing to unpickle {module}.{name}: not part of a CIFAR batch")
+        if (module, name) not in self.ALLOWED:
+            raise DatasetError(f"refusing to unpickle {module}.{name}: not part of a CIFAR batch")
+        found = super().find_class(module, name)
+        return _empty_array if name == "_reconstruct" else found
+
+
+def _empty_array(subtype: type, shape: tuple, dtype: object) -> np.ndarray:
+    """numpy's _reconstruct as numpy pickles it: an empty array that __setstate__ then fills with
+    the bytes the file holds. Any other shape would allocate what the file does not hold (a
+    hostile batch could claim terabytes, or a billion labels to check one by one)."""
+    if subtype is not np.ndarray or tuple(shape) != (0,):
+        raise DatasetError(f"refusing to unpickle an array of shape {shape!r} without its data")
+    return np.ndarray((0,), dtype=dtype)
 
 
 def _load_cifar_batch(raw: bytes, where: str) -> dict:
@@ -231,13 +241,13 @@ def _cifar_arrays(batch: dict, label_key: str, classes: int, where: str) -> tupl
         shape = getattr(data, "shape", type(data).__name__)
         raise DatasetError(f"CIFAR batch {where}: expected (N, 3072) bytes, got {shape}")
     labels = _cifar_field(batch, label_key, where)
+    if isinstance(labels, (list, np.ndarray)) and len(labels) != len(data):
+        raise DatasetError(f"CIFAR batch {where}: {len(data)} images but {len(labels)} labels")
     if not isinstance(labels, (list, np.ndarray)) or not all(
         isinstance(y, (int, np.integer)) and not isinstance(y, bool) and 0 <= y < classes
         for y in labels
     ):
         raise DatasetError(f"CIFAR batch {where}: {label_key!r} are not class indices < {classes}")
-    if len(labels) != len(data):
-        raise DatasetError(f"CIFAR batch {where}: {len(data)} images but {len(labels)} labels")
     return data.reshape(-1, 3, 32, 32), np.array([int(y) for y in labels], dtype=np.int64)
 
 
