@@ -5,7 +5,7 @@ survived, data lost.
     .venv/bin/python benchmarks/faults.py [--kills 24] [--seed 0]
 
 A kill trial SIGKILLs `vitlab train` (the tiny FAST model on digits, many short epochs, so saves
-are frequent) a random 0-250 ms after an epoch's log line, which comes just before that epoch's
+are frequent) a random 0-60 ms after an epoch's log line, which comes just before that epoch's
 best and last checkpoints are written; the next trial resumes the same run (see chain). A kill
 survives when `last` (weights and training state) and `best` load; each run, resumed to its end,
 must equal an uninterrupted run. Data is lost when a checkpoint is missing or unloadable, the
@@ -30,25 +30,35 @@ from tests.test_faults import RESUME_UNDER_LIMIT, TRAIN, checkpoint, kill_during
 from vitlab.train.state import load_train_state  # noqa: E402
 
 EPOCHS = 13
+SAVE_WINDOW = 0.06  # s after an epoch's log line: best (~8 ms) and last (~16-34 ms) are written
+
+
+def log_epoch(run: Path) -> str:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return f"after epoch {json.loads(lines[-1])['epoch']}'s log line" if lines else "early"
 
 
 def chain(root: Path, straight: Path, kills: int, rng: random.Random) -> tuple[int, list[str]]:
-    """Train one run through `kills` kills: each process is SIGKILLed a random 0-250 ms after its
+    """Train one run through `kills` kills: each process is SIGKILLed a random 0-60 ms after its
     first epoch log line (inside or just after that epoch's saves) and the next resumes it. After
     each kill `last` (weights and state) and `best` must load; at the end the run is resumed to
     its last epoch and must equal the uninterrupted one. (survived kills, what was lost)."""
     run, survived, lost = root / f"chain-{rng.random():.6f}", 0, []
     for i in range(kills):
-        delay = rng.uniform(0.0, 0.25)
+        delay = rng.uniform(0.0, SAVE_WINDOW)
         if i and load_train_state(checkpoint(run, "last")[1])["epoch"] >= EPOCHS - 1:
             break  # the run is about to end: start another chain
         # the first process at epoch 2's saves (epoch 1's have nothing before them to keep)
         kill_during_save(run, EPOCHS, None if i else 2, delay, resume=i > 0)
         try:
+            left = sorted(p.name for p in (run / "checkpoints").iterdir())
             state = load_train_state(checkpoint(run, "last")[1])
             checkpoint(run, "best")
             survived += 1
-            print(f"  kill after epoch {state['epoch']} log +{delay * 1000:.0f} ms: loadable",
+            # where the kill landed: before `last` was replaced (it still holds the epoch
+            # before), mid-save (a .tmp or .old folder left), or after
+            landed = "mid-save" if len(left) > 2 else f"last at epoch {state['epoch']}"
+            print(f"  kill {log_epoch(run)} +{delay * 1000:.0f} ms: {landed} {left}: loadable",
                   flush=True)  # fmt: skip
         except Exception as e:
             lost.append(f"checkpoint after kill {i + 1}: {e}")

@@ -36,9 +36,10 @@ from vitlab.data.datasets import DatasetError, load_split, read_idx, scan_image_
 from vitlab.eval.run import predict_files
 from vitlab.models.checkpoint import CheckpointError, load_weights, read_source, save_pretrained
 from vitlab.models.preprocessing import Preprocessing
+from vitlab.models.registry import UnknownModelError
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
-OWN_ERRORS = (ConfigError, DatasetError, CheckpointError)
+OWN_ERRORS = (ConfigError, DatasetError, CheckpointError, UnknownModelError)
 
 # --- mutation of valid inputs --------------------------------------------------------------------
 
