@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
 from torch import nn
 
 from vitlab.models.vit import VisionTransformer, ViTConfig
+from vitlab.train.state import load_weights
+
+# training overrides for a model small and fast enough for the suite: 8x8 digits at their own
+# size, patch 2, D=32, 2 layers
+TINY_MODEL = [
+    "model.img_size=8",
+    "model.patch_size=2",
+    "model.embed_dim=32",
+    "model.depth=2",
+    "model.num_heads=2",
+    "model.mlp_dim=64",
+]
+
+
+def weights_of(run: Path, which: str = "last") -> dict[str, torch.Tensor]:
+    """The weights of run folder `run`'s checkpoint `which` (last | best)."""
+    return load_weights(run / "checkpoints" / which / "model.safetensors")
 
 
 def tiny_config(**overrides: object) -> ViTConfig:

@@ -13,16 +13,12 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers import TINY_MODEL
 from vitlab.train.state import load_model, load_train_state, load_weights, resolve_checkpoint
 
 # tiny and deterministic; batch 8 gives 179 steps an epoch, so "mid-epoch" is a window of seconds
 ARGS = [
-    "model.img_size=8",
-    "model.patch_size=2",
-    "model.embed_dim=32",
-    "model.depth=2",
-    "model.num_heads=2",
-    "model.mlp_dim=64",
+    *TINY_MODEL,
     "train.batch_size=8",
     "train.epochs=2",
     "train.precision=fp32",
@@ -57,22 +53,37 @@ def saved_epoch(run: Path) -> int | None:
         return None
 
 
-def kill_rank_mid_epoch(out: Path, victim: int, delay: float) -> tuple[int, str, float]:
-    """Start a 2-rank run, SIGKILL rank `victim` `delay` seconds into epoch 2. Returns the exit
-    code, the whole output and the seconds from the kill to the exit."""
-    proc = subprocess.Popen(
-        torchrun("--out", str(out), *ARGS),
+def start(*args: str) -> subprocess.Popen:
+    """A 2-rank torchrun in a session of its own (see stop)."""
+    return subprocess.Popen(
+        torchrun(*args),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=ENV,
+        start_new_session=True,
     )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill the agent and every worker it started, if still there (a failed test leaks none)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def kill_rank_mid_epoch(proc: subprocess.Popen, out: Path, victim: int, delay: float):
+    """SIGKILL rank `victim` of the run `proc` (writing `out`) `delay` seconds into epoch 2.
+    Returns the exit code, the whole output and the seconds from the kill to the exit."""
     lines = []
     for line in proc.stdout:
         lines.append(line)
         if line.startswith("epoch 1: "):  # epoch 1's summary, printed before its checkpoint
             break
+    deadline = time.monotonic() + 120
     while saved_epoch(out) != 1:  # then epoch 2 begins (tqdm's bar shows only at its end)
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError("the run never saved epoch 1:\n" + "".join(lines)[-3000:])
         time.sleep(0.02)
     time.sleep(delay)
     os.kill(worker_pids(proc.pid)[victim], signal.SIGKILL)
@@ -89,15 +100,18 @@ def kill_rank_mid_epoch(out: Path, victim: int, delay: float) -> tuple[int, str,
 
 def test_a_killed_rank_fails_fast_and_the_run_resumes_exactly(tmp_path: Path) -> None:
     straight, broken = tmp_path / "straight", tmp_path / "broken"
-    uninterrupted = subprocess.Popen(  # alongside the broken run, to halve the wall time
-        torchrun("--out", str(straight), *ARGS),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=ENV,
-    )
+    uninterrupted = start("--out", str(straight), *ARGS)  # alongside, to halve the wall time
+    interrupted = start("--out", str(broken), *ARGS)
+    try:
+        check_kill_and_resume(uninterrupted, interrupted, straight, broken)
+    finally:
+        stop(uninterrupted)
+        stop(interrupted)
+
+
+def check_kill_and_resume(uninterrupted, interrupted, straight: Path, broken: Path) -> None:
     # rank 0 writes the checkpoints and the log; rank 1 must name it
-    rc, output, seconds = kill_rank_mid_epoch(broken, victim=0, delay=0.3)
+    rc, output, seconds = kill_rank_mid_epoch(interrupted, broken, victim=0, delay=0.3)
     assert rc != 0, output[-3000:]
     assert seconds < 60, f"took {seconds:.0f}s to exit after the kill"
     # the survivor's own report, not torchrun's summary (which names the root cause anyway)

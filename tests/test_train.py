@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.helpers import TINY_MODEL, weights_of
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
 from vitlab.data import load_split
@@ -27,24 +28,11 @@ from vitlab.train.engine import NonFiniteLoss
 from vitlab.train.run import train, use_bf16
 from vitlab.train.state import load_model, load_weights, resolve_checkpoint
 
-# small and fast: 8x8 digits at their own size, patch 2
-FAST = [
-    "model.img_size=8",
-    "model.patch_size=2",
-    "model.embed_dim=32",
-    "model.depth=2",
-    "model.num_heads=2",
-    "model.mlp_dim=64",
-    "train.batch_size=64",
-]
+FAST = [*TINY_MODEL, "train.batch_size=64"]
 
 
 def cfg(*overrides: str):
     return load_run_config(None, [*FAST, *overrides])
-
-
-def weights_of(run: Path, which: str = "last") -> dict[str, torch.Tensor]:
-    return load_weights(run / "checkpoints" / which / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +174,8 @@ def test_a_new_length_on_resume_is_refused_unless_extended(tmp_path: Path, capsy
     assert main(["train", "--resume", str(run), "train.epochs=6", "--extend"]) == 0
     err = capsys.readouterr().err
     assert "extending the run from 4 to 6 epochs" in err
+    assert main(["train", "--resume", str(run), "train.epochs=5", "--extend"]) == 2
+    assert "has trained 6 epochs already" in capsys.readouterr().err
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2, 3, 4, 5, 6]
     state = torch.load(run / "checkpoints/last/state.pt", weights_only=True)
@@ -425,3 +415,14 @@ def test_precision_auto_takes_bf16_where_the_device_computes_in_it(monkeypatch) 
         flags = set(cpuinfo.read_text().split())
         monkeypatch.undo()
         assert run_mod.cpu_has_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def test_default_run_folders_of_runs_started_in_the_same_second_differ(tmp_path, monkeypatch):
+    from vitlab.train.run import default_run_folder
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run_mod.time, "strftime", lambda fmt: fmt.replace("%Y%m%d-%H%M%S", "T"))
+    first = default_run_folder(cfg())
+    assert first == Path("runs/digits-T")
+    first.mkdir(parents=True)
+    assert default_run_folder(cfg()) == Path("runs/digits-T-2")

@@ -11,31 +11,20 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.helpers import TINY_MODEL, weights_of
 from vitlab.config import DataConfig, load_run_config
 from vitlab.data import BatchAugment, Preprocessing, load_split, make_loader
 from vitlab.train import run as run_mod
 from vitlab.train.run import TrainingStopped, train
-from vitlab.train.state import load_train_state, load_weights
+from vitlab.train.state import load_train_state
 
-# small and fast: 8x8 digits at their own size, patch 2 (as tests/test_train.py)
-FAST = [
-    "model.img_size=8",
-    "model.patch_size=2",
-    "model.embed_dim=32",
-    "model.depth=2",
-    "model.num_heads=2",
-    "model.mlp_dim=64",
-]
+FAST = TINY_MODEL
 # SGD in fp32: two batchings (or eager against compiled kernels) then agree to float noise
 EXACT = ["train.precision=fp32", "optim.name=sgd", "optim.lr=0.05", "data.val_fraction=0"]
 
 
 def cfg(*overrides: str):
     return load_run_config(None, [*FAST, *overrides])
-
-
-def weights_of(run: Path, which: str = "last") -> dict[str, torch.Tensor]:
-    return load_weights(run / "checkpoints" / which / "model.safetensors")
 
 
 def test_compiled_training_with_ema_and_accumulation_equals_the_larger_batch(tmp_path) -> None:

@@ -43,8 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--extend",
         action="store_true",
         help="with --resume and a new train.epochs: train to that length, the learning-rate "
-        "schedule then spanning the new length from the current step on (the log states the "
-        "change); without it a different train.epochs is refused",
+        "schedule recomputed as if the run had started with it (so the rate at the current step "
+        "changes, e.g. rises again when a finished cosine run is extended; the log states old "
+        "and new); without it a different train.epochs is refused",
     )
     p.add_argument(
         "--overwrite",

@@ -149,15 +149,25 @@ def process_alive(pid: int) -> bool:
 
 def rank_lost(d: Dist, error: BaseException) -> RankLost | None:
     """A RankLost naming the peers that left, when `error` (raised on this rank) came from losing
-    them; None when every peer is still here or the error is not about communication (a peer
-    whose process is gone counts whatever the error)."""
-    if not d.enabled or not d.peers:
+    them; None when every peer is still here or the error (or one it was raised from) is not
+    about communication: an error every rank raises (a NaN loss, a bad config) stays itself even
+    when a faster peer has already exited on it."""
+    if not d.enabled or not d.peers or not any(map(is_comm_error, _chain(error))):
         return None
-    lost = lost_ranks(d, grace_s=5.0 if is_comm_error(error) else 0.0)
+    lost = lost_ranks(d, grace_s=5.0)
     if not lost:
         return None
     names = ", ".join(f"rank {r} of {d.world} ({why})" for r, why in sorted(lost.items()))
     return RankLost(f"lost {names}; rank {d.rank} stops too", lost)
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and the errors it was raised from or during."""
+    seen: list[BaseException] = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return seen
 
 
 def wrap(model: nn.Module, d: Dist, strategy: str, device: torch.device) -> nn.Module:
@@ -188,6 +198,15 @@ def any_rank(flag: bool, d: Dist, device: torch.device) -> bool:
     if not d.enabled:
         return flag
     return all_sum([float(flag)], d, device)[0] > 0
+
+
+def broadcast(value: object, d: Dist) -> object:
+    """Rank 0's `value` (picklable) on every rank."""
+    if not d.enabled:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def gather(value: object, d: Dist) -> list | None:

@@ -213,7 +213,9 @@ def train(
         torch.set_num_threads(cfg.train.threads)
     failed = False
     try:
-        if resume is None and out is not None:  # rank 0 writes the run folder: it decides
+        if resume is None and out is None:  # rank 0 names it, every rank uses that name
+            out = distributed.broadcast(default_run_folder(cfg) if d.is_main else None, d)
+        if resume is None:  # rank 0 writes the run folder: it decides
             refusal = claim_run_folder(Path(out), overwrite) if d.is_main else None
             if distributed.any_rank(refusal is not None, d, device):
                 raise ConfigError(refusal or f"rank 0 refused the run folder {out}")
@@ -273,7 +275,8 @@ def check_resume_length(run: Path, cfg: RunConfig, extend: bool) -> int:
             f"train.epochs={new} differs from the run's {saved}: the {cfg.optim.schedule} "
             f"learning-rate schedule was planned over {saved} epochs. To stop early keep "
             f"train.epochs and set train.stop_at_epoch; to train to {new} epochs pass --extend "
-            f"(extend=True), and the schedule will span {new} epochs from the current step on"
+            f"(extend=True), and the schedule is recomputed as if the run had started with {new} "
+            f"epochs"
         )
     return saved
 
@@ -288,10 +291,23 @@ def claim_run_folder(out: Path, overwrite: bool) -> str | None:
             f"`vitlab train --resume {out}`, choose another --out, or pass --overwrite to "
             f"replace it"
         )
-    for name in found:
-        path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    try:
+        for name in found:
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    except OSError as e:  # returned, not raised: the other ranks wait on rank 0's answer
+        return f"cannot replace the run in {out}: {e}"
     return None
+
+
+def default_run_folder(cfg: RunConfig) -> Path:
+    """runs/DATASET-DATE-TIME, with -2, -3, ... when a run started in the same second."""
+    base = Path("runs") / time.strftime(f"{cfg.data.name.split(':')[0]}-%Y%m%d-%H%M%S")
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
 
 
 def _train(
@@ -340,8 +356,7 @@ class Run:
             )
         if cfg.train.ema is not None and self.strategy == "fsdp" and d.enabled:
             raise ConfigError("train.ema is not supported with train.strategy=fsdp")
-        stamp = time.strftime(f"{cfg.data.name.split(':')[0]}-%Y%m%d-%H%M%S")
-        self.out = Path(out or Path("runs") / stamp)
+        self.out = Path(out or default_run_folder(cfg))
         info = self.data.info
         mean, std = (info.mean, info.std) if cfg.data.normalize else ((0.0,), (1.0,))
         if len(mean) != mc.in_chans:
@@ -442,15 +457,21 @@ class Run:
     def _extend(self, planned: int) -> None:
         """Say how the learning-rate schedule changes when a resumed run's length changes: it now
         spans the new length, as if the run had been started with it (warm-up unchanged)."""
+        cfg, step, new = self.cfg, self.pos.step, self.cfg.train.epochs
+        if new <= self.pos.epoch:
+            raise ConfigError(
+                f"train.epochs={new}, but the run has trained {self.pos.epoch} epochs already: "
+                f"a new length must be longer than that"
+            )
         if not self.d.is_main:
             return
-        cfg, step = self.cfg, self.pos.step
         steps_per_epoch = len(self.loader) // cfg.train.accum_steps
         old_total = steps_per_epoch * planned
         old_lr = learning_rate(cfg.optim, step, old_total, self._warmup_steps())
         print(
-            f"extending the run from {planned} to {cfg.train.epochs} epochs (--extend): the "
-            f"{cfg.optim.schedule} schedule now spans {self._total_steps():,} steps instead of "
+            f"{'extending' if new > planned else 'shortening'} the run from {planned} to {new} "
+            f"epochs (--extend): the {cfg.optim.schedule} schedule is recomputed as if the run "
+            f"had started with {new} epochs, {self._total_steps():,} steps instead of "
             f"{old_total:,}; the learning rate at step {step:,} is {self.settings.lr_at(step):.3e}"
             f" (was {old_lr:.3e}) and reaches {self.settings.lr_at(self._total_steps()):.3e} at "
             f"the end",
