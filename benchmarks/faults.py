@@ -118,7 +118,14 @@ def main() -> None:
             trials, survived, lost = trials + ok + bool(why), survived + ok, lost + why
         rows.append(("kill -9 during a save", trials, survived, lost, time.time() - t0))
         t0, survived, lost = time.time(), 0, []
-        limits = [20_000, 50_000, 70_000, 100_000, 150_000, 200_000]
+        limits = [
+            20_000,
+            50_000,
+            70_000,
+            100_000,
+            130_000,
+            160_000,
+        ]  # weights ~76 KB, state ~177 KB
         for limit in limits:
             ok, why = limit_trial(root, limit)
             survived += ok
