@@ -20,7 +20,9 @@ import torch
 from tests.test_train import FAST
 from vitlab.train.state import load_model, load_train_state, load_weights, resolve_checkpoint
 
-TRAIN = [sys.executable, "-m", "vitlab", "train", *FAST, "data.val_fraction=0.1"]
+# one thread: with another process busy on a 2-core machine, two torch threads wait on each
+# other (63 img/s against 5,160 img/s with one)
+TRAIN = [sys.executable, "-m", "vitlab", "train", *FAST, "data.val_fraction=0.1", "train.threads=1"]
 
 
 def checkpoint(run: Path, which: str) -> tuple[dict[str, torch.Tensor], Path]:
@@ -190,3 +192,22 @@ def test_a_run_killed_mid_swap_of_best_still_serves_its_best(tmp_path: Path) -> 
     assert resolve_checkpoint(run).parent.name == ".best.old"
     model, _ = load_model(run)
     assert all(torch.equal(v, best[k]) for k, v in model.state_dict().items())
+
+
+def test_the_cli_under_a_file_size_limit_fails_with_an_error_not_a_signal(tmp_path: Path) -> None:
+    """`ulimit -f` smaller than a checkpoint: `vitlab train` says so and exits 2 (SIGXFSZ once
+    killed it, with a core dump and no message)."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))  # below the weights file
+
+    r = subprocess.run(
+        [*TRAIN, "train.epochs=1", "--out", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit,
+    )
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "file-size limit was hit" in r.stderr, r.stderr[-2000:]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*tmp*"))
