@@ -195,8 +195,8 @@ def test_a_run_killed_mid_swap_of_best_still_serves_its_best(tmp_path: Path) -> 
 
 
 def test_the_cli_under_a_file_size_limit_fails_with_an_error_not_a_signal(tmp_path: Path) -> None:
-    """`ulimit -f` smaller than a checkpoint: `vitlab train` says so and exits 2 (SIGXFSZ once
-    killed it, with a core dump and no message)."""
+    """`ulimit -f` smaller than a checkpoint: `vitlab train` says so and exits 2 (CPython ignores
+    SIGXFSZ from start-up, so the write fails with EFBIG instead of the signal killing it)."""
     import resource
 
     def limit() -> None:

@@ -444,14 +444,6 @@ def test_readers_refuse_broken_inputs_with_vitlab_errors(name: str) -> None:
     assert fuzz(name, examples=200) >= 200
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "vitlab.eval.run.predict_files catches only OSError / UnidentifiedImageError: PIL's "
-        "ValueError and DecompressionBombError escape "
-        "(fix: decode with vitlab.data.datasets.read_image)"
-    ),
-)
 def test_predict_refuses_broken_images_with_a_dataset_error(tmp_path: Path) -> None:
     """Two files the fuzzing found: PPM headers with a NUL byte for a size or a pixel (PIL raises
     ValueError); benchmarks/fuzz.py fuzzes `vitlab predict` further."""

@@ -9,7 +9,7 @@ import yaml
 
 from vitlab.config import RunConfig
 from vitlab.data import load_split, make_loader, train_val_split
-from vitlab.data.datasets import DatasetError
+from vitlab.data.datasets import DatasetError, read_image
 from vitlab.eval.classification import evaluate, format_confusion, save_confusion_png
 from vitlab.models.checkpoint import Checkpoint, load_checkpoint, vitlab_weights
 from vitlab.models.vit import VisionTransformer
@@ -110,8 +110,6 @@ def format_report(r: dict) -> str:
 
 def predict_files(checkpoint: str, images: list[str], topk: int = 5, device: str = "auto") -> list:
     """Top-k classes with probabilities for each image file; unreadable files are reported."""
-    from PIL import Image, UnidentifiedImageError
-
     dev = pick_device(device)
     model, meta, _ = open_model(checkpoint, dev)
     if meta.config.num_classes == 0:
@@ -119,11 +117,8 @@ def predict_files(checkpoint: str, images: list[str], topk: int = 5, device: str
     k = min(topk, meta.config.num_classes)
     results = []
     for path in images:
-        try:
-            with Image.open(path) as im:
-                x = meta.preprocessing.pil(im)
-        except (OSError, UnidentifiedImageError) as e:
-            raise DatasetError(f"cannot read image {path}: {e}") from None
+        pre = meta.preprocessing
+        x = pre.pil(read_image(path, "L" if pre.in_chans == 1 else "RGB"))  # or DatasetError
         with torch.no_grad():
             probs = model(x[None].to(dev)).float().softmax(dim=1)[0]
         top = probs.topk(k)
