@@ -313,8 +313,9 @@ def image_cases(draw) -> tuple[bytes, str]:
 
 
 def check_image(case: tuple[bytes, str], folder: Path) -> None:
-    """An image folder keeps a file only when it decodes (otherwise skips it, warning): a kept file
-    then loads as a batch; a folder of unreadable files is a DatasetError."""
+    """An image folder keeps a file only when PIL verifies it (otherwise skips it, warning): a kept
+    file then loads as a batch, or is a DatasetError naming it when it does not decode (verify
+    does not decode); a folder of unreadable files is a DatasetError."""
     raw, suffix = case
     root = folder / "images"
     (root / "cls").mkdir(parents=True, exist_ok=True)
@@ -326,8 +327,10 @@ def check_image(case: tuple[bytes, str], folder: Path) -> None:
         split = refused_or_read(lambda: scan_image_folder(root))
     if split is not None:
         pre = Preprocessing((8, 8), 3, (0.5,) * 3, (0.5,) * 3)
-        images, labels = next(iter(make_loader(split, 1, pre)))
-        assert images.shape == (1, 3, 8, 8) and torch.isfinite(images).all()
+        batch = refused_or_read(lambda: next(iter(make_loader(split, 1, pre))))
+        if batch is not None:
+            images, _ = batch
+            assert images.shape == (1, 3, 8, 8) and torch.isfinite(images).all()
 
 
 def check_predict(case: tuple[bytes, str], folder: Path) -> None:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from vitlab.data.datasets import ArraySplit, FolderSplit, Split
+from vitlab.data.datasets import ArraySplit, FolderSplit, Split, read_image
 from vitlab.data.transforms import BatchAugment, Preprocessing
 from vitlab.runtime import derive_seed
 
@@ -104,11 +104,10 @@ class _FolderImages(Dataset):
         return len(self.files)
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
-        from PIL import Image
         from torchvision.transforms.v2 import functional as TF
 
-        with Image.open(self.files[i]) as im:
-            x = TF.pil_to_tensor(im.convert("L" if self.in_chans == 1 else "RGB"))
+        image = read_image(self.files[i], "L" if self.in_chans == 1 else "RGB")  # or DatasetError
+        x = TF.pil_to_tensor(image)
         return self.per_image(x[None])[0], self.labels[i]
 
     def __getitems__(self, batch: tuple[int, list[int]]) -> list[tuple[Tensor, Tensor]]:
