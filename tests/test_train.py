@@ -291,7 +291,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path: Path, monk
 
 
 def test_nan_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    run = train(cfg("train.epochs=1"), out=tmp_path / "run")
+    run = train(cfg("train.epochs=2", "train.stop_at_epoch=1"), out=tmp_path / "run")
     before = weights_of(run)
     real_ce, calls = torch.nn.functional.cross_entropy, [0]
 

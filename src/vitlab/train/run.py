@@ -507,7 +507,8 @@ class Run:
 
     # --- phases ----------------------------------------------------------------------------------
 
-    def evaluate(self, split: Split) -> dict:
+    def evaluate(self, split: Split, fp32: bool = False) -> dict:
+        """Metrics on `split`, under the run's precision, or in float32 (as `vitlab eval`)."""
         batches = make_loader(
             split,
             max(self.cfg.train.batch_size, 256),
@@ -516,8 +517,9 @@ class Run:
             world=self.d.world,
             workers=self.cfg.data.workers,
         )
+        precision = nullcontext() if fp32 else self.autocast()
         return evaluate(
-            self.model, batches, self.model_cfg.num_classes, self.device, self.autocast(), self.d
+            self.model, batches, self.model_cfg.num_classes, self.device, precision, self.d
         )
 
     def save(self, folder: str, with_state: bool, weights: dict | None = None, info=None) -> None:
@@ -624,14 +626,15 @@ class Run:
         distributed.barrier(self.d)
 
     def test(self) -> dict:
-        """The test split, once, with the best weights (from disk when they predate a resume)."""
+        """The test split, once, with the best weights (from disk when they predate a resume), in
+        float32 as `vitlab eval` computes it (validation runs under the training precision)."""
         distributed.barrier(self.d)
         if self.best_state is None:
             state = load_weights(resolve_checkpoint(self.out / "checkpoints" / "best"))
             distributed.load_full_state(self.model, None, state, None, self.d, self.strategy)
         else:
             self.model.load_state_dict(self.best_state)
-        result = self.evaluate(self.data.test)
+        result = self.evaluate(self.data.test, fp32=True)
         if self.d.is_main:
             self.log.results(result, self.data.info.classes)
         return result
