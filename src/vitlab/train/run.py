@@ -200,7 +200,7 @@ def train(
 ) -> Path:
     """Run cfg; returns the run folder. With `resume` (a run folder, whose saved config cfg must
     be, see resume_config) training continues exactly where it stopped; a different train.epochs
-    is refused unless `extend` (the schedule then spans the new length, see Run._extend). An
+    is refused unless `extend` (the schedule is then recomputed for it, see Run._extend). An
     `out` that already holds a run is refused unless `overwrite` (its files are then removed)."""
     if resume is not None:
         out = Path(resume)
