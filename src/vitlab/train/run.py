@@ -219,7 +219,10 @@ def train(
             refusal = claim_run_folder(Path(out), overwrite) if d.is_main else None
             if distributed.any_rank(refusal is not None, d, device):
                 raise ConfigError(refusal or f"rank 0 refused the run folder {out}")
-        return _train(cfg, out, resume, device, d, extend)
+        run = Run(cfg, out, resume, device, d, extend)
+        if run.fit():  # else stopped as planned (train.stop_at_epoch)
+            run.test()
+        return run.out
     except TrainingStopped:
         raise  # every rank agreed to stop: leave the process group together
     except BaseException as e:
@@ -308,21 +311,6 @@ def default_run_folder(cfg: RunConfig) -> Path:
         n += 1
         out = base.with_name(f"{base.name}-{n}")
     return out
-
-
-def _train(
-    cfg: RunConfig,
-    out: Path | None,
-    resume: Path | None,
-    device: torch.device,
-    d: distributed.Dist,
-    extend: bool = False,
-) -> Path:
-    run = Run(cfg, out, resume, device, d, extend)
-    if not run.fit():
-        return run.out  # stopped as planned (train.stop_at_epoch)
-    run.test()
-    return run.out
 
 
 class Run:
