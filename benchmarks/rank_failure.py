@@ -12,19 +12,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.test_rank_failure import ARGS, ENV, saved_epoch, torchrun, worker_pids  # noqa: E402
+from tests.test_rank_failure import (  # noqa: E402
+    ARGS,
+    ENV,
+    kill_rank_mid_epoch,
+    saved_epoch,
+    start,
+    stop,
+    torchrun,
+)
 from vitlab.train.state import load_model, load_weights  # noqa: E402
 
 EPOCHS = 4
@@ -35,31 +41,13 @@ def trial(tmp: Path, n: int, sig: signal.Signals, epoch_s: float, rng: random.Ra
     """One run faulted at a random moment in epochs 2-3; what came of it."""
     out, victim = tmp / f"trial{n}", rng.randrange(2)
     env = {**ENV, "VITLAB_DIST_TIMEOUT": "5"} if sig == signal.SIGSTOP else ENV
-    proc = subprocess.Popen(
-        torchrun("--out", str(out), *RUN),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    head = []
-    for line in proc.stdout:
-        head.append(line)
-        if line.startswith("epoch 1: "):
-            break
-    while saved_epoch(out) != 1:
-        time.sleep(0.02)
+    proc = start("--out", str(out), *RUN, env=env)
     delay = rng.uniform(0, 2 * epoch_s)
-    time.sleep(delay)
-    os.kill(worker_pids(proc.pid)[victim], sig)
-    faulted = time.monotonic()
     try:
-        rest, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rest, _ = proc.communicate()
-    seconds = time.monotonic() - faulted
-    output = "".join(head) + rest
+        rc, output, seconds = kill_rank_mid_epoch(proc, out, victim, delay, sig, timeout=120)
+    except AssertionError as e:  # never reached epoch 2, or hung after the fault: not survived
+        stop(proc)
+        rc, output, seconds = None, str(e), float("inf")
     named = f"vitlab train: error: lost rank {victim} of 2" in output
     epoch = saved_epoch(out)
     loads = epoch is not None and load_model(out / "checkpoints" / "last") is not None
@@ -71,7 +59,7 @@ def trial(tmp: Path, n: int, sig: signal.Signals, epoch_s: float, rng: random.Ra
     return {
         "victim": victim,
         "delay": delay,
-        "rc": proc.returncode,
+        "rc": rc,
         "seconds": seconds,
         "named": named,
         "epoch": epoch,

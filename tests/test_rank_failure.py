@@ -53,14 +53,14 @@ def saved_epoch(run: Path) -> int | None:
         return None
 
 
-def start(*args: str) -> subprocess.Popen:
+def start(*args: str, env: dict[str, str] = ENV) -> subprocess.Popen:
     """A 2-rank torchrun in a session of its own (see stop)."""
     return subprocess.Popen(
         torchrun(*args),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=ENV,
+        env=env,
         start_new_session=True,
     )
 
@@ -72,9 +72,17 @@ def stop(proc: subprocess.Popen) -> None:
         proc.communicate()
 
 
-def kill_rank_mid_epoch(proc: subprocess.Popen, out: Path, victim: int, delay: float):
-    """SIGKILL rank `victim` of the run `proc` (writing `out`) `delay` seconds into epoch 2.
-    Returns the exit code, the whole output and the seconds from the kill to the exit."""
+def kill_rank_mid_epoch(
+    proc: subprocess.Popen,
+    out: Path,
+    victim: int,
+    delay: float,
+    sig: signal.Signals = signal.SIGKILL,
+    timeout: float = 90,
+):
+    """Send `sig` to rank `victim` of the run `proc` (writing `out`) `delay` seconds into epoch 2.
+    Returns the exit code, the whole output and the seconds from the signal to the exit; an
+    AssertionError when the run never reached epoch 2 or did not exit within `timeout`."""
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -86,12 +94,12 @@ def kill_rank_mid_epoch(proc: subprocess.Popen, out: Path, victim: int, delay: f
             raise AssertionError("the run never saved epoch 1:\n" + "".join(lines)[-3000:])
         time.sleep(0.02)
     time.sleep(delay)
-    os.kill(worker_pids(proc.pid)[victim], signal.SIGKILL)
+    os.kill(worker_pids(proc.pid)[victim], sig)
     killed = time.monotonic()
     try:
-        rest, _ = proc.communicate(timeout=90)
+        rest, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)  # the agent and every rank
         rest, _ = proc.communicate()
         lines.append(rest)
         raise AssertionError("hung after a rank was killed:\n" + "".join(lines)[-4000:]) from None
