@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.helpers import TINY_MODEL
 from vitlab.config import load_run_config
 from vitlab.data import load_split, make_loader
 from vitlab.data.loader import BatchPlan
@@ -26,15 +27,8 @@ from vitlab.train import distributed
 from vitlab.train.run import Run, train
 from vitlab.train.state import load_weights
 
-FAST = [
-    "model.img_size=8",
-    "model.patch_size=2",
-    "model.embed_dim=32",
-    "model.depth=2",
-    "model.num_heads=2",
-    "model.mlp_dim=64",
-    "train.precision=fp32",
-]
+FAST = [*TINY_MODEL, "train.precision=fp32"]
+ROOT = Path(__file__).resolve().parents[1]  # the workers run as `-m tests.test_distributed` here
 # SGD: Adam would turn float noise in a mathematically zero gradient into full-size steps
 SGD = ["optim.name=sgd", "optim.lr=0.05", "data.val_fraction=0"]
 TRAIN_IMAGES = 1438  # digits' training split (1,797 less the seeded 359 test images)
@@ -45,7 +39,8 @@ def torchrun(command: str, spec: dict, timeout: float = 300) -> subprocess.Compl
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [*args, __file__, command, json.dumps(spec)],
+        [*args, "-m", "tests.test_distributed", command, json.dumps(spec)],
+        cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

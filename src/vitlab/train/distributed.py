@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vitlab.runtime import derive_seed
+
 TIMEOUT_ENV = "VITLAB_DIST_TIMEOUT"
 # the longest a rank waits in a collective for a peer (torch's default is 30 minutes). A peer that
 # dies is noticed at once (its sockets close); this bounds a peer that hangs or whose host vanishes.
@@ -221,11 +223,7 @@ def gather(value: object, d: Dist) -> list | None:
 def rank_seed(seed: int, rank: int) -> int:
     """The seed of rank `rank`'s random stream: `seed` itself on rank 0 (a single process's
     stream), a derived one elsewhere, so ranks draw their own dropout and augmentation."""
-    if rank == 0:
-        return seed
-    from vitlab.runtime import derive_seed
-
-    return derive_seed(seed, rank)
+    return seed if rank == 0 else derive_seed(seed, rank)
 
 
 def barrier(d: Dist) -> None:
