@@ -20,7 +20,7 @@ from PIL import Image
 
 import vitlab
 from vitlab.data.transforms import Preprocessing
-from vitlab.train.state import Checkpoint, save_checkpoint
+from vitlab.train.state import CheckpointMeta, save_checkpoint
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
         root = Path(tmp)
         model = vitlab.create_model("vit_base_patch16_384")
         pre = Preprocessing((384, 384), 3, (0.5,) * 3, (0.5,) * 3)
-        meta = Checkpoint(model.config, pre, [str(i) for i in range(1000)], {})
+        meta = CheckpointMeta(model.config, pre, [str(i) for i in range(1000)], {})
         save_checkpoint(root / "ckpt", model.state_dict(), meta)
         files = []
         for i in range(args.images):

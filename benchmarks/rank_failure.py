@@ -31,7 +31,8 @@ from tests.test_rank_failure import (  # noqa: E402
     stop,
     torchrun,
 )
-from vitlab.train.state import load_model, load_weights  # noqa: E402
+from vitlab import load_checkpoint  # noqa: E402
+from vitlab.train.state import load_weights  # noqa: E402
 
 EPOCHS = 4
 RUN = [*ARGS, f"train.epochs={EPOCHS}"]
@@ -50,7 +51,7 @@ def trial(tmp: Path, n: int, sig: signal.Signals, epoch_s: float, rng: random.Ra
         rc, output, seconds = None, str(e), float("inf")
     named = f"vitlab train: error: lost rank {victim} of 2" in output
     epoch = saved_epoch(out)
-    loads = epoch is not None and load_model(out / "checkpoints" / "last") is not None
+    loads = epoch is not None and load_checkpoint(out / "checkpoints" / "last") is not None
     resumed = loads and (
         epoch == EPOCHS
         or subprocess.run(torchrun("--resume", str(out)), capture_output=True, env=ENV).returncode

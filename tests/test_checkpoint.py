@@ -515,12 +515,12 @@ def test_not_a_checkpoint_and_mismatches_are_named(tmp_path: Path) -> None:
 
 def test_vitlab_checkpoint_loads_through_the_same_door(tmp_path: Path) -> None:
     from vitlab import create_model
-    from vitlab.models.checkpoint import Checkpoint, save_vitlab
-    from vitlab.models.preprocessing import Preprocessing
+    from vitlab.models.checkpoint import CheckpointMeta, save_vitlab
+    from vitlab.preprocessing import Preprocessing
 
     model = randomize(create_model("vit_nano_patch4_28"))
     pre = Preprocessing((28, 28), 1, (0.3,), (0.4,))
-    save_vitlab(model, tmp_path / "ck", Checkpoint(model.config, pre, list("0123456789"), {}))
+    save_vitlab(model, tmp_path / "ck", CheckpointMeta(model.config, pre, list("0123456789"), {}))
     loaded, meta = load_checkpoint(tmp_path / "ck")
     assert meta.preprocessing == pre and loaded.preprocessing == pre
     x = images(28, chans=1)

@@ -18,8 +18,8 @@ from PIL import Image
 
 from vitlab import create_model, load_pretrained
 from vitlab.cli.main import main
-from vitlab.models.checkpoint import Checkpoint, save_hf, save_vitlab
-from vitlab.models.preprocessing import Preprocessing
+from vitlab.models.checkpoint import CheckpointMeta, save_hf, save_vitlab
+from vitlab.preprocessing import Preprocessing
 
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
@@ -202,7 +202,7 @@ def test_export_onnx_and_torch_export_match_pytorch(tmp_path: Path) -> None:
     pytest.importorskip("onnxscript")
     model = randomized("vit_nano_patch4_28")
     pre = Preprocessing((28, 28), 1, (0.3,), (0.4,))
-    save_vitlab(model, tmp_path / "ck", Checkpoint(model.config, pre, list("abcdefghij")))
+    save_vitlab(model, tmp_path / "ck", CheckpointMeta(model.config, pre, list("abcdefghij")))
     r = vitlab(
         "export", str(tmp_path / "ck"), "--onnx", str(tmp_path / "m.onnx"), "--dynamic-batch",
         "--torch-export", str(tmp_path / "m.pt2"),

@@ -21,8 +21,8 @@ from tests.helpers import TINY_MODEL
 from vitlab.config import load_run_config
 from vitlab.data import load_split, make_loader
 from vitlab.data.loader import BatchPlan
-from vitlab.models.preprocessing import Preprocessing
 from vitlab.models.vit import VisionTransformer
+from vitlab.preprocessing import Preprocessing
 from vitlab.train import distributed
 from vitlab.train.run import Run, train
 from vitlab.train.state import load_weights

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.test_train import FAST
-from vitlab.train.state import load_model, load_train_state, load_weights, resolve_checkpoint
+from vitlab import load_checkpoint
+from vitlab.train.state import load_train_state, load_weights, resolve_checkpoint
 
 # one thread: with another process busy on a 2-core machine, two torch threads wait on each
 # other (63 img/s against 5,160 img/s with one)
@@ -190,7 +191,7 @@ def test_a_run_killed_mid_swap_of_best_still_serves_its_best(tmp_path: Path) -> 
     assert any(not torch.equal(best[k], last[k]) for k in best)
     (run / "checkpoints/best").rename(run / "checkpoints/.best.old")  # what the kill leaves
     assert resolve_checkpoint(run).parent.name == ".best.old"
-    model, _ = load_model(run)
+    model, _ = load_checkpoint(run)
     assert all(torch.equal(v, best[k]) for k, v in model.state_dict().items())
 
 

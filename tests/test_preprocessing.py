@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
-from vitlab.models.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
+from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")

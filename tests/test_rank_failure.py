@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from tests.helpers import TINY_MODEL
-from vitlab.train.state import load_model, load_train_state, load_weights, resolve_checkpoint
+from vitlab import load_checkpoint
+from vitlab.train.state import load_train_state, load_weights, resolve_checkpoint
 
 # tiny and deterministic; batch 8 gives 179 steps an epoch, so "mid-epoch" is a window of seconds
 ARGS = [
@@ -128,7 +129,7 @@ def check_kill_and_resume(uninterrupted, interrupted, straight: Path, broken: Pa
 
     state = load_train_state(resolve_checkpoint(broken / "checkpoints" / "last").parent)
     assert (state["epoch"], state["batch"]) == (1, 0)  # killed in epoch 2: epoch 1's checkpoint
-    model, meta = load_model(broken / "checkpoints" / "last")
+    model, meta = load_checkpoint(broken / "checkpoints" / "last")
     assert meta.config.embed_dim == 32 and torch.isfinite(model.head.weight).all()
 
     resumed = subprocess.run(

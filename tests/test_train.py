@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from tests.helpers import TINY_MODEL, weights_of
+from vitlab import load_checkpoint
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
 from vitlab.data import load_split
@@ -26,7 +27,7 @@ from vitlab.train import run as run_mod
 from vitlab.train import state as state_mod
 from vitlab.train.engine import NonFiniteLoss
 from vitlab.train.run import train, use_bf16
-from vitlab.train.state import load_model, load_weights, resolve_checkpoint
+from vitlab.train.state import load_weights, resolve_checkpoint
 
 FAST = [*TINY_MODEL, "train.batch_size=64"]
 
@@ -57,7 +58,7 @@ def test_a_short_run_learns_and_writes_its_folder(trained_run: Path) -> None:
         assert (trained_run / name).is_file(), name
     saved = load_run_config(str(trained_run / "config.yaml"))
     assert saved.train.epochs == 15 and saved.model.name == "vit_nano_patch4_28"
-    model, meta = load_model(trained_run)
+    model, meta = load_checkpoint(trained_run)
     assert meta.config.in_chans == 1 and meta.config.num_classes == 10
     assert meta.preprocessing.img_size == (28, 28) and meta.classes[3] == "3"
 
@@ -340,7 +341,7 @@ def test_finetune_at_another_resolution_with_a_new_head(
         out=tmp_path / "ft",
     )
     assert len(reads) == 1  # the source checkpoint is read once (it may be gigabytes)
-    model, meta = load_model(run)
+    model, meta = load_checkpoint(run)
     assert meta.config.img_hw == (32, 32)
     assert model.pos_embed.weight.shape == (1, 1 + 64, 64)
 

@@ -16,7 +16,7 @@ from vitlab.models.checkpoint import (
     load_pretrained,
     save_pretrained,
 )
-from vitlab.models.preprocessing import Preprocessing
+from vitlab.preprocessing import Preprocessing
 
 __version__ = "0.1.0"
 

@@ -23,8 +23,8 @@ from vitlab.analysis.attention import (
 )
 from vitlab.data import load_split
 from vitlab.data.datasets import ArraySplit, DatasetError
-from vitlab.data.transforms import Preprocessing
 from vitlab.models.vit import VisionTransformer
+from vitlab.preprocessing import Preprocessing
 
 
 @dataclass

@@ -34,13 +34,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import analyze, load_images
-    from vitlab.eval.run import open_model, run_config_of
+    from vitlab.eval.run import run_config_of
+    from vitlab.models.checkpoint import load_checkpoint, vitlab_weights
     from vitlab.train.run import pick_device
 
     if args.num_images < 1:
         raise ValueError(f"--num-images must be at least 1, got {args.num_images}")
-    model, meta, weights = open_model(args.checkpoint, pick_device(args.device))
+    model, meta = load_checkpoint(args.checkpoint, device=pick_device(args.device))
     model = model.cpu()
+    weights = vitlab_weights(args.checkpoint)  # a vitlab run's folder holds the data config
     run_cfg = run_config_of(weights) if weights else None
     data = args.data or (run_cfg.data.name if run_cfg else "digits")
     data_dir = args.data_dir or (run_cfg.data.dir if run_cfg else None)

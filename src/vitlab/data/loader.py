@@ -23,7 +23,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from vitlab.data.datasets import ArraySplit, FolderSplit, Split, read_image
-from vitlab.data.transforms import BatchAugment, Preprocessing
+from vitlab.data.transforms import BatchAugment
+from vitlab.preprocessing import Preprocessing
 from vitlab.runtime import derive_seed
 
 Batch = tuple[Tensor, Tensor]

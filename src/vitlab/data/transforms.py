@@ -11,7 +11,7 @@ from torch import Tensor
 from torchvision.transforms import v2
 
 from vitlab.config import DataConfig
-from vitlab.models.preprocessing import Preprocessing
+from vitlab.preprocessing import Preprocessing
 
 
 def sample_transform(cfg: DataConfig, img_size: tuple[int, int]) -> v2.Compose | None:

@@ -11,19 +11,8 @@ from vitlab.config import RunConfig
 from vitlab.data import load_split, make_loader, train_val_split
 from vitlab.data.datasets import DatasetError, read_image
 from vitlab.eval.classification import evaluate, format_confusion, save_confusion_png
-from vitlab.models.checkpoint import Checkpoint, load_checkpoint, vitlab_weights
-from vitlab.models.vit import VisionTransformer
+from vitlab.models.checkpoint import load_checkpoint, vitlab_weights
 from vitlab.train.run import pick_device
-
-
-def open_model(
-    source: str | Path, device: torch.device
-) -> tuple[VisionTransformer, Checkpoint, Path | None]:
-    """A model from any checkpoint vitlab reads (a run, a vitlab checkpoint, a timm / HF /
-    torchvision / npz file or folder, a hub name) with its metadata, plus the vitlab weights file
-    when it is one (its run folder holds the data config)."""
-    model, meta = load_checkpoint(source, device=device)
-    return model, meta, vitlab_weights(source)
 
 
 def _run_folder(weights: Path) -> Path | None:
@@ -53,7 +42,8 @@ def evaluate_checkpoint(
     """Metrics of a checkpoint on a split; saves confusion_matrix.png. The dataset and its
     validation carve-out default to the checkpoint's run config."""
     dev = pick_device(device)
-    model, meta, weights = open_model(checkpoint, dev)
+    model, meta = load_checkpoint(checkpoint, device=dev)
+    weights = vitlab_weights(checkpoint)  # a vitlab run's folder holds the data config
     run = _run_folder(weights) if weights else None
     run_cfg = run_config_of(weights) if weights else None
     name = data or (run_cfg.data.name if run_cfg else "digits")
@@ -111,7 +101,7 @@ def format_report(r: dict) -> str:
 def predict_files(checkpoint: str, images: list[str], topk: int = 5, device: str = "auto") -> list:
     """Top-k classes with probabilities for each image file; unreadable files are reported."""
     dev = pick_device(device)
-    model, meta, _ = open_model(checkpoint, dev)
+    model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:
         raise ValueError(f"{checkpoint} has no classifier (num_classes=0): nothing to predict")
     k = min(topk, meta.config.num_classes)

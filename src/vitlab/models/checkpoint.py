@@ -2,7 +2,7 @@
 transformers, torchvision and Google's .npz releases, from files, folders or the Hugging Face Hub.
 
     load_pretrained(source, **overrides) -> VisionTransformer      any format, detected
-    load_checkpoint(source, ...)        -> (VisionTransformer, Checkpoint)
+    load_checkpoint(source, ...)        -> (VisionTransformer, CheckpointMeta)
     save_weights / save_timm / save_hf                               vitlab, timm or HF layout
 
 The architecture is read from the tensors (width, depth, MLP, patch, grid, prefix tokens,
@@ -39,8 +39,8 @@ from vitlab.models.formats import (
     vitlab_to_hf,
     vitlab_to_timm,
 )
-from vitlab.models.preprocessing import HALF, IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 from vitlab.models.vit import VisionTransformer, ViTConfig
+from vitlab.preprocessing import HALF, IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class CheckpointError(ValueError):
 
 
 @dataclass
-class Checkpoint:
+class CheckpointMeta:
     """What a weights file holds besides the tensors."""
 
     config: ViTConfig
@@ -75,7 +75,7 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_weights(path: Path, state: dict[str, Tensor], meta: Checkpoint) -> None:
+def write_weights(path: Path, state: dict[str, Tensor], meta: CheckpointMeta) -> None:
     """Write model.safetensors-style weights with vitlab's metadata (config, preprocessing, class
     names, info), atomically: a temporary file, fsynced, renamed over `path`."""
     path = Path(path)
@@ -146,7 +146,7 @@ def vitlab_weights(source: str | Path) -> Path | None:
         return None
 
 
-def read_metadata(weights: Path) -> Checkpoint:
+def read_metadata(weights: Path) -> CheckpointMeta:
     meta = _safetensors_metadata(weights)
     if meta.get("format") != "vitlab":
         raise CheckpointError(f"{weights} has no vitlab metadata (model config, preprocessing)")
@@ -161,7 +161,7 @@ def read_metadata(weights: Path) -> Checkpoint:
         raise CheckpointError(f"{weights}: damaged vitlab metadata (classes are not names)")
     if not isinstance(info, dict):
         raise CheckpointError(f"{weights}: damaged vitlab metadata (info is not a mapping)")
-    return Checkpoint(config, pre, classes, info)
+    return CheckpointMeta(config, pre, classes, info)
 
 
 def load_weights(weights: Path) -> dict[str, Tensor]:
@@ -633,10 +633,10 @@ def load_checkpoint(
     format: str = "auto",
     device: str | torch.device = "cpu",
     **overrides: Any,
-) -> tuple[VisionTransformer, Checkpoint]:
+) -> tuple[VisionTransformer, CheckpointMeta]:
     """A model with the weights of `source` (a file, a folder, a vitlab run or a hub name, in any
-    format vitlab reads, or a Source read_source made) and its Checkpoint (config, preprocessing,
-    class names, info).
+    format vitlab reads, or a Source read_source made) and its CheckpointMeta (config,
+    preprocessing, class names, info).
 
     `overrides` are ViTConfig fields: img_size resamples the position embeddings, num_classes
     replaces the head(s) with zero-initialised ones, in_chans adapts the patch kernels; any other
@@ -675,7 +675,7 @@ def load_checkpoint(
     if src.format != "vitlab":
         name = src.where if isinstance(source, Source) else str(source)
         info.update(source=name, source_format=src.format, notes=src.notes)
-    return model.to(device).eval(), Checkpoint(model.config, pre, classes, info)
+    return model.to(device).eval(), CheckpointMeta(model.config, pre, classes, info)
 
 
 def load_pretrained(
@@ -889,7 +889,7 @@ def save_hf(model: VisionTransformer, dst: Path, classes: list[str] | None = Non
     return [dst / WEIGHTS, dst / "config.json", dst / "preprocessor_config.json"]
 
 
-def save_vitlab(model: VisionTransformer, dst: Path, meta: Checkpoint) -> list[Path]:
+def save_vitlab(model: VisionTransformer, dst: Path, meta: CheckpointMeta) -> list[Path]:
     """vitlab's layout: DST.safetensors, or DST/model.safetensors (a checkpoint folder)."""
     dst = Path(dst)
     path = dst if dst.suffix == ".safetensors" else dst / WEIGHTS
@@ -907,7 +907,7 @@ def save_pretrained(
     pre = model.preprocessing or _default_pre(cfg)
     classes = model.classes or [str(i) for i in range(cfg.num_classes)]
     if layout == "vitlab":
-        return save_vitlab(model, Path(dst), Checkpoint(cfg, pre, classes))
+        return save_vitlab(model, Path(dst), CheckpointMeta(cfg, pre, classes))
     if layout == "timm":
         return save_timm(model, Path(dst), classes)
     if layout == "hf":

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from vitlab.models.checkpoint import Checkpoint
+from vitlab.models.checkpoint import CheckpointMeta
 from vitlab.models.vit import VisionTransformer
 
 TOLERANCE = 1e-4
@@ -30,7 +30,7 @@ def _dynamic(dynamic_batch: bool) -> tuple | None:
     return ({0: torch.export.Dim("batch", min=1, max=65536)},)
 
 
-def _meta(meta: Checkpoint) -> dict[str, str]:
+def _meta(meta: CheckpointMeta) -> dict[str, str]:
     return {
         "vitlab_preprocessing": json.dumps(meta.preprocessing.to_dict()),
         "vitlab_classes": json.dumps(meta.classes),
@@ -45,7 +45,7 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
 
 
 def export_onnx(
-    model: VisionTransformer, meta: Checkpoint, out: Path, dynamic_batch: bool = False
+    model: VisionTransformer, meta: CheckpointMeta, out: Path, dynamic_batch: bool = False
 ) -> dict[str, float | int]:
     """Write `out` (.onnx; input `images` (B, C, H, W) float32, output `logits`), then run it in
     onnxruntime and compare with PyTorch. Returns the batch sizes checked and the max diff."""
@@ -89,7 +89,7 @@ def export_onnx(
 
 
 def export_program(
-    model: VisionTransformer, meta: Checkpoint, out: Path, dynamic_batch: bool = False
+    model: VisionTransformer, meta: CheckpointMeta, out: Path, dynamic_batch: bool = False
 ) -> dict[str, float | int]:
     """Write a torch.export program (`torch.export.load(out).module()(images)`), reload it and
     compare with the model."""

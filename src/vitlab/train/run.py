@@ -56,8 +56,8 @@ from vitlab.train.engine import (
 from vitlab.train.log import RUN_FILES, RunLog
 from vitlab.train.optim import EMA, build_optimizer, learning_rate
 from vitlab.train.state import (
-    Checkpoint,
     CheckpointError,
+    CheckpointMeta,
     load_train_state,
     load_weights,
     read_metadata,
@@ -386,7 +386,7 @@ class Run:
                 self._extend(planned)
         if cfg.train.compile:
             self.train_model = torch.compile(self.train_model)
-        self.meta = Checkpoint(mc, self.pre, info.classes, {})
+        self.meta = CheckpointMeta(mc, self.pre, info.classes, {})
         self.log = RunLog(self.out, cfg, d.is_main, self.pos.epoch if resume is not None else None)
         self._announce()
 

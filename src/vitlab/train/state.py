@@ -20,26 +20,23 @@ import torch
 
 from vitlab.models.checkpoint import (
     WEIGHTS,
-    Checkpoint,
     CheckpointError,
+    CheckpointMeta,
     fsync,
-    load_state_strict,
     load_weights,
     read_metadata,
     resolve_checkpoint,
     write_weights,
 )
-from vitlab.models.vit import VisionTransformer
 
 STATE = "state.pt"
 
 __all__ = [
     "STATE",
     "WEIGHTS",
-    "Checkpoint",
+    "CheckpointMeta",
     "CheckpointError",
     "CheckpointWriteError",
-    "load_model",
     "load_train_state",
     "load_weights",
     "read_metadata",
@@ -51,7 +48,7 @@ __all__ = [
 def save_checkpoint(
     folder: Path,
     model_state: dict[str, torch.Tensor],
-    meta: Checkpoint,
+    meta: CheckpointMeta,
     train_state: dict[str, Any] | None = None,
 ) -> None:
     """Atomically (re)write checkpoint `folder` (e.g. run/checkpoints/last)."""
@@ -102,18 +99,6 @@ def _write_failure(folder: Path, e: BaseException) -> str:
         why = f"writing failed ({type(e).__name__}: {text.splitlines()[0][:200] if text else ''})"
     kept = f"the previous checkpoint {folder} is intact" if folder.exists() else "nothing replaced"
     return f"cannot save checkpoint {folder}: {why}; {kept}, the partial copy removed"
-
-
-def load_model(
-    path: str | Path, device: str | torch.device = "cpu"
-) -> tuple[VisionTransformer, Checkpoint]:
-    """A model with its weights, plus the checkpoint's metadata, from a run, folder or file."""
-    weights = resolve_checkpoint(path)
-    meta = read_metadata(weights)
-    model = VisionTransformer(meta.config)
-    load_state_strict(model, load_weights(weights), str(weights))
-    model.preprocessing, model.classes = meta.preprocessing, meta.classes
-    return model.to(device).eval(), meta
 
 
 def load_train_state(folder: Path) -> dict[str, Any]:
