@@ -20,8 +20,7 @@ from contextlib import nullcontext
 import torch
 
 import vitlab
-from vitlab.models.checkpoint import timm_model_args
-from vitlab.models.formats import vitlab_to_timm
+from vitlab.formats.timm import timm_model_args, vitlab_to_timm
 from vitlab.models.vit import VisionTransformer
 from vitlab.train.run import use_bf16
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_config
-from vitlab.models.formats import timm_to_vitlab
+from vitlab.formats.timm import timm_to_vitlab
 from vitlab.models.layers import Attention
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
@@ -135,7 +135,7 @@ def test_relative_offsets_share_embeddings() -> None:
 
 
 def from_timm(timm_model: torch.nn.Module, cfg: ViTConfig) -> VisionTransformer:
-    """Copy a timm VisionTransformer's weights through vitlab's timm layout reader."""
+    """Copy a timm VisionTransformer's weights through vitlab's timm format reader."""
     model = VisionTransformer(cfg)
     model.load_state_dict(timm_to_vitlab(timm_model.state_dict()), strict=True)
     return model.eval()

@@ -16,14 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from vitlab import load_pretrained
-from vitlab.models.checkpoint import (
-    CheckpointError,
-    load_checkpoint,
-    save_hf,
-    save_timm,
-    timm_model_args,
-)
-from vitlab.models.formats import vitlab_to_timm
+from vitlab.formats.timm import REGISTERED, timm_model_args, vitlab_to_timm
+from vitlab.models.checkpoint import CheckpointError, load_checkpoint, save_pretrained
 from vitlab.models.registry import get_config, list_models
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
@@ -356,7 +350,8 @@ def test_round_trip_vitlab_timm_vitlab_is_exact(tmp_path: Path) -> None:
     ref = randomize(timm.create_model("vit_small_patch16_224", depth=2, num_classes=4))
     torch.save(ref.state_dict(), tmp_path / "a.pth")
     model = load_pretrained(tmp_path / "a.pth")
-    save_timm(model, tmp_path / "out", classes=list("abcd"))
+    model.classes = list("abcd")
+    save_pretrained(model, tmp_path / "out", "timm")
     again = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
     x = images(224)
     with torch.no_grad():
@@ -374,7 +369,7 @@ def test_timm_layout_written_by_vitlab_loads_in_timm(case: str, tmp_path: Path) 
     ref = randomize(timm.create_model(name, num_classes=3, **kwargs))
     save_file(ref.state_dict(), tmp_path / "w.safetensors")
     model = load_pretrained(tmp_path / "w.safetensors")
-    save_timm(model, tmp_path / "out")
+    save_pretrained(model, tmp_path / "out", "timm")
     again = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
     x = images(size)
     with torch.no_grad():
@@ -402,7 +397,7 @@ def test_timm_layout_of_every_registered_size_builds_in_timm(name: str, tmp_path
     assert {k: v.shape for k, v in theirs.items()} == {k: v.shape for k, v in ours.items()}
     small = cfg if cfg.embed_dim <= 192 else cfg.replace(depth=1)
     model = randomize(VisionTransformer(small))
-    save_timm(model, tmp_path / "t")
+    save_pretrained(model, tmp_path / "t", "timm")
     again = timm.create_model(f"local-dir:{tmp_path / 't'}", pretrained=True).eval()
     x = images(small.img_hw, chans=small.in_chans, n=1)
     with torch.no_grad():
@@ -410,9 +405,7 @@ def test_timm_layout_of_every_registered_size_builds_in_timm(name: str, tmp_path
 
 
 def test_every_timm_name_vitlab_writes_is_registered_in_timm() -> None:
-    from vitlab.models.checkpoint import _TIMM_REGISTERED
-
-    assert not _TIMM_REGISTERED - set(timm.list_models("vit_*"))
+    assert not REGISTERED - set(timm.list_models("vit_*"))
     assert "deit_base_distilled_patch16_224" in timm.list_models("deit_*")
 
 
@@ -421,7 +414,7 @@ def test_timm_layout_keeps_an_mlp_width_that_is_no_whole_ratio(tmp_path: Path) -
     487.99..., so the ratio written must be one that comes back as 488."""
     cfg = ViTConfig(img_size=32, patch_size=8, embed_dim=448, depth=2, num_heads=7, mlp_dim=488)
     model = randomize(VisionTransformer(cfg.replace(num_classes=5)))
-    save_timm(model, tmp_path / "t")
+    save_pretrained(model, tmp_path / "t", "timm")
     again = timm.create_model(f"local-dir:{tmp_path / 't'}", pretrained=True).eval()
     assert again.blocks[0].mlp.fc1.out_features == 488
     x = images(32)
@@ -434,7 +427,7 @@ def test_round_trip_vitlab_hf_vitlab_is_exact(tmp_path: Path) -> None:
 
     model = randomize(create_model("vit_nano_patch4_32", num_classes=4))
     model.classes = ["cat", "dog", "ship", "frog"]
-    save_hf(model, tmp_path / "hf", classes=model.classes)
+    save_pretrained(model, tmp_path / "hf", "hf")
     ref = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
     assert ref.config.id2label[2] == "ship"
     x = images(32)
@@ -452,9 +445,9 @@ def test_layouts_that_cannot_hold_a_model_say_why(tmp_path: Path) -> None:
 
     model = create_model("vit_nano_patch4_28", pos_embed="relative")
     with pytest.raises(CheckpointError, match="pos_embed='relative'"):
-        save_timm(model, tmp_path / "t")
+        save_pretrained(model, tmp_path / "t", "timm")
     with pytest.raises(CheckpointError, match="position tables other than learned"):
-        save_hf(model, tmp_path / "h")
+        save_pretrained(model, tmp_path / "h", "hf")
 
 
 # --- broken and hostile files --------------------------------------------------------------------
@@ -515,12 +508,12 @@ def test_not_a_checkpoint_and_mismatches_are_named(tmp_path: Path) -> None:
 
 def test_vitlab_checkpoint_loads_through_the_same_door(tmp_path: Path) -> None:
     from vitlab import create_model
-    from vitlab.models.checkpoint import CheckpointMeta, save_vitlab
     from vitlab.preprocessing import Preprocessing
 
     model = randomize(create_model("vit_nano_patch4_28"))
     pre = Preprocessing((28, 28), 1, (0.3,), (0.4,))
-    save_vitlab(model, tmp_path / "ck", CheckpointMeta(model.config, pre, list("0123456789"), {}))
+    model.preprocessing, model.classes = pre, list("0123456789")
+    save_pretrained(model, tmp_path / "ck")
     loaded, meta = load_checkpoint(tmp_path / "ck")
     assert meta.preprocessing == pre and loaded.preprocessing == pre
     x = images(28, chans=1)

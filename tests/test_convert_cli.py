@@ -18,7 +18,7 @@ from PIL import Image
 
 from vitlab import create_model, load_pretrained
 from vitlab.cli.main import main
-from vitlab.models.checkpoint import CheckpointMeta, save_hf, save_vitlab
+from vitlab.models.checkpoint import save_pretrained
 from vitlab.preprocessing import Preprocessing
 
 timm = pytest.importorskip("timm")
@@ -202,7 +202,8 @@ def test_export_onnx_and_torch_export_match_pytorch(tmp_path: Path) -> None:
     pytest.importorskip("onnxscript")
     model = randomized("vit_nano_patch4_28")
     pre = Preprocessing((28, 28), 1, (0.3,), (0.4,))
-    save_vitlab(model, tmp_path / "ck", CheckpointMeta(model.config, pre, list("abcdefghij")))
+    model.preprocessing, model.classes = pre, list("abcdefghij")
+    save_pretrained(model, tmp_path / "ck")
     r = vitlab(
         "export", str(tmp_path / "ck"), "--onnx", str(tmp_path / "m.onnx"), "--dynamic-batch",
         "--torch-export", str(tmp_path / "m.pt2"),
@@ -226,7 +227,8 @@ def test_export_onnx_and_torch_export_match_pytorch(tmp_path: Path) -> None:
 def test_predict_applies_the_weights_preprocessing_like_transformers(tmp_path: Path) -> None:
     model = randomized("vit_nano_patch4_32", num_classes=4)
     model.preprocessing = Preprocessing((32, 32), 3, (0.2, 0.3, 0.4), (0.5, 0.6, 0.7))
-    save_hf(model, tmp_path / "hf", classes=["a", "b", "c", "d"])
+    model.classes = ["a", "b", "c", "d"]
+    save_pretrained(model, tmp_path / "hf", "hf")
     rng = np.random.default_rng(0)
     Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(tmp_path / "x.png")
     r = vitlab("predict", str(tmp_path / "hf"), str(tmp_path / "x.png"), "--json", "--topk", "4")

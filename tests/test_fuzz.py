@@ -34,7 +34,8 @@ from vitlab.config import ConfigError, load_run_config
 from vitlab.data import make_loader
 from vitlab.data.datasets import DatasetError, load_split, read_idx, scan_image_folder
 from vitlab.eval.run import predict_files
-from vitlab.models.checkpoint import CheckpointError, load_weights, read_source, save_pretrained
+from vitlab.formats.base import load_weights
+from vitlab.models.checkpoint import CheckpointError, read_source, save_pretrained
 from vitlab.models.registry import UnknownModelError
 from vitlab.models.vit import VisionTransformer, ViTConfig
 from vitlab.preprocessing import Preprocessing

@@ -22,6 +22,7 @@ from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
 from vitlab.data import load_split
 from vitlab.data.datasets import DatasetError
+from vitlab.formats import base as formats_base
 from vitlab.models import checkpoint as checkpoint_mod
 from vitlab.train import run as run_mod
 from vitlab.train import state as state_mod
@@ -265,7 +266,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path: Path, monk
     def die(*a, **k):
         raise OSError("simulated kill while writing")
 
-    monkeypatch.setattr(checkpoint_mod, "save_file", die)
+    monkeypatch.setattr(formats_base, "save_file", die)
     with pytest.raises(state_mod.CheckpointWriteError, match="simulated.*is intact"):
         train(load_run_config(str(run / "config.yaml")), resume=run)
     monkeypatch.undo()

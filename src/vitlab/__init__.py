@@ -1,6 +1,7 @@
 """vitlab: build, train, fine-tune, convert, analyse and measure Vision Transformers in PyTorch."""
 
 from vitlab.config import ConfigError
+from vitlab.formats.base import CheckpointError
 from vitlab.models import (
     UnknownModelError,
     VisionTransformer,
@@ -11,7 +12,6 @@ from vitlab.models import (
     resample_pos_embed,
 )
 from vitlab.models.checkpoint import (
-    CheckpointError,
     load_checkpoint,
     load_pretrained,
     save_pretrained,

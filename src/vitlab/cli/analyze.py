@@ -35,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import analyze, load_images
     from vitlab.eval.run import run_config_of
-    from vitlab.models.checkpoint import load_checkpoint, vitlab_weights
+    from vitlab.formats.vitlab import vitlab_weights
+    from vitlab.models.checkpoint import load_checkpoint
     from vitlab.train.run import pick_device
 
     if args.num_images < 1:

@@ -1,4 +1,4 @@
-"""`vitlab convert`: read a ViT checkpoint in any known layout, write it in vitlab's, timm's or
+"""`vitlab convert`: read a ViT checkpoint in any known format, write it in vitlab's, timm's or
 Hugging Face's."""
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         dest="src_format",
         default="auto",
         choices=["auto", "vitlab", "timm", "hf", "torchvision", "npz"],
-        help="layout of SRC (default: detected)",
+        help="format of SRC (default: detected)",
     )
-    p.add_argument("--to", default="vitlab", choices=["vitlab", "timm", "hf"], help="layout of DST")
+    p.add_argument("--to", default="vitlab", choices=["vitlab", "timm", "hf"], help="format of DST")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="ViTConfig fields")
     p.set_defaults(run=run)
 
@@ -48,15 +48,14 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vitlab.models.checkpoint import load_checkpoint, save_hf, save_timm, save_vitlab
+    from vitlab import formats
+    from vitlab.models.checkpoint import load_checkpoint
 
     model, meta = load_checkpoint(args.source, args.src_format, **parse_overrides(args.overrides))
-    if args.to == "vitlab":
-        written = save_vitlab(model, args.dest, meta)
-    elif args.to == "timm":
-        written = save_timm(model, args.dest, meta.classes)
+    if args.to == "vitlab":  # keeps where the weights came from in the metadata
+        written = formats.get("vitlab").write(model, args.dest, meta.info)
     else:
-        written = save_hf(model, args.dest, meta.classes)
+        written = formats.get(args.to).write(model, args.dest)
     cfg = model.config
     print(
         f"read {args.source} ({meta.info.get('source_format', 'vitlab')}): {cfg.depth} blocks, "

@@ -11,7 +11,8 @@ from vitlab.config import RunConfig
 from vitlab.data import load_split, make_loader, train_val_split
 from vitlab.data.datasets import DatasetError, read_image
 from vitlab.eval.classification import evaluate, format_confusion, save_confusion_png
-from vitlab.models.checkpoint import load_checkpoint, vitlab_weights
+from vitlab.formats.vitlab import vitlab_weights
+from vitlab.models.checkpoint import load_checkpoint
 from vitlab.train.run import pick_device
 
 

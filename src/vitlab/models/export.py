@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from vitlab.models.checkpoint import CheckpointMeta
+from vitlab.formats.vitlab import CheckpointMeta
 from vitlab.models.vit import VisionTransformer
 
 TOLERANCE = 1e-4

@@ -35,13 +35,8 @@ from vitlab.data import (
 )
 from vitlab.data.datasets import DatasetInfo, Split
 from vitlab.eval.classification import evaluate
-from vitlab.models.checkpoint import (
-    Source,
-    infer_config,
-    load_checkpoint,
-    load_state_strict,
-    read_source,
-)
+from vitlab.formats.base import Source
+from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict, read_source
 from vitlab.models.vit import VisionTransformer, ViTConfig
 from vitlab.runtime import derive_seed
 from vitlab.train import distributed

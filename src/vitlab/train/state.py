@@ -1,5 +1,5 @@
 """Training checkpoints: a folder with the weights (model.safetensors, the model config,
-preprocessing and class names in its metadata: see vitlab.models.checkpoint) and the training
+preprocessing and class names in its metadata: see vitlab.formats.vitlab) and the training
 state beside them (state.pt: optimizer, EMA, RNG, step; loaded with weights_only=True, so it can
 never run code).
 
@@ -18,16 +18,8 @@ from typing import Any
 
 import torch
 
-from vitlab.models.checkpoint import (
-    WEIGHTS,
-    CheckpointError,
-    CheckpointMeta,
-    fsync,
-    load_weights,
-    read_metadata,
-    resolve_checkpoint,
-    write_weights,
-)
+from vitlab.formats.base import WEIGHTS, CheckpointError, fsync, load_weights
+from vitlab.formats.vitlab import CheckpointMeta, read_metadata, resolve_checkpoint, write_weights
 
 STATE = "state.pt"
 

@@ -1,0 +1,49 @@
+"""The checkpoint formats vitlab speaks, one module each, listed in one registry. Every module has
+the same interface:
+
+    detect(files: Files) -> bool        do these files hold this format?
+    read(files: Files) -> Source        tensors in vitlab's names, architecture hints,
+                                        preprocessing, class names
+    write(model, dst: Path) -> list[Path]   the model (with its .preprocessing and .classes) in
+                                        this format; the files written
+
+A new format is one new module and one line in FORMATS. Detection tries the formats in FORMATS'
+order, so a format whose keys are a superset of another's comes first."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from vitlab.formats import hf, npz, timm, torchvision
+from vitlab.formats import vitlab as native
+from vitlab.formats.base import CheckpointError, Files, Source
+
+FORMATS: dict[str, ModuleType] = {
+    "vitlab": native,
+    "npz": npz,
+    "timm": timm,
+    "hf": hf,
+    "torchvision": torchvision,
+}
+WRITABLE = ("vitlab", "timm", "hf")
+
+__all__ = ["FORMATS", "WRITABLE", "CheckpointError", "Files", "Source", "detect", "get"]
+
+
+def get(name: str) -> ModuleType:
+    """The format module called `name`."""
+    if name not in FORMATS:
+        raise CheckpointError(f"format must be one of {', '.join(FORMATS)}, got {name!r}")
+    return FORMATS[name]
+
+
+def detect(files: Files) -> str:
+    """The name of the format `files` hold."""
+    for name, module in FORMATS.items():
+        if module.detect(files):
+            return name
+    shown = ", ".join(sorted(files.names())[:6])
+    raise CheckpointError(
+        f"{files.where}: not a ViT checkpoint in a format vitlab knows "
+        f"({', '.join(FORMATS)}); first keys: {shown}"
+    )

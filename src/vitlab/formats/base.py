@@ -1,0 +1,241 @@
+"""What every format module shares: the files a checkpoint is read from (`Files`), what it is read
+into (`Source`: tensors in vitlab's names plus what the format says about them), key renaming by
+rules, safe readers and atomic writers.
+
+Nothing is ever unpickled beyond tensors: safetensors, numpy without pickle,
+torch.load(weights_only=True). Conventions of the key maps: Linear weights are (out, in) as in
+PyTorch; a fused qkv weight is (3 D, D) with rows q, k, v.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, safe_open, save_file
+from torch import Tensor, nn
+
+from vitlab.preprocessing import Preprocessing
+
+if TYPE_CHECKING:  # annotations only (models import nothing from formats)
+    from vitlab.models.vit import ViTConfig
+
+StateDict = dict[str, Tensor]
+WEIGHTS = "model.safetensors"
+TORCH_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, truncated, hostile, or does not fit the model."""
+
+
+class FormatError(ValueError):
+    """A tensor that has no place in the format being read or written."""
+
+
+@dataclass
+class Files:
+    """A checkpoint on disk: its weights file and, when it came in a folder, that folder (where
+    config.json and preprocessor_config.json live), and the hub name it was fetched by. The
+    tensors are read once, on first use."""
+
+    weights: Path
+    folder: Path | None = None
+    hub_name: str | None = None
+    _tensors: StateDict | None = field(default=None, repr=False)
+
+    @property
+    def where(self) -> str:
+        """The hub name, folder or file, for messages."""
+        return self.hub_name or str(self.folder or self.weights)
+
+    def tensors(self) -> StateDict:
+        """The flat state dict of a .safetensors or PyTorch file."""
+        if self._tensors is None:
+            if self.weights.suffix == ".safetensors":
+                self._tensors = load_weights(self.weights)
+            else:
+                self._tensors = read_torch(self.weights)
+        return self._tensors
+
+    def names(self) -> set[str]:
+        """The tensor names, for detection (none for a .npz, which is not a state dict)."""
+        return set() if self.weights.suffix == ".npz" else set(self.tensors())
+
+    def metadata(self) -> dict[str, str]:
+        """A .safetensors file's header metadata ({} for other files)."""
+        return safetensors_metadata(self.weights) if self.weights.suffix == ".safetensors" else {}
+
+    def json(self, name: str) -> dict[str, Any] | None:
+        """The JSON file `name` in the folder, or None when there is none."""
+        path = self.folder / name if self.folder else None
+        if path is None or not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+            raise CheckpointError(f"{path} is not a readable JSON file: {e}") from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path} is not a JSON object")
+        return data
+
+
+@dataclass
+class Source:
+    """Tensors in vitlab's names plus everything known about them."""
+
+    state: StateDict
+    format: str
+    where: str  # file, folder or hub name, for messages
+    hints: dict[str, Any] = field(default_factory=dict)  # ViTConfig fields the format states
+    preprocessing: dict[str, Any] = field(default_factory=dict)  # Preprocessing fields
+    classes: list[str] | None = None
+    config: ViTConfig | None = None  # the architecture once known (vitlab files carry theirs)
+    info: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+# --- key maps ------------------------------------------------------------------------------------
+
+
+def unknown(keys: list[str], format: str) -> FormatError:
+    shown = ", ".join(sorted(keys)[:8]) + (" ..." if len(keys) > 8 else "")
+    return FormatError(f"{len(keys)} tensor(s) have no place in a vitlab ViT ({format}): {shown}")
+
+
+def rename(state: Mapping[str, Tensor], rules: list[tuple[str, str]], format: str) -> StateDict:
+    """Apply the first matching (regex, replacement) rule to every key; a key no rule matches is
+    an error naming it (never silently dropped)."""
+    out, left = {}, []
+    compiled = [(re.compile(f"^{a}$"), b) for a, b in rules]
+    for key, value in state.items():
+        for pattern, repl in compiled:
+            if pattern.match(key):
+                out[pattern.sub(repl, key)] = value
+                break
+        else:
+            left.append(key)
+    if left:
+        raise unknown(left, format)
+    return out
+
+
+def convert(where: str, fn: Any, *args: Any) -> Any:
+    """fn(*args), a FormatError turned into a CheckpointError naming `where`."""
+    try:
+        return fn(*args)
+    except FormatError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+
+def cpu_state(model: nn.Module) -> StateDict:
+    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+
+
+def preprocessing_of(model: nn.Module) -> Preprocessing:
+    """The model's `.preprocessing`, or inputs in [-1, 1] when it has none."""
+    pre = getattr(model, "preprocessing", None)
+    if pre is not None:
+        return pre
+    cfg = model.config
+    return Preprocessing(cfg.img_hw, cfg.in_chans, (0.5,) * cfg.in_chans, (0.5,) * cfg.in_chans)
+
+
+def classes_of(model: nn.Module) -> list[str]:
+    """The model's `.classes`, or the class indices as names."""
+    names = getattr(model, "classes", None)
+    return list(names) if names else [str(i) for i in range(model.config.num_classes)]
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+def safetensors_metadata(path: Path) -> dict[str, str]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+
+
+def load_weights(path: Path) -> StateDict:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is truncated or not a safetensors file: {e}") from None
+
+
+def read_torch(path: Path) -> StateDict:
+    """The state dict in a PyTorch file, loaded with weights_only=True."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"no such file: {path}") from None
+    except Exception as e:  # UnpicklingError for code, RuntimeError / EOFError when truncated
+        text = str(e)
+        if "Weights only load failed" in text or "Unsupported global" in text:
+            raise CheckpointError(
+                f"{path} holds Python objects beyond tensors, which vitlab refuses to unpickle "
+                "(it could run code); save the state dict alone, or as safetensors"
+            ) from None
+        raise CheckpointError(
+            f"{path} is truncated or not a PyTorch checkpoint: {text[:200]}"
+        ) from None
+    return unwrap(obj, path)
+
+
+def unwrap(obj: Any, path: Path | str) -> StateDict:
+    """The state dict inside a training checkpoint ({'model': ...}, {'state_dict': ...}), without
+    DDP's `module.` prefix."""
+    for key in ("model", "state_dict", "model_state", "model_state_dict", "module"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    if not isinstance(obj, dict) or not obj:
+        raise CheckpointError(f"{path} holds no state dict (a mapping of names to tensors)")
+    bad = [k for k, v in obj.items() if not isinstance(v, Tensor)]
+    if bad:
+        raise CheckpointError(
+            f"{path}: entries that are not tensors: {', '.join(map(str, bad[:5]))}"
+        )
+    if all(k.startswith("module.") for k in obj):
+        obj = {k.removeprefix("module."): v for k, v in obj.items()}
+    return obj
+
+
+# --- writing, atomically -------------------------------------------------------------------------
+
+
+def fsync(path: Path) -> None:
+    """Flush a file or a folder (its entries) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(path: Path, tensors: StateDict, metadata: dict[str, str]) -> None:
+    """A safetensors file written to a temporary name, fsynced, renamed over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, tmp, metadata=metadata)
+    fsync(tmp)
+    os.replace(tmp, path)
+    fsync(path.parent)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """A JSON file written to a temporary name, fsynced, renamed over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    fsync(tmp)
+    os.replace(tmp, path)

@@ -1,0 +1,241 @@
+"""Hugging Face transformers' format: ViTModel or ViTForImageClassification weights (hub names,
+with or without the `vit.` prefix, or transformers 5's in-memory names) in a folder with
+config.json and preprocessor_config.json, as save_pretrained writes and from_pretrained loads.
+Query, key and value are separate Linear layers there and fused here."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from vitlab.formats.base import (
+    WEIGHTS,
+    CheckpointError,
+    Files,
+    FormatError,
+    Source,
+    StateDict,
+    classes_of,
+    convert,
+    cpu_state,
+    preprocessing_of,
+    rename,
+    unknown,
+    write_json,
+    write_safetensors,
+)
+from vitlab.models.vit import ViTConfig
+from vitlab.preprocessing import HALF
+
+_RULES = [  # (transformers' hub / save_pretrained name, vitlab name)
+    (r"embeddings\.cls_token", "cls_token"),
+    (r"embeddings\.position_embeddings", "pos_embed.weight"),
+    (r"embeddings\.patch_embeddings\.projection\.(weight|bias)", r"patch_embed.proj.\1"),
+    (r"encoder\.layer\.(\d+)\.layernorm_before\.(weight|bias)", r"blocks.\1.norm1.\2"),
+    (r"encoder\.layer\.(\d+)\.attention\.output\.dense\.(weight|bias)", r"blocks.\1.attn.proj.\2"),
+    (r"encoder\.layer\.(\d+)\.layernorm_after\.(weight|bias)", r"blocks.\1.norm2.\2"),
+    (r"encoder\.layer\.(\d+)\.intermediate\.dense\.(weight|bias)", r"blocks.\1.mlp.fc1.\2"),
+    (r"encoder\.layer\.(\d+)\.output\.dense\.(weight|bias)", r"blocks.\1.mlp.fc2.\2"),
+    (r"layernorm\.(weight|bias)", r"norm.\1"),
+    (r"pooler\.dense\.(weight|bias)", r"pre_logits.fc.\1"),
+    (r"classifier\.(weight|bias)", r"head.\1"),
+]
+_RULES_V5 = [  # transformers 5's in-memory names for the same modules
+    (r"layers\.(\d+)\.layernorm_before\.(weight|bias)", r"blocks.\1.norm1.\2"),
+    (r"layers\.(\d+)\.attention\.o_proj\.(weight|bias)", r"blocks.\1.attn.proj.\2"),
+    (r"layers\.(\d+)\.layernorm_after\.(weight|bias)", r"blocks.\1.norm2.\2"),
+    (r"layers\.(\d+)\.mlp\.(fc1|fc2)\.(weight|bias)", r"blocks.\1.mlp.\2.\3"),
+]
+_QKV = re.compile(
+    r"^(?:encoder\.layer|layers)\.(\d+)\.attention\.(?:attention\.(query|key|value)|(q|k|v)_proj)"
+    r"\.(weight|bias)$"
+)
+_BLOCK_PARTS = {  # vitlab's block modules -> transformers' (attn.qkv is split)
+    "norm1": "layernorm_before",
+    "attn.proj": "attention.output.dense",
+    "norm2": "layernorm_after",
+    "mlp.fc1": "intermediate.dense",
+    "mlp.fc2": "output.dense",
+}
+_TOP = {  # vitlab's names outside the blocks -> transformers' (the classifier apart)
+    "cls_token": "embeddings.cls_token",
+    "pos_embed.weight": "embeddings.position_embeddings",
+    "patch_embed.proj.weight": "embeddings.patch_embeddings.projection.weight",
+    "patch_embed.proj.bias": "embeddings.patch_embeddings.projection.bias",
+    "norm.weight": "layernorm.weight",
+    "norm.bias": "layernorm.bias",
+    "pre_logits.fc.weight": "pooler.dense.weight",
+    "pre_logits.fc.bias": "pooler.dense.bias",
+}
+_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's codes
+
+
+def hf_to_vitlab(state: Mapping[str, Tensor]) -> StateDict:
+    parts: dict[tuple[int, str], dict[str, Tensor]] = {}
+    rest = {}
+    for key, value in state.items():
+        key = key.removeprefix("vit.")
+        m = _QKV.match(key)
+        if m:
+            layer, long, short, kind = m.groups()
+            parts.setdefault((int(layer), kind), {})[(long or short)[0]] = value
+        else:
+            rest[key] = value
+    out = rename(rest, _RULES + _RULES_V5, "Hugging Face ViT")
+    for (layer, kind), qkv in parts.items():
+        if set(qkv) != {"q", "k", "v"}:
+            raise FormatError(f"layer {layer} has {kind}s for {sorted(qkv)} of query/key/value")
+        out[f"blocks.{layer}.attn.qkv.{kind}"] = torch.cat([qkv["q"], qkv["k"], qkv["v"]])
+    return out
+
+
+def vitlab_to_hf(state: Mapping[str, Tensor], with_classifier: bool) -> StateDict:
+    """vitlab -> the hub names of ViTForImageClassification (`vit.` prefix, `classifier`), or of
+    ViTModel when not `with_classifier`."""
+    out = {}
+    prefix = "vit." if with_classifier else ""
+    for key, value in state.items():
+        m = re.match(r"^blocks\.(\d+)\.(\w+(?:\.\w+)?)\.(weight|bias)$", key)
+        if m:
+            i, part, kind = m.groups()
+            layer = f"{prefix}encoder.layer.{i}"
+            if part == "attn.qkv":
+                for name, chunk in zip(("query", "key", "value"), value.chunk(3)):
+                    out[f"{layer}.attention.attention.{name}.{kind}"] = chunk.clone()
+            elif part in _BLOCK_PARTS:
+                out[f"{layer}.{_BLOCK_PARTS[part]}.{kind}"] = value
+            else:
+                raise unknown([key], "Hugging Face ViT")
+        elif key in _TOP:
+            out[prefix + _TOP[key]] = value
+        elif key in ("head.weight", "head.bias") and with_classifier:
+            out["classifier." + key.split(".")[1]] = value
+        else:
+            raise unknown([key], "Hugging Face ViT")
+    return out
+
+
+def detect(files: Files) -> bool:
+    return any("embeddings.patch_embeddings.projection" in k for k in files.names())
+
+
+def read(files: Files) -> Source:
+    state = convert(files.where, hf_to_vitlab, files.tensors())
+    src = Source(state, "hf", files.where, hints=dict(norm_eps=1e-12))
+    src.preprocessing = dict(mean=HALF, std=HALF, crop_pct=None)
+    if "head.weight" in state and "pre_logits.fc.weight" in state:
+        # ViTForImageClassification has no pooler: transformers ignores these, so do we
+        del state["pre_logits.fc.weight"], state["pre_logits.fc.bias"]
+        src.notes.append("pooler weights beside a classifier ignored, as transformers does")
+    cfg = files.json("config.json")
+    if cfg is not None and (cfg.get("model_type") == "vit" or "hidden_size" in cfg):
+        _read_config(cfg, src)
+    processor = files.json("preprocessor_config.json")
+    if processor is not None:
+        if "image_mean" in processor:
+            src.preprocessing.update(mean=processor["image_mean"], std=processor["image_std"])
+        resample = processor.get("resample", 2)
+        src.preprocessing["interpolation"] = _RESAMPLE.get(resample, "bilinear")
+    return src
+
+
+def _read_config(cfg: dict[str, Any], src: Source) -> None:
+    """Hints and class names from transformers' ViTConfig (config.json)."""
+    act = cfg.get("hidden_act", "gelu")
+    if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+        raise CheckpointError(f"{src.where}: hidden_act {act!r} is not a GELU")
+    size = cfg.get("image_size")
+    src.hints.update(
+        num_heads=cfg.get("num_attention_heads"),
+        norm_eps=cfg.get("layer_norm_eps", 1e-12),
+        act="gelu" if act == "gelu" else "gelu_tanh",
+        img_size=tuple(size) if isinstance(size, list) else size,
+        qkv_bias=cfg.get("qkv_bias", True),
+    )
+    labels = cfg.get("id2label")
+    if labels:
+        try:
+            src.classes = [str(labels[str(i)]) for i in range(len(labels))]
+        except (KeyError, TypeError):
+            raise CheckpointError(f"{src.where}: id2label does not number classes 0..n-1") from None
+
+
+def write(model: nn.Module, dst: Path) -> list[Path]:
+    """Folder DST with model.safetensors (hub names), config.json and preprocessor_config.json,
+    which ViTForImageClassification.from_pretrained (ViTModel without a classifier) loads."""
+    config, with_classifier = hf_config(model.config, classes_of(model))
+    state = vitlab_to_hf(cpu_state(model), with_classifier)
+    pre = preprocessing_of(model)
+    h, w = model.config.img_hw
+    processor = {
+        "image_processor_type": "ViTImageProcessor",
+        "do_resize": True,
+        "size": {"height": h, "width": w},
+        "resample": {v: k for k, v in _RESAMPLE.items()}[pre.interpolation],
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": list(pre.mean),
+        "image_std": list(pre.std),
+    }
+    write_safetensors(dst / WEIGHTS, state, {"format": "pt"})
+    write_json(dst / "config.json", config)
+    write_json(dst / "preprocessor_config.json", processor)
+    return [dst / WEIGHTS, dst / "config.json", dst / "preprocessor_config.json"]
+
+
+def hf_config(cfg: ViTConfig, classes: list[str]) -> tuple[dict[str, Any], bool]:
+    """(transformers ViTConfig dict, whether the model has a classifier) for `cfg`."""
+    why = [
+        text
+        for bad, text in (
+            (not cfg.class_token or cfg.pool != "token", "pooling other than the class token"),
+            (
+                cfg.pos_embed != "learned" or cfg.no_embed_class,
+                "position tables other than learned",
+            ),
+            (cfg.fc_norm, "fc_norm"),
+            (cfg.stem != "patch", "a conv stem"),
+            (cfg.distilled, "a distillation token (transformers has DeiT models for that)"),
+            (cfg.layer_scale is not None, "layer scale"),
+            (
+                cfg.representation_size not in (None, cfg.embed_dim)
+                or (cfg.representation_size and cfg.num_classes),
+                "a pre-logits layer beside a classifier (ViTForImageClassification has no pooler)",
+            ),
+        )
+        if bad
+    ]
+    if why:
+        raise CheckpointError("cannot write Hugging Face ViT's format: " + "; ".join(why))
+    with_classifier = cfg.num_classes > 0
+    h, w = cfg.img_hw
+    out = {
+        "architectures": ["ViTForImageClassification" if with_classifier else "ViTModel"],
+        "model_type": "vit",
+        "hidden_size": cfg.embed_dim,
+        "num_hidden_layers": cfg.depth,
+        "num_attention_heads": cfg.num_heads,
+        "intermediate_size": cfg.mlp_dim,
+        "hidden_act": "gelu" if cfg.act == "gelu" else "gelu_pytorch_tanh",
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "initializer_range": 0.02,
+        "layer_norm_eps": cfg.norm_eps,
+        "image_size": h if h == w else [h, w],
+        "patch_size": cfg.patch_size,
+        "num_channels": cfg.in_chans,
+        "qkv_bias": cfg.qkv_bias,
+        "encoder_stride": cfg.patch_size,
+        "pooler_output_size": cfg.embed_dim,
+        "pooler_act": "tanh",
+    }
+    if with_classifier:
+        out["id2label"] = {str(i): n for i, n in enumerate(classes)}
+        out["label2id"] = {n: i for i, n in enumerate(classes)}
+    return out, with_classifier

@@ -1,0 +1,206 @@
+"""timm's format: a VisionTransformer state dict (`pos_embed` a parameter), alone or in a folder
+with timm's config.json (architecture, model_args, pretrained_cfg), as the hub serves `timm/...`
+names and timm.create_model loads `local-dir:DST`. vitlab's names are timm's except the learned
+position table, which is a module here (`pos_embed.weight`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from vitlab.formats.base import (
+    WEIGHTS,
+    CheckpointError,
+    Files,
+    Source,
+    StateDict,
+    classes_of,
+    convert,
+    cpu_state,
+    preprocessing_of,
+    rename,
+    write_json,
+    write_safetensors,
+)
+from vitlab.models.registry import UnknownModelError, get_config
+from vitlab.models.vit import ViTConfig
+from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD
+
+_SAME = (
+    r"patch_embed\.proj\.(weight|bias)|cls_token|dist_token|norm\.(weight|bias)"
+    r"|fc_norm\.(weight|bias)|head\.(weight|bias)|head_dist\.(weight|bias)"
+    r"|pre_logits\.fc\.(weight|bias)"
+    r"|blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)"
+    r"|blocks\.\d+\.ls[12]\.gamma"
+)
+
+
+def timm_to_vitlab(state: Mapping[str, Tensor]) -> StateDict:
+    return rename(state, [("pos_embed", "pos_embed.weight"), (f"({_SAME})", r"\1")], "timm")
+
+
+def vitlab_to_timm(state: Mapping[str, Tensor]) -> StateDict:
+    return rename(state, [(r"pos_embed\.weight", "pos_embed"), (f"({_SAME})", r"\1")], "timm")
+
+
+def detect(files: Files) -> bool:
+    keys = files.names()
+    return "patch_embed.proj.weight" in keys and "pos_embed" in keys
+
+
+def read(files: Files) -> Source:
+    src = Source(convert(files.where, timm_to_vitlab, files.tensors()), "timm", files.where)
+    src.preprocessing = dict(
+        mean=IMAGENET_MEAN, std=IMAGENET_STD, crop_pct=0.9, interpolation="bicubic"
+    )
+    cfg = files.json("config.json")
+    if cfg is not None:
+        _read_config(cfg, src)
+    return src
+
+
+def _read_config(cfg: dict[str, Any], src: Source) -> None:
+    """Hints, preprocessing and class names from timm's config.json."""
+    args = dict(cfg.get("model_args") or {})
+    with contextlib.suppress(UnknownModelError):  # a name vitlab registers tells the heads
+        src.hints["num_heads"] = get_config(str(cfg.get("architecture", ""))).num_heads
+    if "num_heads" in args:
+        src.hints["num_heads"] = args["num_heads"]
+    pool = args.get("global_pool", cfg.get("global_pool"))
+    if pool in ("avg", "token"):
+        src.hints["pool"] = "gap" if pool == "avg" else "token"
+    elif pool not in (None, ""):
+        raise CheckpointError(f"{src.where}: timm global_pool {pool!r} is not supported")
+    if args.get("act_layer") in ("gelu_tanh",):
+        src.hints["act"] = "gelu_tanh"
+    if "img_size" in args:
+        size = args["img_size"]
+        src.hints["img_size"] = tuple(size) if isinstance(size, list) else size
+    pre = cfg.get("pretrained_cfg") or {}
+    for key in ("mean", "std", "interpolation"):
+        if key in pre:
+            src.preprocessing[key] = pre[key]
+    if "crop_pct" in pre:  # timm's `squash` resizes the whole image, as crop_pct None does
+        squash = pre.get("crop_mode") == "squash"
+        src.preprocessing["crop_pct"] = None if squash else pre["crop_pct"]
+    names = cfg.get("label_names") or pre.get("label_names")
+    if names:
+        src.classes = list(names)
+
+
+def write(model: nn.Module, dst: Path) -> list[Path]:
+    """DST.safetensors alone, or a folder with model.safetensors and timm's config.json."""
+    arch, args = timm_model_args(model.config)
+    state = vitlab_to_timm(cpu_state(model))
+    if dst.suffix == ".safetensors":
+        write_safetensors(dst, state, {"format": "pt"})
+        return [dst]
+    pre, cfg = preprocessing_of(model), model.config
+    pretrained_cfg = {
+        "input_size": [cfg.in_chans, *cfg.img_hw],
+        "interpolation": pre.interpolation,
+        "crop_pct": pre.crop_pct if pre.crop_pct is not None else 1.0,
+        "crop_mode": "center" if pre.crop_pct is not None else "squash",
+        "mean": list(pre.mean),
+        "std": list(pre.std),
+        "num_classes": cfg.num_classes,
+        "first_conv": "patch_embed.proj",
+        "classifier": ["head", "head_dist"] if cfg.distilled else "head",
+    }
+    config = {
+        "architecture": arch,
+        "num_classes": cfg.num_classes,
+        "num_features": cfg.embed_dim,
+        "global_pool": args.get("global_pool", "token"),
+        "model_args": args,
+        "pretrained_cfg": pretrained_cfg,
+    }
+    if cfg.num_classes:
+        config["label_names"] = classes_of(model)
+    write_safetensors(dst / WEIGHTS, state, {"format": "pt"})
+    write_json(dst / "config.json", config)
+    return [dst / WEIGHTS, dst / "config.json"]
+
+
+# (width, heads) -> timm's family name, and the entry points timm registers for the paper's sizes
+# (tests check each against timm.list_models()). The name only picks timm's entry point: every
+# size, the image size included, is in model_args, so any other shape is built from
+# vit_base_patch16_224 (or the DeiT distilled one).
+_FAMILIES = {
+    (192, 3): "vit_tiny",
+    (384, 6): "vit_small",
+    (768, 12): "vit_base",
+    (1024, 16): "vit_large",
+    (1280, 16): "vit_huge",
+}
+REGISTERED = frozenset(
+    ["vit_tiny_patch16_224", "vit_tiny_patch16_384", "vit_small_patch8_224"]
+    + [f"vit_{s}_patch{p}_{r}" for s in ("small", "base", "large") for p in (16, 32)
+       for r in (224, 384)]
+    + ["vit_base_patch8_224", "vit_large_patch14_224", "vit_huge_patch14_224"]
+)  # fmt: skip
+
+
+def timm_arch(cfg: ViTConfig) -> str:
+    """The registered timm name closest to `cfg`: its family, patch and resolution when timm has
+    that entry point, else the family's at 224, else vit_base_patch16_224."""
+    family = _FAMILIES.get((cfg.embed_dim, cfg.num_heads))
+    h, w = cfg.img_hw
+    for name in (f"{family}_patch{cfg.patch_size}_{h}", f"{family}_patch{cfg.patch_size}_224"):
+        if family and h == w and name in REGISTERED:
+            return name
+    return "vit_base_patch16_224"
+
+
+def timm_mlp_ratio(dim: int, mlp_dim: int) -> float:
+    """An mlp_ratio from which timm builds exactly `mlp_dim` hidden units: timm takes
+    int(dim * mlp_ratio), and mlp_dim / dim can land just below mlp_dim (448 * (488 / 448) is
+    487.99...), so the ratio of mlp_dim + 0.5 is taken then."""
+    for ratio in (mlp_dim / dim, (mlp_dim + 0.5) / dim):
+        if int(dim * ratio) == mlp_dim:
+            return ratio
+    raise CheckpointError(f"no mlp_ratio gives timm an MLP of {mlp_dim} at width {dim}")
+
+
+def timm_model_args(cfg: ViTConfig) -> tuple[str, dict[str, Any]]:
+    """(timm architecture name, model_args) that build `cfg` with timm.create_model."""
+    why = []
+    if cfg.stem != "patch":
+        why.append(f"stem={cfg.stem!r} (timm's ViT patchifies with one conv)")
+    if cfg.pos_embed != "learned":
+        why.append(f"pos_embed={cfg.pos_embed!r} (timm's ViT has learned tables only)")
+    if cfg.representation_size:
+        why.append("a pre-logits layer (timm's ViT has none)")
+    if cfg.norm_eps != 1e-6:
+        why.append(f"norm_eps={cfg.norm_eps} (timm's ViT uses 1e-6)")
+    if why:
+        raise CheckpointError("cannot write timm's format: " + "; ".join(why))
+    h, w = cfg.img_hw
+    args: dict[str, Any] = dict(
+        img_size=[h, w],
+        patch_size=cfg.patch_size,
+        in_chans=cfg.in_chans,
+        num_classes=cfg.num_classes,
+        embed_dim=cfg.embed_dim,
+        depth=cfg.depth,
+        num_heads=cfg.num_heads,
+        mlp_ratio=timm_mlp_ratio(cfg.embed_dim, cfg.mlp_dim),
+        qkv_bias=cfg.qkv_bias,
+    )
+    if cfg.distilled:
+        return "deit_base_distilled_patch16_224", args
+    args.update(
+        class_token=cfg.class_token,
+        global_pool="avg" if cfg.pool == "gap" else "token",
+        fc_norm=cfg.fc_norm,
+        no_embed_class=cfg.no_embed_class,
+    )
+    if cfg.layer_scale is not None:
+        args["init_values"] = cfg.layer_scale
+    if cfg.act == "gelu_tanh":
+        args["act_layer"] = "gelu_tanh"
+    return timm_arch(cfg), args

@@ -1,0 +1,101 @@
+"""The format registry: every format module has the same interface, detection names the format of
+each library's files, a new format is one module plus one registry line, and writing keeps what
+a user relies on (provenance in vitlab's metadata, the old keyword)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.test_checkpoint import google_arrays, images, randomize
+from vitlab import create_model, formats, load_checkpoint, save_pretrained
+from vitlab.cli.main import main
+from vitlab.formats.base import Files, Source
+
+
+def test_every_format_has_the_interface_and_vitlab_writes_three() -> None:
+    for name, module in formats.FORMATS.items():
+        for function in ("detect", "read", "write"):
+            assert callable(getattr(module, function, None)), f"{name}.{function}"
+    assert set(formats.WRITABLE) == {"vitlab", "timm", "hf"}
+    model = create_model("vit_nano_patch4_28")
+    for name in set(formats.FORMATS) - set(formats.WRITABLE):  # read-only formats say so
+        with pytest.raises(formats.CheckpointError, match="does not write"):
+            formats.get(name).write(model, Path("unused"))
+
+
+def library_files(tmp_path: Path) -> dict[str, Files]:
+    """One checkpoint per format, written as its own library (or vitlab's writer) writes it."""
+    from torchvision.models.vision_transformer import VisionTransformer as TV
+
+    model = randomize(create_model("vit_nano_patch4_32", num_classes=3))
+    save_pretrained(model, tmp_path / "v")
+    save_pretrained(model, tmp_path / "t", "timm")
+    save_pretrained(model, tmp_path / "h", "hf")
+    tv = TV(image_size=32, patch_size=8, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32)
+    torch.save(tv.state_dict(), tmp_path / "tv.pth")
+    rng = np.random.default_rng(0)
+    arrays = google_arrays(rng, 16, 1, 2, 32, 8, 4, 3, linen=False, stacked=False, cls=True)
+    np.savez(tmp_path / "g.npz", **arrays)
+    torch.save(model.state_dict(), tmp_path / "plain.pt")  # vitlab's names, no metadata
+    return {
+        "vitlab": Files(tmp_path / "v" / "model.safetensors"),
+        "timm": Files(tmp_path / "t" / "model.safetensors", tmp_path / "t"),
+        "hf": Files(tmp_path / "h" / "model.safetensors", tmp_path / "h"),
+        "torchvision": Files(tmp_path / "tv.pth"),
+        "npz": Files(tmp_path / "g.npz"),
+        "plain vitlab": Files(tmp_path / "plain.pt"),
+    }
+
+
+def test_detection_names_each_librarys_format(tmp_path: Path) -> None:
+    for expected, files in library_files(tmp_path).items():
+        assert formats.detect(files) == expected.removeprefix("plain "), files
+    save_file({"conv1.weight": torch.zeros(2, 3, 3, 3)}, tmp_path / "resnet.safetensors")
+    with pytest.raises(formats.CheckpointError, match="not a ViT checkpoint.*conv1.weight"):
+        formats.detect(Files(tmp_path / "resnet.safetensors"))
+
+
+def test_a_new_format_is_one_module_and_one_registry_line(tmp_path: Path, monkeypatch) -> None:
+    """A made-up library that prefixes every key with `mine/` and stores no metadata."""
+    model = randomize(create_model("vit_nano_patch4_28", num_classes=4))
+    save_file({f"mine/{k}": v for k, v in model.state_dict().items()}, tmp_path / "m.safetensors")
+
+    def read(files: Files) -> Source:
+        state = {k.removeprefix("mine/"): v for k, v in files.tensors().items()}
+        return Source(state, "mine", files.where, hints={"num_heads": model.config.num_heads})
+
+    mine = SimpleNamespace(
+        detect=lambda files: all(re.match("mine/", k) for k in files.names()),
+        read=read,
+        write=lambda model, dst: [],
+    )
+    monkeypatch.setitem(formats.FORMATS, "mine", mine)
+    loaded, meta = load_checkpoint(tmp_path / "m.safetensors")
+    assert meta.info["source_format"] == "mine" and loaded.config == model.config
+    x = images(28, chans=1)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_convert_to_vitlab_keeps_where_the_weights_came_from(tmp_path: Path) -> None:
+    model = randomize(create_model("vit_nano_patch4_32", num_classes=3))
+    save_pretrained(model, tmp_path / "t", "timm")
+    assert main(["convert", str(tmp_path / "t"), str(tmp_path / "v")]) == 0
+    _, meta = load_checkpoint(tmp_path / "v")
+    assert meta.info["source_format"] == "timm" and meta.info["source"] == str(tmp_path / "t")
+
+
+def test_save_pretrained_still_takes_the_old_layout_keyword(tmp_path: Path) -> None:
+    model = create_model("vit_nano_patch4_32", num_classes=3)
+    with pytest.warns(DeprecationWarning, match="format="):
+        written = save_pretrained(model, tmp_path / "t", layout="timm")
+    assert (tmp_path / "t" / "config.json") in written
+    with pytest.raises(ValueError, match="format must be one of vitlab, timm, hf"):
+        save_pretrained(model, tmp_path / "x", "npz")
