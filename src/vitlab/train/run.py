@@ -76,9 +76,9 @@ def pick_device(name: str) -> torch.device:
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
-    """`auto`: bf16 on GPUs that support it, and on CPUs with bf16 arithmetic (AVX512-BF16 or
-    AMX; elsewhere PyTorch emulates bf16 and float32 is faster). On the project's CPU bf16 trains
-    1.9x faster than float32 at D=64 and 2.5-3.4x from D=128 up (BENCHMARKS.md)."""
+    """Whether to train under bf16 autocast: `bf16` yes, `fp32` no, `auto` on GPUs that support it
+    and on CPUs with bf16 arithmetic (AVX512-BF16 or AMX; elsewhere PyTorch emulates bf16 and
+    float32 is faster)."""
     if precision != "auto":
         return precision == "bf16"
     if device.type == "cuda":
