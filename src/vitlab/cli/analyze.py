@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.analysis.report import analyze, load_images
     from vitlab.eval.run import run_config_of
     from vitlab.models.checkpoint import load_checkpoint, vitlab_weights
-    from vitlab.train.run import pick_device
+    from vitlab.runtime import pick_device
 
     if args.num_images < 1:
         raise ValueError(f"--num-images must be at least 1, got {args.num_images}")

@@ -12,7 +12,7 @@ from vitlab.data import load_split, make_loader, train_val_split
 from vitlab.data.datasets import DatasetError, read_image
 from vitlab.eval.classification import evaluate, format_confusion, save_confusion_png
 from vitlab.models.checkpoint import load_checkpoint, vitlab_weights
-from vitlab.train.run import pick_device
+from vitlab.runtime import pick_device
 
 
 def _run_folder(weights: Path) -> Path | None:

@@ -43,16 +43,9 @@ from vitlab.models.checkpoint import (
     read_source,
 )
 from vitlab.models.vit import VisionTransformer, ViTConfig
-from vitlab.runtime import derive_seed
+from vitlab.runtime import Dist, derive_seed, pick_device, rng_state, set_rng_state, use_bf16
 from vitlab.train import distributed
-from vitlab.train.engine import (
-    NonFiniteLoss,
-    Position,
-    StepSettings,
-    rng_state,
-    set_rng_state,
-    train_epoch,
-)
+from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
 from vitlab.train.log import RUN_FILES, RunLog
 from vitlab.train.optim import EMA, build_optimizer, learning_rate
 from vitlab.train.state import (
@@ -64,32 +57,6 @@ from vitlab.train.state import (
     resolve_checkpoint,
     save_checkpoint,
 )
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name} but no CUDA device is available")
-    return device
-
-
-def use_bf16(precision: str, device: torch.device) -> bool:
-    """Whether to train under bf16 autocast: `bf16` yes, `fp32` no, `auto` on GPUs that support it
-    and on CPUs with bf16 arithmetic (AVX512-BF16 or AMX; elsewhere PyTorch emulates bf16 and
-    float32 is faster)."""
-    if precision != "auto":
-        return precision == "bf16"
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and cpu_has_bf16()
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes in bf16 natively (x86 AVX512-BF16 or AMX tiles)."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
 def resolve_model_config(
@@ -234,7 +201,7 @@ def train(
         distributed.shutdown(d, failed)
 
 
-def raise_if_rank_lost(d: distributed.Dist, error: Exception, out: Path | None) -> None:
+def raise_if_rank_lost(d: Dist, error: Exception, out: Path | None) -> None:
     """After `error` in a distributed run: RankLost naming the ranks that left, if any did, with
     how to resume. SIGTERM is ignored from here on (see StopFlag)."""
     with contextlib.suppress(ValueError):  # ValueError: not the main thread
@@ -322,7 +289,7 @@ class Run:
         out: Path | None,
         resume: Path | None,
         device: torch.device,
-        d: distributed.Dist,
+        d: Dist,
         extend: bool = False,
     ) -> None:
         self.cfg, self.device, self.d, self.strategy = cfg, device, d, cfg.train.strategy
