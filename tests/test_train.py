@@ -420,10 +420,10 @@ def test_precision_auto_takes_bf16_where_the_device_computes_in_it(monkeypatch) 
 
 
 def test_default_run_folders_of_runs_started_in_the_same_second_differ(tmp_path, monkeypatch):
-    from vitlab.train.run import default_run_folder
+    from vitlab.train.folder import default_run_folder
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(run_mod.time, "strftime", lambda fmt: fmt.replace("%Y%m%d-%H%M%S", "T"))
+    monkeypatch.setattr(time, "strftime", lambda fmt: fmt.replace("%Y%m%d-%H%M%S", "T"))
     first = default_run_folder(cfg())
     assert first == Path("runs/digits-T")
     first.mkdir(parents=True)
