@@ -17,7 +17,8 @@ from model_speed import median_seconds, step_fns  # benchmarks/ is on sys.path w
 from vitlab.config import load_run_config
 from vitlab.data import BatchAugment, Preprocessing, make_loader
 from vitlab.models.vit import VisionTransformer
-from vitlab.train.run import load_data, resolve_model_config, use_bf16
+from vitlab.runtime import use_bf16
+from vitlab.train.build import load_data, resolve_model_config
 
 DEFAULT = ["configs/fashion-mnist-quick.yaml", "configs/fashion-mnist.yaml", "configs/digits.yaml"]
 

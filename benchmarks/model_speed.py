@@ -22,7 +22,7 @@ import torch
 import vitlab
 from vitlab.formats.timm import timm_model_args, vitlab_to_timm
 from vitlab.models.vit import VisionTransformer
-from vitlab.train.run import use_bf16
+from vitlab.runtime import use_bf16
 
 DEFAULT = [("vit_nano_patch4_28", 256), ("Ti/16", 32), ("S/16", 16), ("B/16", 8)]
 

@@ -17,17 +17,18 @@ import torch
 from PIL import Image
 
 from tests.helpers import TINY_MODEL, weights_of
-from vitlab import load_checkpoint
+from vitlab import load_checkpoint, runtime
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
 from vitlab.data import load_split
 from vitlab.data.datasets import DatasetError
 from vitlab.formats import base as formats_base
 from vitlab.models import checkpoint as checkpoint_mod
+from vitlab.runtime import use_bf16
 from vitlab.train import run as run_mod
 from vitlab.train import state as state_mod
 from vitlab.train.engine import NonFiniteLoss
-from vitlab.train.run import train, use_bf16
+from vitlab.train.run import train
 from vitlab.train.state import load_weights, resolve_checkpoint
 
 FAST = [*TINY_MODEL, "train.batch_size=64"]
@@ -410,20 +411,20 @@ def test_precision_auto_takes_bf16_where_the_device_computes_in_it(monkeypatch) 
     cpu = torch.device("cpu")
     assert not use_bf16("fp32", cpu) and use_bf16("bf16", cpu)
     for native in (False, True):
-        monkeypatch.setattr(run_mod, "cpu_has_bf16", lambda native=native: native)
+        monkeypatch.setattr(runtime, "cpu_has_bf16", lambda native=native: native)
         assert use_bf16("auto", cpu) is native
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():  # Linux: the kernel's own flags say whether the CPU has bf16 arithmetic
         flags = set(cpuinfo.read_text().split())
         monkeypatch.undo()
-        assert run_mod.cpu_has_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"})
+        assert runtime.cpu_has_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def test_default_run_folders_of_runs_started_in_the_same_second_differ(tmp_path, monkeypatch):
-    from vitlab.train.run import default_run_folder
+    from vitlab.train.folder import default_run_folder
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(run_mod.time, "strftime", lambda fmt: fmt.replace("%Y%m%d-%H%M%S", "T"))
+    monkeypatch.setattr(time, "strftime", lambda fmt: fmt.replace("%Y%m%d-%H%M%S", "T"))
     first = default_run_folder(cfg())
     assert first == Path("runs/digits-T")
     first.mkdir(parents=True)

@@ -1,8 +1,61 @@
-"""Run-time helpers every layer may use (a leaf: imports nothing from vitlab)."""
+"""Run-time helpers every layer may use (a leaf: imports nothing from vitlab): the device to run
+on and whether it computes in bf16, this process's place in a distributed run (Dist), seeds and
+random-number-generator state."""
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def pick_device(name: str) -> torch.device:
+    """The device `name` names (`cpu`, `cuda`, `cuda:N`), or for `auto` CUDA where it is
+    available, else the CPU. A CUDA device on a machine without one is a ValueError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but no CUDA device is available")
+    return device
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """Whether to train under bf16 autocast: `bf16` yes, `fp32` no, `auto` on GPUs that support it
+    and on CPUs with bf16 arithmetic (AVX512-BF16 or AMX; elsewhere PyTorch emulates bf16 and
+    float32 is faster)."""
+    if precision != "auto":
+        return precision == "bf16"
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and cpu_has_bf16()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (x86 AVX512-BF16 or AMX tiles)."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+@dataclass
+class Dist:
+    """This process's place in a distributed run (torchrun); the defaults are a single process.
+    vitlab.train.distributed joins the process group and makes one."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    peers: tuple[str, ...] = ()  # "HOST PID" of every rank, to name one that is lost
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
 
 
 def derive_seed(*parts: int) -> int:
@@ -11,3 +64,18 @@ def derive_seed(*parts: int) -> int:
     seeds (a hash, not a sum: seed 1 rank 0 and seed 0 rank 1 do not collide)."""
     digest = hashlib.blake2b(repr(tuple(int(p) for p in parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def rng_state(device: torch.device) -> dict[str, Tensor]:
+    """The state of torch's random-number generators: the CPU's, and `device`'s when it is CUDA."""
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
+    """Restore generators to `state` (from rng_state)."""
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

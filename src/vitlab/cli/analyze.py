@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.eval.run import run_config_of
     from vitlab.formats.vitlab import vitlab_weights
     from vitlab.models.checkpoint import load_checkpoint
-    from vitlab.train.run import pick_device
+    from vitlab.runtime import pick_device
 
     if args.num_images < 1:
         raise ValueError(f"--num-images must be at least 1, got {args.num_images}")

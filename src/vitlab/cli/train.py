@@ -60,7 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from vitlab.train.distributed import RankLost
     from vitlab.train.engine import NonFiniteLoss
-    from vitlab.train.run import TrainingStopped, resume_config, train
+    from vitlab.train.folder import resume_config
+    from vitlab.train.run import TrainingStopped, train
 
     if args.resume is not None:
         if args.config or args.out:

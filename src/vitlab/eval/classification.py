@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from vitlab.train.distributed import Dist
+from vitlab.runtime import Dist
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from vitlab.data.datasets import DatasetError, read_image
 from vitlab.eval.classification import evaluate, format_confusion, save_confusion_png
 from vitlab.formats.vitlab import vitlab_weights
 from vitlab.models.checkpoint import load_checkpoint
-from vitlab.train.run import pick_device
+from vitlab.runtime import pick_device
 
 
 def _run_folder(weights: Path) -> Path | None:

@@ -1,5 +1,6 @@
-"""torchrun set-up: process group (gloo on CPU, NCCL on GPU), model wrapping (DDP or FSDP's
-fully_shard), and reductions of metrics across ranks."""
+"""torchrun set-up: process group (gloo on CPU, NCCL on GPU) and its teardown, naming a lost rank,
+model wrapping (DDP or FSDP's fully_shard), and reductions of metrics across ranks. The handle
+these take, Dist, is vitlab.runtime's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vitlab.runtime import derive_seed
+from vitlab.runtime import Dist, derive_seed
 
 TIMEOUT_ENV = "VITLAB_DIST_TIMEOUT"
 # the longest a rank waits in a collective for a peer (torch's default is 30 minutes). A peer that
@@ -31,22 +31,6 @@ class RankLost(RuntimeError):
     def __init__(self, message: str, lost: dict[int, str]) -> None:
         super().__init__(message)
         self.lost = lost  # {rank: what became of it}
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    peers: tuple[str, ...] = ()  # "HOST PID" of every rank, to name one that is lost
-
-    @property
-    def enabled(self) -> bool:
-        return self.world > 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 def init(device: torch.device, timeout_s: float | None = None) -> Dist:

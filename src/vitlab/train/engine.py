@@ -13,7 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from vitlab.data.loader import Loader
-from vitlab.train.distributed import Dist, all_sum, any_rank
+from vitlab.runtime import Dist, rng_state
+from vitlab.train.distributed import all_sum, any_rank
 from vitlab.train.optim import EMA
 
 
@@ -38,19 +39,6 @@ class StepSettings:
     label_smoothing: float
     lr_at: Callable[[int], float]  # optimizer step -> learning rate
     autocast: Callable[[], AbstractContextManager]
-
-
-def rng_state(device: torch.device) -> dict[str, Tensor]:
-    state = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def train_epoch(

@@ -26,8 +26,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW (fused: one kernel for all tensors, 4x faster than PyTorch's per-tensor CPU default,
-    which matters for small models; FSDP's sharded parameters keep the default) or SGD."""
+    """AdamW (fused: one kernel for all tensors instead of PyTorch's per-tensor CPU default; FSDP's
+    sharded parameters keep the default) or SGD."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "adamw":
         plain = all(type(p.data) is torch.Tensor for p in model.parameters())

@@ -14,44 +14,27 @@ Run folder:
 from __future__ import annotations
 
 import contextlib
-import shutil
 import signal
 import sys
-import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from vitlab.config import ConfigError, RunConfig, load_run_config
-from vitlab.data import (
-    BatchAugment,
-    Preprocessing,
-    dataset_info,
-    load_split,
-    make_loader,
-    train_val_split,
-)
-from vitlab.data.datasets import DatasetInfo, Split
+from vitlab.config import ConfigError, RunConfig
+from vitlab.data import BatchAugment, Preprocessing, make_loader
+from vitlab.data.datasets import Split
 from vitlab.eval.classification import evaluate
-from vitlab.formats.base import Source
-from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict, read_source
-from vitlab.models.vit import VisionTransformer, ViTConfig
-from vitlab.runtime import derive_seed
+from vitlab.models.checkpoint import infer_config, read_source
+from vitlab.models.vit import VisionTransformer
+from vitlab.runtime import Dist, derive_seed, pick_device, rng_state, set_rng_state, use_bf16
 from vitlab.train import distributed
-from vitlab.train.engine import (
-    NonFiniteLoss,
-    Position,
-    StepSettings,
-    rng_state,
-    set_rng_state,
-    train_epoch,
-)
-from vitlab.train.log import RUN_FILES, RunLog
+from vitlab.train.build import finetune_weights, load_data, resolve_model_config
+from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
+from vitlab.train.folder import check_resume_length, claim_run_folder, default_run_folder
+from vitlab.train.log import RunLog
 from vitlab.train.optim import EMA, build_optimizer, learning_rate
 from vitlab.train.state import (
-    CheckpointError,
     CheckpointMeta,
     load_train_state,
     load_weights,
@@ -59,130 +42,7 @@ from vitlab.train.state import (
     resolve_checkpoint,
     save_checkpoint,
 )
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name} but no CUDA device is available")
-    return device
-
-
-def use_bf16(precision: str, device: torch.device) -> bool:
-    """`auto`: bf16 on GPUs that support it, and on CPUs with bf16 arithmetic (AVX512-BF16 or
-    AMX; elsewhere PyTorch emulates bf16 and float32 is faster). On the project's CPU bf16 trains
-    1.9x faster than float32 at D=64 and 2.5-3.4x from D=128 up (BENCHMARKS.md)."""
-    if precision != "auto":
-        return precision == "bf16"
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and cpu_has_bf16()
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes in bf16 natively (x86 AVX512-BF16 or AMX tiles)."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
-
-
-def resolve_model_config(
-    cfg: RunConfig, info: DatasetInfo, base: ViTConfig | None = None
-) -> ViTConfig:
-    """The registry's config (or `base`, a fine-tuning source's architecture) with the run's
-    overrides; class count and channels follow the data unless set explicitly. Fails before
-    training when the data cannot fit the model."""
-    auto = {}
-    if "num_classes" not in cfg.model.overrides:
-        auto["num_classes"] = len(info.classes)
-    if "in_chans" not in cfg.model.overrides:
-        auto["in_chans"] = info.in_chans
-    mc = cfg.model.vit_config() if base is None else base.replace(**cfg.model.overrides)
-    mc = mc.replace(**auto)
-    if mc.num_classes != len(info.classes):
-        raise ConfigError(
-            f"model.num_classes={mc.num_classes} but dataset {info.name} has {len(info.classes)}"
-        )
-    if mc.in_chans != info.in_chans:
-        raise ConfigError(
-            f"model.in_chans={mc.in_chans} but dataset {info.name} has {info.in_chans} channels"
-        )
-    return mc
-
-
-def finetune_weights(model: VisionTransformer, source: Source) -> list[str]:
-    """Load another checkpoint's weights (read by read_source, any format vitlab reads) into
-    model: the source is moved to the model's resolution (position embeddings of any kind
-    resampled) and channels (patch kernels adapted), and gets a zero-initialised head when the
-    class count differs. Returns what was adapted."""
-    cfg = model.config
-    src_cfg = infer_config(source)
-    notes = []
-    if src_cfg.img_hw != cfg.img_hw:
-        notes.append(f"position embeddings resampled {src_cfg.grid} -> {cfg.grid}")
-    if src_cfg.in_chans != cfg.in_chans:
-        notes.append(f"patch kernels adapted {src_cfg.in_chans} -> {cfg.in_chans} channels")
-    if src_cfg.num_classes != cfg.num_classes:
-        notes.append(f"new zero-initialised head for {cfg.num_classes} classes")
-    src, _ = load_checkpoint(
-        source, img_size=cfg.img_size, in_chans=cfg.in_chans, num_classes=cfg.num_classes
-    )
-    load_state_strict(model, src.state_dict(), source.where)
-    return notes
-
-
-@dataclass
-class Data:
-    info: DatasetInfo
-    train: Split
-    val: Split | None
-    test: Split
-
-
-def load_data(cfg: RunConfig) -> Data:
-    train_full = load_split(cfg.data.name, "train", cfg.data.dir, cfg.data.split_seed)
-    test = load_split(cfg.data.name, "test", cfg.data.dir, cfg.data.split_seed)
-    train, val = train_val_split(train_full, cfg.data.val_fraction, cfg.data.split_seed)
-    return Data(dataset_info(cfg.data.name, train_full), train, val, test)
-
-
-class StopFlag:
-    """First Ctrl-C (SIGINT) or SIGTERM: finish the step, save, exit. Second Ctrl-C: stop now.
-
-    In a distributed run the save needs every rank: if a rank is lost the next collective fails
-    (at once, or after the collective timeout), nothing is saved and the last epoch's checkpoint
-    stands. Leaving on an error there, SIGTERM is ignored from then on: torchrun's agent sends it
-    to every survivor as soon as one rank dies, and it would cut short the report of which rank
-    was lost (see raise_if_rank_lost); the process is ending anyway."""
-
-    def __init__(self, distributed: bool = False) -> None:
-        self.requested, self.distributed = False, distributed
-        self._old: dict[int, object] = {}
-
-    def __enter__(self) -> StopFlag:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(ValueError):  # ValueError: not the main thread
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        note = " (if every rank is still there)" if self.distributed else ""
-        print(f"\nstop requested: saving a checkpoint after this step{note} ...", file=sys.stderr)
-
-    def __exit__(self, exc_type: type | None, *exc: object) -> None:
-        failed = exc_type is not None and not issubclass(exc_type, TrainingStopped)
-        for sig, old in self._old.items():
-            if sig == signal.SIGTERM and failed and self.distributed:
-                old = signal.SIG_IGN
-            signal.signal(sig, old)
-
-
-class TrainingStopped(RuntimeError):
-    """The run was stopped on request after saving a checkpoint."""
+from vitlab.train.stop import StopFlag, TrainingStopped
 
 
 def train(
@@ -194,12 +54,16 @@ def train(
     overwrite: bool = False,
 ) -> Path:
     """Run cfg; returns the run folder. With `resume` (a run folder, whose saved config cfg must
-    be, see resume_config) training continues exactly where it stopped; a different train.epochs
-    is refused unless `extend` (the schedule is then recomputed for it, see Run._extend). An
-    `out` that already holds a run is refused unless `overwrite` (its files are then removed)."""
+    be, see vitlab.train.folder.resume_config) training continues exactly where it stopped; a
+    different train.epochs is refused unless `extend` (the schedule is then recomputed for it, see
+    Run._extend). An `out` that already holds a run is refused unless `overwrite` (its files are
+    then removed)."""
     if resume is not None:
         out = Path(resume)
-    device = pick_device(cfg.train.device)
+    try:
+        device = pick_device(cfg.train.device)
+    except ValueError as e:
+        raise ConfigError(f"train.device: {e}") from None
     d = distributed.init(device)
     if device.type == "cuda":
         device = torch.device("cuda", d.local_rank)
@@ -229,7 +93,7 @@ def train(
         distributed.shutdown(d, failed)
 
 
-def raise_if_rank_lost(d: distributed.Dist, error: Exception, out: Path | None) -> None:
+def raise_if_rank_lost(d: Dist, error: Exception, out: Path | None) -> None:
     """After `error` in a distributed run: RankLost naming the ranks that left, if any did, with
     how to resume. SIGTERM is ignored from here on (see StopFlag)."""
     with contextlib.suppress(ValueError):  # ValueError: not the main thread
@@ -246,68 +110,6 @@ def raise_if_rank_lost(d: distributed.Dist, error: Exception, out: Path | None) 
     ) from error
 
 
-RESUMABLE_KEYS = ("train.epochs", "train.stop_at_epoch")
-
-
-def resume_config(run: Path, overrides: list[str]) -> RunConfig:
-    """The saved config of run folder `run`; the overrides may change only the run's length
-    (train.epochs, train.stop_at_epoch)."""
-    path = Path(run) / "config.yaml"
-    if not path.is_file():
-        raise CheckpointError(f"cannot resume {run}: it has no config.yaml (not a vitlab run)")
-    for item in overrides:
-        if item.partition("=")[0] not in RESUMABLE_KEYS:
-            raise ConfigError(
-                f"cannot change {item.partition('=')[0]} when resuming (only {RESUMABLE_KEYS})"
-            )
-    return load_run_config(str(path), overrides)
-
-
-def check_resume_length(run: Path, cfg: RunConfig, extend: bool) -> int:
-    """The run's planned train.epochs (from its saved config). A different cfg.train.epochs
-    would silently reshape the learning-rate schedule mid-run: refused unless `extend`."""
-    saved = load_run_config(str(run / "config.yaml"), []).train.epochs
-    new = cfg.train.epochs
-    if new != saved and not extend:
-        raise ConfigError(
-            f"train.epochs={new} differs from the run's {saved}: the {cfg.optim.schedule} "
-            f"learning-rate schedule was planned over {saved} epochs. To stop early keep "
-            f"train.epochs and set train.stop_at_epoch; to train to {new} epochs pass --extend "
-            f"(extend=True), and the schedule is recomputed as if the run had started with {new} "
-            f"epochs"
-        )
-    return saved
-
-
-def claim_run_folder(out: Path, overwrite: bool) -> str | None:
-    """Why a new run may not start in `out`: it holds a run, whose metrics and checkpoints would
-    be lost (None: it may). With `overwrite` that run's files are removed instead."""
-    found = [name for name in RUN_FILES if (out / name).exists()]
-    if found and not overwrite:
-        return (
-            f"{out} already holds a run ({', '.join(found)}): continue it with "
-            f"`vitlab train --resume {out}`, choose another --out, or pass --overwrite to "
-            f"replace it"
-        )
-    try:
-        for name in found:
-            path = out / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    except OSError as e:  # returned, not raised: the other ranks wait on rank 0's answer
-        return f"cannot replace the run in {out}: {e}"
-    return None
-
-
-def default_run_folder(cfg: RunConfig) -> Path:
-    """runs/DATASET-DATE-TIME, with -2, -3, ... when a run started in the same second."""
-    base = Path("runs") / time.strftime(f"{cfg.data.name.split(':')[0]}-%Y%m%d-%H%M%S")
-    out, n = base, 1
-    while out.exists():
-        n += 1
-        out = base.with_name(f"{base.name}-{n}")
-    return out
-
-
 class Run:
     """One training run's objects and its three phases: build (__init__), fit, test."""
 
@@ -317,7 +119,7 @@ class Run:
         out: Path | None,
         resume: Path | None,
         device: torch.device,
-        d: distributed.Dist,
+        d: Dist,
         extend: bool = False,
     ) -> None:
         self.cfg, self.device, self.d, self.strategy = cfg, device, d, cfg.train.strategy

@@ -1,0 +1,73 @@
+"""What a run is built from: its data splits, its model's config resolved against the data, and a
+fine-tuning source's weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vitlab.config import ConfigError, RunConfig
+from vitlab.data import dataset_info, load_split, train_val_split
+from vitlab.data.datasets import DatasetInfo, Split
+from vitlab.formats.base import Source
+from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict
+from vitlab.models.vit import VisionTransformer, ViTConfig
+
+
+def resolve_model_config(
+    cfg: RunConfig, info: DatasetInfo, base: ViTConfig | None = None
+) -> ViTConfig:
+    """The registry's config (or `base`, a fine-tuning source's architecture) with the run's
+    overrides; class count and channels follow the data unless set explicitly. Fails before
+    training when the data cannot fit the model."""
+    auto = {}
+    if "num_classes" not in cfg.model.overrides:
+        auto["num_classes"] = len(info.classes)
+    if "in_chans" not in cfg.model.overrides:
+        auto["in_chans"] = info.in_chans
+    mc = cfg.model.vit_config() if base is None else base.replace(**cfg.model.overrides)
+    mc = mc.replace(**auto)
+    if mc.num_classes != len(info.classes):
+        raise ConfigError(
+            f"model.num_classes={mc.num_classes} but dataset {info.name} has {len(info.classes)}"
+        )
+    if mc.in_chans != info.in_chans:
+        raise ConfigError(
+            f"model.in_chans={mc.in_chans} but dataset {info.name} has {info.in_chans} channels"
+        )
+    return mc
+
+
+def finetune_weights(model: VisionTransformer, source: Source) -> list[str]:
+    """Load another checkpoint's weights (read by read_source, any format vitlab reads) into
+    model: the source is moved to the model's resolution (position embeddings of any kind
+    resampled) and channels (patch kernels adapted), and gets a zero-initialised head when the
+    class count differs. Returns what was adapted."""
+    cfg = model.config
+    src_cfg = infer_config(source)
+    notes = []
+    if src_cfg.img_hw != cfg.img_hw:
+        notes.append(f"position embeddings resampled {src_cfg.grid} -> {cfg.grid}")
+    if src_cfg.in_chans != cfg.in_chans:
+        notes.append(f"patch kernels adapted {src_cfg.in_chans} -> {cfg.in_chans} channels")
+    if src_cfg.num_classes != cfg.num_classes:
+        notes.append(f"new zero-initialised head for {cfg.num_classes} classes")
+    src, _ = load_checkpoint(
+        source, img_size=cfg.img_size, in_chans=cfg.in_chans, num_classes=cfg.num_classes
+    )
+    load_state_strict(model, src.state_dict(), source.where)
+    return notes
+
+
+@dataclass
+class Data:
+    info: DatasetInfo
+    train: Split
+    val: Split | None
+    test: Split
+
+
+def load_data(cfg: RunConfig) -> Data:
+    train_full = load_split(cfg.data.name, "train", cfg.data.dir, cfg.data.split_seed)
+    test = load_split(cfg.data.name, "test", cfg.data.dir, cfg.data.split_seed)
+    train, val = train_val_split(train_full, cfg.data.val_fraction, cfg.data.split_seed)
+    return Data(dataset_info(cfg.data.name, train_full), train, val, test)

@@ -1,0 +1,73 @@
+"""A run's folder: naming a new one, refusing to start over a run it holds, and the config and
+length of a run being resumed."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from vitlab.config import ConfigError, RunConfig, load_run_config
+from vitlab.train.log import RUN_FILES
+from vitlab.train.state import CheckpointError
+
+RESUMABLE_KEYS = ("train.epochs", "train.stop_at_epoch")
+
+
+def resume_config(run: Path, overrides: list[str]) -> RunConfig:
+    """The saved config of run folder `run`; the overrides may change only the run's length
+    (train.epochs, train.stop_at_epoch)."""
+    path = Path(run) / "config.yaml"
+    if not path.is_file():
+        raise CheckpointError(f"cannot resume {run}: it has no config.yaml (not a vitlab run)")
+    for item in overrides:
+        if item.partition("=")[0] not in RESUMABLE_KEYS:
+            raise ConfigError(
+                f"cannot change {item.partition('=')[0]} when resuming (only {RESUMABLE_KEYS})"
+            )
+    return load_run_config(str(path), overrides)
+
+
+def check_resume_length(run: Path, cfg: RunConfig, extend: bool) -> int:
+    """The run's planned train.epochs (from its saved config). A different cfg.train.epochs
+    would silently reshape the learning-rate schedule mid-run: refused unless `extend`."""
+    saved = load_run_config(str(run / "config.yaml"), []).train.epochs
+    new = cfg.train.epochs
+    if new != saved and not extend:
+        raise ConfigError(
+            f"train.epochs={new} differs from the run's {saved}: the {cfg.optim.schedule} "
+            f"learning-rate schedule was planned over {saved} epochs. To stop early keep "
+            f"train.epochs and set train.stop_at_epoch; to train to {new} epochs pass --extend "
+            f"(extend=True), and the schedule is recomputed as if the run had started with {new} "
+            f"epochs"
+        )
+    return saved
+
+
+def claim_run_folder(out: Path, overwrite: bool) -> str | None:
+    """Why a new run may not start in `out`: it holds a run, whose metrics and checkpoints would
+    be lost (None: it may). With `overwrite` that run's files are removed instead."""
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if found and not overwrite:
+        return (
+            f"{out} already holds a run ({', '.join(found)}): continue it with "
+            f"`vitlab train --resume {out}`, choose another --out, or pass --overwrite to "
+            f"replace it"
+        )
+    try:
+        for name in found:
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    except OSError as e:  # returned, not raised: the other ranks wait on rank 0's answer
+        return f"cannot replace the run in {out}: {e}"
+    return None
+
+
+def default_run_folder(cfg: RunConfig) -> Path:
+    """runs/DATASET-DATE-TIME, with -2, -3, ... when a run started in the same second."""
+    base = Path("runs") / time.strftime(f"{cfg.data.name.split(':')[0]}-%Y%m%d-%H%M%S")
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out

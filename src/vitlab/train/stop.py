@@ -1,0 +1,45 @@
+"""Stopping a run on request: the first Ctrl-C or SIGTERM lets it finish the step and save."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+
+
+class StopFlag:
+    """First Ctrl-C (SIGINT) or SIGTERM: finish the step, save, exit. Second Ctrl-C: stop now.
+
+    In a distributed run the save needs every rank: if a rank is lost the next collective fails
+    (at once, or after the collective timeout), nothing is saved and the last epoch's checkpoint
+    stands. Leaving on an error there, SIGTERM is ignored from then on: torchrun's agent sends it
+    to every survivor as soon as one rank dies, and it would cut short the report of which rank
+    was lost (see vitlab.train.run.raise_if_rank_lost); the process is ending anyway."""
+
+    def __init__(self, distributed: bool = False) -> None:
+        self.requested, self.distributed = False, distributed
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> StopFlag:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # ValueError: not the main thread
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        note = " (if every rank is still there)" if self.distributed else ""
+        print(f"\nstop requested: saving a checkpoint after this step{note} ...", file=sys.stderr)
+
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        failed = exc_type is not None and not issubclass(exc_type, TrainingStopped)
+        for sig, old in self._old.items():
+            if sig == signal.SIGTERM and failed and self.distributed:
+                old = signal.SIG_IGN
+            signal.signal(sig, old)
+
+
+class TrainingStopped(RuntimeError):
+    """The run was stopped on request after saving a checkpoint."""
