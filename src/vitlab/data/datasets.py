@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vitlab.data.download import FASHION_SHA256, find_or_fetch_fashion_mnist
+from vitlab.data.download import FASHION_SHA256, DatasetError, find_or_fetch_fashion_mnist
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +44,6 @@ FASHION_CLASSES = [
     "Bag",
     "Ankle boot",
 ]
-
-
-class DatasetError(ValueError):
-    """A dataset that cannot be found or read."""
 
 
 @dataclass
