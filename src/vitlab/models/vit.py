@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vitlab.config import ConfigError, check_keys, validate
-from vitlab.models.layers import POS_EMBEDS, Block, ConvStem, PatchEmbed, lecun_normal_
+from vitlab.models.layers import Block, ConvStem, PatchEmbed, lecun_normal_
+from vitlab.models.pos_embed import POS_EMBEDS
 
 PoolKind = Literal["token", "gap"]
 PosEmbedKind = Literal["learned", "learned_2d", "relative", "sincos2d", "none"]
