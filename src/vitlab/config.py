@@ -168,15 +168,12 @@ def apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str]) -> di
 
 @dataclass
 class ModelSection:
-    """`model.name` (a registered name or alias) plus any ViTConfig field as an override."""
+    """`model.name` (a registered name or alias) plus any ViTConfig field as an override; the
+    registry turns it into a ViTConfig (vitlab.models.registry.config_of), this module knows no
+    model."""
 
     name: str = "vit_nano_patch4_28"
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def vit_config(self):  # -> ViTConfig (imported lazily: models import this module)
-        from vitlab.models.registry import get_config
-
-        return get_config(self.name, **self.overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **self.overrides}
@@ -291,8 +288,9 @@ class RunConfig:
 
     @classmethod
     def from_tree(cls, tree: Mapping[str, Any]) -> RunConfig:
-        """Build from nested dicts (YAML), refusing unknown sections, keys and wrong types; the
-        model section is checked against the registry and ViTConfig."""
+        """Build from nested dicts (YAML), refusing unknown sections, keys and wrong types. The
+        model section is only checked to be a name plus named overrides: the registry checks the
+        rest when it builds the ViTConfig (`vitlab train` does so before loading any data)."""
         known = ["model", *cls.SECTIONS]
         for section, body in tree.items():
             if not isinstance(section, str):
@@ -310,9 +308,7 @@ class RunConfig:
         for key in model_tree:
             if not isinstance(key, str):
                 raise ConfigError(f"keys of section 'model' are names, got {key!r}")
-        model = ModelSection(name, model_tree)
-        model.vit_config()  # unknown model, key or type: fail now, naming it
-        kwargs: dict[str, Any] = {"model": model}
+        kwargs: dict[str, Any] = {"model": ModelSection(name, model_tree)}
         for section, klass in cls.SECTIONS.items():
             body = {
                 (k + "_" if k == "from" else k): v for k, v in (tree.get(section) or {}).items()

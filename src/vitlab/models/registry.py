@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 
+from vitlab.config import ModelSection
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
 # (width D, depth L, MLP M, heads): paper Table 1, Ti and S from DeiT
@@ -126,6 +127,12 @@ class UnknownModelError(KeyError, ValueError):
 def get_config(name: str, **overrides: object) -> ViTConfig:
     """The config registered under `name` (or alias) with `overrides` applied and validated."""
     return _MODELS[resolve_name(name)].replace(**overrides)
+
+
+def config_of(section: ModelSection) -> ViTConfig:
+    """The ViTConfig a run config's `model` section names: the registered config (or alias) with
+    the section's overrides applied and validated."""
+    return get_config(section.name, **section.overrides)
 
 
 def create_model(name: str, **overrides: object) -> VisionTransformer:
