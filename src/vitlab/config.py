@@ -270,8 +270,8 @@ class FinetuneConfig:
 
 @dataclass
 class RunConfig:
-    """Everything a training run needs. The defaults are the digits recipe: plain `vitlab train`
-    reaches about 97% test accuracy in under a minute on two CPU cores."""
+    """Everything a training run needs. The defaults are the digits recipe that plain
+    `vitlab train` runs (its results are in BENCHMARKS.md)."""
 
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -334,8 +334,8 @@ def load_run_config(path: str | None = None, overrides: typing.Iterable[str] = (
     if path:
         try:
             with open(path, encoding="utf-8") as f:
-                # libyaml's loader where built: the pure-Python scanner takes seconds on a few
-                # thousand nested brackets (quadratic), libyaml refuses past 1,000 levels
+                # libyaml's loader where built: the pure-Python scanner's time grows with the
+                # square of the nesting depth, libyaml refuses nesting past 1,000 levels
                 tree = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None

@@ -69,7 +69,7 @@ for _size, _patch in _PAPER_VARIANTS:
         )
     register_alias(f"{_SHORT[_size]}/{_patch}", f"vit_{_size}_patch{_patch}_224")
 
-# Small presets that train in minutes on a laptop CPU: 28x28 grey (MNIST, Fashion-MNIST) and
+# Small presets sized for training on a CPU: 28x28 grey (MNIST, Fashion-MNIST) and
 # 32x32 colour (CIFAR), patch 4 (a 7x7 or 8x8 grid), 10 classes.
 for _res, _chans, _data in ((28, 1, "28x28 greyscale"), (32, 3, "32x32 colour")):
     register_model(
