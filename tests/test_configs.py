@@ -10,6 +10,7 @@ import pytest
 
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, RunConfig, load_run_config
+from vitlab.models.registry import config_of
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -29,7 +30,7 @@ def test_the_presets_the_issue_names_exist() -> None:
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_preset_parses_and_states_its_commands(path: Path) -> None:
     cfg = load_run_config(str(path))
-    cfg.model.vit_config()
+    config_of(cfg.model)
     text = path.read_text()
     assert "# run:" in text and "# smoke:" in text
     assert RunConfig.from_tree(cfg.to_tree()) == cfg

@@ -21,6 +21,7 @@ from tests.helpers import TINY_MODEL
 from vitlab.config import load_run_config
 from vitlab.data import load_split, make_loader
 from vitlab.data.loader import BatchPlan
+from vitlab.models.registry import config_of
 from vitlab.models.vit import VisionTransformer
 from vitlab.preprocessing import Preprocessing
 from vitlab.train import distributed
@@ -135,7 +136,7 @@ def test_evaluation_with_unequal_batch_counts_counts_each_image_once(
     must run 2 forwards, count 513 images, and report what one model computes on all of them."""
     cfg = load_run_config(None, [*FAST, "train.batch_size=64"])
     torch.manual_seed(cfg.train.seed)
-    expected_init = VisionTransformer(cfg.model.vit_config().replace(in_chans=1, num_classes=10))
+    expected_init = VisionTransformer(config_of(cfg.model).replace(in_chans=1, num_classes=10))
     model = VisionTransformer(expected_init.config)
     torch.manual_seed(1)
     for p in model.parameters():  # a model whose predictions vary (the head starts at zero)

@@ -9,7 +9,7 @@ from sklearn.datasets import load_digits
 
 import vitlab
 from tests.helpers import tiny_config
-from vitlab.models.layers import resample_pos_embed, sincos_2d
+from vitlab.models.pos_embed import resample_pos_embed, sincos_2d
 from vitlab.models.vit import VisionTransformer
 
 KINDS = ["learned", "learned_2d", "relative", "sincos2d", "none"]

@@ -168,15 +168,12 @@ def apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str]) -> di
 
 @dataclass
 class ModelSection:
-    """`model.name` (a registered name or alias) plus any ViTConfig field as an override."""
+    """`model.name` (a registered name or alias) plus any ViTConfig field as an override; the
+    registry turns it into a ViTConfig (vitlab.models.registry.config_of), this module knows no
+    model."""
 
     name: str = "vit_nano_patch4_28"
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def vit_config(self):  # -> ViTConfig (imported lazily: models import this module)
-        from vitlab.models.registry import get_config
-
-        return get_config(self.name, **self.overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **self.overrides}
@@ -273,8 +270,8 @@ class FinetuneConfig:
 
 @dataclass
 class RunConfig:
-    """Everything a training run needs. The defaults are the digits recipe: plain `vitlab train`
-    reaches about 97% test accuracy in under a minute on two CPU cores."""
+    """Everything a training run needs. The defaults are the digits recipe that plain
+    `vitlab train` runs (its results are in BENCHMARKS.md)."""
 
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -291,8 +288,9 @@ class RunConfig:
 
     @classmethod
     def from_tree(cls, tree: Mapping[str, Any]) -> RunConfig:
-        """Build from nested dicts (YAML), refusing unknown sections, keys and wrong types; the
-        model section is checked against the registry and ViTConfig."""
+        """Build from nested dicts (YAML), refusing unknown sections, keys and wrong types. The
+        model section is only checked to be a name plus named overrides: the registry checks the
+        rest when it builds the ViTConfig (`vitlab train` does so before loading any data)."""
         known = ["model", *cls.SECTIONS]
         for section, body in tree.items():
             if not isinstance(section, str):
@@ -310,9 +308,7 @@ class RunConfig:
         for key in model_tree:
             if not isinstance(key, str):
                 raise ConfigError(f"keys of section 'model' are names, got {key!r}")
-        model = ModelSection(name, model_tree)
-        model.vit_config()  # unknown model, key or type: fail now, naming it
-        kwargs: dict[str, Any] = {"model": model}
+        kwargs: dict[str, Any] = {"model": ModelSection(name, model_tree)}
         for section, klass in cls.SECTIONS.items():
             body = {
                 (k + "_" if k == "from" else k): v for k, v in (tree.get(section) or {}).items()
@@ -338,8 +334,8 @@ def load_run_config(path: str | None = None, overrides: typing.Iterable[str] = (
     if path:
         try:
             with open(path, encoding="utf-8") as f:
-                # libyaml's loader where built: the pure-Python scanner takes seconds on a few
-                # thousand nested brackets (quadratic), libyaml refuses past 1,000 levels
+                # libyaml's loader where built: the pure-Python scanner's time grows with the
+                # square of the nesting depth, libyaml refuses nesting past 1,000 levels
                 tree = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vitlab.data.download import FASHION_SHA256, find_or_fetch_fashion_mnist
+from vitlab.data.download import FASHION_SHA256, DatasetError, find_or_fetch_fashion_mnist
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +44,6 @@ FASHION_CLASSES = [
     "Bag",
     "Ankle boot",
 ]
-
-
-class DatasetError(ValueError):
-    """A dataset that cannot be found or read."""
 
 
 @dataclass
@@ -296,8 +292,8 @@ def load_cifar_split(name: str, split: str, data_dir: str | None) -> ArraySplit:
 
 
 def _check_image(path: Path) -> str | None:
-    """None when PIL reads the file's header and structure (`verify()`: cheap, so that a folder
-    of millions of files scans in minutes), else why not. A file that passes and still fails to
+    """None when PIL reads the file's header and structure (`verify()`, which does not decode the
+    pixels), else why not. A file that passes and still fails to
     decode (a truncated JPEG) is a DatasetError naming it when it is loaded (read_image)."""
     from PIL import Image
 

@@ -1,4 +1,5 @@
-"""Finding dataset files on disk, and fetching them (with SHA-256 checks) when they are missing."""
+"""Finding dataset files on disk, and fetching them (with SHA-256 checks) when they are missing;
+DatasetError, which every dataset reader raises, is defined here (datasets.py re-exports it)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ FASHION_SHA256 = {
     )
 }
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be found or read."""
 
 
 def cache_dir() -> Path:
@@ -94,8 +99,6 @@ def _fetch(url: str, dest: Path, expected_sha256: str) -> None:
 def find_or_fetch_fashion_mnist(data_dir: str | None) -> dict[str, Path]:
     """The four Fashion-MNIST files, found on disk or downloaded into ~/.cache/vitlab/fashion-mnist
     (or data.dir when given); offline and missing, a DatasetError naming both ways to get them."""
-    from vitlab.data.datasets import DatasetError
-
     found = find_fashion_mnist(data_dir)
     if found:
         return found

@@ -1,6 +1,6 @@
 """The ViT model family: config, module, building blocks and registry."""
 
-from vitlab.models.layers import resample_pos_embed
+from vitlab.models.pos_embed import resample_pos_embed
 from vitlab.models.registry import (
     UnknownModelError,
     create_model,

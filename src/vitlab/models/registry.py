@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 
+from vitlab.config import ModelSection
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
 # (width D, depth L, MLP M, heads): paper Table 1, Ti and S from DeiT
@@ -68,7 +69,7 @@ for _size, _patch in _PAPER_VARIANTS:
         )
     register_alias(f"{_SHORT[_size]}/{_patch}", f"vit_{_size}_patch{_patch}_224")
 
-# Small presets that train in minutes on a laptop CPU: 28x28 grey (MNIST, Fashion-MNIST) and
+# Small presets sized for training on a CPU: 28x28 grey (MNIST, Fashion-MNIST) and
 # 32x32 colour (CIFAR), patch 4 (a 7x7 or 8x8 grid), 10 classes.
 for _res, _chans, _data in ((28, 1, "28x28 greyscale"), (32, 3, "32x32 colour")):
     register_model(
@@ -126,6 +127,12 @@ class UnknownModelError(KeyError, ValueError):
 def get_config(name: str, **overrides: object) -> ViTConfig:
     """The config registered under `name` (or alias) with `overrides` applied and validated."""
     return _MODELS[resolve_name(name)].replace(**overrides)
+
+
+def config_of(section: ModelSection) -> ViTConfig:
+    """The ViTConfig a run config's `model` section names: the registered config (or alias) with
+    the section's overrides applied and validated."""
+    return get_config(section.name, **section.overrides)
 
 
 def create_model(name: str, **overrides: object) -> VisionTransformer:

@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vitlab.config import ConfigError, check_keys, validate
-from vitlab.models.layers import POS_EMBEDS, Block, ConvStem, PatchEmbed, lecun_normal_
+from vitlab.models.layers import Block, ConvStem, PatchEmbed, lecun_normal_
+from vitlab.models.pos_embed import POS_EMBEDS
 
 PoolKind = Literal["token", "gap"]
 PosEmbedKind = Literal["learned", "learned_2d", "relative", "sincos2d", "none"]
@@ -181,7 +182,7 @@ class VisionTransformer(nn.Module):
         self.head = self._new_head(cfg.num_classes)
         self.head_dist = self._new_head(cfg.num_classes) if cfg.distilled else None
         self.grad_checkpointing = False
-        self.preprocessing = None  # a vitlab.models.Preprocessing when the weights come with one
+        self.preprocessing = None  # a vitlab.preprocessing.Preprocessing when the weights have one
         self.classes: list[str] | None = None  # class names, likewise
         self.init_weights()
 
@@ -363,8 +364,22 @@ class VisionTransformer(nn.Module):
         norm: bool = False,
     ) -> Intermediates:
         """Final tokens plus the chosen blocks' output tokens (with the final LayerNorm applied
-        when `norm`) and, when `return_attention`, their attention probabilities (B, H, T, T),
-        computed exactly as the fused kernel computes them."""
+        when `norm`) and, when `return_attention`, each chosen block's attention probabilities
+        (B, H, T, T): softmax((q / sqrt(d)) k^T + bias) over the keys (rows sum to 1), the bias
+        being (q / sqrt(d)) . r, r the learned embedding of each query-key offset, with
+        pos_embed='relative', and none otherwise.
+
+        The maps come from layers.attention_probs in the dtype its softmax runs in (q's: the
+        model's, or the autocast dtype under CPU autocast; float32 under CUDA autocast), taken
+        before attention dropout (in training mode the output uses a dropped copy), with autograd
+        history when grad is enabled.
+        Chosen blocks run this explicit path instead of F.scaled_dot_product_attention, which
+        forward() uses (except in bf16 on CPU, where it takes the explicit path too): the same
+        formula, not bit for bit, so tokens and `features` may differ from forward_features' by
+        rounding. tests/test_attention.py checks in float32, to atol 1e-5, the maps against the
+        formula written out from the weights and `features` against forward_features
+        (test_forward_intermediates_tokens_and_attention_maps), and both paths' outputs against
+        that formula (test_fused_attention_matches_explicit_reference)."""
         chosen = self._block_indices(indices)
         tokens: list[Tensor] = []
         attentions: list[Tensor] = []
