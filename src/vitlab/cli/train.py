@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from vitlab.config import load_run_config
-from vitlab.models.registry import config_of
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -74,7 +73,6 @@ def run(args: argparse.Namespace) -> int:
         if args.extend:
             raise ValueError("--extend lengthens a resumed run: use it with --resume")
         cfg = load_run_config(args.config, args.overrides)
-    config_of(cfg.model)  # an unknown model, key or value fails here, before any data is loaded
     try:
         out = train(
             cfg, out=args.out, resume=args.resume, extend=args.extend, overwrite=args.overwrite

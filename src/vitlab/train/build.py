@@ -10,6 +10,7 @@ from vitlab.data import dataset_info, load_split, train_val_split
 from vitlab.data.datasets import DatasetInfo, Split
 from vitlab.formats.base import Source
 from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict
+from vitlab.models.registry import config_of
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
 
@@ -24,7 +25,7 @@ def resolve_model_config(
         auto["num_classes"] = len(info.classes)
     if "in_chans" not in cfg.model.overrides:
         auto["in_chans"] = info.in_chans
-    mc = cfg.model.vit_config() if base is None else base.replace(**cfg.model.overrides)
+    mc = config_of(cfg.model) if base is None else base.replace(**cfg.model.overrides)
     mc = mc.replace(**auto)
     if mc.num_classes != len(info.classes):
         raise ConfigError(

@@ -26,6 +26,7 @@ from vitlab.data import BatchAugment, Preprocessing, make_loader
 from vitlab.data.datasets import Split
 from vitlab.eval.classification import evaluate
 from vitlab.models.checkpoint import infer_config, read_source
+from vitlab.models.registry import config_of
 from vitlab.models.vit import VisionTransformer
 from vitlab.runtime import Dist, derive_seed, pick_device, rng_state, set_rng_state, use_bf16
 from vitlab.train import distributed
@@ -60,6 +61,7 @@ def train(
     then removed)."""
     if resume is not None:
         out = Path(resume)
+    config_of(cfg.model)  # an unknown model, key or type fails now, naming it
     try:
         device = pick_device(cfg.train.device)
     except ValueError as e:
