@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 import vitlab
-from vitlab.data.transforms import Preprocessing
+from vitlab.preprocessing import Preprocessing
 from vitlab.train.state import CheckpointMeta, save_checkpoint
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import torch
@@ -46,3 +50,28 @@ def tiny_config(**overrides: object) -> ViTConfig:
 def randomize_head(model: VisionTransformer) -> None:
     """The head is zero-initialised, which would stop every gradient before it."""
     nn.init.normal_(model.head.weight, std=0.1)
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it, parents first, read from /proc (children of every
+    thread)."""
+    out = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids = (task / "children").read_text().split()
+        except OSError:  # the thread or the process is gone
+            continue
+        for kid in map(int, kids):
+            out += process_tree(kid)
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGKILL a torchrun agent and every process below it, then reap it. torchrun starts each rank
+    in a session of its own, so killing the agent's process group would leave the ranks running,
+    holding the agent's pipes open (and a `communicate()` waiting for them forever). Returns its
+    stdout and stderr."""
+    for pid in process_tree(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return proc.communicate()  # what it wrote before

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY_MODEL
+from tests.helpers import TINY_MODEL, kill_tree
 from vitlab.config import load_run_config
 from vitlab.data import load_split, make_loader
 from vitlab.data.loader import BatchPlan
@@ -46,13 +45,11 @@ def torchrun(command: str, spec: dict, timeout: float = 300) -> subprocess.Compl
         stderr=subprocess.PIPE,
         text=True,
         env=env,
-        start_new_session=True,  # its own process group: a hung run is killed with its ranks
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+        stdout, stderr = kill_tree(proc)
         pytest.fail(f"{command} hung for {timeout} s: {stderr[-3000:]}")
     assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
@@ -257,7 +254,8 @@ def worker(command: str, spec: dict) -> None:
             metrics = run.evaluate(split)
             write(out / f"evaluate{d.rank}.json", {"forwards": forwards[0], "metrics": metrics})
         elif command == "probe":
-            if resume is None:
+            if resume is None:  # rank 0 makes the run folder: another rank may get here first
+                out.mkdir(parents=True, exist_ok=True)
                 torch.save(probe(run), out / f"probe{d.rank}.pt")
             if run.fit():
                 run.test()

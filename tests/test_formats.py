@@ -82,6 +82,38 @@ def test_a_new_format_is_one_module_and_one_registry_line(tmp_path: Path, monkey
     x = images(28, chans=1)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
+    named, _ = load_checkpoint(tmp_path / "m.safetensors", format="mine")  # and by its name
+    assert torch.equal(named.head.weight, model.head.weight)
+
+
+def test_suffixes_in_capitals_are_the_same_formats(tmp_path: Path) -> None:
+    library_files(tmp_path)
+    (tmp_path / "g.npz").rename(tmp_path / "G.NPZ")
+    (tmp_path / "v" / "model.safetensors").rename(tmp_path / "W.SAFETENSORS")
+    assert load_checkpoint(tmp_path / "G.NPZ")[1].info["source_format"] == "npz"
+    _, meta = load_checkpoint(tmp_path / "W.SAFETENSORS")  # vitlab's, with its metadata
+    assert meta.config.num_classes == 3 and meta.preprocessing.mean == (0.5,) * 3
+
+
+def test_a_folders_config_files_apply_whatever_format_its_weights_are_in(tmp_path: Path) -> None:
+    """Hub folders carry config.json (timm's or transformers') and preprocessor_config.json
+    beside weights of any format: their class names, statistics and sizes are used."""
+    import json
+
+    library_files(tmp_path)
+    folder = tmp_path / "npz_folder"
+    folder.mkdir()
+    (tmp_path / "g.npz").rename(folder / "g.npz")
+    timm_cfg = {"label_names": ["a", "b", "c"], "pretrained_cfg": {"mean": [0.1] * 3,
+                "std": [0.2] * 3, "crop_pct": 0.8}}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(timm_cfg))
+    _, meta = load_checkpoint(folder)
+    assert meta.classes == ["a", "b", "c"] and meta.preprocessing.mean == (0.1,) * 3
+    assert meta.preprocessing.crop_pct == 0.8
+    processor = {"image_mean": [0.3] * 3, "image_std": [0.4] * 3, "resample": 3}
+    (tmp_path / "t" / "preprocessor_config.json").write_text(json.dumps(processor))
+    _, meta = load_checkpoint(tmp_path / "t")  # timm weights, transformers' preprocessing
+    assert meta.preprocessing.mean == (0.3,) * 3 and meta.preprocessing.interpolation == "bicubic"
 
 
 def test_convert_to_vitlab_keeps_where_the_weights_came_from(tmp_path: Path) -> None:
@@ -97,5 +129,10 @@ def test_save_pretrained_still_takes_the_old_layout_keyword(tmp_path: Path) -> N
     with pytest.warns(DeprecationWarning, match="format="):
         written = save_pretrained(model, tmp_path / "t", layout="timm")
     assert (tmp_path / "t" / "config.json") in written
+    with (
+        pytest.raises(TypeError, match="both format= and layout="),
+        pytest.warns(DeprecationWarning),
+    ):
+        save_pretrained(model, tmp_path / "y", "hf", layout="timm")
     with pytest.raises(ValueError, match="format must be one of vitlab, timm, hf"):
         save_pretrained(model, tmp_path / "x", "npz")

@@ -20,6 +20,9 @@ FORBIDDEN = {
     "vitlab.data": ("vitlab.models", *HIGH),
     "vitlab.models": HIGH,
     "vitlab.config": ("vitlab.models", "vitlab.data", *HIGH),
+    # formats know models' configs, not how loading is orchestrated, data, analysis or above
+    "vitlab.formats": ("vitlab.models.checkpoint", "vitlab.data", "vitlab.analysis", *HIGH),
+    "vitlab.hub": ("vitlab.models.checkpoint", "vitlab.data", "vitlab.analysis", *HIGH),
 }
 LEAVES = ("vitlab.runtime", "vitlab.preprocessing")  # import no vitlab module at all
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import TINY_MODEL
+from tests.helpers import TINY_MODEL, kill_tree
 from vitlab import load_checkpoint
 from vitlab.train.state import load_train_state, load_weights, resolve_checkpoint
 
@@ -69,8 +69,7 @@ def start(*args: str, env: dict[str, str] = ENV) -> subprocess.Popen:
 def stop(proc: subprocess.Popen) -> None:
     """Kill the agent and every worker it started, if still there (a failed test leaks none)."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        kill_tree(proc)
 
 
 def kill_rank_mid_epoch(
@@ -100,8 +99,7 @@ def kill_rank_mid_epoch(
     try:
         rest, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the agent and every rank
-        rest, _ = proc.communicate()
+        rest, _ = kill_tree(proc)  # the agent and every rank
         lines.append(rest)
         raise AssertionError("hung after a rank was killed:\n" + "".join(lines)[-4000:]) from None
     return proc.returncode, "".join(lines) + rest, time.monotonic() - killed

@@ -11,14 +11,15 @@ import torch
 from torch import Tensor
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, setting: str = "device") -> torch.device:
     """The device `name` names (`cpu`, `cuda`, `cuda:N`), or for `auto` CUDA where it is
-    available, else the CPU. A CUDA device on a machine without one is a ValueError."""
+    available, else the CPU. A CUDA device on a machine without one is a ValueError naming
+    `setting` (what the user set: `train.device`, `--device`)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but no CUDA device is available")
+        raise ValueError(f"{setting}={name} but no CUDA device is available")
     return device
 
 

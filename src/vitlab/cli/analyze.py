@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_images < 1:
         raise ValueError(f"--num-images must be at least 1, got {args.num_images}")
-    model, meta = load_checkpoint(args.checkpoint, device=pick_device(args.device))
+    model, meta = load_checkpoint(args.checkpoint, device=pick_device(args.device, "--device"))
     model = model.cpu()
     weights = vitlab_weights(args.checkpoint)  # a vitlab run's folder holds the data config
     run_cfg = run_config_of(weights) if weights else None

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vitlab import formats
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -27,10 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--from",
         dest="src_format",
         default="auto",
-        choices=["auto", "vitlab", "timm", "hf", "torchvision", "npz"],
+        choices=["auto", *formats.FORMATS],
         help="format of SRC (default: detected)",
     )
-    p.add_argument("--to", default="vitlab", choices=["vitlab", "timm", "hf"], help="format of DST")
+    p.add_argument("--to", default="vitlab", choices=formats.WRITABLE, help="format of DST")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="ViTConfig fields")
     p.set_defaults(run=run)
 
@@ -48,7 +50,6 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vitlab import formats
     from vitlab.models.checkpoint import load_checkpoint
 
     model, meta = load_checkpoint(args.source, args.src_format, **parse_overrides(args.overrides))

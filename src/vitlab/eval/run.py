@@ -42,7 +42,7 @@ def evaluate_checkpoint(
 ) -> dict:
     """Metrics of a checkpoint on a split; saves confusion_matrix.png. The dataset and its
     validation carve-out default to the checkpoint's run config."""
-    dev = pick_device(device)
+    dev = pick_device(device, "--device")
     model, meta = load_checkpoint(checkpoint, device=dev)
     weights = vitlab_weights(checkpoint)  # a vitlab run's folder holds the data config
     run = _run_folder(weights) if weights else None
@@ -101,7 +101,7 @@ def format_report(r: dict) -> str:
 
 def predict_files(checkpoint: str, images: list[str], topk: int = 5, device: str = "auto") -> list:
     """Top-k classes with probabilities for each image file; unreadable files are reported."""
-    dev = pick_device(device)
+    dev = pick_device(device, "--device")
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:
         raise ValueError(f"{checkpoint} has no classifier (num_classes=0): nothing to predict")

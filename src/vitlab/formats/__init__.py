@@ -27,7 +27,7 @@ FORMATS: dict[str, ModuleType] = {
 }
 WRITABLE = ("vitlab", "timm", "hf")
 
-__all__ = ["FORMATS", "WRITABLE", "CheckpointError", "Files", "Source", "detect", "get"]
+__all__ = ["FORMATS", "WRITABLE", "CheckpointError", "Files", "Source", "detect", "get", "read"]
 
 
 def get(name: str) -> ModuleType:
@@ -35,6 +35,22 @@ def get(name: str) -> ModuleType:
     if name not in FORMATS:
         raise CheckpointError(f"format must be one of {', '.join(FORMATS)}, got {name!r}")
     return FORMATS[name]
+
+
+def read(files: Files, name: str) -> Source:
+    """`files` read in format `name`, with what a hub folder's config files state applied to
+    whatever format its weights are in: config.json (transformers' or timm's) and
+    preprocessor_config.json."""
+    src = get(name).read(files)
+    if files.folder is None:
+        return src
+    config = files.json("config.json")
+    if config is not None:
+        (hf.read_config if hf.is_config(config) else timm.read_config)(config, src)
+    processor = files.json("preprocessor_config.json")
+    if processor is not None:
+        hf.read_processor(processor, src)
+    return src
 
 
 def detect(files: Files) -> str:

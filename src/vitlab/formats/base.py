@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from vitlab.preprocessing import Preprocessing
 
-if TYPE_CHECKING:  # annotations only (models import nothing from formats)
+if TYPE_CHECKING:  # annotations only: base.py stays free of model code
     from vitlab.models.vit import ViTConfig
 
 StateDict = dict[str, Tensor]
@@ -49,7 +49,12 @@ class Files:
     weights: Path
     folder: Path | None = None
     hub_name: str | None = None
-    _tensors: StateDict | None = field(default=None, repr=False)
+    _tensors: StateDict | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def suffix(self) -> str:
+        """The weights file's suffix in lower case (`.NPZ` is a .npz)."""
+        return self.weights.suffix.lower()
 
     @property
     def where(self) -> str:
@@ -59,7 +64,7 @@ class Files:
     def tensors(self) -> StateDict:
         """The flat state dict of a .safetensors or PyTorch file."""
         if self._tensors is None:
-            if self.weights.suffix == ".safetensors":
+            if self.suffix == ".safetensors":
                 self._tensors = load_weights(self.weights)
             else:
                 self._tensors = read_torch(self.weights)
@@ -67,11 +72,11 @@ class Files:
 
     def names(self) -> set[str]:
         """The tensor names, for detection (none for a .npz, which is not a state dict)."""
-        return set() if self.weights.suffix == ".npz" else set(self.tensors())
+        return set() if self.suffix == ".npz" else set(self.tensors())
 
     def metadata(self) -> dict[str, str]:
         """A .safetensors file's header metadata ({} for other files)."""
-        return safetensors_metadata(self.weights) if self.weights.suffix == ".safetensors" else {}
+        return safetensors_metadata(self.weights) if self.suffix == ".safetensors" else {}
 
     def json(self, name: str) -> dict[str, Any] | None:
         """The JSON file `name` in the folder, or None when there is none."""
@@ -135,8 +140,9 @@ def convert(where: str, fn: Any, *args: Any) -> Any:
         raise CheckpointError(f"{where}: {e}") from None
 
 
-def cpu_state(model: nn.Module) -> StateDict:
-    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+def cpu_state(state: Mapping[str, Tensor]) -> StateDict:
+    """Detached, contiguous CPU copies (what safetensors writes)."""
+    return {k: v.detach().cpu().contiguous() for k, v in state.items()}
 
 
 def preprocessing_of(model: nn.Module) -> Preprocessing:

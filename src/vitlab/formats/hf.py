@@ -132,19 +132,23 @@ def read(files: Files) -> Source:
         # ViTForImageClassification has no pooler: transformers ignores these, so do we
         del state["pre_logits.fc.weight"], state["pre_logits.fc.bias"]
         src.notes.append("pooler weights beside a classifier ignored, as transformers does")
-    cfg = files.json("config.json")
-    if cfg is not None and (cfg.get("model_type") == "vit" or "hidden_size" in cfg):
-        _read_config(cfg, src)
-    processor = files.json("preprocessor_config.json")
-    if processor is not None:
-        if "image_mean" in processor:
-            src.preprocessing.update(mean=processor["image_mean"], std=processor["image_std"])
-        resample = processor.get("resample", 2)
-        src.preprocessing["interpolation"] = _RESAMPLE.get(resample, "bilinear")
-    return src
+    return src  # a folder's config.json and preprocessor_config.json: formats.read applies them
 
 
-def _read_config(cfg: dict[str, Any], src: Source) -> None:
+def is_config(cfg: dict[str, Any]) -> bool:
+    """Whether a config.json is transformers' (not timm's)."""
+    return cfg.get("model_type") == "vit" or "hidden_size" in cfg
+
+
+def read_processor(processor: dict[str, Any], src: Source) -> None:
+    """Normalisation and resize mode from transformers' preprocessor_config.json."""
+    if "image_mean" in processor:
+        src.preprocessing.update(mean=processor["image_mean"], std=processor["image_std"])
+    src.preprocessing["interpolation"] = _RESAMPLE.get(processor.get("resample", 2), "bilinear")
+    src.preprocessing["crop_pct"] = None
+
+
+def read_config(cfg: dict[str, Any], src: Source) -> None:
     """Hints and class names from transformers' ViTConfig (config.json)."""
     act = cfg.get("hidden_act", "gelu")
     if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
@@ -169,7 +173,7 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
     """Folder DST with model.safetensors (hub names), config.json and preprocessor_config.json,
     which ViTForImageClassification.from_pretrained (ViTModel without a classifier) loads."""
     config, with_classifier = hf_config(model.config, classes_of(model))
-    state = vitlab_to_hf(cpu_state(model), with_classifier)
+    state = vitlab_to_hf(cpu_state(model.state_dict()), with_classifier)
     pre = preprocessing_of(model)
     h, w = model.config.img_hw
     processor = {

@@ -20,7 +20,7 @@ _PREFIXES = ("params/img/", "params/", "opt/target/", "")
 
 
 def detect(files: Files) -> bool:
-    return files.weights.suffix.lower() == ".npz"
+    return files.suffix == ".npz"
 
 
 def read(files: Files) -> Source:
@@ -34,7 +34,7 @@ def read(files: Files) -> Source:
         raise CheckpointError(f"{path}: {e}") from None
     except (ValueError, IndexError) as e:  # transposes and slices of arrays of other ranks
         raise CheckpointError(f"{path}: arrays of shapes no ViT has ({e})") from None
-    src = Source(state, "npz", str(path), hints={"num_heads": heads, "act": "gelu_tanh"})
+    src = Source(state, "npz", files.where, hints={"num_heads": heads, "act": "gelu_tanh"})
     src.preprocessing = dict(mean=HALF, std=HALF, crop_pct=None)
     return src
 

@@ -57,13 +57,10 @@ def read(files: Files) -> Source:
     src.preprocessing = dict(
         mean=IMAGENET_MEAN, std=IMAGENET_STD, crop_pct=0.9, interpolation="bicubic"
     )
-    cfg = files.json("config.json")
-    if cfg is not None:
-        _read_config(cfg, src)
-    return src
+    return src  # a folder's config.json: formats.read applies it
 
 
-def _read_config(cfg: dict[str, Any], src: Source) -> None:
+def read_config(cfg: dict[str, Any], src: Source) -> None:
     """Hints, preprocessing and class names from timm's config.json."""
     args = dict(cfg.get("model_args") or {})
     with contextlib.suppress(UnknownModelError):  # a name vitlab registers tells the heads
@@ -95,7 +92,7 @@ def _read_config(cfg: dict[str, Any], src: Source) -> None:
 def write(model: nn.Module, dst: Path) -> list[Path]:
     """DST.safetensors alone, or a folder with model.safetensors and timm's config.json."""
     arch, args = timm_model_args(model.config)
-    state = vitlab_to_timm(cpu_state(model))
+    state = vitlab_to_timm(cpu_state(model.state_dict()))
     if dst.suffix == ".safetensors":
         write_safetensors(dst, state, {"format": "pt"})
         return [dst]

@@ -19,6 +19,7 @@ from vitlab.formats.base import (
     Files,
     Source,
     classes_of,
+    cpu_state,
     preprocessing_of,
     safetensors_metadata,
     write_safetensors,
@@ -75,8 +76,7 @@ def write_weights(path: Path, state: dict[str, Tensor], meta: CheckpointMeta) ->
         "classes": json.dumps(meta.classes),
         "info": json.dumps(meta.info),
     }
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    write_safetensors(Path(path), tensors, metadata)
+    write_safetensors(Path(path), cpu_state(state), metadata)
 
 
 def read_metadata(weights: Path) -> CheckpointMeta:

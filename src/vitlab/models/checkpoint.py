@@ -33,7 +33,6 @@ from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("auto", *formats.FORMATS)
 
 # --- the files a source names --------------------------------------------------------------------
 
@@ -75,8 +74,9 @@ def _files(source: str | Path) -> Files:
 
 def read_source(source: str | Path, format: str = "auto") -> Source:
     """Read a checkpoint file, folder or hub name into a Source (tensors in vitlab's names)."""
-    if format not in FORMATS:
-        raise CheckpointError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+    names = ("auto", *formats.FORMATS)  # read when called: a format registered later counts
+    if format not in names:
+        raise CheckpointError(f"format must be one of {', '.join(names)}, got {format!r}")
     files = _files(source)
     suffix = files.weights.suffix.lower()
     if format == "auto" and suffix not in (".safetensors", ".npz", *TORCH_SUFFIXES):
@@ -84,7 +84,7 @@ def read_source(source: str | Path, format: str = "auto") -> Source:
             f"{files.weights}: unknown checkpoint file type {suffix!r}; expected .safetensors, "
             f"{', '.join(TORCH_SUFFIXES)} or .npz"
         )
-    src = formats.get(formats.detect(files) if format == "auto" else format).read(files)
+    src = formats.read(files, formats.detect(files) if format == "auto" else format)
     params = sum(t.numel() for t in src.state.values())
     log.debug("%s: %s format, %d tensors, %d values", src.where, src.format, len(src.state), params)
     return src
@@ -306,6 +306,8 @@ def save_pretrained(
     written."""
     if "layout" in deprecated:  # the name before formats had one name everywhere
         warnings.warn("save_pretrained(layout=) is now format=", DeprecationWarning, stacklevel=2)
+        if format != "vitlab":
+            raise TypeError("save_pretrained got both format= and layout= (its old name)")
         format = deprecated.pop("layout")
     if deprecated:
         raise TypeError(f"save_pretrained got unexpected arguments {sorted(deprecated)}")

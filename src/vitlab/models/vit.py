@@ -373,10 +373,11 @@ class VisionTransformer(nn.Module):
         model's, or the autocast dtype under CPU autocast; float32 under CUDA autocast), taken
         before attention dropout (in training mode the output uses a dropped copy), with autograd
         history when grad is enabled.
-        Chosen blocks run this explicit path instead of F.scaled_dot_product_attention, which
-        forward() uses (except in bf16 on CPU, where it takes the explicit path too): the same
-        formula, not bit for bit, so tokens and `features` may differ from forward_features' by
-        rounding. tests/test_attention.py checks in float32, to atol 1e-5, the maps against the
+        With return_attention, the chosen blocks run this explicit path instead of
+        F.scaled_dot_product_attention, which forward() uses (except in bf16 on CPU, where it
+        takes the explicit path too): the same formula, not bit for bit, so tokens and `features`
+        may then differ from forward_features' by rounding; without it every block runs as in
+        forward(). tests/test_attention.py checks in float32, to atol 1e-5, the maps against the
         formula written out from the weights and `features` against forward_features
         (test_forward_intermediates_tokens_and_attention_maps), and both paths' outputs against
         that formula (test_fused_attention_matches_explicit_reference)."""

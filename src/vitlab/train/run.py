@@ -63,9 +63,9 @@ def train(
         out = Path(resume)
     config_of(cfg.model)  # an unknown model, key or type fails now, naming it
     try:
-        device = pick_device(cfg.train.device)
+        device = pick_device(cfg.train.device, "train.device")
     except ValueError as e:
-        raise ConfigError(f"train.device: {e}") from None
+        raise ConfigError(str(e)) from None
     d = distributed.init(device)
     if device.type == "cuda":
         device = torch.device("cuda", d.local_rank)
