@@ -238,10 +238,17 @@ def write_safetensors(path: Path, tensors: StateDict, metadata: dict[str, str]) 
     fsync(path.parent)
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """A JSON file written to a temporary name, fsynced, renamed over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that a kill at any moment leaves the old or the new file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    fsync(tmp)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """A JSON file written atomically (write_text), its folder made first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, json.dumps(data, indent=2) + "\n")

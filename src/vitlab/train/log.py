@@ -4,7 +4,6 @@ and results.json (rank 0 only)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from vitlab.config import RunConfig
+from vitlab.formats.base import write_text
 
 # what a run writes into its folder (a folder holding any of these holds a run)
 RUN_FILES = (
@@ -38,7 +38,7 @@ class RunLog:
         if not active:
             return
         out.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / "config.yaml", yaml.safe_dump(cfg.to_tree(), sort_keys=False))
+        write_text(out / "config.yaml", yaml.safe_dump(cfg.to_tree(), sort_keys=False))
         self.metrics = out / "metrics.jsonl"
         if resumed_at is None or not self.metrics.exists():
             self.metrics.write_text("")
@@ -46,7 +46,7 @@ class RunLog:
             lines = self.metrics.read_text().splitlines()
             kept = [x for x in lines if x.strip() and _epoch_of(x) <= resumed_at]
             if len(kept) != len(lines):
-                write_atomic(self.metrics, "".join(x + "\n" for x in kept))
+                write_text(self.metrics, "".join(x + "\n" for x in kept))
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -94,22 +94,12 @@ class RunLog:
     def results(self, test: dict, classes: list[str]) -> None:
         summary = {k: v for k, v in test.items() if k != "confusion"}
         summary["classes"] = classes
-        write_atomic(self.out / "results.json", json.dumps(summary, indent=2) + "\n")
+        write_text(self.out / "results.json", json.dumps(summary, indent=2) + "\n")
         print(
             f"test: top-1 {100 * test['top1']:.2f}%  top-5 {100 * test['top5']:.2f}%  loss "
             f"{test['loss']:.4f} on {test['num_images']:,} images; run folder {self.out}",
             file=sys.stderr,
         )
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` so that a kill at any moment leaves the old or the new file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _epoch_of(line: str) -> int:
