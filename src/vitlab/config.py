@@ -198,11 +198,16 @@ class DataConfig:
     cutmix: float = 0.0  # cutmix alpha (0: off)
     normalize: bool = True  # subtract the dataset's mean, divide by its std
     workers: int = 2  # DataLoader workers for streamed (image-folder) data
+    # train on this fraction of the training split only (after the validation carve-out; the
+    # same share of every class, seeded by split_seed): the labelled part of a few-label run
+    label_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         validate(self)
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if not 0.0 < self.label_fraction <= 1.0:
+            raise ConfigError(f"data.label_fraction must be in (0, 1], got {self.label_fraction}")
         for name in ("hflip", "random_erasing"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"data.{name} is a probability, got {getattr(self, name)}")
@@ -252,6 +257,8 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # CPU threads (default: torch's)
     stop_at_epoch: int | None = None  # stop resumably after this epoch (split a run into jobs)
+    # classify: labels and cross-entropy; mpp: masked patch prediction, no labels (section mpp)
+    objective: typing.Literal["classify", "mpp"] = "classify"
 
     def __post_init__(self) -> None:
         validate(self)
@@ -259,6 +266,35 @@ class TrainConfig:
             raise ConfigError("train.epochs, batch_size and accum_steps must be >= 1")
         if self.ema is not None and not 0.0 < self.ema < 1.0:
             raise ConfigError(f"train.ema is a decay in (0, 1), got {self.ema}")
+
+
+@dataclass
+class MPPConfig:
+    """Masked patch prediction (paper §4.6, appendix B.1.2), for train.objective=mpp: `corrupt` of
+    each image's patch embeddings are corrupted, of those `mask` replaced by a learned [mask]
+    embedding, `random` by the embedding of another patch of the batch, the rest left as they are;
+    a linear head on each corrupted patch's output token predicts its target."""
+
+    # mean_color: each channel's mean over the patch (in [0, 1] pixel values) quantised to `bits`
+    # bits, one class of 2^(bits*channels), cross-entropy; patch_l2: the patch's pixels as the
+    # model sees them (normalised by the dataset's mean and std), mean squared error
+    target: typing.Literal["mean_color", "patch_l2"] = "mean_color"
+    corrupt: float = 0.5  # share of patches corrupted (rounded to whole patches per image)
+    mask: float = 0.8  # of the corrupted: replaced by the [mask] embedding
+    random: float = 0.1  # of the corrupted: replaced by another patch's embedding
+    bits: int = 3
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if not 0.0 < self.corrupt <= 1.0:
+            raise ConfigError(f"mpp.corrupt must be in (0, 1], got {self.corrupt}")
+        if min(self.mask, self.random) < 0 or self.mask + self.random > 1.0:
+            raise ConfigError(
+                f"mpp.mask and mpp.random are shares of the corrupted patches, >= 0 and at most 1 "
+                f"together; got {self.mask} and {self.random}"
+            )
+        if not 1 <= self.bits <= 8:
+            raise ConfigError(f"mpp.bits must be in 1..8, got {self.bits}")
 
 
 @dataclass
@@ -278,12 +314,14 @@ class RunConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
+    mpp: MPPConfig = dataclasses.field(default_factory=MPPConfig)
 
     SECTIONS: typing.ClassVar[dict[str, type]] = {
         "data": DataConfig,
         "optim": OptimConfig,
         "train": TrainConfig,
         "finetune": FinetuneConfig,
+        "mpp": MPPConfig,
     }
 
     @classmethod

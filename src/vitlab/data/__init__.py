@@ -6,6 +6,7 @@ from vitlab.data.datasets import (
     DatasetInfo,
     FolderSplit,
     dataset_info,
+    label_subset,
     load_split,
     train_val_split,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "FolderSplit",
     "Preprocessing",
     "dataset_info",
+    "label_subset",
     "load_split",
     "make_loader",
     "train_val_split",

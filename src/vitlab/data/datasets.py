@@ -318,15 +318,16 @@ def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
 
 
 def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSplit:
-    """Files of root/CLASS/*; unreadable and non-image files are skipped with a warning each."""
+    """Files of root/CLASS/*; unreadable and non-image files are skipped with a warning each. A
+    folder without sub-folders is unlabelled: its images, no classes (for training without labels,
+    train.objective=mpp)."""
     if not root.is_dir():
         raise DatasetError(f"image folder {root} does not exist")
     found = sorted(p.name for p in root.iterdir() if p.is_dir())
     classes = classes or found
-    if not classes:
-        raise DatasetError(f"image folder {root} has no class sub-folders (expected root/CLASS/*)")
+    unlabelled = not classes
     files, labels, skipped = [], [], []
-    for label, cls in enumerate(classes):
+    for label, cls in enumerate(classes or ["."]):
         folder = root / cls
         if not folder.is_dir():
             continue
@@ -346,6 +347,8 @@ def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSpl
         log.warning("skipped %d unreadable or non-image files in %s", len(skipped), root)
     if not files:
         raise DatasetError(f"image folder {root} holds no readable images")
+    if unlabelled:
+        log.info("image folder %s has no class sub-folders: %d unlabelled images", root, len(files))
     return FolderSplit(files, torch.tensor(labels, dtype=torch.long), list(classes), skipped)
 
 
@@ -392,6 +395,23 @@ def dataset_info(name: str, split: Split) -> DatasetInfo:
     else:
         chans, size = 3, None
     return DatasetInfo(name, split.classes, chans, size, mean, std)
+
+
+def label_subset(train: Split, fraction: float, seed: int) -> Split:
+    """The same seeded `fraction` of every class (at least one image each; of all images when
+    the split has no labels), in the split's order: the labelled part of a few-label run."""
+    if fraction >= 1.0:
+        return train
+    g = torch.Generator().manual_seed(seed)
+    groups = [torch.arange(len(train))]
+    if train.classes:
+        groups = [(train.labels == c).nonzero().squeeze(1) for c in range(len(train.classes))]
+    kept = []
+    for index in groups:
+        if len(index):
+            k = max(1, int(round(len(index) * fraction)))
+            kept.append(index[torch.randperm(len(index), generator=g)[:k]])
+    return train.subset(torch.cat(kept).sort().values)
 
 
 def train_val_split(train: Split, fraction: float, seed: int) -> tuple[Split, Split | None]:

@@ -6,6 +6,7 @@ the learned position table as `pos_embed.weight`) is read too, without that meta
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,11 @@ from vitlab.formats.base import (
     safetensors_metadata,
     write_safetensors,
 )
+from vitlab.models.mpp import PREFIX as MPP_PREFIX
 from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import Preprocessing
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,7 +56,12 @@ def read(files: Files) -> Source:
         return Source(dict(files.tensors()), "vitlab", files.where)
     meta = read_metadata(files.weights)
     where = files.hub_name or str(files.weights)
-    src = Source(files.tensors(), "vitlab", where, config=meta.config)
+    state = files.tensors()
+    pretraining = [k for k in state if k.startswith(MPP_PREFIX)]
+    if pretraining:  # a masked-patch-prediction run's head and [mask] embedding: not the ViT's
+        log.info("%s: masked-patch-prediction head left out (%s)", where, ", ".join(pretraining))
+        state = {k: v for k, v in state.items() if not k.startswith(MPP_PREFIX)}
+    src = Source(state, "vitlab", where, config=meta.config)
     src.info, src.classes = meta.info, meta.classes
     src.preprocessing = meta.preprocessing.to_dict()
     return src

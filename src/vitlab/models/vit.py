@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -273,9 +273,12 @@ class VisionTransformer(nn.Module):
 
     # --- forward ---------------------------------------------------------------------------------
 
-    def _embed(self, x: Tensor) -> Tensor:
-        """(B, C, H, W) images -> (B, T, D) tokens with prefix tokens and positions."""
+    def _embed(self, x: Tensor, corrupt: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        """(B, C, H, W) images -> (B, T, D) tokens with prefix tokens and positions; `corrupt`
+        changes the (B, N, D) patch embeddings first (masked patch prediction)."""
         x = self.patch_embed(x)  # (B, N, D)
+        if corrupt is not None:
+            x = corrupt(x)
         if self.config.no_embed_class:
             x = self.pos_embed(x)
         prefix = [t for t in (self.cls_token, self.dist_token) if t is not None]
@@ -286,9 +289,12 @@ class VisionTransformer(nn.Module):
             x = self.pos_embed(x)
         return self.pos_drop(x)
 
-    def forward_features(self, x: Tensor) -> Tensor:
-        """(B, C, H, W) -> (B, T, D) final tokens (after the last LayerNorm)."""
-        x = self._embed(x)
+    def forward_features(
+        self, x: Tensor, corrupt: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor:
+        """(B, C, H, W) -> (B, T, D) final tokens (after the last LayerNorm); `corrupt` as in
+        _embed."""
+        x = self._embed(x, corrupt)
         for blk in self.blocks:
             if self.grad_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(blk, x, use_reentrant=False)[0]

@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vitlab.config import ConfigError, RunConfig
-from vitlab.data import dataset_info, load_split, train_val_split
+from vitlab.data import dataset_info, label_subset, load_split, train_val_split
 from vitlab.data.datasets import DatasetInfo, Split
 from vitlab.formats.base import Source
 from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict
+from vitlab.models.mpp import PREFIX as MPP_PREFIX
 from vitlab.models.registry import config_of
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
@@ -18,19 +19,25 @@ def resolve_model_config(
     cfg: RunConfig, info: DatasetInfo, base: ViTConfig | None = None
 ) -> ViTConfig:
     """The registry's config (or `base`, a fine-tuning source's architecture) with the run's
-    overrides; class count and channels follow the data unless set explicitly. Fails before
-    training when the data cannot fit the model."""
+    overrides; class count and channels follow the data unless set explicitly (no classifier for
+    masked patch prediction). Fails before training when the data cannot fit the model."""
     auto = {}
+    mpp = cfg.train.objective == "mpp"
+    classes = 0 if mpp else len(info.classes)
+    if not mpp and not info.classes:
+        raise ConfigError(
+            f"dataset {info.name} has no labels (an image folder without class sub-folders): "
+            f"classification needs root/CLASS/* folders; train.objective=mpp trains without labels"
+        )
     if "num_classes" not in cfg.model.overrides:
-        auto["num_classes"] = len(info.classes)
+        auto["num_classes"] = classes
     if "in_chans" not in cfg.model.overrides:
         auto["in_chans"] = info.in_chans
     mc = config_of(cfg.model) if base is None else base.replace(**cfg.model.overrides)
     mc = mc.replace(**auto)
-    if mc.num_classes != len(info.classes):
-        raise ConfigError(
-            f"model.num_classes={mc.num_classes} but dataset {info.name} has {len(info.classes)}"
-        )
+    if mc.num_classes != classes:
+        why = "masked patch prediction trains no classifier" if mpp else f"dataset {info.name} has"
+        raise ConfigError(f"model.num_classes={mc.num_classes} but {why} {classes}")
     if mc.in_chans != info.in_chans:
         raise ConfigError(
             f"model.in_chans={mc.in_chans} but dataset {info.name} has {info.in_chans} channels"
@@ -55,7 +62,11 @@ def finetune_weights(model: VisionTransformer, source: Source) -> list[str]:
     src, _ = load_checkpoint(
         source, img_size=cfg.img_size, in_chans=cfg.in_chans, num_classes=cfg.num_classes
     )
-    load_state_strict(model, src.state_dict(), source.where)
+    state = src.state_dict()
+    fresh = {k: v for k, v in model.state_dict().items() if k.startswith(MPP_PREFIX)}
+    if fresh:  # pre-training goes on from an encoder: its head and [mask] start new
+        notes.append("new masked-patch-prediction head and [mask] embedding")
+    load_state_strict(model, {**fresh, **state}, source.where)
     return notes
 
 
@@ -71,4 +82,5 @@ def load_data(cfg: RunConfig) -> Data:
     train_full = load_split(cfg.data.name, "train", cfg.data.dir, cfg.data.split_seed)
     test = load_split(cfg.data.name, "test", cfg.data.dir, cfg.data.split_seed)
     train, val = train_val_split(train_full, cfg.data.val_fraction, cfg.data.split_seed)
+    train = label_subset(train, cfg.data.label_fraction, cfg.data.split_seed)
     return Data(dataset_info(cfg.data.name, train_full), train, val, test)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from vitlab.data.loader import Loader
+from vitlab.models.mpp import mpp_loss
 from vitlab.runtime import Dist, rng_state
 from vitlab.train.distributed import all_sum, any_rank
 from vitlab.train.optim import EMA
@@ -32,13 +33,42 @@ class Position:
     rng: dict[str, Tensor] = field(default_factory=dict)  # RNG states at (epoch, batch)
 
 
+# (model, images, labels) -> (loss, predictions right or None, predictions made)
+Objective = Callable[[nn.Module, Tensor, Tensor], tuple[Tensor, Tensor | None, int]]
+
+
+def classification(label_smoothing: float = 0.0) -> Objective:
+    """Cross-entropy against the labels (one-hot rows under mixup / cutmix); accuracy against
+    their argmax."""
+
+    def step(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor | None, int]:
+        logits = model(x)
+        loss = nn.functional.cross_entropy(logits.float(), y, label_smoothing=label_smoothing)
+        target = y.argmax(dim=1) if y.ndim == 2 else y
+        return loss, (logits.argmax(dim=1) == target).sum(), len(y)
+
+    return step
+
+
+def masked_patch_prediction(target: str) -> Objective:
+    """vitlab.models.mpp's loss over the corrupted patches; the labels are not used. Accuracy:
+    corrupted patches whose mean colour is predicted right (none for patch_l2)."""
+
+    def step(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor | None, int]:
+        predictions, targets = model(x)
+        loss, right = mpp_loss(predictions, targets, target)
+        return loss, right, len(targets)
+
+    return step
+
+
 @dataclass
 class StepSettings:
     accum_steps: int
     clip_grad: float | None
-    label_smoothing: float
     lr_at: Callable[[int], float]  # optimizer step -> learning rate
     autocast: Callable[[], AbstractContextManager]
+    objective: Objective = field(default_factory=classification)
 
 
 def train_epoch(
@@ -58,7 +88,8 @@ def train_epoch(
     model.train()
     accum = settings.accum_steps
     usable = len(loader) - len(loader) % accum  # whole accumulation windows only
-    sums = [0.0, 0.0, 0.0]  # loss sum, correct, images (this rank)
+    sums = [0.0, 0.0, 0.0, 0.0]  # loss sum, right, predictions, images (this rank)
+    scored = True  # the objective's predictions are right or wrong (not a regression)
     start_time, start_images = time.perf_counter(), 0
     ddp = _ddp(model)
     pos.rng = rng_state(device)
@@ -67,14 +98,11 @@ def train_epoch(
             break
         first, last = (i % accum == 0), ((i + 1) % accum == 0)
         if first and any_rank(stop_requested(), d, device):
-            return _stats(sums, start_time, start_images, d, device), True
+            return _stats(sums, scored, start_time, start_images, d, device), True
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         sync = last or ddp is None  # accumulating: no gradient all-reduce until the last
         with settings.autocast(), nullcontext() if sync else ddp.no_sync():
-            logits = model(x)
-            loss = nn.functional.cross_entropy(
-                logits.float(), y, label_smoothing=settings.label_smoothing
-            )
+            loss, right, made = settings.objective(model, x, y)
             value = loss.item()  # the step's one host sync
             if any_rank(not math.isfinite(value), d, device):
                 raise NonFiniteLoss(
@@ -93,17 +121,19 @@ def train_epoch(
             pos.step += 1
             pos.batch = i + 1
             pos.rng = rng_state(device)
-        target = y.argmax(dim=1) if y.ndim == 2 else y
+        scored = right is not None
         sums[0] += value * len(y)
-        sums[1] += (logits.argmax(dim=1) == target).sum().item()
-        sums[2] += len(y)
+        sums[1] += right.item() if scored else 0.0
+        sums[2] += made
+        sums[3] += len(y)
         start_images += len(y)
         if last:
-            progress({"loss": sums[0] / sums[2], "acc": sums[1] / sums[2], "batch": i + 1})
+            acc = sums[1] / max(sums[2], 1) if scored else None
+            progress({"loss": sums[0] / sums[3], "acc": acc, "batch": i + 1})
     # a batch past the last whole window was drawn (augmented) but not stepped on: the next
     # epoch goes on from the random state after it, and so must a run resumed from here
     pos.rng = rng_state(device)
-    return _stats(sums, start_time, start_images, d, device), False
+    return _stats(sums, scored, start_time, start_images, d, device), False
 
 
 def _ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
@@ -119,12 +149,15 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def _stats(sums: list[float], t0: float, images: int, d: Dist, device: torch.device) -> dict:
-    loss, correct, n = all_sum(sums, d, device)
+def _stats(
+    sums: list[float], scored: bool, t0: float, images: int, d: Dist, device: torch.device
+) -> dict:
+    """The epoch's loss per image, accuracy (None for a regression objective), throughput."""
+    loss, right, made, n = all_sum(sums, d, device)
     seconds = time.perf_counter() - t0
     return {
         "loss": loss / max(n, 1),
-        "acc": correct / max(n, 1),
+        "acc": right / max(made, 1) if scored else None,
         "images": int(n),
         "seconds": seconds,
         "images_per_s": n / seconds if seconds > 0 else 0.0,

@@ -61,9 +61,9 @@ class RunLog:
         record = {
             "epoch": epoch,
             "train_loss": round(stats["loss"], 6),
-            "train_acc": round(stats["acc"], 6),
+            "train_acc": _round(stats["acc"]),
             "val_loss": round(val["loss"], 6) if val else None,
-            "val_acc": round(val["top1"], 6) if val else None,
+            "val_acc": _round(val["top1"]) if val else None,
             "lr": lr,
             "images_per_s": round(stats["images_per_s"], 1),
             "seconds": round(stats["seconds"], 2),
@@ -76,9 +76,9 @@ class RunLog:
             for k, v in record.items():
                 if k != "epoch" and v is not None:
                     self.tb.add_scalar(k, v, epoch)
-        val_text = f" val loss {val['loss']:.4f} acc {100 * val['top1']:.2f}%" if val else ""
+        val_text = f" val loss {val['loss']:.4f}{_acc(val['top1'])}" if val else ""
         print(
-            f"epoch {epoch}: train loss {stats['loss']:.4f} acc {100 * stats['acc']:.2f}%"
+            f"epoch {epoch}: train loss {stats['loss']:.4f}{_acc(stats['acc'])}"
             f"{val_text} lr {lr:.2e} {stats['images_per_s']:.0f} img/s {stats['seconds']:.1f}s",
             file=sys.stderr,
         )
@@ -92,14 +92,27 @@ class RunLog:
             save_curves(records, self.out / "curves.png")
 
     def results(self, test: dict, classes: list[str]) -> None:
+        """results.json; `test` holds classification metrics, or masked-patch-prediction ones
+        (`num_patches`: the corrupted patches scored)."""
         summary = {k: v for k, v in test.items() if k != "confusion"}
         summary["classes"] = classes
         write_text(self.out / "results.json", json.dumps(summary, indent=2) + "\n")
-        print(
-            f"test: top-1 {100 * test['top1']:.2f}%  top-5 {100 * test['top5']:.2f}%  loss "
-            f"{test['loss']:.4f} on {test['num_images']:,} images; run folder {self.out}",
-            file=sys.stderr,
-        )
+        if "num_patches" in test:
+            what = f"masked patch prediction:{_acc(test['top1'])} loss {test['loss']:.4f} on "
+            what += f"{test['num_patches']:,} corrupted patches of {test['num_images']:,} images"
+        else:
+            what = f"top-1 {100 * test['top1']:.2f}%  top-5 {100 * test['top5']:.2f}%  loss "
+            what += f"{test['loss']:.4f} on {test['num_images']:,} images"
+        print(f"test: {what}; run folder {self.out}", file=sys.stderr)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+def _acc(value: float | None) -> str:
+    """' acc 12.34%', or nothing for an objective without accuracy."""
+    return "" if value is None else f" acc {100 * value:.2f}%"
 
 
 def _epoch_of(line: str) -> int:
@@ -128,12 +141,11 @@ class _Bar:
 
     def update(self, stats: dict) -> None:
         rate = (stats["batch"] - self.start) * self.bs / max(time.perf_counter() - self.t0, 1e-9)
-        self.tqdm.set_postfix(
-            loss=f"{stats['loss']:.3f}",
-            acc=f"{100 * stats['acc']:.1f}%",
-            img_s=f"{rate:.0f}",
-            refresh=False,  # update() redraws, at most every mininterval
-        )
+        shown = {"loss": f"{stats['loss']:.3f}"}
+        if stats["acc"] is not None:
+            shown["acc"] = f"{100 * stats['acc']:.1f}%"
+        shown["img_s"] = f"{rate:.0f}"
+        self.tqdm.set_postfix(shown, refresh=False)  # update() redraws, every mininterval
         self.tqdm.update(stats["batch"] - self.tqdm.n)
 
     def close(self) -> None:
@@ -149,15 +161,18 @@ def save_curves(records: list[dict], path: Path) -> None:
     epochs = [r["epoch"] for r in records]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.plot(epochs, [r["train_loss"] for r in records], "o-", label="train")
-    ax2.plot(epochs, [100 * r["train_acc"] for r in records], "o-", label="train")
+    if records[0]["train_acc"] is not None:  # a regression objective has none
+        ax2.plot(epochs, [100 * r["train_acc"] for r in records], "o-", label="train")
     if records[0]["val_loss"] is not None:
         ax1.plot(epochs, [r["val_loss"] for r in records], "s-", label="validation")
-        ax2.plot(epochs, [100 * r["val_acc"] for r in records], "s-", label="validation")
+        if records[0]["val_acc"] is not None:
+            ax2.plot(epochs, [100 * r["val_acc"] for r in records], "s-", label="validation")
     ax1.set(xlabel="epoch", ylabel="loss", title="loss")
     ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

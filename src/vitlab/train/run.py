@@ -21,15 +21,17 @@ from pathlib import Path
 
 import torch
 
-from vitlab.config import ConfigError, RunConfig
+from vitlab.config import ConfigError, RunConfig, to_dict
 from vitlab.data import BatchAugment, Preprocessing, make_loader
 from vitlab.data.datasets import Split
 from vitlab.eval.classification import evaluate
+from vitlab.eval.mpp import evaluate_mpp
 from vitlab.models.checkpoint import infer_config, read_source
+from vitlab.models.mpp import MaskedPatchViT
 from vitlab.models.registry import config_of
 from vitlab.models.vit import VisionTransformer
 from vitlab.runtime import Dist, derive_seed, pick_device, rng_state, set_rng_state, use_bf16
-from vitlab.train import distributed
+from vitlab.train import distributed, engine
 from vitlab.train.build import finetune_weights, load_data, resolve_model_config
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
 from vitlab.train.folder import check_resume_length, claim_run_folder, default_run_folder
@@ -143,6 +145,12 @@ class Run:
             )
         if cfg.train.ema is not None and self.strategy == "fsdp" and d.enabled:
             raise ConfigError("train.ema is not supported with train.strategy=fsdp")
+        self.mpp = cfg.train.objective == "mpp"
+        if self.mpp and (cfg.data.mixup or cfg.data.cutmix):
+            raise ConfigError(
+                "train.objective=mpp uses no labels, and data.mixup / data.cutmix mix labels: "
+                "set them to 0"
+            )
         self.out = Path(out or default_run_folder(cfg))
         info = self.data.info
         mean, std = (info.mean, info.std) if cfg.data.normalize else ((0.0,), (1.0,))
@@ -151,7 +159,10 @@ class Run:
         self.pre = Preprocessing(mc.img_hw, mc.in_chans, mean, std)
 
         torch.manual_seed(cfg.train.seed)
-        self.model = VisionTransformer(mc)
+        if self.mpp:
+            self.model = MaskedPatchViT(mc, cfg.mpp, mean, std)
+        else:
+            self.model = VisionTransformer(mc)
         self.notes = []
         if source is not None:
             self.notes = finetune_weights(self.model, source)
@@ -185,7 +196,7 @@ class Run:
                 self._extend(planned)
         if cfg.train.compile:
             self.train_model = torch.compile(self.train_model)
-        self.meta = CheckpointMeta(mc, self.pre, info.classes, {})
+        self.meta = CheckpointMeta(mc, self.pre, [] if self.mpp else info.classes, {})
         self.log = RunLog(self.out, cfg, d.is_main, self.pos.epoch if resume is not None else None)
         self._announce()
 
@@ -206,9 +217,11 @@ class Run:
         return StepSettings(
             accum_steps=cfg.train.accum_steps,
             clip_grad=cfg.optim.clip_grad,
-            label_smoothing=cfg.optim.label_smoothing,
             lr_at=lambda step: learning_rate(cfg.optim, step, total, warmup),
             autocast=self.autocast,
+            objective=engine.masked_patch_prediction(cfg.mpp.target)
+            if self.mpp
+            else engine.classification(cfg.optim.label_smoothing),
         )
 
     def _total_steps(self) -> int:
@@ -305,6 +318,8 @@ class Run:
             workers=self.cfg.data.workers,
         )
         precision = nullcontext() if fp32 else self.autocast()
+        if self.mpp:  # the same corruption draws at every evaluation of a split
+            return evaluate_mpp(self.model, batches, self.device, precision, self.d, seed=0)
         return evaluate(
             self.model, batches, self.model_cfg.num_classes, self.device, precision, self.d
         )
@@ -335,6 +350,8 @@ class Run:
                 "ema": self.ema.state_dict() if self.ema else None,
             }
         self.meta.info = {"epoch": self.pos.epoch, "step": self.pos.step, **(info or {})}
+        if self.mpp:
+            self.meta.info.update(objective="mpp", mpp=to_dict(self.cfg.mpp))
         save_checkpoint(self.out / "checkpoints" / folder, weights, self.meta, state)
 
     def fit(self) -> bool:
@@ -402,7 +419,8 @@ class Run:
             model.load_state_dict(raw)
         pos.epoch, pos.batch = pos.epoch + 1, 0
         record = self.log.epoch(pos.epoch, stats, val, self.optimizer.param_groups[0]["lr"])
-        score = val["top1"] if val else -stats["loss"]
+        # no validation split, or no accuracy (patch_l2): the (validation) loss decides
+        score = val["top1"] if val and val["top1"] is not None else -(val or stats)["loss"]
         if score > self.best:
             self.best = score
             self.best_state = evaluated or {
@@ -423,5 +441,5 @@ class Run:
             self.model.load_state_dict(self.best_state)
         result = self.evaluate(self.data.test, fp32=True)
         if self.d.is_main:
-            self.log.results(result, self.data.info.classes)
+            self.log.results(result, self.meta.classes)
         return result

@@ -1,0 +1,56 @@
+"""Masked-patch-prediction metrics (a train.objective=mpp run's validation and test), summed over
+all ranks under torchrun."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vitlab.models.mpp import MaskedPatchViT, mpp_loss
+from vitlab.runtime import Dist
+
+
+@torch.no_grad()
+def evaluate_mpp(
+    model: MaskedPatchViT,
+    batches: Iterable[tuple[Tensor, Tensor]],
+    device: torch.device,
+    autocast: AbstractContextManager | None = None,
+    d: Dist | None = None,
+    seed: int = 0,
+) -> dict:
+    """{"loss", "top1", "num_images", "num_patches"}: the loss per corrupted patch and the share
+    of corrupted patches whose mean colour is predicted right (top1; None for patch_l2). The
+    corruption is drawn from a stream seeded by (seed, rank), so every evaluation of a split sees
+    the same draws; the caller's random streams are left as they were. Samples labelled below 0
+    (the loaders' padding) are not counted."""
+    was_training = model.training
+    model.eval()
+    target = model.mpp_config.target
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, right, patches, images
+    rank = d.rank if d is not None else 0
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed * 1_000_003 + rank)
+        for x, y in batches:
+            x = x[y >= 0].to(device, non_blocking=True)
+            with autocast or nullcontext():
+                predictions, targets = model(x)
+            loss, right = mpp_loss(predictions, targets, target)
+            totals[0] += loss.double() * len(targets)
+            totals[1] += 0 if right is None else right
+            totals[2] += len(targets)
+            totals[3] += len(x)
+    if d is not None and d.enabled:
+        dist.all_reduce(totals)
+    model.train(was_training)
+    patches = max(totals[2].item(), 1.0)
+    return {
+        "loss": totals[0].item() / patches,
+        "top1": None if target == "patch_l2" else totals[1].item() / patches,
+        "num_images": int(totals[3].item()),
+        "num_patches": int(totals[2].item()),
+    }
