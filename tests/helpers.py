@@ -75,3 +75,30 @@ def kill_tree(proc: subprocess.Popen) -> tuple[str, str]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return proc.communicate()  # what it wrote before
+
+
+def tiny_checkpoint(dst: Path, seed: int = 0, **overrides: object) -> Path:
+    """A random-weights ViT small enough for digits, saved in vitlab's format."""
+    from vitlab.models.checkpoint import save_pretrained
+
+    torch.manual_seed(seed)
+    base: dict[str, object] = dict(
+        img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=16, depth=1, num_heads=2
+    )
+    base.update(overrides)
+    model = VisionTransformer(ViTConfig(mlp_dim=32, **base))
+    save_pretrained(model, dst)
+    return dst
+
+
+def clusters(n: int, centres, seed: int):  # (K, D) ndarray -> vitlab.eval.features.Features
+    """`n` features per class around the rows of `centres`."""
+    import numpy as np
+
+    from vitlab.eval.features import Features
+
+    rng = np.random.default_rng(seed)
+    y = np.repeat(np.arange(len(centres)), n)
+    x = centres[y] + 0.3 * rng.normal(size=(len(y), centres.shape[1]))
+    classes = [str(i) for i in range(len(centres))]
+    return Features(torch.from_numpy(x).float(), torch.from_numpy(y), classes)

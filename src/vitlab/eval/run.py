@@ -16,7 +16,7 @@ from vitlab.models.checkpoint import load_checkpoint
 from vitlab.runtime import pick_device
 
 
-def _run_folder(weights: Path) -> Path | None:
+def run_folder(weights: Path) -> Path | None:
     """The run folder a checkpoint belongs to (run/checkpoints/NAME/model.safetensors)."""
     run = weights.parent.parent.parent
     return run if (run / "config.yaml").is_file() else None
@@ -24,7 +24,7 @@ def _run_folder(weights: Path) -> Path | None:
 
 def run_config_of(weights: Path) -> RunConfig | None:
     """The config of the run a checkpoint belongs to, if it belongs to one."""
-    run = _run_folder(weights)
+    run = run_folder(weights)
     if run is None:
         return None
     with open(run / "config.yaml") as f:
@@ -45,7 +45,7 @@ def evaluate_checkpoint(
     dev = pick_device(device, "--device")
     model, meta = load_checkpoint(checkpoint, device=dev)
     weights = vitlab_weights(checkpoint)  # a vitlab run's folder holds the data config
-    run = _run_folder(weights) if weights else None
+    run = run_folder(weights) if weights else None
     run_cfg = run_config_of(weights) if weights else None
     name = data or (run_cfg.data.name if run_cfg else "digits")
     folder = data_dir or (run_cfg.data.dir if run_cfg and name == run_cfg.data.name else None)

@@ -1,0 +1,335 @@
+"""Frozen features of any checkpoint vitlab reads, for the few-shot and probe evaluators:
+extracted once per dataset split in float32 and cached as safetensors.
+
+    prelogits   the vector the classifier reads (forward_head(pre_logits=True)): the paper's
+                representation (§4.1)
+    gap         the mean of the patch tokens after the final norm, prefix tokens skipped: for
+                models whose class token never had a training signal (masked patch prediction)
+
+A vitlab run (or a checkpoint inside one) keeps its cache in RUN/features/; other sources only
+with an explicit cache folder. A cache file is named by a hash of what its features depend on
+(the weights file's path, size and mtime, the dataset, its folder and split, the preprocessing
+and the feature kind), and holds that key in its metadata: a file whose key differs is extracted
+again."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from vitlab.data import ArraySplit, DatasetError, load_split, make_loader
+from vitlab.data.datasets import Split
+from vitlab.eval.run import run_config_of, run_folder
+from vitlab.formats.base import (
+    CheckpointError,
+    load_weights,
+    safetensors_metadata,
+    write_safetensors,
+)
+from vitlab.formats.vitlab import read_metadata, vitlab_weights
+from vitlab.preprocessing import Preprocessing
+from vitlab.runtime import pick_device
+
+log = logging.getLogger(__name__)
+
+FEATURE_KINDS = ("prelogits", "gap")
+CACHE_FORMAT = "vitlab-features"
+CACHE_VERSION = 1
+
+
+@dataclass
+class Features:
+    """One dataset split's frozen features."""
+
+    x: Tensor  # (N, D) float32
+    y: Tensor  # (N,) int64 class indices
+    classes: list[str]
+    cache: Path | None = None  # the file they were read from or written to
+    cached: bool = False  # read from the cache: the model did not run
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+# --- extraction ----------------------------------------------------------------------------------
+
+
+def represent(model: nn.Module, images: Tensor, kind: str) -> Tensor:
+    """(B, C, H, W) normalised images -> (B, D) features of `kind` (FEATURE_KINDS)."""
+    tokens = model.forward_features(images)  # (B, T, D), after the final norm
+    if kind == "prelogits":
+        return model.forward_head(tokens, pre_logits=True)  # (B, num_features)
+    if kind == "gap":
+        return tokens[:, model.num_prefix_tokens :].mean(dim=1)  # (B, D)
+    raise ValueError(f"features must be one of {', '.join(FEATURE_KINDS)}, got {kind!r}")
+
+
+@torch.no_grad()
+def extract(
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, Tensor]],
+    kind: str,
+    device: torch.device,
+    progress: bool = True,
+    desc: str = "features",
+) -> tuple[Tensor, Tensor]:
+    """Features (N, D) float32 and labels (N,) of every batch, on the CPU, the model in eval mode
+    and float32; a tqdm bar on stderr while it runs. Samples labelled below 0 (loader padding)
+    are dropped."""
+    from tqdm import tqdm
+
+    was_training = model.training
+    model.eval().float()
+    total = len(batches) if hasattr(batches, "__len__") else None
+    bar = tqdm(
+        total=total,
+        desc=desc,
+        unit="batch",
+        disable=not progress,
+        dynamic_ncols=True,
+        mininterval=1.0 if sys.stderr.isatty() else 30.0,  # keep logs short
+        file=sys.stderr,
+    )
+    xs, ys, seen, t0 = [], [], 0, time.perf_counter()
+    try:
+        for images, labels in batches:
+            feats = represent(model, images.to(device).float(), kind).float().cpu()
+            kept = labels >= 0
+            xs.append(feats[kept])
+            ys.append(labels[kept].long())
+            seen += len(labels)
+            rate = seen / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix(img_s=f"{rate:.0f}", refresh=False)
+            bar.update(1)
+    finally:
+        bar.close()
+        model.train(was_training)
+    if not xs:
+        raise DatasetError("the split has no images to extract features from")
+    return torch.cat(xs), torch.cat(ys)
+
+
+def match_channels(split: Split, pre: Preprocessing, name: str) -> Split:
+    """`split` with as many channels as the model takes: grey images are repeated to RGB, RGB
+    images converted to grey (ITU-R 601 luma, as PIL's convert('L')); image files are read in
+    the model's mode anyway. Any other pair is a DatasetError naming both."""
+    if not isinstance(split, ArraySplit):
+        return split
+    have, want = split.images.shape[1], pre.in_chans
+    if have == want:
+        return split
+    if have == 1:
+        images = split.images.expand(-1, want, -1, -1)
+    elif have == 3 and want == 1:
+        from torchvision.transforms.v2 import functional as TF
+
+        images = TF.rgb_to_grayscale(split.images)
+    else:
+        raise DatasetError(
+            f"{name} has {have}-channel images and the model's preprocessing takes {want} "
+            "channels: only grey -> any and RGB -> grey are converted"
+        )
+    return ArraySplit(images, split.labels, split.classes)
+
+
+# --- the cache -----------------------------------------------------------------------------------
+
+
+def _stat(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def source_identity(source: str, weights: Path | None) -> dict[str, Any]:
+    """What identifies the weights: a vitlab weights file's (or any file's) path, size and mtime;
+    a folder's files' (config.json and preprocessing too); a hub name as written."""
+    if weights is not None:
+        return _stat(weights)
+    path = Path(source).expanduser()
+    if path.is_file():
+        return _stat(path)
+    if path.is_dir():
+        return {"folder": [_stat(p) for p in sorted(path.iterdir()) if p.is_file()]}
+    return {"name": source}
+
+
+def cache_file(folder: Path, key: dict[str, Any]) -> Path:
+    """FOLDER/DATA_SPLIT_KIND_HASH.safetensors, the hash over the whole key."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    data = re.sub(r"[^A-Za-z0-9.-]+", "-", key["data"]).strip("-")[:40]
+    return folder / f"{data}_{key['split']}_{key['features']}_{digest}.safetensors"
+
+
+def read_cache(path: Path, key: dict[str, Any]) -> Features | None:
+    """The features cached at `path` for `key`, or None (no file, another key, a damaged file)."""
+    if not path.is_file():
+        return None
+    try:
+        meta = safetensors_metadata(path)
+        if meta.get("format") != CACHE_FORMAT or json.loads(meta.get("key", "null")) != key:
+            log.debug("%s holds features for another key: extracting again", path)
+            return None
+        tensors = load_weights(path)
+        x, y, classes = tensors["features"], tensors["labels"], json.loads(meta["classes"])
+    except (CheckpointError, KeyError, ValueError) as e:
+        log.warning("feature cache %s is unreadable (%s): extracting again", path, e)
+        return None
+    return Features(x, y, classes, cache=path, cached=True)
+
+
+def write_cache(path: Path, key: dict[str, Any], features: Features) -> None:
+    """Write `features` with `key` in the metadata, atomically."""
+    metadata = {
+        "format": CACHE_FORMAT,
+        "key": json.dumps(key, sort_keys=True),
+        "classes": json.dumps(features.classes),
+    }
+    tensors = {"features": features.x.contiguous(), "labels": features.y.contiguous()}
+    write_safetensors(path, tensors, metadata)
+
+
+# --- a checkpoint's features ---------------------------------------------------------------------
+
+
+@dataclass
+class Extractor:
+    """The frozen features of checkpoint `source` (any source load_checkpoint reads: a run folder
+    means its best checkpoint) for dataset splits. A vitlab checkpoint is only loaded when a split
+    is not in the cache; other sources are loaded first (their preprocessing is part of the key).
+
+    `cache_dir`: where to cache; None: RUN/features for a vitlab run, else no cache."""
+
+    source: str
+    kind: str = "prelogits"
+    device: str = "auto"
+    batch_size: int = 256
+    cache_dir: Path | None = None
+    progress: bool = True
+    weights: Path | None = field(init=False, default=None)  # a vitlab weights file
+    run: Path | None = field(init=False, default=None)  # the run folder it belongs to
+    preprocessing: Preprocessing = field(init=False)
+    dev: torch.device = field(init=False)
+    forward_batches: int = field(init=False, default=0)  # batches run through the model
+    _model: nn.Module | None = field(init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in FEATURE_KINDS:
+            raise ValueError(
+                f"features must be one of {', '.join(FEATURE_KINDS)}, got {self.kind!r}"
+            )
+        if self.batch_size < 1:
+            raise ValueError(f"batch size must be at least 1, got {self.batch_size}")
+        self.dev = pick_device(self.device, "--device")
+        self.weights = vitlab_weights(self.source)
+        self.run = run_folder(self.weights) if self.weights else None
+        if self.weights is not None:
+            self.preprocessing = read_metadata(self.weights).preprocessing
+        else:
+            self.preprocessing = self.model().preprocessing
+        if self.cache_dir is None and self.run is not None:
+            self.cache_dir = self.run / "features"
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the model has been loaded."""
+        return self._model is not None
+
+    def model(self) -> nn.Module:
+        """The model, loaded on first use."""
+        if self._model is None:
+            from vitlab.models.checkpoint import load_checkpoint
+
+            model, meta = load_checkpoint(self.weights or self.source, device=self.dev)
+            model.preprocessing = meta.preprocessing
+            self._model = model
+        return self._model
+
+    def dataset(self, data: str | None, data_dir: str | None) -> tuple[str, str | None, int]:
+        """(name, folder, split seed): the run's dataset when none is named, as `vitlab eval`."""
+        cfg = run_config_of(self.weights) if self.weights else None
+        name = data or (cfg.data.name if cfg else None)
+        if name is None:
+            raise ValueError(f"--data is needed: {self.source} is not a vitlab run with a dataset")
+        folder = data_dir or (cfg.data.dir if cfg and name == cfg.data.name else None)
+        return name, folder, cfg.data.split_seed if cfg else 0
+
+    def key(self, name: str, folder: str | None, split: str, seed: int) -> dict[str, Any]:
+        """What the features of one split depend on."""
+        return {
+            "version": CACHE_VERSION,
+            "weights": source_identity(self.source, self.weights),
+            "data": name,
+            "data_dir": str(Path(folder).expanduser().resolve()) if folder else None,
+            "split": split,
+            "split_seed": seed,
+            "preprocessing": self.preprocessing.to_dict(),
+            "features": self.kind,
+        }
+
+    def features(self, data: str | None, data_dir: str | None, split: str) -> Features:
+        """The features of `split` ('train' or 'test') of dataset `data`, from the cache when
+        there is one for exactly this key."""
+        name, folder, seed = self.dataset(data, data_dir)
+        key = self.key(name, folder, split, seed)
+        path = cache_file(self.cache_dir, key) if self.cache_dir else None
+        found = read_cache(path, key) if path else None
+        if found is not None:
+            log.info("%s %s features from %s", name, split, path)
+            return found
+        part = match_channels(load_split(name, split, folder, seed), self.preprocessing, name)
+        loader = make_loader(part, self.batch_size, self.preprocessing)
+        self.forward_batches += len(loader)
+        x, y = extract(
+            self.model(), loader, self.kind, self.dev, self.progress, f"{name} {split} features"
+        )
+        out = Features(x, y, list(part.classes), cache=path)
+        if path is not None:
+            write_cache(path, key, out)
+            log.info("cached %s %s features in %s", name, split, path)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """Where the features come from, for reports."""
+        return {
+            "source": str(self.source),
+            "checkpoint": str(self.weights) if self.weights else None,
+            "features": self.kind,
+            "preprocessing": self.preprocessing.to_dict(),
+            "cache_dir": str(self.cache_dir) if self.cache_dir else None,
+        }
+
+
+def train_and_test(
+    extractor: Extractor, data: str | None, data_dir: str | None
+) -> tuple[Features, Features, dict[str, Any]]:
+    """The train and test features of a dataset and what a report says about them."""
+    name, folder, _ = extractor.dataset(data, data_dir)
+    train = extractor.features(name, folder, "train")
+    test = extractor.features(name, folder, "test")
+    if train.classes != test.classes:
+        raise DatasetError(f"{name}: the train and test splits name different classes")
+    about = {
+        **extractor.describe(),
+        "data": name,
+        "data_dir": folder,
+        "feature_dim": int(train.x.shape[1]),
+        "num_classes": len(train.classes),
+        "num_train_images": len(train),
+        "num_test_images": len(test),
+        "cache": {
+            s: str(f.cache) if f.cache else None for s, f in (("train", train), ("test", test))
+        },
+        "cached": {"train": train.cached, "test": test.cached},
+    }
+    return train, test, about

@@ -1,0 +1,125 @@
+"""Few-shot linear evaluation (paper §4.1, big_vision fewshot_lsr): the closed-form ridge against
+scikit-learn, a case worked by hand, the k-shot draw, and `vitlab fewshot` end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sklearn.linear_model import Ridge
+
+from tests.helpers import clusters, tiny_checkpoint
+from vitlab.cli.main import main
+from vitlab.data import DatasetError
+from vitlab.eval.fewshot import (
+    BIAS_CONSTANT,
+    design,
+    fewshot,
+    fit_ridge,
+    kshot_indices,
+)
+
+
+@pytest.mark.parametrize("n, d", [(12, 30), (80, 30)], ids=["N<D", "N>=D"])
+def test_ridge_weights_equal_sklearn_ridge_on_the_same_design(n: int, d: int) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, d)) * rng.uniform(0.1, 10, size=d) + rng.normal(size=d)
+    y = np.arange(n) % 4
+    fit = fit_ridge(x, y, 4, l2=1024.0)
+    a = design(x, fit.mean, fit.std)
+    assert a.shape == (n, d + 1) and np.all(a[:, -1] == BIAS_CONSTANT)
+    np.testing.assert_allclose(a[:, :-1].mean(axis=0), 0, atol=1e-9)  # the subset's own mean
+    np.testing.assert_allclose(a[:, :-1].std(axis=0), 1, atol=1e-4)  # ... and std (+1e-5)
+    targets = 2.0 * np.eye(4)[y] - 1.0
+    ref = Ridge(alpha=1024.0, fit_intercept=False).fit(a, targets)
+    assert fit.weights.shape == (d + 1, 4)
+    np.testing.assert_allclose(fit.weights, ref.coef_.T, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(fit.predict(x), ref.predict(a).argmax(axis=1))
+
+
+def test_ridge_by_hand() -> None:
+    # one shot of each of two classes at x = 0 and x = 2: standardised to -a and a (mean 1,
+    # std 1 + 1e-5, a = 1 / (1 + 1e-5)), bias column 100; A^T A = diag(2a², 2·100²) and A^T T has
+    # no bias part (the classes balance), so W = [[-2a, 2a] / (2a² + λ), [0, 0]]
+    fit = fit_ridge(np.array([[0.0], [2.0]]), np.array([0, 1]), 2, l2=2.0)
+    a = 1 / (1 + 1e-5)
+    np.testing.assert_allclose(fit.mean, [1.0])
+    np.testing.assert_allclose(fit.std, [1.0 + 1e-5])
+    w = 2 * a / (2 * a * a + 2.0)  # ~0.5
+    np.testing.assert_allclose(fit.weights, [[-w, w], [0.0, 0.0]], atol=1e-12)
+    np.testing.assert_allclose(fit.scores(np.array([[3.0]])), [[-2 * a * w, 2 * a * w]])
+    assert fit.predict(np.array([[-5.0], [0.9], [1.1], [7.0]])).tolist() == [0, 0, 1, 1]
+
+
+def test_kshot_draw_takes_exactly_k_per_class_and_differs_across_seeds() -> None:
+    labels = np.array([0] * 30 + [1] * 12 + [2] * 7)
+    np.random.default_rng(5).shuffle(labels)
+    classes = ["a", "b", "c"]
+    draws = {seed: kshot_indices(labels, 5, seed, classes) for seed in range(3)}
+    for idx in draws.values():
+        assert len(idx) == len(set(idx.tolist())) == 15
+        assert np.bincount(labels[idx]).tolist() == [5, 5, 5]
+    assert len({tuple(sorted(d.tolist())) for d in draws.values()}) == 3  # the seeds differ
+    np.testing.assert_array_equal(kshot_indices(labels, 5, 1, classes), draws[1])  # repeatable
+    # the draw of k shots is the start of each class's permutation: 2 shots are within 5
+    two = kshot_indices(labels, 2, 1, classes)
+    assert set(two.tolist()) <= set(draws[1].tolist())
+    # the first class's draw is numpy's default_rng(seed).permutation of its indices
+    ref = np.random.default_rng(1).permutation(np.flatnonzero(labels == 0))[:5]
+    np.testing.assert_array_equal(draws[1][:5], ref)
+    with pytest.raises(DatasetError, match=r"class 2 \('c'\) has 7 training image\(s\), fewer"):
+        kshot_indices(labels, 8, 0, classes)
+
+
+def test_fewshot_on_separable_features_is_near_perfect_and_reports_every_seed() -> None:
+    centres = np.random.default_rng(0).normal(size=(5, 24)) * 3
+    train, test = clusters(30, centres, 1), clusters(20, centres, 2)
+    results = fewshot(train, test, shots=[1, 10], seeds=3, l2=1024.0)
+    assert [r["shots"] for r in results] == [1, 10]
+    for r in results:
+        assert len(r["per_seed"]) == 3
+        assert r["mean"] == pytest.approx(np.mean(r["per_seed"]))
+        assert r["std"] == pytest.approx(np.std(r["per_seed"]))
+    assert results[1]["mean"] > 0.98
+    with pytest.raises(DatasetError, match="31 shots need 31 training images of every class"):
+        fewshot(train, test, shots=[1, 31])
+
+
+@pytest.mark.parametrize(
+    "overrides", [{}, {"img_size": 16, "patch_size": 4, "in_chans": 3}], ids=["grey8", "rgb16"]
+)
+def test_fewshot_cli_on_digits_with_a_random_model(overrides, tmp_path: Path, capsys) -> None:
+    ckpt = tiny_checkpoint(tmp_path / "tiny", **overrides)
+    args = ["fewshot", str(ckpt), "--data", "digits", "--device", "cpu", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    p = report["protocol"]
+    assert p["shots"] == [1, 5, 10, 25] and p["seeds"] == [0, 1, 2] and p["l2"] == 1024.0
+    assert p["bias_constant"] == 100.0 and p["features"] == "prelogits"
+    assert "k-shot subset" in p["standardisation"]
+    assert report["data"] == "digits" and report["feature_dim"] == 16
+    assert (report["num_train_images"], report["num_test_images"]) == (1438, 359)
+    assert report["cache"] == {"train": None, "test": None}  # not a run, no --cache-dir
+    by_shots = {r["shots"]: r for r in report["results"]}
+    assert by_shots[25]["mean"] > 0.2  # random features still carry the digits: chance is 10%
+    assert all(len(r["per_seed"]) == 3 for r in report["results"])
+
+    assert main(["fewshot", str(ckpt), "--data", "digits", "--shots", "5", "--seeds", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "few-shot linear" in table and "    5 " in table
+
+
+def test_fewshot_cli_errors(tmp_path: Path, capsys) -> None:
+    ckpt = tiny_checkpoint(tmp_path / "tiny")
+    assert main(["fewshot", str(ckpt), "--data", "digits", "--shots", "1,500"]) == 2
+    err = capsys.readouterr().err
+    assert "vitlab fewshot: error: 500 shots need 500 training images" in err
+    assert main(["fewshot", str(ckpt)]) == 2
+    assert "--data is needed" in capsys.readouterr().err
+    assert main(["fewshot", str(ckpt), "--data", "digits", "--l2", "0"]) == 2
+    assert "l2 must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["fewshot", str(ckpt), "--data", "digits", "--shots", "1,x"])
+    assert "expected numbers like 1,5,10,25" in capsys.readouterr().err

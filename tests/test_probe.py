@@ -1,0 +1,193 @@
+"""Linear and k-NN probes, feature extraction (kinds, channels) and the feature cache, and
+`vitlab probe` end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from tests.helpers import clusters, tiny_checkpoint
+from vitlab.cli.main import main
+from vitlab.config import load_run_config
+from vitlab.data import ArraySplit, DatasetError, make_loader
+from vitlab.eval.features import Extractor, extract, match_channels, represent
+from vitlab.eval.probe import C_GRID, knn_probe, knn_scores, linear_probe
+from vitlab.formats.base import preprocessing_of, safetensors_metadata
+from vitlab.models.checkpoint import save_pretrained
+from vitlab.models.vit import VisionTransformer, ViTConfig
+
+# --- k-NN ----------------------------------------------------------------------------------------
+
+
+def test_knn_on_separated_clusters_is_near_perfect() -> None:
+    centres = np.random.default_rng(0).normal(size=(6, 32)) * 2
+    train, test = clusters(40, centres, 1), clusters(25, centres, 2)
+    r = knn_probe(train, test, k=20, temperature=0.07)
+    assert r["top1"] > 0.98 and r["k"] == 20
+    # chunks of test rows give the same votes as one pass
+    one = knn_scores(train.x, train.y, test.x, 6, chunk=10_000)
+    torch.testing.assert_close(knn_scores(train.x, train.y, test.x, 6, chunk=7), one)
+
+
+def test_knn_temperature_weighting_can_overrule_the_majority() -> None:
+    # the query's nearest neighbour (cosine 1.0) is class 0; the next two (cosine 0.9) class 1
+    s = np.sqrt(1 - 0.9**2)
+    train_x = torch.tensor([[1.0, 0.0, 0.0], [0.9, s, 0.0], [0.9, 0.0, s], [-1.0, 0.0, 0.0]])
+    train_y = torch.tensor([0, 1, 1, 1])
+    query = torch.tensor([[2.0, 0.0, 0.0]])  # the length does not matter: cosine
+    sharp = knn_scores(train_x, train_y, query, 2, k=3, temperature=0.07)
+    # exp(1/T) against 2 exp(0.9/T): class 0 wins by exp(0.1/T)/2 ~ 2.09
+    assert sharp.argmax().item() == 0
+    torch.testing.assert_close(
+        sharp[0, 0] / sharp[0, 1], torch.tensor(np.exp(0.1 / 0.07) / 2).float()
+    )
+    majority = torch.bincount(train_y[:3], minlength=2)  # a plain vote of the 3 nearest
+    assert majority.argmax().item() == 1
+    flat = knn_scores(train_x, train_y, query, 2, k=3, temperature=100.0)
+    assert flat.argmax().item() == 1  # a high temperature is almost a plain vote
+    with pytest.raises(ValueError, match="k >= 1 and a temperature > 0"):
+        knn_scores(train_x, train_y, query, 2, k=3, temperature=0.0)
+
+
+# --- linear --------------------------------------------------------------------------------------
+
+
+def test_linear_probe_on_separable_features_picks_c_on_held_out_data() -> None:
+    centres = np.random.default_rng(0).normal(size=(4, 20))
+    train, test = clusters(50, centres, 1), clusters(30, centres, 2)
+    r = linear_probe(train.x.numpy(), train.y.numpy(), test.x.numpy(), test.y.numpy())
+    assert r["top1"] > 0.97
+    assert r["C"] in C_GRID and [g["C"] for g in r["grid"]] == list(C_GRID)
+    assert r["num_val_images"] == 20  # 10% of 200
+    best = max(g["val_top1"] for g in r["grid"])
+    assert next(g for g in r["grid"] if g["C"] == r["C"])["val_top1"] == best
+    assert all(0.0 <= g["val_top1"] <= 1.0 for g in r["grid"])
+
+
+# --- extraction ----------------------------------------------------------------------------------
+
+
+def test_feature_kinds_and_channel_conversion() -> None:
+    torch.manual_seed(0)
+    cfg = ViTConfig(img_size=32, patch_size=8, num_classes=3, embed_dim=16, depth=1, num_heads=2)
+    model = VisionTransformer(cfg.replace(distilled=True)).eval()  # two prefix tokens
+    x = torch.randn(2, 3, 32, 32)
+    tokens = model.forward_features(x)
+    torch.testing.assert_close(represent(model, x, "gap"), tokens[:, 2:].mean(dim=1))
+    torch.testing.assert_close(represent(model, x, "prelogits"), (tokens[:, 0] + tokens[:, 1]) / 2)
+    # 28x28 grey images for a 32x32 RGB model: repeated to three channels and resized
+    grey = ArraySplit(torch.randint(0, 256, (5, 1, 28, 28), dtype=torch.uint8), torch.arange(5), [])
+    pre = preprocessing_of(model)
+    feats, labels = extract(
+        model, make_loader(match_channels(grey, pre, "g"), 2, pre), "gap", torch.device("cpu")
+    )
+    assert (
+        feats.shape == (5, 16)
+        and feats.dtype == torch.float32
+        and labels.tolist() == [0, 1, 2, 3, 4]
+    )
+    # RGB images for a grey model: converted to grey
+    rgb = ArraySplit(torch.full((2, 3, 28, 28), 200, dtype=torch.uint8), torch.arange(2), [])
+    assert match_channels(rgb, pre.__class__((8, 8), 1, (0.5,), (0.5,)), "c").images.shape[1] == 1
+    with pytest.raises(
+        DatasetError, match="c has 3-channel images and the model's preprocessing takes 2"
+    ):
+        match_channels(rgb, pre.__class__((8, 8), 2, (0.5,) * 2, (0.5,) * 2), "c")
+
+
+# --- the cache -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    """A vitlab run folder: config.yaml and checkpoints/best, without training."""
+    run = tmp_path / "run"
+    tiny_checkpoint(run / "checkpoints" / "best")
+    cfg = load_run_config(None, ["data.name=digits"])
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_tree()))
+    return run
+
+
+def test_a_runs_features_are_cached_in_the_run_and_reused(run: Path) -> None:
+    first = Extractor(str(run), device="cpu", progress=False)
+    a = first.features(None, None, "test")  # the run's dataset: digits
+    assert not a.cached and first.forward_batches == 2
+    files = list((run / "features").glob("*.safetensors"))
+    assert files == [a.cache] and a.cache.name.startswith("digits_test_prelogits_")
+    key = json.loads(safetensors_metadata(a.cache)["key"])
+    assert key["data"] == "digits" and key["split"] == "test" and key["features"] == "prelogits"
+    assert key["weights"]["path"] == str((run / "checkpoints/best/model.safetensors").resolve())
+    mtime = a.cache.stat().st_mtime_ns
+
+    again = Extractor(str(run / "checkpoints" / "best"), device="cpu", progress=False)
+    b = again.features("digits", None, "test")
+    assert b.cached and again.forward_batches == 0 and not again.loaded  # never loaded
+    assert a.cache.stat().st_mtime_ns == mtime
+    torch.testing.assert_close(b.x, a.x)
+    assert torch.equal(b.y, a.y) and b.classes == a.classes
+
+    gap = Extractor(str(run), kind="gap", device="cpu", progress=False)
+    assert not gap.features("digits", None, "test").cached  # another kind, another file
+    assert len(list((run / "features").glob("*.safetensors"))) == 2
+
+    weights = run / "checkpoints" / "best" / "model.safetensors"
+    os.utime(weights, ns=(mtime + 10**9, mtime + 10**9))  # new weights: extracted again
+    fresh = Extractor(str(run), device="cpu", progress=False)
+    assert not fresh.features("digits", None, "test").cached and fresh.forward_batches == 2
+
+
+def test_damaged_cache_is_extracted_again(run: Path, caplog) -> None:
+    a = Extractor(str(run), device="cpu", progress=False).features(None, None, "test")
+    a.cache.write_bytes(a.cache.read_bytes()[:100])  # truncated
+    again = Extractor(str(run), device="cpu", progress=False)
+    b = again.features(None, None, "test")
+    assert not b.cached and again.forward_batches == 2 and "unreadable" in caplog.text
+    torch.testing.assert_close(b.x, a.x)
+
+
+def test_other_sources_cache_only_with_a_cache_dir(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = VisionTransformer(
+        ViTConfig(
+            img_size=8, patch_size=2, in_chans=1, num_classes=0, embed_dim=16, depth=1, num_heads=2
+        )
+    )
+    save_pretrained(model, tmp_path / "timm", format="timm")  # a folder with timm's config.json
+    src = tmp_path / "timm"
+    assert Extractor(str(src), device="cpu", progress=False).cache_dir is None
+    cache = tmp_path / "cache"
+    first = Extractor(str(src), device="cpu", cache_dir=cache, progress=False)
+    assert not first.features("digits", None, "test").cached
+    again = Extractor(str(src), device="cpu", cache_dir=cache, progress=False)
+    assert again.features("digits", None, "test").cached and again.forward_batches == 0
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+def test_probe_cli_on_a_run_uses_the_cache_the_second_time(run: Path, capsys) -> None:
+    assert main(["probe", str(run), "--device", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["data"] == "digits" and report["features"] == "prelogits"
+    assert report["cached"] == {"train": False, "test": False}
+    assert Path(report["cache"]["train"]).parent == run / "features"
+    assert report["linear"]["top1"] > 0.2 and report["knn"]["top1"] > 0.2  # chance: 10%
+    assert report["linear"]["C"] in C_GRID and len(report["linear"]["grid"]) == len(C_GRID)
+    assert report["knn"]["k"] == 20 and report["knn"]["temperature"] == 0.07
+
+    assert main(["probe", str(run), "--kind", "knn", "--k", "5", "--json"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["cached"] == {"train": True, "test": True} and "linear" not in second
+    assert second["knn"]["k"] == 5
+
+    assert main(["probe", str(run), "--kind", "linear"]) == 0
+    out = capsys.readouterr().out
+    assert "linear  top-1" in out and "k-NN" not in out
+    assert main(["probe", str(run), "--k", "0"]) == 2
+    assert "vitlab probe: error: k-NN needs --k >= 1" in capsys.readouterr().err
