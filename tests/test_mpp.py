@@ -17,6 +17,7 @@ from PIL import Image
 
 from tests.helpers import TINY_MODEL, weights_of
 from vitlab import load_checkpoint
+from vitlab.cli.main import main
 from vitlab.config import ConfigError, MPPConfig, load_run_config
 from vitlab.data import label_subset, load_split
 from vitlab.models.mpp import (
@@ -120,7 +121,9 @@ def test_label_subset_takes_the_same_share_of_every_class() -> None:
     assert label_subset(train, 1.0, 0) is train
 
 
-def test_pretraining_learns_colours_and_finetuning_starts_from_its_encoder(tmp_path: Path) -> None:
+def test_pretraining_learns_colours_and_finetuning_starts_from_its_encoder(
+    tmp_path: Path, capsys
+) -> None:
     run = train(cfg("train.epochs=4"), out=tmp_path / "mpp")
     weights = weights_of(run, "best")
     assert {"mpp.mask_token", "mpp.head.weight", "mpp.head.bias"} <= weights.keys()
@@ -138,6 +141,8 @@ def test_pretraining_learns_colours_and_finetuning_starts_from_its_encoder(tmp_p
     model, meta = load_checkpoint(run)  # the encoder alone
     assert meta.config.num_classes == 0 and meta.info["objective"] == "mpp"
     assert not any(k.startswith("mpp.") for k in model.state_dict())
+    assert main(["eval", str(run)]) == 2  # nothing to classify with
+    assert "no classifier" in capsys.readouterr().err
     ft = train(
         load_run_config(
             None, [*TINY_MODEL, "train.epochs=1", f"finetune.from={run}", "data.label_fraction=0.1"]

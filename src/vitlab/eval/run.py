@@ -58,6 +58,12 @@ def evaluate_checkpoint(
             raise DatasetError(f"run {run} has no validation split (data.val_fraction=0)")
     else:
         part = load_split(name, "test", folder, run_cfg.data.split_seed if run_cfg else 0)
+    if meta.config.num_classes == 0:
+        raise ValueError(
+            f"{checkpoint} has no classifier (num_classes=0, e.g. masked-patch-prediction "
+            f"pre-training): fine-tune it (vitlab train finetune.from=...), or measure its "
+            f"features with vitlab fewshot / vitlab probe"
+        )
     if len(part.classes) != meta.config.num_classes:
         raise DatasetError(
             f"{name} has {len(part.classes)} classes, the checkpoint's model has "

@@ -21,6 +21,7 @@ RUN_FILES = (
     "curves.png",
     "results.json",
     "tensorboard",
+    "features",  # vitlab fewshot / probe caches
 )
 
 
