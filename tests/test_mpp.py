@@ -19,7 +19,8 @@ from tests.helpers import TINY_MODEL, weights_of
 from vitlab import load_checkpoint
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, MPPConfig, load_run_config
-from vitlab.data import label_subset, load_split
+from vitlab.data import Preprocessing, label_subset, load_split, make_loader
+from vitlab.eval.mpp import evaluate_mpp
 from vitlab.models.mpp import (
     MaskedPatchViT,
     MPPHead,
@@ -89,6 +90,7 @@ def test_mean_color_target_equals_a_hand_computation() -> None:
 
 
 def test_model_targets_undo_the_input_normalisation() -> None:
+    torch.manual_seed(0)
     mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
     vit = ViTConfig(img_size=8, patch_size=4, in_chans=3, num_classes=0, embed_dim=16, depth=1,
                     num_heads=2, mlp_dim=32)  # fmt: skip
@@ -107,6 +109,37 @@ def test_model_targets_undo_the_input_normalisation() -> None:
     assert right is None and loss.item() == pytest.approx(targets.pow(2).mean().item(), rel=1e-6)
     with pytest.raises(ConfigError, match="num_classes must be 0"):
         MaskedPatchViT(vit.replace(num_classes=10), MPPConfig(), mean, std)
+    with pytest.raises(ConfigError, match="representation_size"):  # it would get no gradient
+        MaskedPatchViT(vit.replace(representation_size=16), MPPConfig(), mean, std)
+    with pytest.raises(ConfigError, match="2\\^24 colour classes"):
+        MaskedPatchViT(vit, MPPConfig(bits=8), mean, std)
+    # a model that normalises after pooling normalises the patch tokens it predicts from
+    fc = MaskedPatchViT(vit.replace(fc_norm=True, pool="gap"), MPPConfig(), mean, std)
+    torch.nn.init.normal_(fc.mpp.head.weight)
+    predictions, targets = fc(normalised)
+    mpp_loss(predictions, targets, "mean_color")[0].backward()
+    assert fc.fc_norm.weight.grad is not None and fc.fc_norm.weight.grad.abs().sum() > 0
+
+
+def test_evaluation_counts_padding_images_out_but_runs_them() -> None:
+    """Under torchrun a rank's last evaluation batch may be all padding (labels -1): the model
+    still runs on it (ranks step together) and the metrics stay finite and count each image once."""
+    vit = ViTConfig(img_size=8, patch_size=2, in_chans=1, num_classes=0, embed_dim=16, depth=1,
+                    num_heads=2, mlp_dim=32)  # fmt: skip
+    model = MaskedPatchViT(vit, MPPConfig(), (0.5,), (0.25,))
+    part = load_split("digits", "test").subset(torch.arange(257))
+    pre = Preprocessing((8, 8), 1, (0.5,), (0.25,))
+    calls = []
+    model.register_forward_hook(lambda m, args, out: calls.append(len(args[0])))
+    cpu = torch.device("cpu")
+    loaders = [make_loader(part, 128, pre, rank=r, world=2) for r in (0, 1)]
+    results = [evaluate_mpp(model, loader, cpu) for loader in loaders]
+    assert sum(r["num_images"] for r in results) == 257
+    assert all(np.isfinite(r["loss"]) and 0 <= r["top1"] <= 1 for r in results)
+    assert results[1]["num_patches"] == results[1]["num_images"] * 8
+    assert len(calls) == 4  # two batches per rank, the padding one included
+    again = evaluate_mpp(model, make_loader(part, 128, pre, rank=0, world=2), cpu)
+    assert again == results[0]  # the same draws at every evaluation
 
 
 def test_label_subset_takes_the_same_share_of_every_class() -> None:
@@ -177,7 +210,7 @@ def _unlabelled_folder(root: Path, n: int = 40) -> Path:
     return root
 
 
-def test_an_image_folder_without_classes_trains_by_mpp_only(tmp_path: Path) -> None:
+def test_an_image_folder_without_classes_trains_by_mpp_only(tmp_path: Path, capsys) -> None:
     data = _unlabelled_folder(tmp_path / "photos")
     common = [*TINY_MODEL, "train.batch_size=8", "train.epochs=2", "data.workers=0",
               f"data.name=imagefolder:{data}"]  # fmt: skip
@@ -191,6 +224,8 @@ def test_an_image_folder_without_classes_trains_by_mpp_only(tmp_path: Path) -> N
         train(load_run_config(None, [*common, "train.objective=mpp", "data.mixup=0.2"]))
     with pytest.raises(ConfigError, match="no classifier"):
         train(load_run_config(None, [*common, "train.objective=mpp", "model.num_classes=3"]))
+    assert main(["fewshot", str(run), "--shots", "1"]) == 2  # its own data has no labels
+    assert "no labels" in capsys.readouterr().err
 
 
 def test_pretraining_under_torchrun_counts_every_test_image_once(tmp_path: Path) -> None:

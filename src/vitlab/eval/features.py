@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -164,6 +165,18 @@ def source_identity(source: str, weights: Path | None) -> dict[str, Any]:
     return {"name": source}
 
 
+def folder_digest(root: Path) -> str:
+    """A hash over every file under `root`: relative path, size, modification time."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            st = path.stat()
+            h.update(f"{path.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
 def cache_file(folder: Path, key: dict[str, Any]) -> Path:
     """FOLDER/DATA_SPLIT_KIND_HASH.safetensors, the hash over the whole key."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -265,11 +278,17 @@ class Extractor:
         return name, folder, cfg.data.split_seed if cfg else 0
 
     def key(self, name: str, folder: str | None, split: str, seed: int) -> dict[str, Any]:
-        """What the features of one split depend on."""
+        """What the features of one split depend on (an image folder: its absolute path and a
+        digest of its files' names, sizes and times, so added or replaced images count)."""
+        files = None
+        if name.startswith("imagefolder:"):
+            root = Path(name.split(":", 1)[1]).expanduser().resolve()
+            name, files = f"imagefolder:{root}", folder_digest(root)
         return {
             "version": CACHE_VERSION,
             "weights": source_identity(self.source, self.weights),
             "data": name,
+            "files": files,
             "data_dir": str(Path(folder).expanduser().resolve()) if folder else None,
             "split": split,
             "split_seed": seed,
@@ -316,6 +335,11 @@ def train_and_test(
     """The train and test features of a dataset and what a report says about them."""
     name, folder, _ = extractor.dataset(data, data_dir)
     train = extractor.features(name, folder, "train")
+    if not train.classes:
+        raise DatasetError(
+            f"{name} has no labels (an image folder without class sub-folders): few-shot and "
+            f"probe accuracy need labelled data; name a labelled dataset with --data"
+        )
     test = extractor.features(name, folder, "test")
     if train.classes != test.classes:
         raise DatasetError(f"{name}: the train and test splits name different classes")

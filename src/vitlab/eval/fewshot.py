@@ -142,6 +142,7 @@ def fewshot_checkpoint(
     """The few-shot report of a checkpoint on a dataset: its results and the protocol."""
     if l2 <= 0:  # checked before any feature is extracted
         raise ValueError(f"l2 must be positive, got {l2}")
+    check_shots(shots, seeds, np.zeros(0, dtype=np.int64), [])
     extractor = Extractor(source, features, device, batch_size, cache_dir, progress)
     train, test, about = train_and_test(extractor, data, data_dir)
     results = fewshot(train, test, shots, seeds, l2)

@@ -25,25 +25,27 @@ def evaluate_mpp(
 ) -> dict:
     """{"loss", "top1", "num_images", "num_patches"}: the loss per corrupted patch and the share
     of corrupted patches whose mean colour is predicted right (top1; None for patch_l2). The
-    corruption is drawn from a stream seeded by (seed, rank), so every evaluation of a split sees
-    the same draws; the caller's random streams are left as they were. Samples labelled below 0
-    (the loaders' padding) are not counted."""
+    corruption is drawn from a generator of its own seeded by (seed, rank), so every evaluation
+    of a split on the same number of processes sees the same draws, and the training random
+    streams are untouched. Samples labelled below 0 (the loaders' padding, which keeps ranks
+    stepping together) run through the model but are not counted."""
     was_training = model.training
     model.eval()
     target = model.mpp_config.target
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, right, patches, images
     rank = d.rank if d is not None else 0
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed * 1_000_003 + rank)
-        for x, y in batches:
-            x = x[y >= 0].to(device, non_blocking=True)
-            with autocast or nullcontext():
-                predictions, targets = model(x)
+    generator = torch.Generator(device).manual_seed(seed * 1_000_003 + rank)
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        scored = y >= 0
+        with autocast or nullcontext():
+            predictions, targets = model(x, scored, generator)
+        if len(targets):  # the mean over no patches is NaN
             loss, right = mpp_loss(predictions, targets, target)
             totals[0] += loss.double() * len(targets)
             totals[1] += 0 if right is None else right
             totals[2] += len(targets)
-            totals[3] += len(x)
+        totals[3] += scored.sum()
     if d is not None and d.enabled:
         dist.all_reduce(totals)
     model.train(was_training)

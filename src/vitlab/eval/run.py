@@ -44,6 +44,12 @@ def evaluate_checkpoint(
     validation carve-out default to the checkpoint's run config."""
     dev = pick_device(device, "--device")
     model, meta = load_checkpoint(checkpoint, device=dev)
+    if meta.config.num_classes == 0:
+        raise ValueError(
+            f"{checkpoint} has no classifier (num_classes=0, e.g. masked-patch-prediction "
+            f"pre-training): fine-tune it (vitlab train finetune.from=...), or measure its "
+            f"features with vitlab fewshot / vitlab probe"
+        )
     weights = vitlab_weights(checkpoint)  # a vitlab run's folder holds the data config
     run = run_folder(weights) if weights else None
     run_cfg = run_config_of(weights) if weights else None
@@ -58,12 +64,6 @@ def evaluate_checkpoint(
             raise DatasetError(f"run {run} has no validation split (data.val_fraction=0)")
     else:
         part = load_split(name, "test", folder, run_cfg.data.split_seed if run_cfg else 0)
-    if meta.config.num_classes == 0:
-        raise ValueError(
-            f"{checkpoint} has no classifier (num_classes=0, e.g. masked-patch-prediction "
-            f"pre-training): fine-tune it (vitlab train finetune.from=...), or measure its "
-            f"features with vitlab fewshot / vitlab probe"
-        )
     if len(part.classes) != meta.config.num_classes:
         raise DatasetError(
             f"{name} has {len(part.classes)} classes, the checkpoint's model has "

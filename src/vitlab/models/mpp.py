@@ -56,14 +56,21 @@ class Corruption(NamedTuple):
     replaced: Tensor
 
 
-def draw_corruption(batch: int, patches: int, cfg: MPPConfig, device: torch.device) -> Corruption:
+def draw_corruption(
+    batch: int,
+    patches: int,
+    cfg: MPPConfig,
+    device: torch.device | str,
+    generator: torch.Generator | None = None,
+) -> Corruption:
     """round(corrupt * N) patches per image (at least one), uniformly without replacement; each of
-    them masked with probability `mask`, replaced with probability `random`."""
+    them masked with probability `mask`, replaced with probability `random`. Drawn from
+    `generator`, else from the default random stream."""
     k = max(1, round(cfg.corrupt * patches))
-    order = torch.rand(batch, patches, device=device).argsort(dim=1)
+    order = torch.rand(batch, patches, device=device, generator=generator).argsort(dim=1)
     corrupted = torch.zeros(batch, patches, dtype=torch.bool, device=device)
     corrupted.scatter_(1, order[:, :k], True)
-    u = torch.rand(batch, patches, device=device)
+    u = torch.rand(batch, patches, device=device, generator=generator)
     masked = corrupted & (u < cfg.mask)
     replaced = corrupted & (u >= cfg.mask) & (u < cfg.mask + cfg.random)
     return Corruption(corrupted, masked, replaced)
@@ -80,14 +87,18 @@ class MPPHead(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def corrupt(self, emb: Tensor, plan: Corruption) -> Tensor:
+    def corrupt(
+        self, emb: Tensor, plan: Corruption, generator: torch.Generator | None = None
+    ) -> Tensor:
         """(B, N, D) patch embeddings with the plan's patches masked or replaced (by the
         uncorrupted embedding of a uniformly drawn other patch of the batch)."""
         b, n, d = emb.shape
         out = torch.where(plan.masked[..., None], self.mask_token.to(emb.dtype), emb)
         where = plan.replaced.flatten().nonzero().squeeze(1)  # flat indices into (B*N)
         if where.numel():
-            other = torch.randint(0, b * n - 1, (where.numel(),), device=emb.device)
+            other = torch.randint(
+                0, b * n - 1, (where.numel(),), device=emb.device, generator=generator
+            )
             other += (other >= where).long()  # any patch but itself
             out = out.reshape(b * n, d).index_copy(0, where, emb.reshape(b * n, d)[other])
             out = out.reshape(b, n, d)
@@ -110,6 +121,18 @@ class MaskedPatchViT(VisionTransformer):
             raise ConfigError(
                 f"masked patch prediction trains no classifier: model.num_classes must be 0, got "
                 f"{config.num_classes}"
+            )
+        if config.representation_size:  # its weights would get no gradient (DDP refuses that)
+            raise ConfigError(
+                f"masked patch prediction predicts from patch tokens and has no use for the "
+                f"pre-logits layer (representation_size={config.representation_size}): set "
+                f"model.representation_size=null"
+            )
+        if mpp.target == "mean_color" and mpp.bits * config.in_chans > 12:
+            raise ConfigError(
+                f"mpp.bits={mpp.bits} with {config.in_chans} channels makes "
+                f"2^{mpp.bits * config.in_chans} colour classes; at most 2^12 (e.g. 3 bits x 3 "
+                f"channels = 512, the paper's)"
             )
         if config.stem != "patch":
             log.warning(
@@ -136,16 +159,29 @@ class MaskedPatchViT(VisionTransformer):
         pixels = (images.float() * self.pixel_std + self.pixel_mean).clamp(0.0, 1.0)
         return mean_color_classes(pixels, p, self.mpp_config.bits)
 
-    def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self,
+        images: Tensor,
+        scored: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Predictions and targets of the corrupted patches of the images that `scored` (B,)
+        marks (default: all); the corruption is drawn from `generator` (default: the default
+        random stream)."""
         targets = self.targets(images)
         plans: list[Corruption] = []
 
         def corrupt(emb: Tensor) -> Tensor:
-            plans.append(draw_corruption(emb.shape[0], emb.shape[1], self.mpp_config, emb.device))
-            return self.mpp.corrupt(emb, plans[0])
+            b, n = emb.shape[:2]
+            plans.append(draw_corruption(b, n, self.mpp_config, emb.device, generator))
+            return self.mpp.corrupt(emb, plans[0], generator)
 
         tokens = self.forward_features(images, corrupt)[:, self.num_prefix_tokens :]
+        if self.fc_norm is not None:  # the final LayerNorm of a model that normalises after pooling
+            tokens = self.fc_norm(tokens)
         chosen = plans[0].corrupted
+        if scored is not None:
+            chosen = chosen & scored[:, None]
         return self.mpp.head(tokens[chosen]), targets[chosen]
 
 
