@@ -1,10 +1,11 @@
-"""The Swin Transformer: exact sizes and logits against timm 1.0, the shifted-window mask against a
-brute-force one, windows, intermediates, checkpointing, the bf16 path, resizing, errors and the
-registry."""
+"""The Swin Transformer: exact sizes and logits against timm 1.0 (and Hugging Face's where no map is
+padded), the shifted-window mask against a brute-force one, windows, intermediates, checkpointing,
+the bf16 path, resizing, errors and the registry."""
 
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import timm
@@ -123,6 +124,58 @@ def test_timm_checkpoint_with_a_window_clamped_to_the_map_loads() -> None:
     assert ours.layers[2].blocks[1].attn_mask is None  # 4x4 map in one window: no shift
     with torch.no_grad():
         torch.testing.assert_close(ours(images(cfg)), theirs(images(cfg)), atol=1e-4, rtol=0)
+
+
+def hf_to_timm_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's SwinForImageClassification state dict in timm's names: HF merges patches at
+    the end of stage i, timm at the start of stage i + 1; HF's q, k, v are joined into qkv."""
+    renames = [
+        ("swin.embeddings.patch_embeddings.projection", "patch_embed.proj"),
+        ("swin.embeddings.norm", "patch_embed.norm"),
+        ("swin.layernorm", "norm"),
+        ("classifier", "head.fc"),
+        ("swin.encoder.layers.", "layers."),
+        (".layernorm_before", ".norm1"),
+        (".layernorm_after", ".norm2"),
+        (".attention.relative_position_bias.", ".attn."),
+        (".attention.o_proj", ".attn.proj"),
+        (".intermediate.dense", ".mlp.fc1"),
+        (".output.dense", ".mlp.fc2"),
+    ]
+    out = {}
+    for key, value in state.items():
+        key = re.sub(
+            r"encoder\.layers\.(\d+)\.downsample",
+            lambda m: f"encoder.layers.{int(m.group(1)) + 1}.downsample",
+            key,
+        )
+        for old, new in renames:
+            key = key.replace(old, new)
+        out[key] = value
+    for key in [k for k in out if ".attention.q_proj." in k]:
+        base, kind = key.split(".attention.q_proj.")
+        parts = [out.pop(f"{base}.attention.{n}_proj.{kind}") for n in "qkv"]
+        out[f"{base}.attn.qkv.{kind}"] = torch.cat(parts)
+    return {k: v for k, v in out.items() if not k.endswith("relative_position_index")}
+
+
+@pytest.mark.parametrize("img_size, window", [(32, 4), (56, 7)])
+def test_logits_equal_hugging_faces_where_the_windows_tile_the_maps(img_size, window) -> None:
+    """Hugging Face places patch merging at the end of a stage; moved to the next stage's start,
+    its weights give vitlab's logits. (Where a map must be padded HF pads before the cyclic shift,
+    timm and vitlab after it, so the outputs differ there.)"""
+    transformers = pytest.importorskip("transformers")
+    arch = dict(embed_dim=16, depths=[2, 2, 2], num_heads=[2, 4, 4], window_size=window)
+    hf_cfg = transformers.SwinConfig(
+        image_size=img_size, patch_size=2, num_labels=5, drop_path_rate=0.0, **arch
+    )
+    theirs = randomized(transformers.SwinForImageClassification(hf_cfg))
+    cfg = SwinConfig(img_size=img_size, patch_size=2, num_classes=5, **arch)
+    ours = SwinTransformer(cfg).eval()
+    ours.load_state_dict(hf_to_timm_names(theirs.state_dict()), strict=True)
+    x = images(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(pixel_values=x).logits, atol=1e-4, rtol=0)
 
 
 # --- windows, offsets and the shifted-window mask ------------------------------------------------
