@@ -1,4 +1,5 @@
-"""Registered model names and aliases -> ViTConfig. A new size is an entry, never a new class."""
+"""Registered model names and aliases -> a model config (ViTConfig or SwinConfig); the config's
+type picks the model class. A new size is an entry, never a new class."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import difflib
 import fnmatch
 
 from vitlab.config import ModelSection
+from vitlab.models.swin import SwinConfig, SwinTransformer
 from vitlab.models.vit import VisionTransformer, ViTConfig
+
+ModelConfig = ViTConfig | SwinConfig
+Model = VisionTransformer | SwinTransformer
 
 # (width D, depth L, MLP M, heads): paper Table 1, Ti and S from DeiT
 _SIZES: dict[str, tuple[int, int, int, int]] = {
@@ -29,13 +34,16 @@ _PAPER_VARIANTS = [
 ]
 _SHORT = {"tiny": "Ti", "small": "S", "base": "B", "large": "L", "huge": "H"}
 
-_MODELS: dict[str, ViTConfig] = {}
+_MODELS: dict[str, ModelConfig] = {}
 _ALIASES: dict[str, str] = {}
 _DESCRIPTIONS: dict[str, str] = {}
 
 
-def register_model(name: str, config: ViTConfig, description: str = "") -> None:
-    """Register `config` under `name` (a name already taken is an error)."""
+def register_model(name: str, config: ModelConfig, description: str = "") -> None:
+    """Register `config` (a ViTConfig or SwinConfig) under `name` (a name already taken is an
+    error)."""
+    if not isinstance(config, (ViTConfig, SwinConfig)):
+        raise TypeError(f"expected a ViTConfig or SwinConfig, got {type(config).__name__}")
     if name in _MODELS or name in _ALIASES:
         raise ValueError(f"model name {name!r} is already registered")
     _MODELS[name] = config
@@ -102,6 +110,66 @@ for _res, _chans, _data in ((28, 1, "28x28 greyscale"), (32, 3, "32x32 colour"))
     )
 
 
+# Swin (Liu et al. 2021), timm's names and shapes: (alias, C, depths, heads) per size; window 7
+# at 224, 12 at 384; drop_path keeps timm's default 0.1 (the paper trains T / S / B with 0.2 / 0.3
+# / 0.5).
+_SWIN_SIZES: dict[str, tuple[str, int, tuple[int, ...], tuple[int, ...]]] = {
+    "tiny": ("T", 96, (2, 2, 6, 2), (3, 6, 12, 24)),
+    "small": ("S", 96, (2, 2, 18, 2), (3, 6, 12, 24)),
+    "base": ("B", 128, (2, 2, 18, 2), (4, 8, 16, 32)),
+    "large": ("L", 192, (2, 2, 18, 2), (6, 12, 24, 48)),
+}
+for _size, _window, _res in (
+    ("tiny", 7, 224),
+    ("small", 7, 224),
+    ("base", 7, 224),
+    ("base", 12, 384),
+    ("large", 7, 224),
+):
+    _short, _dim, _depths, _heads = _SWIN_SIZES[_size]
+    _name = f"swin_{_size}_patch4_window{_window}_{_res}"
+    register_model(
+        _name,
+        SwinConfig(
+            img_size=_res, window_size=_window, embed_dim=_dim, depths=_depths, num_heads=_heads
+        ),
+        f"Swin-{_short} at {_res}, window {_window}, ImageNet-1k head",
+    )
+    if _res == 224:
+        register_alias(f"Swin-{_short}", _name)
+
+# Small Swin presets for CPU training, 10 classes: 28x28 grey, patch 2 (14x14 map), window 7, two
+# stages (14x14 in 4 windows, then 7x7 in one); 32x32 colour, patch 2 (16x16), window 4, three
+# stages (16, 4 and 1 windows). Head width 16 everywhere.
+register_model(
+    "swin_nano_patch2_window7_28",
+    SwinConfig(
+        img_size=28,
+        patch_size=2,
+        in_chans=1,
+        num_classes=10,
+        embed_dim=48,
+        depths=(2, 2),
+        num_heads=(3, 6),
+        window_size=7,
+    ),
+    "C=48, depths (2, 2), window 7, for 28x28 greyscale images, 10 classes",
+)
+register_model(
+    "swin_nano_patch2_window4_32",
+    SwinConfig(
+        img_size=32,
+        patch_size=2,
+        num_classes=10,
+        embed_dim=32,
+        depths=(2, 2, 2),
+        num_heads=(2, 4, 8),
+        window_size=4,
+    ),
+    "C=32, depths (2, 2, 2), window 4, for 32x32 colour images, 10 classes",
+)
+
+
 def resolve_name(name: str) -> str:
     """The registered name for `name` or its alias; unknown names raise with the closest names."""
     if name in _MODELS:
@@ -124,26 +192,47 @@ class UnknownModelError(KeyError, ValueError):
         return str(self.args[0])
 
 
-def get_config(name: str, **overrides: object) -> ViTConfig:
+def get_config(name: str, **overrides: object) -> ModelConfig:
     """The config registered under `name` (or alias) with `overrides` applied and validated."""
     return _MODELS[resolve_name(name)].replace(**overrides)
 
 
-def config_of(section: ModelSection) -> ViTConfig:
-    """The ViTConfig a run config's `model` section names: the registered config (or alias) with
-    the section's overrides applied and validated."""
+def config_of(section: ModelSection) -> ModelConfig:
+    """The config a run config's `model` section names: the registered config (or alias) with the
+    section's overrides applied and validated against that config's type."""
     return get_config(section.name, **section.overrides)
 
 
-def create_model(name: str, **overrides: object) -> VisionTransformer:
-    """Build a registered model, e.g. create_model("B/16", num_classes=10, img_size=384)."""
-    return VisionTransformer(get_config(name, **overrides))
+def family_of(config: ModelConfig) -> str:
+    """'vit' or 'swin': the model family a config builds."""
+    return getattr(config, "family", "vit")
 
 
-def list_models(pattern: str | None = None) -> list[str]:
-    """Registered names (aliases excluded), optionally filtered by a glob pattern."""
-    names = list(_MODELS)
-    return [n for n in names if pattern is None or fnmatch.fnmatch(n, pattern)]
+def build_model(config: ModelConfig) -> Model:
+    """The model a config describes: a VisionTransformer or a SwinTransformer."""
+    if isinstance(config, SwinConfig):
+        return SwinTransformer(config)
+    if isinstance(config, ViTConfig):
+        return VisionTransformer(config)
+    raise TypeError(f"expected a ViTConfig or SwinConfig, got {type(config).__name__}")
+
+
+def create_model(name: str, **overrides: object) -> Model:
+    """Build a registered model, e.g. create_model("B/16", num_classes=10, img_size=384) or
+    create_model("Swin-T", num_classes=10)."""
+    return build_model(get_config(name, **overrides))
+
+
+def list_models(pattern: str | None = None, family: str | None = "vit") -> list[str]:
+    """Registered names (aliases excluded), optionally filtered by a glob pattern, of one model
+    family: 'vit' (the default, what the callers written for ViTs alone expect), 'swin', or
+    None for all."""
+    return [
+        n
+        for n, cfg in _MODELS.items()
+        if (pattern is None or fnmatch.fnmatch(n, pattern))
+        and (family is None or family_of(cfg) == family)
+    ]
 
 
 def aliases_of(name: str) -> list[str]:
