@@ -7,8 +7,14 @@ import json
 
 import torch
 
-from vitlab.models.registry import aliases_of, describe, get_config, list_models
-from vitlab.models.vit import VisionTransformer
+from vitlab.models.registry import (
+    aliases_of,
+    build_model,
+    describe,
+    family_of,
+    get_config,
+    list_models,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -16,40 +22,53 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "models",
         help="list registered models",
         description="List the registered models: name, aliases, input size, patch size, width, "
-        "depth, heads, MLP width and parameter count (counted on the meta device, no memory).",
+        "depth, heads, MLP width and parameter count (counted on the meta device, no memory). "
+        "Swin rows give the first stage's width, the blocks and heads per stage (e.g. 2-2-6-2) "
+        "and the MLP ratio.",
     )
-    p.add_argument("pattern", nargs="?", help="glob filter on names, e.g. 'vit_base*'")
+    p.add_argument("pattern", nargs="?", help="glob filter on names, e.g. 'vit_base*', 'swin*'")
+    p.add_argument(
+        "--family", choices=["vit", "swin"], help="only this model family (default: all)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per model (a list)")
     p.set_defaults(run=run)
 
 
-def model_rows(pattern: str | None) -> list[dict]:
+def model_rows(pattern: str | None, family: str | None = None) -> list[dict]:
     rows = []
-    for name in list_models(pattern):
+    for name in list_models(pattern, family=family):
         cfg = get_config(name)
         with torch.device("meta"):
-            params = sum(p.numel() for p in VisionTransformer(cfg).parameters())
-        rows.append(
-            {
-                "name": name,
-                "aliases": aliases_of(name),
-                "img_size": list(cfg.img_hw),
-                "patch_size": cfg.patch_size,
-                "in_chans": cfg.in_chans,
-                "num_classes": cfg.num_classes,
-                "embed_dim": cfg.embed_dim,
-                "depth": cfg.depth,
-                "num_heads": cfg.num_heads,
-                "mlp_dim": cfg.mlp_dim,
-                "params": params,
-                "description": describe(name),
-            }
-        )
+            params = sum(p.numel() for p in build_model(cfg).parameters())
+        row = {
+            "name": name,
+            "family": family_of(cfg),
+            "aliases": aliases_of(name),
+            "img_size": list(cfg.img_hw),
+            "patch_size": cfg.patch_size,
+            "in_chans": cfg.in_chans,
+            "num_classes": cfg.num_classes,
+            "embed_dim": cfg.embed_dim,
+        }
+        if row["family"] == "swin":
+            row.update(depths=list(cfg.depths), num_heads=list(cfg.num_heads))
+            row.update(window_size=cfg.window_size, mlp_ratio=cfg.mlp_ratio)
+        else:
+            row.update(depth=cfg.depth, num_heads=cfg.num_heads, mlp_dim=cfg.mlp_dim)
+        rows.append({**row, "params": params, "description": describe(name)})
     return rows
 
 
+def _cells(r: dict) -> list[str]:
+    """depth, heads, MLP: one number each for a ViT, per stage for a Swin."""
+    if r["family"] == "swin":
+        return ["-".join(map(str, r["depths"])), "-".join(map(str, r["num_heads"])),
+                f"{r['mlp_ratio']:g}x"]  # fmt: skip
+    return [str(r["depth"]), str(r["num_heads"]), str(r["mlp_dim"])]
+
+
 def run(args: argparse.Namespace) -> int:
-    rows = model_rows(args.pattern)
+    rows = model_rows(args.pattern, args.family)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -64,9 +83,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r['img_size'][0]}x{r['img_size'][1]}x{r['in_chans']}",
             str(r["patch_size"]),
             str(r["embed_dim"]),
-            str(r["depth"]),
-            str(r["num_heads"]),
-            str(r["mlp_dim"]),
+            *_cells(r),
             f"{r['params']:,}",
         ]
         for r in rows

@@ -68,10 +68,11 @@ class Features:
 
 def represent(model: nn.Module, images: Tensor, kind: str) -> Tensor:
     """(B, C, H, W) normalised images -> (B, D) features of `kind` (FEATURE_KINDS)."""
-    tokens = model.forward_features(images)  # (B, T, D), after the final norm
+    tokens = model.forward_features(images)  # (B, T, D); a Swin's map (B, h, w, D); final norm
     if kind == "prelogits":
         return model.forward_head(tokens, pre_logits=True)  # (B, num_features)
     if kind == "gap":
+        tokens = tokens.flatten(1, -2)  # (B, T, D) for both
         return tokens[:, model.num_prefix_tokens :].mean(dim=1)  # (B, D)
     raise ValueError(f"features must be one of {', '.join(FEATURE_KINDS)}, got {kind!r}")
 

@@ -208,6 +208,18 @@ def family_of(config: ModelConfig) -> str:
     return getattr(config, "family", "vit")
 
 
+def shape_of(config: ModelConfig) -> str:
+    """One line: 'D=64, 4 layers, patch 4, 28x28' or 'Swin C=96, depths 2-2-6-2, window 7,
+    patch 4, 224x224'."""
+    h, w = config.img_hw
+    if isinstance(config, SwinConfig):
+        depths = "-".join(map(str, config.depths))
+        shape = f"Swin C={config.embed_dim}, depths {depths}, window {config.window_size}"
+    else:
+        shape = f"D={config.embed_dim}, {config.depth} layers"
+    return f"{shape}, patch {config.patch_size}, {h}x{w}"
+
+
 def build_model(config: ModelConfig) -> Model:
     """The model a config describes: a VisionTransformer or a SwinTransformer."""
     if isinstance(config, SwinConfig):

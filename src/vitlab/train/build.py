@@ -5,19 +5,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
 from vitlab.config import ConfigError, RunConfig
 from vitlab.data import dataset_info, label_subset, load_split, train_val_split
 from vitlab.data.datasets import DatasetInfo, Split
 from vitlab.formats.base import Source
 from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
-from vitlab.models.registry import config_of
-from vitlab.models.vit import VisionTransformer, ViTConfig
+from vitlab.models.registry import ModelConfig, config_of
 
 
 def resolve_model_config(
-    cfg: RunConfig, info: DatasetInfo, base: ViTConfig | None = None
-) -> ViTConfig:
+    cfg: RunConfig, info: DatasetInfo, base: ModelConfig | None = None
+) -> ModelConfig:
     """The registry's config (or `base`, a fine-tuning source's architecture) with the run's
     overrides; class count and channels follow the data unless set explicitly (no classifier for
     masked patch prediction). Fails before training when the data cannot fit the model."""
@@ -45,7 +46,7 @@ def resolve_model_config(
     return mc
 
 
-def finetune_weights(model: VisionTransformer, source: Source) -> list[str]:
+def finetune_weights(model: nn.Module, source: Source) -> list[str]:
     """Load another checkpoint's weights (read by read_source, any format vitlab reads) into
     model: the source is moved to the model's resolution (position embeddings of any kind
     resampled) and channels (patch kernels adapted), and gets a zero-initialised head when the

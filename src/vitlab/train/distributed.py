@@ -163,7 +163,9 @@ def wrap(model: nn.Module, d: Dist, strategy: str, device: torch.device) -> nn.M
     if strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.blocks:
+        # a ViT's blocks, a Swin's blocks of every stage
+        stages = model.layers if hasattr(model, "layers") else [model]
+        for block in (b for stage in stages for b in stage.blocks):
             fully_shard(block)
         return fully_shard(model)
     ids = [device.index] if device.type == "cuda" else None

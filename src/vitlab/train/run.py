@@ -28,8 +28,7 @@ from vitlab.eval.classification import evaluate
 from vitlab.eval.mpp import evaluate_mpp
 from vitlab.models.checkpoint import infer_config, read_source
 from vitlab.models.mpp import MaskedPatchViT
-from vitlab.models.registry import config_of
-from vitlab.models.vit import VisionTransformer
+from vitlab.models.registry import build_model, config_of, family_of, shape_of
 from vitlab.runtime import Dist, derive_seed, pick_device, rng_state, set_rng_state, use_bf16
 from vitlab.train import distributed, engine
 from vitlab.train.build import finetune_weights, load_data, resolve_model_config
@@ -146,6 +145,11 @@ class Run:
         if cfg.train.ema is not None and self.strategy == "fsdp" and d.enabled:
             raise ConfigError("train.ema is not supported with train.strategy=fsdp")
         self.mpp = cfg.train.objective == "mpp"
+        if self.mpp and family_of(mc) != "vit":
+            raise ConfigError(
+                f"train.objective=mpp pre-trains a ViT (patch tokens in, one per patch out); "
+                f"{cfg.model.name} is a {family_of(mc)} model"
+            )
         if self.mpp and (cfg.data.mixup or cfg.data.cutmix):
             raise ConfigError(
                 "train.objective=mpp uses no labels, and data.mixup / data.cutmix mix labels: "
@@ -162,7 +166,7 @@ class Run:
         if self.mpp:
             self.model = MaskedPatchViT(mc, cfg.mpp, mean, std)
         else:
-            self.model = VisionTransformer(mc)
+            self.model = build_model(mc)
         self.notes = []
         if source is not None:
             self.notes = finetune_weights(self.model, source)
@@ -298,8 +302,7 @@ class Run:
         """What is trained: the registered name with its overrides, or the fine-tuning source's
         architecture, and the shape either way."""
         c, cfg = self.model_cfg, self.cfg
-        h, w = c.img_hw
-        shape = f"D={c.embed_dim}, {c.depth} layers, patch {c.patch_size}, {h}x{w}"
+        shape = shape_of(c)
         if cfg.finetune.from_:
             return f"the architecture of {cfg.finetune.from_} [{shape}]"
         changes = ", ".join(f"{k}={v}" for k, v in cfg.model.overrides.items())
