@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from vitlab.analysis.tables import byte_size, human, table
 from vitlab.models.registry import get_config, resolve_name
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
@@ -125,32 +126,6 @@ def cost_report(
     }
 
 
-def _human(n: float, unit: str = "") -> str:
-    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {suffix}{unit}"
-    return f"{n:.0f} {unit}".rstrip()
-
-
-def _bytes(n: int) -> str:
-    for scale, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= scale:
-            return f"{n / scale:.1f} {suffix}"
-    return f"{n} B"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-
-    def fmt(row: Sequence[str]) -> str:  # first column left-aligned, numbers right-aligned
-        return "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
-        )
-
-    line = fmt(header)
-    return [line, "-" * len(line)] + [fmt(row) for row in rows]
-
-
 def format_cost_report(report: dict) -> str:
     """The report as readable text tables."""
     h, w = report["img_size"]
@@ -165,27 +140,27 @@ def format_cost_report(report: dict) -> str:
         [
             str(r["patch_size"]),
             f"{r['tokens']:,}",
-            _human(r["attention_macs"]),
-            _human(r["linear_macs"]),
+            human(r["attention_macs"]),
+            human(r["linear_macs"]),
             f"{100 * r['attention_share']:.1f}%",
-            _bytes(r["attention_matrix_bytes"]),
+            byte_size(r["attention_matrix_bytes"]),
         ]
         for r in report["per_layer"]
     ]
     header = ["patch", "tokens N", "attention", "linear", "attn share", "attn matrix fp32"]
-    lines += _table(header, rows)
+    lines += table(header, rows)
     lines += ["", f"Parameters (patch size {report['patch_size']}):"]
     params, share = report["params"], report["params_share"]
     rows = [[k, f"{params[k]:,}", f"{100 * share[k]:.2f}%"] for k in PARAM_GROUPS]
     rows.append(["total", f"{params['total']:,}", "100.00%"])
-    lines += _table(["part", "params", "share"], rows)
+    lines += table(["part", "params", "share"], rows)
     n = report["crossover_tokens"]
     side = (h * w / n) ** 0.5
     lines += [
         "",
         f"Crossover: attention costs as much as the linear layers at N = 2D + M = {n:,} tokens "
         f"(a patch side of {side:.1f} px on {h}x{w}).",
-        f"Forward pass: {_human(report['forward_macs'])}MACs per image "
-        f"({_human(2 * report['forward_macs'])}FLOPs).",
+        f"Forward pass: {human(report['forward_macs'])}MACs per image "
+        f"({human(2 * report['forward_macs'])}FLOPs).",
     ]
     return "\n".join(lines)
