@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from vitlab.analysis.swin_cost import format_swin_cost_report, swin_cost_report
 from vitlab.analysis.tables import byte_size, human, table
-from vitlab.models.registry import get_config, resolve_name
+from vitlab.models.registry import family_of, get_config, resolve_name
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
 DEFAULT_PATCH_SIZES = (4, 8, 14, 16, 28, 32, 56)
@@ -99,9 +100,17 @@ def cost_report(
     patch_sizes: Sequence[int] | None = None,
 ) -> dict:
     """Everything `vitlab cost` prints, as a JSON-ready dict; patch_sizes defaults to
-    default_patch_sizes. The model is built on the meta device, so even H/14 costs no memory."""
+    default_patch_sizes. The model is built on the meta device, so even H/14 costs no memory.
+    A Swin's report is swin_cost_report's (per stage, at its own patch size)."""
     overrides = {} if img_size is None else {"img_size": img_size}
     cfg = get_config(model, **overrides)
+    if family_of(cfg) == "swin":
+        if patch_sizes is not None:
+            raise ValueError(
+                f"patch sizes apply to ViTs; {resolve_name(model)}'s cost is reported per stage "
+                f"at its own patch size {cfg.patch_size}"
+            )
+        return swin_cost_report(model, img_size)
     if patch_sizes is None:
         patch_sizes = default_patch_sizes(cfg)
     for p in patch_sizes:
@@ -128,6 +137,8 @@ def cost_report(
 
 def format_cost_report(report: dict) -> str:
     """The report as readable text tables."""
+    if report.get("family") == "swin":
+        return format_swin_cost_report(report)
     h, w = report["img_size"]
     d, m, heads = report["embed_dim"], report["mlp_dim"], report["num_heads"]
     lines = [
