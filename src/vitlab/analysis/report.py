@@ -20,8 +20,10 @@ from vitlab.analysis.attention import (
     rollout_step,
 )
 from vitlab.analysis.page import Images, Report, plot_filters, pyplot, write_index
+from vitlab.analysis.swin_report import analyze_swin
 from vitlab.data import load_split
 from vitlab.data.datasets import ArraySplit, DatasetError
+from vitlab.models.swin import SwinTransformer
 from vitlab.models.vit import VisionTransformer
 from vitlab.preprocessing import Preprocessing
 
@@ -141,14 +143,17 @@ def plot_rollout(image: Tensor, heat: Tensor, grid: tuple[int, int], path: Path,
 
 
 def analyze(
-    model: VisionTransformer,
+    model: VisionTransformer | SwinTransformer,
     pre: Preprocessing,
     images: Images,
     out: Path,
     title: str,
     head_fusion: str = "mean",
 ) -> Path:
-    """Write every figure, analysis.json and index.html into `out`; returns index.html's path."""
+    """Write every figure, analysis.json and index.html into `out`; returns index.html's path.
+    A Swin gets analyze_swin's page (no rollout: head_fusion is not used)."""
+    if isinstance(model, SwinTransformer):
+        return analyze_swin(model, images, out, title)
     cfg = model.config
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out)
