@@ -2,7 +2,8 @@
 (analysis.json) and a page (index.html) that opens from disk without a server.
 
 Attention is taken one layer at a time (iter_intermediates), folded into the running statistics
-(mean distances, rollout product) and dropped, so memory holds one layer's maps beyond the model."""
+(mean distances, rollout product) and dropped, so memory holds one layer's maps beyond the model.
+A Swin's page is analysis.swin_report's."""
 
 from __future__ import annotations
 
