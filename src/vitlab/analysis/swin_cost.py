@@ -51,8 +51,9 @@ class SwinStageCost:
     params: int  # the stage's module: patch merging and blocks
 
 
-def stage_cost(cfg: SwinConfig, i: int) -> SwinStageCost:
-    """What stage i of `cfg` computes per image (no parameters counted: params is 0)."""
+def stage_cost(cfg: SwinConfig, i: int, params: int = 0) -> SwinStageCost:
+    """What stage i of `cfg` computes per image; `params` is recorded as given (the module's
+    count, swin_param_breakdown)."""
     spec = cfg.stage(i)
     (h, w), (hp, wp), (mh, mw) = spec.grid, spec.padded, spec.window
     n, n_pad, m2, c = h * w, hp * wp, mh * mw, spec.embed_dim
@@ -82,7 +83,7 @@ def stage_cost(cfg: SwinConfig, i: int) -> SwinStageCost:
         linear_macs=stage_linear,
         attention_share=stage_attention / (stage_attention + stage_linear),
         attention_matrix_bytes=(n_pad // m2) * spec.num_heads * m2 * m2 * 4,
-        params=0,
+        params=params,
     )
 
 
@@ -115,9 +116,7 @@ def swin_cost_report(model: str, img_size: int | tuple[int, int] | None = None) 
         raise ValueError(f"{model} is not a Swin Transformer (see vitlab.analysis.cost_report)")
     with torch.device("meta"):
         params = swin_param_breakdown(SwinTransformer(cfg))
-    stages = [stage_cost(cfg, i) for i in range(cfg.num_stages)]
-    for s in stages:
-        s.params = params[f"stage_{s.stage}"]
+    stages = [stage_cost(cfg, i, params[f"stage_{i}"]) for i in range(cfg.num_stages)]
     gh, gw = cfg.grid
     patch_macs = gh * gw * cfg.patch_size**2 * cfg.in_chans * cfg.embed_dim
     head_macs = cfg.num_features * cfg.num_classes

@@ -101,14 +101,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     scaling.add_argument(
         "--sides",
         type=parse_int_list,
-        default=list(DEFAULT_SIDES),
+        default=None,
         metavar="S,S,...",
         help=f"square image sides, multiples of both models' patch sizes (default {SIDES})",
     )
     scaling.add_argument(
         "--out",
         type=Path,
-        default=Path(DEFAULT_PLOT),
+        default=None,
         metavar="PATH",
         help=f"where the PNG plot goes (default ./{DEFAULT_PLOT}); the path is printed",
     )
@@ -118,6 +118,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.scaling:
         return run_scaling(args)
+    given = [o for o, v in (("--vs", args.vs), ("--sides", args.sides), ("--out", args.out)) if v]
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to --scaling only")
     report = cost_report(args.model, img_size=args.img_size, patch_sizes=args.patch_sizes)
     print(json.dumps(report, indent=2) if args.json else format_cost_report(report))
     return 0
@@ -127,8 +130,8 @@ def run_scaling(args: argparse.Namespace) -> int:
     if args.img_size is not None or args.patch_sizes is not None:
         raise ValueError("--scaling takes image sides from --sides, not --img-size/--patch-sizes")
     vs = args.vs or ("B/16" if family_of(get_config(args.model)) == "swin" else "Swin-T")
-    result = attention_scaling(args.model, vs, args.sides)
-    path = plot_scaling(result, args.out)
+    result = attention_scaling(args.model, vs, args.sides or DEFAULT_SIDES)
+    path = plot_scaling(result, args.out or Path(DEFAULT_PLOT))
     if args.json:
         print(json.dumps({**result, "plot": str(path)}, indent=2))
     else:
