@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vitlab.models.swin import SwinTransformer
 from vitlab.models.vit import VisionTransformer
 
 
@@ -94,11 +95,12 @@ def pos_embed_similarity(model: VisionTransformer) -> Tensor:
     return (v @ v.T).reshape(rows * cols, rows, cols)
 
 
-def embedding_filters(model: VisionTransformer, k: int = 28) -> Tensor:
-    """The top-k principal components of the patch-embedding filters E as images (k, C, P, P).
-    A conv stem has no such linear filters: ValueError."""
-    if model.config.stem != "patch":
-        raise ValueError(f"a {model.config.stem} stem has no P x P linear embedding filters")
+def embedding_filters(model: VisionTransformer | SwinTransformer, k: int = 28) -> Tensor:
+    """The top-k principal components of the patch-embedding filters E (a ViT's or a Swin's) as
+    images (k, C, P, P). A conv stem has no such linear filters: ValueError."""
+    stem = getattr(model.config, "stem", "patch")  # a Swin always embeds linear patches
+    if stem != "patch":
+        raise ValueError(f"a {stem} stem has no P x P linear embedding filters")
     w = model.patch_embed.proj.weight.detach().float()  # (D, C, P, P)
     d, c, p, _ = w.shape
     flat = w.reshape(d, c * p * p)

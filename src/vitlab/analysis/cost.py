@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from vitlab.models.registry import get_config, resolve_name
+from vitlab.analysis.swin_cost import format_swin_cost_report, swin_cost_report
+from vitlab.analysis.tables import byte_size, human, table
+from vitlab.models.registry import family_of, get_config, resolve_name
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
 DEFAULT_PATCH_SIZES = (4, 8, 14, 16, 28, 32, 56)
@@ -98,9 +100,17 @@ def cost_report(
     patch_sizes: Sequence[int] | None = None,
 ) -> dict:
     """Everything `vitlab cost` prints, as a JSON-ready dict; patch_sizes defaults to
-    default_patch_sizes. The model is built on the meta device, so even H/14 costs no memory."""
+    default_patch_sizes. The model is built on the meta device, so even H/14 costs no memory.
+    A Swin's report is swin_cost_report's (per stage, at its own patch size)."""
     overrides = {} if img_size is None else {"img_size": img_size}
     cfg = get_config(model, **overrides)
+    if family_of(cfg) == "swin":
+        if patch_sizes is not None:
+            raise ValueError(
+                f"patch sizes apply to ViTs; {resolve_name(model)}'s cost is reported per stage "
+                f"at its own patch size {cfg.patch_size}"
+            )
+        return swin_cost_report(model, img_size)
     if patch_sizes is None:
         patch_sizes = default_patch_sizes(cfg)
     for p in patch_sizes:
@@ -125,34 +135,10 @@ def cost_report(
     }
 
 
-def _human(n: float, unit: str = "") -> str:
-    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {suffix}{unit}"
-    return f"{n:.0f} {unit}".rstrip()
-
-
-def _bytes(n: int) -> str:
-    for scale, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= scale:
-            return f"{n / scale:.1f} {suffix}"
-    return f"{n} B"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-
-    def fmt(row: Sequence[str]) -> str:  # first column left-aligned, numbers right-aligned
-        return "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
-        )
-
-    line = fmt(header)
-    return [line, "-" * len(line)] + [fmt(row) for row in rows]
-
-
 def format_cost_report(report: dict) -> str:
     """The report as readable text tables."""
+    if report.get("family") == "swin":
+        return format_swin_cost_report(report)
     h, w = report["img_size"]
     d, m, heads = report["embed_dim"], report["mlp_dim"], report["num_heads"]
     lines = [
@@ -165,27 +151,27 @@ def format_cost_report(report: dict) -> str:
         [
             str(r["patch_size"]),
             f"{r['tokens']:,}",
-            _human(r["attention_macs"]),
-            _human(r["linear_macs"]),
+            human(r["attention_macs"]),
+            human(r["linear_macs"]),
             f"{100 * r['attention_share']:.1f}%",
-            _bytes(r["attention_matrix_bytes"]),
+            byte_size(r["attention_matrix_bytes"]),
         ]
         for r in report["per_layer"]
     ]
     header = ["patch", "tokens N", "attention", "linear", "attn share", "attn matrix fp32"]
-    lines += _table(header, rows)
+    lines += table(header, rows)
     lines += ["", f"Parameters (patch size {report['patch_size']}):"]
     params, share = report["params"], report["params_share"]
     rows = [[k, f"{params[k]:,}", f"{100 * share[k]:.2f}%"] for k in PARAM_GROUPS]
     rows.append(["total", f"{params['total']:,}", "100.00%"])
-    lines += _table(["part", "params", "share"], rows)
+    lines += table(["part", "params", "share"], rows)
     n = report["crossover_tokens"]
     side = (h * w / n) ** 0.5
     lines += [
         "",
         f"Crossover: attention costs as much as the linear layers at N = 2D + M = {n:,} tokens "
         f"(a patch side of {side:.1f} px on {h}x{w}).",
-        f"Forward pass: {_human(report['forward_macs'])}MACs per image "
-        f"({_human(2 * report['forward_macs'])}FLOPs).",
+        f"Forward pass: {human(report['forward_macs'])}MACs per image "
+        f"({human(2 * report['forward_macs'])}FLOPs).",
     ]
     return "\n".join(lines)

@@ -2,13 +2,12 @@
 (analysis.json) and a page (index.html) that opens from disk without a server.
 
 Attention is taken one layer at a time (iter_intermediates), folded into the running statistics
-(mean distances, rollout product) and dropped, so memory holds one layer's maps beyond the model."""
+(mean distances, rollout product) and dropped, so memory holds one layer's maps beyond the model.
+A Swin's page is analysis.swin_report's."""
 
 from __future__ import annotations
 
-import html
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,24 +20,13 @@ from vitlab.analysis.attention import (
     rollout_map,
     rollout_step,
 )
+from vitlab.analysis.page import Images, Report, plot_filters, pyplot, write_index
+from vitlab.analysis.swin_report import analyze_swin
 from vitlab.data import load_split
 from vitlab.data.datasets import ArraySplit, DatasetError
+from vitlab.models.swin import SwinTransformer
 from vitlab.models.vit import VisionTransformer
 from vitlab.preprocessing import Preprocessing
-
-
-@dataclass
-class Images:
-    names: list[str]
-    display: Tensor  # (B, C, H, W) uint8 at the model's size, for overlays
-    inputs: Tensor  # (B, C, H, W) normalised model input
-
-
-@dataclass
-class Report:
-    out: Path
-    files: list[tuple[str, str]] = field(default_factory=list)  # (file, caption)
-    notes: list[str] = field(default_factory=list)
 
 
 def load_images(
@@ -95,17 +83,8 @@ def attention_statistics(
     return (sums / len(inputs)).float(), torch.cat(maps)
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_distances(distances: Tensor, path: Path, title: str) -> None:
-    plt = _plt()
+    plt = pyplot()
     depth, heads = distances.shape
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for h in range(heads):
@@ -122,7 +101,7 @@ def plot_distances(distances: Tensor, path: Path, title: str) -> None:
 
 def plot_similarity(sim: Tensor, path: Path) -> None:
     """A grid of small maps in patch layout, drawn as one mosaic."""
-    plt = _plt()
+    plt = pyplot()
     n, rows, cols = sim.shape
     pad = 1
     mosaic = torch.full((rows * (rows + pad), cols * (cols + pad)), float("nan"))
@@ -140,27 +119,8 @@ def plot_similarity(sim: Tensor, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_filters(filters: Tensor, path: Path) -> None:
-    plt = _plt()
-    k, c = filters.shape[:2]
-    cols = min(7, k)
-    rows = -(-k // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.1, rows * 1.1 + 0.4), squeeze=False)
-    for i, ax in enumerate(axes.flat):
-        ax.axis("off")
-        if i >= k:
-            continue
-        f = filters[i]
-        f = (f - f.min()) / (f.max() - f.min()).clamp(min=1e-12)
-        ax.imshow(f[0].numpy() if c == 1 else f[:3].permute(1, 2, 0).numpy(), cmap="gray")
-    fig.suptitle("embedding filters (first principal components)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def plot_rollout(image: Tensor, heat: Tensor, grid: tuple[int, int], path: Path, name: str) -> None:
-    plt = _plt()
+    plt = pyplot()
     h, w = image.shape[-2:]
     m = heat.reshape(1, 1, *grid)
     m = torch.nn.functional.interpolate(m, size=(h, w), mode="bilinear", align_corners=False)[0, 0]
@@ -183,46 +143,18 @@ def plot_rollout(image: Tensor, heat: Tensor, grid: tuple[int, int], path: Path,
     plt.close(fig)
 
 
-def write_index(report: Report, title: str, summary: str) -> Path:
-    parts = [
-        "<!doctype html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>{html.escape(title)}</title>",
-        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
-        "figure{display:inline-block;margin:1em;vertical-align:top}"
-        "img{max-width:100%;border:1px solid #ddd}figcaption{font-size:.9em;color:#333;"
-        "max-width:520px}</style></head><body>",
-        f"<h1>{html.escape(title)}</h1>",
-        f"<p>{html.escape(summary)}</p>",
-    ]
-    if report.notes:
-        parts.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in report.notes) + "</ul>")
-    for file, caption in report.files:
-        parts.append(
-            f'<figure><img src="{html.escape(file)}" alt="{html.escape(caption)}">'
-            f"<figcaption>{html.escape(caption)}</figcaption></figure>"
-        )
-    parts.append('<p><a href="analysis.json">analysis.json</a>: the raw numbers.</p>')
-    # lets a headless browser (and a curious reader) see that every image really decoded
-    parts.append(
-        "<script>window.addEventListener('load',()=>{const a=[...document.images];"
-        "const ok=a.filter(i=>i.complete&&i.naturalWidth>0).length;"
-        "document.body.dataset.imagesLoaded=ok+'/'+a.length;});</script></body></html>"
-    )
-    path = report.out / "index.html"
-    path.write_text("\n".join(parts) + "\n")
-    return path
-
-
 def analyze(
-    model: VisionTransformer,
+    model: VisionTransformer | SwinTransformer,
     pre: Preprocessing,
     images: Images,
     out: Path,
     title: str,
     head_fusion: str = "mean",
 ) -> Path:
-    """Write every figure, analysis.json and index.html into `out`; returns index.html's path."""
+    """Write every figure, analysis.json and index.html into `out`; returns index.html's path.
+    A Swin gets analyze_swin's page (no rollout: head_fusion is not used)."""
+    if isinstance(model, SwinTransformer):
+        return analyze_swin(model, images, out, title)
     cfg = model.config
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out)

@@ -13,7 +13,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Writes into --out: mean_attention_distance.png (per layer and head), "
         "pos_embed_similarity.png, embedding_filters.png, rollout_NNN.png (attention rollout "
         "overlays per image), analysis.json (the raw numbers) and index.html (all of it, opens "
-        "from disk). Attention is held one layer at a time.",
+        "from disk). Attention is held one layer at a time. For a Swin: mean attention distance "
+        "within windows per block and head, window_attention_NNN.png (each window's centre query "
+        "in the first and last block of the first and last stage) and embedding_filters.png; "
+        "position similarity and rollout do not apply and are noted on the page.",
     )
     p.add_argument("checkpoint", metavar="RUN_OR_CKPT")
     src = p.add_mutually_exclusive_group()
@@ -25,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--head-fusion",
         choices=["mean", "max", "min"],
         default="mean",
-        help="how rollout fuses the heads of each layer (default mean)",
+        help="how rollout fuses the heads of each layer (default mean; ViTs only)",
     )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--out", type=Path, required=True, help="folder for the figures and index.html")

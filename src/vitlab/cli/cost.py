@@ -1,13 +1,25 @@
-"""`vitlab cost`: the paper's cost argument for one model (see vitlab.analysis.cost)."""
+"""`vitlab cost`: the paper's cost argument for one model (see vitlab.analysis.cost; a Swin's per
+stage, vitlab.analysis.swin_cost), and attention cost against image size (--scaling,
+vitlab.analysis.scaling)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from vitlab.analysis.cost import DEFAULT_PATCH_SIZES, cost_report, format_cost_report
+from vitlab.analysis.scaling import (
+    DEFAULT_PLOT,
+    DEFAULT_SIDES,
+    attention_scaling,
+    format_scaling,
+    plot_scaling,
+)
+from vitlab.models.registry import family_of, get_config
 
 DEFAULTS = ",".join(map(str, DEFAULT_PATCH_SIZES))
+SIDES = ",".join(map(str, DEFAULT_SIDES))
 
 
 def parse_size(text: str) -> int | tuple[int, int]:
@@ -33,21 +45,28 @@ def parse_int_list(text: str) -> list[int]:
             f"expected comma-separated integers, got {text!r}"
         ) from None
     if not values:
-        raise argparse.ArgumentTypeError("expected at least one patch size")
+        raise argparse.ArgumentTypeError("expected at least one value")
     return values
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "cost",
-        help="per-layer cost by patch size, parameter breakdown, crossover length",
+        help="per-layer cost by patch size (a Swin's per stage), parameters, crossover length",
         description="Reproduce the paper's cost argument for MODEL's width and heads: for each "
         "patch size, the patch tokens N, attention MACs (2 N^2 D), linear MACs (4 N D^2 + 2 N D M, "
         "= 12 N D^2 when M = 4D), the attention share, and one layer's attention matrix size in "
         "fp32 bytes (heads x T^2 x 4, T = N + prefix tokens); then the model's parameters counted "
-        "from the real module, by part with shares; then the crossover length N = 2D + M (= 6D).",
+        "from the real module, by part with shares; then the crossover length N = 2D + M (= 6D). "
+        "For a Swin (Swin-T ...): per stage the map's tokens N, window tokens M^2 (clamped to the "
+        "map), windows per image, blocks, width C, heads, attention MACs (2 N M^2 C per block) and "
+        "linear MACs (qkv, proj, MLP, patch merging), one block's attention matrices, parameters; "
+        "then the patch embedding, head and totals. --scaling instead tabulates attention MACs "
+        "against the image side beside a second model (--vs) and plots them log-log.",
     )
-    p.add_argument("model", help="registered name or alias, e.g. B/16 or vit_base_patch16_384")
+    p.add_argument(
+        "model", help="registered name or alias, e.g. B/16, vit_base_patch16_384 or Swin-T"
+    )
     p.add_argument(
         "--img-size",
         type=parse_size,
@@ -65,10 +84,56 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "image, and the model's own)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    scaling = p.add_argument_group("attention against image size")
+    scaling.add_argument(
+        "--scaling",
+        action="store_true",
+        help="instead of the report: attention MACs at each side of --sides for MODEL and --vs "
+        "(a Swin's windows grow linearly with the tokens, a ViT's global attention "
+        "quadratically), with growth and ratio, plotted log-log into --out",
+    )
+    scaling.add_argument(
+        "--vs",
+        default=None,
+        metavar="MODEL",
+        help="the model to compare with (default: B/16 for a Swin, Swin-T for a ViT)",
+    )
+    scaling.add_argument(
+        "--sides",
+        type=parse_int_list,
+        default=None,
+        metavar="S,S,...",
+        help=f"square image sides, multiples of both models' patch sizes (default {SIDES})",
+    )
+    scaling.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"where the PNG plot goes (default ./{DEFAULT_PLOT}); the path is printed",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scaling:
+        return run_scaling(args)
+    given = [o for o, v in (("--vs", args.vs), ("--sides", args.sides), ("--out", args.out)) if v]
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to --scaling only")
     report = cost_report(args.model, img_size=args.img_size, patch_sizes=args.patch_sizes)
     print(json.dumps(report, indent=2) if args.json else format_cost_report(report))
+    return 0
+
+
+def run_scaling(args: argparse.Namespace) -> int:
+    if args.img_size is not None or args.patch_sizes is not None:
+        raise ValueError("--scaling takes image sides from --sides, not --img-size/--patch-sizes")
+    vs = args.vs or ("B/16" if family_of(get_config(args.model)) == "swin" else "Swin-T")
+    result = attention_scaling(args.model, vs, args.sides or DEFAULT_SIDES)
+    path = plot_scaling(result, args.out or Path(DEFAULT_PLOT))
+    if args.json:
+        print(json.dumps({**result, "plot": str(path)}, indent=2))
+    else:
+        print(f"{format_scaling(result)}\nPlot (log-log): {path}")
     return 0

@@ -174,16 +174,29 @@ class WindowAttention(nn.Module):
         bias = self.relative_position_bias_table[self.relative_position_index.reshape(-1)]
         return bias.reshape(n, n, self.num_heads).permute(2, 0, 1)
 
+    def _qkv_bias(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """q, k, v (B, nW, h, N, d) each, and the additive bias (h, N, N) or, with a mask,
+        (nW, h, N, N), in q's dtype."""
+        b, nw, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, nw, n, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(3, 0, 1, 4, 2, 5).unbind(0)
+        bias = self.relative_bias()  # (h, N, N)
+        if mask is not None:
+            bias = bias + mask[:, None]  # (nW, h, N, N)
+        return q, k, v, bias.to(q.dtype)
+
+    def attention_probs(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """x (B, nW, N, C), mask (nW, N, N) or None -> (B, nW, h, N, N): softmax((q * scale) k^T
+        + bias (+ mask)) over each window's keys (rows sum to 1), the weights forward() applies
+        to v (before attention dropout). For analysis; forward() does not call it."""
+        q, k, _, bias = self._qkv_bias(x, mask)
+        return attention_probs(q, k, self.scale, bias)
+
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """x (B, nW, N, C), mask (nW, N, N) or None -> (B, nW, N, C)."""
         b, nw, n, c = x.shape
         h, d = self.num_heads, self.head_dim
-        qkv = self.qkv(x).reshape(b, nw, n, 3, h, d).permute(3, 0, 1, 4, 2, 5)
-        q, k, v = qkv.unbind(0)  # (B, nW, h, N, d) each
-        bias = self.relative_bias()  # (h, N, N)
-        if mask is not None:
-            bias = bias + mask[:, None]  # (nW, h, N, N)
-        bias = bias.to(q.dtype)
+        q, k, v, bias = self._qkv_bias(x, mask)
         drop = self.attn_drop if self.training else 0.0
         if q.device.type == "cpu" and q.dtype == torch.bfloat16:
             probs = attention_probs(q, k, self.scale, bias)  # (B, nW, h, N, N)
