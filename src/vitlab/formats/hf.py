@@ -133,8 +133,8 @@ def read(files: Files) -> Source:
     tensors = files.tensors()
     if swin_layout(tensors) == "hf":  # Microsoft's Swins, trained on ImageNet's statistics
         src = Source(convert(files.where, hf_swin.hf_swin_to_vitlab, tensors), "hf", files.where)
-        src.preprocessing = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD, interpolation="bicubic",
-                                 crop_pct=None)  # fmt: skip
+        pre = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD, interpolation="bicubic", crop_pct=None)
+        src.preprocessing = pre
         return src
     state = convert(files.where, hf_to_vitlab, tensors)
     src = Source(state, "hf", files.where, hints=dict(norm_eps=1e-12))

@@ -133,11 +133,14 @@ def tiling_problems(
     m, why = window[0], []
     for i in range(stages):
         h, w = (-(-side // (patch * 2**i)) for side in img_hw)
-        if h % m or w % m or (h == m) != (w == m):
-            why.append(f"stage {i}'s {h}x{w} map")
-    if why:
-        return [f"windows of {m} do not tile {', '.join(why)}"]
-    return []
+        if h % m or w % m:
+            why.append(f"windows of {m} do not tile stage {i}'s {h}x{w} map")
+        elif (h == m) != (w == m):
+            why.append(
+                f"stage {i}'s {h}x{w} map is one window of {m} along one side only (timm and "
+                "vitlab shift along the other side, transformers along neither)"
+            )
+    return why
 
 
 def read_hints(cfg: dict[str, Any], src: Source) -> None:
@@ -165,8 +168,8 @@ def read_hints(cfg: dict[str, Any], src: Source) -> None:
     problems = tiling_problems((h, w), patch, (window, window), len(cfg.get("depths", [])))
     if problems:
         src.notes.append(
-            f"{problems[0]}: transformers pads such maps before the cyclic shift, vitlab (as timm) "
-            "after it, so the outputs differ from transformers' at this size"
+            f"{'; '.join(problems)}: transformers' outputs differ from vitlab's (and timm's) at "
+            "this size (see vitlab.formats.hf_swin)"
         )
 
 
@@ -176,10 +179,11 @@ def hf_swin_config(cfg: SwinConfig, classes: list[str]) -> tuple[dict[str, Any],
     why = tiling_problems(cfg.img_hw, cfg.patch_size, cfg.window_hw, cfg.num_stages)
     if why:
         raise CheckpointError(
-            f"cannot write Hugging Face Swin's format: {why[0]}; transformers pads a map before "
-            "the cyclic shift (vitlab, as timm, after it) and keeps full-size bias tables where a "
-            "window is clamped, so its outputs would differ: write timm's format, or pick an "
-            "img_size whose stage maps are multiples of the window"
+            f"cannot write Hugging Face Swin's format: {'; '.join(why)}. transformers pads such a "
+            "map before the cyclic shift (vitlab, as timm, after it), shifts along both sides or "
+            "neither, and keeps full-size bias tables where a window is clamped, so its outputs "
+            "would differ: write timm's format, or pick an img_size whose stage maps are "
+            "multiples of the window"
         )
     with_classifier = cfg.num_classes > 0
     h, w = cfg.img_hw
