@@ -84,9 +84,13 @@ def hf_swin_to_vitlab(state: Mapping[str, Tensor]) -> StateDict:
             raise FormatError(
                 f"stage {stage} block {block} has {kind}s for {sorted(qkv)} of query/key/value"
             )
-        out[f"layers.{stage}.blocks.{block}.attn.qkv.{kind}"] = torch.cat(
-            [qkv["q"], qkv["k"], qkv["v"]]
-        )
+        try:
+            fused = torch.cat([qkv["q"], qkv["k"], qkv["v"]])
+        except RuntimeError:  # shapes that do not stack
+            shapes = [tuple(qkv[n].shape) for n in "qkv"]
+            where = f"stage {stage} block {block}"
+            raise FormatError(f"{where}: query/key/value {kind}s of shapes {shapes}") from None
+        out[f"layers.{stage}.blocks.{block}.attn.qkv.{kind}"] = fused
     return out
 
 

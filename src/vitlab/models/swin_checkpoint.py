@@ -35,6 +35,8 @@ def table_window(rows: int) -> int | None:
 
 def _mlp_ratio(widths: list[int], hidden: list[int], where: str) -> float:
     """A ratio from which every stage builds its MLP width as int(width * ratio)."""
+    if min(widths) <= 0:
+        raise CheckpointError(f"{where}: a patch embedding of width {widths[0]}")
     first = hidden[0] / widths[0]
     for ratio in (first, math.nextafter(first, math.inf)):
         if all(int(w * ratio) == h for w, h in zip(widths, hidden)):
@@ -61,12 +63,14 @@ def infer_swin_config(src: Source, img_size: int | tuple[int, int] | None = None
     taken as the trained size when the source states none and the tables fit it."""
     s, hints, where = src.state, dict(src.hints), src.where
 
-    def need(key: str) -> Tensor:
+    def need(key: str, ndim: int = 1) -> Tensor:
         if key not in s:
             raise CheckpointError(f"{where}: no {key} tensor, so not a complete Swin checkpoint")
+        if s[key].ndim != ndim:
+            raise CheckpointError(f"{where}: {key} has shape {tuple(s[key].shape)}, not {ndim}-D")
         return s[key]
 
-    dim, chans, p, pw = need("patch_embed.proj.weight").shape
+    dim, chans, p, pw = need("patch_embed.proj.weight", 4).shape
     if p != pw:
         raise CheckpointError(f"{where}: patches of {p}x{pw}: vitlab's Swin has square patches")
     need("patch_embed.norm.weight")
@@ -84,11 +88,11 @@ def infer_swin_config(src: Source, img_size: int | tuple[int, int] | None = None
         for j in range(depth):
             need(f"layers.{i}.blocks.{j}.norm1.weight")
         if i:
-            need(f"layers.{i}.downsample.reduction.weight")
-        tables.append(need(f"layers.{i}.blocks.0.attn.relative_position_bias_table"))
+            need(f"layers.{i}.downsample.reduction.weight", 2)
+        tables.append(need(f"layers.{i}.blocks.0.attn.relative_position_bias_table", 2))
     need("norm.weight")
     widths = [dim * 2**i for i in range(stages)]
-    hidden = [need(f"layers.{i}.blocks.0.mlp.fc1.weight").shape[0] for i in range(stages)]
+    hidden = [need(f"layers.{i}.blocks.0.mlp.fc1.weight", 2).shape[0] for i in range(stages)]
     windows = [table_window(t.shape[0]) for t in tables]
     window = hints.pop("window_size", None)
     if window is None:
@@ -105,7 +109,7 @@ def infer_swin_config(src: Source, img_size: int | tuple[int, int] | None = None
         img_size=img,
         patch_size=p,
         in_chans=chans,
-        num_classes=s["head.fc.weight"].shape[0] if "head.fc.weight" in s else 0,
+        num_classes=need("head.fc.weight", 2).shape[0] if "head.fc.weight" in s else 0,
         embed_dim=dim,
         depths=depths,
         num_heads=tuple(t.shape[1] for t in tables),
