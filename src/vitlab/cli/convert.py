@@ -1,5 +1,5 @@
-"""`vitlab convert`: read a ViT checkpoint in any known format, write it in vitlab's, timm's or
-Hugging Face's."""
+"""`vitlab convert`: read a ViT or Swin checkpoint in any known format, write it in vitlab's,
+timm's or Hugging Face's."""
 
 from __future__ import annotations
 
@@ -12,16 +12,19 @@ from vitlab import formats
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="convert ViT checkpoints between vitlab, timm, Hugging Face, torchvision and .npz",
+        help="convert ViT and Swin checkpoints between vitlab, timm, Hugging Face, torchvision "
+        "and .npz",
         description="Read SRC (a file, a folder, a vitlab run, or a Hugging Face Hub name such "
         "as timm/vit_base_patch16_224.augreg2_in21k_ft_in1k or google/vit-base-patch16-224) and "
         "write DST as safetensors. --to vitlab: DST.safetensors or DST/model.safetensors with the "
         "config, preprocessing and class names in its metadata (eval, predict, analyze and "
         "finetune.from take it). --to timm: DST.safetensors, or a folder with a timm config.json "
         "(timm.create_model('local-dir:DST', pretrained=True)). --to hf: a folder with "
-        "config.json and preprocessor_config.json (ViTForImageClassification.from_pretrained). "
-        "KEY=VALUE overrides change the model on the way: num_classes (new zero head), img_size "
-        "(positions resampled), in_chans, num_heads when the weights cannot tell.",
+        "config.json and preprocessor_config.json (ViTForImageClassification or "
+        "SwinForImageClassification.from_pretrained; a Swin only where its windows tile every "
+        "stage's map). KEY=VALUE overrides change the model on the way: num_classes (new zero "
+        "head), img_size (positions resampled), in_chans, num_heads when the weights cannot "
+        "tell; a Swin's window_size.",
     )
     p.add_argument("source", metavar="SRC")
     p.add_argument("dest", metavar="DST", type=Path)
@@ -33,7 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="format of SRC (default: detected)",
     )
     p.add_argument("--to", default="vitlab", choices=formats.WRITABLE, help="format of DST")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="ViTConfig fields")
+    p.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="ViTConfig or SwinConfig fields"
+    )
     p.set_defaults(run=run)
 
 
@@ -51,6 +56,7 @@ def parse_overrides(items: list[str]) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.models.checkpoint import load_checkpoint
+    from vitlab.models.swin import SwinConfig
 
     model, meta = load_checkpoint(args.source, args.src_format, **parse_overrides(args.overrides))
     if args.to == "vitlab":  # keeps where the weights came from in the metadata
@@ -58,11 +64,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         written = formats.get(args.to).write(model, args.dest)
     cfg = model.config
-    print(
-        f"read {args.source} ({meta.info.get('source_format', 'vitlab')}): {cfg.depth} blocks, "
-        f"width {cfg.embed_dim}, {cfg.num_heads} heads, patch {cfg.patch_size}, "
-        f"{cfg.img_hw[0]}x{cfg.img_hw[1]}, {cfg.num_classes} classes, pool {cfg.pool}"
-    )
+    size = f"patch {cfg.patch_size}, {cfg.img_hw[0]}x{cfg.img_hw[1]}, {cfg.num_classes} classes"
+    if isinstance(cfg, SwinConfig):
+        shape = (
+            f"Swin, blocks {list(cfg.depths)}, width {cfg.embed_dim}, heads "
+            f"{list(cfg.num_heads)}, window {'x'.join(map(str, cfg.window_hw))}, {size}"
+        )
+    else:
+        shape = f"{cfg.depth} blocks, width {cfg.embed_dim}, {cfg.num_heads} heads, {size}, "
+        shape += f"pool {cfg.pool}"
+    print(f"read {args.source} ({meta.info.get('source_format', 'vitlab')}): {shape}")
     for note in meta.info.get("notes", []):
         print(f"note: {note}")
     for path in written:

@@ -1,5 +1,5 @@
-"""The checkpoint formats vitlab speaks, one module each, listed in one registry. Every module has
-the same interface:
+"""The checkpoint formats vitlab speaks, one module each, listed in one registry (a library's Swin
+specifics in a module beside it: timm_swin, hf_swin). Every module has the same interface:
 
     detect(files: Files) -> bool        do these files hold this format?
     read(files: Files) -> Source        tensors in vitlab's names, architecture hints,
@@ -60,6 +60,6 @@ def detect(files: Files) -> str:
             return name
     shown = ", ".join(sorted(files.names())[:6])
     raise CheckpointError(
-        f"{files.where}: not a ViT checkpoint in a format vitlab knows "
+        f"{files.where}: not a ViT checkpoint (nor a Swin one) in a format vitlab knows "
         f"({', '.join(FORMATS)}); first keys: {shown}"
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from vitlab.preprocessing import Preprocessing
 
 if TYPE_CHECKING:  # annotations only: base.py stays free of model code
+    from vitlab.models.swin import SwinConfig
     from vitlab.models.vit import ViTConfig
 
 StateDict = dict[str, Tensor]
@@ -99,20 +100,44 @@ class Source:
     state: StateDict
     format: str
     where: str  # file, folder or hub name, for messages
-    hints: dict[str, Any] = field(default_factory=dict)  # ViTConfig fields the format states
+    hints: dict[str, Any] = field(default_factory=dict)  # config fields the format states
     preprocessing: dict[str, Any] = field(default_factory=dict)  # Preprocessing fields
     classes: list[str] | None = None
-    config: ViTConfig | None = None  # the architecture once known (vitlab files carry theirs)
+    # the architecture once known (vitlab files carry theirs)
+    config: ViTConfig | SwinConfig | None = None
     info: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
 # --- key maps ------------------------------------------------------------------------------------
 
+# a Swin block in timm's (and vitlab's) names, `layers.{stage}.blocks.{block}.`, or in
+# transformers' (`[swin.]encoder.layers.{stage}.blocks.{block}.`); a ViT's are `blocks.{i}.` or
+# `[encoder.]layer[s].{i}.`
+_SWIN_BLOCK = {
+    "timm": re.compile(r"^layers\.\d+\.blocks\.\d+\."),
+    "hf": re.compile(r"^(?:swin\.)?encoder\.layers\.\d+\.blocks\.\d+\."),
+}
+
+
+def swin_layout(keys: Iterable[str]) -> str | None:
+    """'timm' or 'hf' when `keys` name a Swin Transformer's blocks in that library's names (vitlab's
+    are timm's), else None."""
+    keys = list(keys)
+    for layout, pattern in _SWIN_BLOCK.items():
+        if any(pattern.match(k) for k in keys):
+            return layout
+    return None
+
+
+def state_family(keys: Iterable[str]) -> str:
+    """'swin' when `keys` are a Swin Transformer's (timm's or transformers' names), else 'vit'."""
+    return "vit" if swin_layout(keys) is None else "swin"
+
 
 def unknown(keys: list[str], format: str) -> FormatError:
     shown = ", ".join(sorted(keys)[:8]) + (" ..." if len(keys) > 8 else "")
-    return FormatError(f"{len(keys)} tensor(s) have no place in a vitlab ViT ({format}): {shown}")
+    return FormatError(f"{len(keys)} tensor(s) have no place in a vitlab model ({format}): {shown}")
 
 
 def rename(state: Mapping[str, Tensor], rules: list[tuple[str, str]], format: str) -> StateDict:

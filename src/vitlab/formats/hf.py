@@ -1,7 +1,8 @@
 """Hugging Face transformers' format: ViTModel or ViTForImageClassification weights (hub names,
 with or without the `vit.` prefix, or transformers 5's in-memory names) in a folder with
 config.json and preprocessor_config.json, as save_pretrained writes and from_pretrained loads.
-Query, key and value are separate Linear layers there and fused here."""
+Query, key and value are separate Linear layers there and fused here. SwinModel and
+SwinForImageClassification likewise, their names, config and limits in formats.hf_swin."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vitlab.formats import hf_swin
 from vitlab.formats.base import (
     WEIGHTS,
     CheckpointError,
@@ -25,12 +27,15 @@ from vitlab.formats.base import (
     cpu_state,
     preprocessing_of,
     rename,
+    state_family,
+    swin_layout,
     unknown,
     write_json,
     write_safetensors,
 )
+from vitlab.models.registry import family_of
 from vitlab.models.vit import ViTConfig
-from vitlab.preprocessing import HALF
+from vitlab.preprocessing import HALF, IMAGENET_MEAN, IMAGENET_STD
 
 _RULES = [  # (transformers' hub / save_pretrained name, vitlab name)
     (r"embeddings\.cls_token", "cls_token"),
@@ -125,7 +130,13 @@ def detect(files: Files) -> bool:
 
 
 def read(files: Files) -> Source:
-    state = convert(files.where, hf_to_vitlab, files.tensors())
+    tensors = files.tensors()
+    if swin_layout(tensors) == "hf":  # Microsoft's Swins, trained on ImageNet's statistics
+        src = Source(convert(files.where, hf_swin.hf_swin_to_vitlab, tensors), "hf", files.where)
+        pre = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD, interpolation="bicubic", crop_pct=None)
+        src.preprocessing = pre
+        return src
+    state = convert(files.where, hf_to_vitlab, tensors)
     src = Source(state, "hf", files.where, hints=dict(norm_eps=1e-12))
     src.preprocessing = dict(mean=HALF, std=HALF, crop_pct=None)
     if "head.weight" in state and "pre_logits.fc.weight" in state:
@@ -137,7 +148,7 @@ def read(files: Files) -> Source:
 
 def is_config(cfg: dict[str, Any]) -> bool:
     """Whether a config.json is transformers' (not timm's)."""
-    return cfg.get("model_type") == "vit" or "hidden_size" in cfg
+    return cfg.get("model_type") in ("vit", "swin") or "hidden_size" in cfg
 
 
 def read_processor(processor: dict[str, Any], src: Source) -> None:
@@ -149,7 +160,23 @@ def read_processor(processor: dict[str, Any], src: Source) -> None:
 
 
 def read_config(cfg: dict[str, Any], src: Source) -> None:
-    """Hints and class names from transformers' ViTConfig (config.json)."""
+    """Hints and class names from transformers' ViTConfig or SwinConfig (config.json)."""
+    family, kind = state_family(src.state), cfg.get("model_type", "vit")
+    if kind != family and kind in ("vit", "swin"):
+        raise CheckpointError(f"{src.where}: config.json is a {kind}'s, the weights a {family}'s")
+    if family == "swin":
+        hf_swin.read_hints(cfg, src)
+    else:
+        _read_vit_hints(cfg, src)
+    labels = cfg.get("id2label")
+    if labels:
+        try:
+            src.classes = [str(labels[str(i)]) for i in range(len(labels))]
+        except (KeyError, TypeError):
+            raise CheckpointError(f"{src.where}: id2label does not number classes 0..n-1") from None
+
+
+def _read_vit_hints(cfg: dict[str, Any], src: Source) -> None:
     act = cfg.get("hidden_act", "gelu")
     if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
         raise CheckpointError(f"{src.where}: hidden_act {act!r} is not a GELU")
@@ -161,19 +188,19 @@ def read_config(cfg: dict[str, Any], src: Source) -> None:
         img_size=tuple(size) if isinstance(size, list) else size,
         qkv_bias=cfg.get("qkv_bias", True),
     )
-    labels = cfg.get("id2label")
-    if labels:
-        try:
-            src.classes = [str(labels[str(i)]) for i in range(len(labels))]
-        except (KeyError, TypeError):
-            raise CheckpointError(f"{src.where}: id2label does not number classes 0..n-1") from None
 
 
 def write(model: nn.Module, dst: Path) -> list[Path]:
     """Folder DST with model.safetensors (hub names), config.json and preprocessor_config.json,
-    which ViTForImageClassification.from_pretrained (ViTModel without a classifier) loads."""
-    config, with_classifier = hf_config(model.config, classes_of(model))
-    state = vitlab_to_hf(cpu_state(model.state_dict()), with_classifier)
+    which ViTForImageClassification.from_pretrained (ViTModel without a classifier) loads, or
+    SwinForImageClassification's (SwinModel) for a Swin whose windows tile its maps."""
+    state = cpu_state(model.state_dict())
+    if family_of(model.config) == "swin":
+        config, with_classifier = hf_swin.hf_swin_config(model.config, classes_of(model))
+        state = hf_swin.vitlab_to_hf_swin(state, with_classifier)
+    else:
+        config, with_classifier = hf_config(model.config, classes_of(model))
+        state = vitlab_to_hf(state, with_classifier)
     pre = preprocessing_of(model)
     h, w = model.config.img_hw
     processor = {

@@ -1,7 +1,8 @@
-"""timm's format: a VisionTransformer state dict (`pos_embed` a parameter), alone or in a folder
-with timm's config.json (architecture, model_args, pretrained_cfg), as the hub serves `timm/...`
-names and timm.create_model loads `local-dir:DST`. vitlab's names are timm's except the learned
-position table, which is a module here (`pos_embed.weight`)."""
+"""timm's format: a VisionTransformer or SwinTransformer state dict, alone or in a folder with
+timm's config.json (architecture, model_args, pretrained_cfg), as the hub serves `timm/...` names
+and timm.create_model loads `local-dir:DST`. vitlab's names are timm's except a ViT's learned
+position table, which is a module here (`pos_embed.weight`); the Swin specifics are in
+formats.timm_swin."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from vitlab.formats import timm_swin
 from vitlab.formats.base import (
     WEIGHTS,
     CheckpointError,
@@ -23,10 +25,12 @@ from vitlab.formats.base import (
     cpu_state,
     preprocessing_of,
     rename,
+    state_family,
+    swin_layout,
     write_json,
     write_safetensors,
 )
-from vitlab.models.registry import UnknownModelError, get_config
+from vitlab.models.registry import UnknownModelError, family_of, get_config
 from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD
 
@@ -49,11 +53,17 @@ def vitlab_to_timm(state: Mapping[str, Tensor]) -> StateDict:
 
 def detect(files: Files) -> bool:
     keys = files.names()
-    return "patch_embed.proj.weight" in keys and "pos_embed" in keys
+    vit = "patch_embed.proj.weight" in keys and "pos_embed" in keys
+    return vit or swin_layout(keys) == "timm"
 
 
 def read(files: Files) -> Source:
-    src = Source(convert(files.where, timm_to_vitlab, files.tensors()), "timm", files.where)
+    tensors = files.tensors()
+    if swin_layout(tensors) == "timm":
+        src = Source({}, "timm", files.where)
+        src.state = convert(files.where, timm_swin.timm_swin_to_vitlab, tensors, src.notes)
+    else:
+        src = Source(convert(files.where, timm_to_vitlab, tensors), "timm", files.where)
     src.preprocessing = dict(
         mean=IMAGENET_MEAN, std=IMAGENET_STD, crop_pct=0.9, interpolation="bicubic"
     )
@@ -62,6 +72,23 @@ def read(files: Files) -> Source:
 
 def read_config(cfg: dict[str, Any], src: Source) -> None:
     """Hints, preprocessing and class names from timm's config.json."""
+    if state_family(src.state) == "swin":
+        timm_swin.read_hints(cfg, src)
+    else:
+        _read_vit_hints(cfg, src)
+    pre = cfg.get("pretrained_cfg") or {}
+    for key in ("mean", "std", "interpolation"):
+        if key in pre:
+            src.preprocessing[key] = pre[key]
+    if "crop_pct" in pre:  # timm's `squash` resizes the whole image, as crop_pct None does
+        squash = pre.get("crop_mode") == "squash"
+        src.preprocessing["crop_pct"] = None if squash else pre["crop_pct"]
+    names = cfg.get("label_names") or pre.get("label_names")
+    if names:
+        src.classes = list(names)
+
+
+def _read_vit_hints(cfg: dict[str, Any], src: Source) -> None:
     args = dict(cfg.get("model_args") or {})
     with contextlib.suppress(UnknownModelError):  # a name vitlab registers tells the heads
         src.hints["num_heads"] = get_config(str(cfg.get("architecture", ""))).num_heads
@@ -77,26 +104,21 @@ def read_config(cfg: dict[str, Any], src: Source) -> None:
     if "img_size" in args:
         size = args["img_size"]
         src.hints["img_size"] = tuple(size) if isinstance(size, list) else size
-    pre = cfg.get("pretrained_cfg") or {}
-    for key in ("mean", "std", "interpolation"):
-        if key in pre:
-            src.preprocessing[key] = pre[key]
-    if "crop_pct" in pre:  # timm's `squash` resizes the whole image, as crop_pct None does
-        squash = pre.get("crop_mode") == "squash"
-        src.preprocessing["crop_pct"] = None if squash else pre["crop_pct"]
-    names = cfg.get("label_names") or pre.get("label_names")
-    if names:
-        src.classes = list(names)
 
 
 def write(model: nn.Module, dst: Path) -> list[Path]:
     """DST.safetensors alone, or a folder with model.safetensors and timm's config.json."""
-    arch, args = timm_model_args(model.config)
-    state = vitlab_to_timm(cpu_state(model.state_dict()))
+    cfg = model.config
+    state = cpu_state(model.state_dict())
+    if family_of(cfg) == "swin":  # the same names
+        (arch, args), classifier = timm_swin.timm_swin_model_args(cfg), "head.fc"
+    else:
+        (arch, args), state = timm_model_args(cfg), vitlab_to_timm(state)
+        classifier = ["head", "head_dist"] if cfg.distilled else "head"
     if dst.suffix == ".safetensors":
         write_safetensors(dst, state, {"format": "pt"})
         return [dst]
-    pre, cfg = preprocessing_of(model), model.config
+    pre = preprocessing_of(model)
     pretrained_cfg = {
         "input_size": [cfg.in_chans, *cfg.img_hw],
         "interpolation": pre.interpolation,
@@ -106,12 +128,12 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
         "std": list(pre.std),
         "num_classes": cfg.num_classes,
         "first_conv": "patch_embed.proj",
-        "classifier": ["head", "head_dist"] if cfg.distilled else "head",
+        "classifier": classifier,
     }
     config = {
         "architecture": arch,
         "num_classes": cfg.num_classes,
-        "num_features": cfg.embed_dim,
+        "num_features": model.num_features,
         "global_pool": args.get("global_pool", "token"),
         "model_args": args,
         "pretrained_cfg": pretrained_cfg,

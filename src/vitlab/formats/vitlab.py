@@ -1,7 +1,9 @@
-"""vitlab's own format: model.safetensors whose metadata holds the model config, preprocessing,
-class names and training info, alone (DST.safetensors) or in a checkpoint folder; a run keeps its
-checkpoints under run/checkpoints/{best,last}. A plain state dict in vitlab's names (timm's, with
-the learned position table as `pos_embed.weight`) is read too, without that metadata."""
+"""vitlab's own format: model.safetensors whose metadata holds the model family ('vit' or 'swin';
+'vit' when absent, as in files written before Swin), its config, preprocessing, class names and
+training info, alone (DST.safetensors) or in a checkpoint folder; a run keeps its checkpoints under
+run/checkpoints/{best,last}. A plain ViT state dict in vitlab's names (timm's, with the learned
+position table as `pos_embed.weight`) is read too, without that metadata; a plain Swin state dict
+is timm's (the same names), so the timm format reads it."""
 
 from __future__ import annotations
 
@@ -23,20 +25,25 @@ from vitlab.formats.base import (
     cpu_state,
     preprocessing_of,
     safetensors_metadata,
+    state_family,
     write_safetensors,
 )
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
+from vitlab.models.registry import ModelConfig, family_of
+from vitlab.models.swin import SwinConfig
 from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import Preprocessing
 
 log = logging.getLogger(__name__)
+
+CONFIGS: dict[str, type[ViTConfig] | type[SwinConfig]] = {"vit": ViTConfig, "swin": SwinConfig}
 
 
 @dataclass
 class CheckpointMeta:
     """What a weights file holds besides the tensors."""
 
-    config: ViTConfig
+    config: ModelConfig  # a ViTConfig or a SwinConfig
     preprocessing: Preprocessing
     classes: list[str]
     info: dict[str, Any] = field(default_factory=dict)  # epoch, step, metrics, source ...
@@ -46,8 +53,10 @@ def detect(files: Files) -> bool:
     if files.metadata().get("format") == "vitlab":
         return True
     keys = files.names()
-    return "patch_embed.proj.weight" in keys and (
-        "pos_embed.weight" in keys or "pos_embed" not in keys
+    return (
+        "patch_embed.proj.weight" in keys
+        and ("pos_embed.weight" in keys or "pos_embed" not in keys)
+        and state_family(keys) == "vit"
     )
 
 
@@ -80,6 +89,7 @@ def write_weights(path: Path, state: dict[str, Tensor], meta: CheckpointMeta) ->
     """Weights with vitlab's metadata (config, preprocessing, class names, info), atomically."""
     metadata = {
         "format": "vitlab",
+        "family": family_of(meta.config),
         "config": json.dumps(to_dict(meta.config)),
         "preprocessing": json.dumps(meta.preprocessing.to_dict()),
         "classes": json.dumps(meta.classes),
@@ -89,11 +99,19 @@ def write_weights(path: Path, state: dict[str, Tensor], meta: CheckpointMeta) ->
 
 
 def read_metadata(weights: Path) -> CheckpointMeta:
+    """What a vitlab weights file holds besides the tensors; its config is the dataclass its
+    `family` names (ViTConfig when there is none)."""
     meta = safetensors_metadata(weights)
     if meta.get("format") != "vitlab":
         raise CheckpointError(f"{weights} has no vitlab metadata (model config, preprocessing)")
+    family = meta.get("family", "vit")  # files from before Swin have no family: ViTs
+    if family not in CONFIGS:
+        raise CheckpointError(
+            f"{weights}: model family {family!r} is not one vitlab builds ({', '.join(CONFIGS)})"
+        )
     try:
-        config = from_dict(ViTConfig, json.loads(meta["config"]), where=f"config in {weights}")
+        where = f"config in {weights}"
+        config = from_dict(CONFIGS[family], json.loads(meta["config"]), where=where)
         pre = Preprocessing.from_dict(json.loads(meta["preprocessing"]))
         classes, info = json.loads(meta["classes"]), json.loads(meta["info"])
     # AttributeError: JSON of the wrong shape (a list for a mapping); RecursionError: deep nesting

@@ -1,16 +1,18 @@
-"""Loading and saving ViTs in any checkpoint format vitlab speaks (see vitlab.formats): resolve a
-source (a file, a folder, a vitlab run or a Hugging Face Hub name) to its files, read them in their
-format, infer the architecture from the tensors and what the format states, build the model, apply
-overrides and load the weights strictly.
+"""Loading and saving ViTs and Swins in any checkpoint format vitlab speaks (see vitlab.formats):
+resolve a source (a file, a folder, a vitlab run or a Hugging Face Hub name) to its files, read
+them in their format, infer the architecture from the tensors and what the format states, build
+the model, apply overrides and load the weights strictly.
 
-    load_pretrained(source, **overrides) -> VisionTransformer
-    load_checkpoint(source, ...)        -> (VisionTransformer, CheckpointMeta)
+    load_pretrained(source, **overrides) -> VisionTransformer | SwinTransformer
+    load_checkpoint(source, ...)        -> (model, CheckpointMeta)
     save_pretrained(model, dst, format)  vitlab's, timm's or Hugging Face's format
 
-The architecture is read from the tensors (width, depth, MLP, patch, grid, prefix tokens,
+The family is the tensors' (Swin blocks are `layers.{i}.blocks.{j}`) or the vitlab metadata's.
+A ViT's architecture is read from the tensors (width, depth, MLP, patch, grid, prefix tokens,
 pooling, pre-logits), from the config a format carries (heads, eps, activation, labels), and from
-what the format implies (Google: tanh GELU, inputs in [-1, 1]). Every tensor must find its place
-and every parameter must be filled: anything else is an error with names and shapes.
+what the format implies (Google: tanh GELU, inputs in [-1, 1]); a Swin's in models.swin_checkpoint.
+Every tensor must find its place and every parameter must be filled: anything else is an error
+with names and shapes.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from torch import Tensor
 
 from vitlab import formats, hub
 from vitlab.config import ConfigError, check_keys
-from vitlab.formats.base import TORCH_SUFFIXES, CheckpointError, Files, Source
-from vitlab.formats.vitlab import CheckpointMeta, resolve_checkpoint
-from vitlab.models.vit import VisionTransformer, ViTConfig
+from vitlab.formats.base import TORCH_SUFFIXES, CheckpointError, Files, Source, state_family
+from vitlab.formats.vitlab import CONFIGS, CheckpointMeta, resolve_checkpoint
+from vitlab.models.registry import Model, ModelConfig, build_model, family_of
+from vitlab.models.swin_checkpoint import infer_swin_config
+from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 
 log = logging.getLogger(__name__)
@@ -97,10 +101,28 @@ def read_source(source: str | Path, format: str = "auto") -> Source:
 _PAPER_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
 
 
-def infer_config(src: Source) -> ViTConfig:
-    """The ViTConfig that `src`'s tensors were trained with (at their own size and classes)."""
+def source_family(src: Source) -> str:
+    """'vit' or 'swin': the family of the model `src` holds."""
+    return family_of(src.config) if src.config is not None else state_family(src.state)
+
+
+def infer_config(src: Source) -> ModelConfig:
+    """The ViTConfig or SwinConfig that `src`'s tensors were trained with (at their own size and
+    classes)."""
+    return _infer(src)
+
+
+def _infer(src: Source, img_size: int | tuple[int, int] | None = None) -> ModelConfig:
+    """infer_config; `img_size` is taken as a Swin's trained size when the source states none and
+    its tables fit it (a ViT's size is always in its position table)."""
     if src.config is not None:
         return src.config
+    if source_family(src) == "swin":
+        return infer_swin_config(src, img_size)
+    return _infer_vit(src)
+
+
+def _infer_vit(src: Source) -> ViTConfig:
     s, hints = src.state, dict(src.hints)
     where = src.where
 
@@ -186,7 +208,7 @@ def infer_config(src: Source) -> ViTConfig:
         raise CheckpointError(f"{where}: the tensors describe no valid ViT: {e}") from None
 
 
-_AFTER_LOADING = ("img_size", "num_classes", "in_chans")
+_AFTER_LOADING = ("img_size", "window_size", "num_classes", "in_chans")
 
 
 def _adapt_in_chans(weight: Tensor, chans: int, where: str) -> Tensor:
@@ -202,7 +224,7 @@ def _adapt_in_chans(weight: Tensor, chans: int, where: str) -> Tensor:
     raise CheckpointError(f"{where}: cannot adapt {have}-channel patch kernels to {chans} channels")
 
 
-def _preprocessing(src: Source, cfg: ViTConfig) -> Preprocessing:
+def _preprocessing(src: Source, cfg: ModelConfig) -> Preprocessing:
     pre = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD, interpolation="bicubic", crop_pct=0.9)
     pre.update(src.preprocessing)
     pre.pop("img_size", None), pre.pop("in_chans", None)
@@ -218,20 +240,22 @@ def load_checkpoint(
     format: str = "auto",
     device: str | torch.device = "cpu",
     **overrides: Any,
-) -> tuple[VisionTransformer, CheckpointMeta]:
-    """A model with the weights of `source` (a file, a folder, a vitlab run or a hub name, in any
-    format vitlab reads, or a Source read_source made) and its CheckpointMeta (config,
-    preprocessing, class names, info).
+) -> tuple[Model, CheckpointMeta]:
+    """A model (VisionTransformer or SwinTransformer, as the weights are) with the weights of
+    `source` (a file, a folder, a vitlab run or a hub name, in any format vitlab reads, or a
+    Source read_source made) and its CheckpointMeta (config, preprocessing, class names, info).
 
-    `overrides` are ViTConfig fields: img_size resamples the position embeddings, num_classes
-    replaces the head(s) with zero-initialised ones, in_chans adapts the patch kernels; any other
-    field (dropout, drop_path, num_heads, ...) is set before the weights are loaded, and a field
-    the weights cannot take (another width ...) fails naming the tensors."""
+    `overrides` are fields of the family's config (ViTConfig or SwinConfig): img_size resamples
+    the position embeddings (a Swin's relative position tables, its windows kept), a Swin's
+    window_size resamples its tables to the new window, num_classes replaces the head(s) with
+    zero-initialised ones, in_chans adapts the patch kernels; any other field (dropout,
+    drop_path, num_heads, ...) is set before the weights are loaded, and a field the weights
+    cannot take (another width ...) fails naming the tensors."""
     src = source if isinstance(source, Source) else read_source(source, format)
-    check_keys(ViTConfig, overrides.keys())
+    check_keys(CONFIGS[source_family(src)], overrides.keys())
     before = {k: v for k, v in overrides.items() if k not in _AFTER_LOADING}
     src.hints.update(before)  # e.g. num_heads, which no tensor shape tells
-    native = infer_config(src)
+    native = _infer(src, overrides.get("img_size"))
     try:
         cfg = native.replace(**before)
     except (ConfigError, TypeError) as e:
@@ -239,13 +263,15 @@ def load_checkpoint(
     state = dict(src.state)
     if "in_chans" in overrides:
         chans = int(overrides["in_chans"])
-        first = "patch_embed.stem.0.weight" if cfg.stem == "conv" else "patch_embed.proj.weight"
+        conv_stem = getattr(cfg, "stem", "patch") == "conv"
+        first = "patch_embed.stem.0.weight" if conv_stem else "patch_embed.proj.weight"
         state[first] = _adapt_in_chans(state[first], chans, src.where)
         cfg = cfg.replace(in_chans=chans)
-    model = VisionTransformer(cfg)
+    model = build_model(cfg)
     load_state_strict(model, state, src.where)
-    if "img_size" in overrides:
-        model.set_image_size(overrides["img_size"])
+    resize = {k: overrides[k] for k in ("img_size", "window_size") if k in overrides}
+    if resize:  # to the model's own size, when only a Swin's window changes
+        model.set_image_size(resize.pop("img_size", cfg.img_size), **resize)
     classes = src.classes if src.classes and len(src.classes) == cfg.num_classes else None
     classes = classes or [str(i) for i in range(cfg.num_classes)]
     if "num_classes" in overrides and overrides["num_classes"] != cfg.num_classes:
@@ -263,15 +289,14 @@ def load_checkpoint(
     return model.to(device).eval(), CheckpointMeta(model.config, pre, classes, info)
 
 
-def load_pretrained(
-    source: str | Path, format: str = "auto", **overrides: Any
-) -> VisionTransformer:
-    """A VisionTransformer with the weights of `source`: a timm, Hugging Face, torchvision, Google
-    .npz or vitlab checkpoint (file or folder), or a hub name such as
-    `timm/vit_base_patch16_224.augreg2_in21k_ft_in1k` or `google/vit-base-patch16-224`. The format
-    is detected (or named with `format=`); the architecture is read from the weights; overrides
-    (num_classes, img_size, in_chans, dropout, ...) as in load_checkpoint. The model carries
-    `.preprocessing` (what its inputs need) and `.classes`."""
+def load_pretrained(source: str | Path, format: str = "auto", **overrides: Any) -> Model:
+    """A VisionTransformer or SwinTransformer with the weights of `source`: a timm, Hugging Face,
+    torchvision, Google .npz or vitlab checkpoint (file or folder), or a hub name such as
+    `timm/vit_base_patch16_224.augreg2_in21k_ft_in1k`, `google/vit-base-patch16-224` or
+    `microsoft/swin-tiny-patch4-window7-224`. The format is detected (or named with `format=`);
+    the architecture is read from the weights; overrides (num_classes, img_size, in_chans,
+    dropout, ...) as in load_checkpoint. The model carries `.preprocessing` (what its inputs
+    need) and `.classes`."""
     model, _ = load_checkpoint(source, format=format, **overrides)
     return model
 
@@ -299,11 +324,12 @@ def load_state_strict(model: torch.nn.Module, state: dict[str, Tensor], where: s
 
 
 def save_pretrained(
-    model: VisionTransformer, dst: str | Path, format: str = "vitlab", **deprecated: str
+    model: Model, dst: str | Path, format: str = "vitlab", **deprecated: str
 ) -> list[Path]:
-    """Write `model` in vitlab's, timm's or Hugging Face's format (vitlab.formats) with its
-    `.preprocessing` (inputs in [-1, 1] when it has none) and `.classes`. Returns the files
-    written."""
+    """Write `model` (a ViT or a Swin) in vitlab's, timm's or Hugging Face's format
+    (vitlab.formats) with its `.preprocessing` (inputs in [-1, 1] when it has none) and
+    `.classes`. Returns the files written. Hugging Face's Swin is written only where the windows
+    tile every stage's map (see formats.hf_swin)."""
     if "layout" in deprecated:  # the name before formats had one name everywhere
         warnings.warn("save_pretrained(layout=) is now format=", DeprecationWarning, stacklevel=2)
         if format != "vitlab":
