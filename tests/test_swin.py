@@ -459,8 +459,8 @@ def test_config_errors(overrides, message) -> None:
 
 def test_registry_names_aliases_and_overrides() -> None:
     assert set(TIMM_NAMES) <= set(list_models(family="swin"))
-    assert not set(list_models()) & set(list_models(family="swin"))  # default: ViTs, as before
-    assert set(list_models(family=None)) == set(list_models()) | set(list_models(family="swin"))
+    assert not set(list_models(family="vit")) & set(list_models(family="swin"))
+    assert set(list_models()) == set(list_models(family="vit")) | set(list_models(family="swin"))
     assert list_models("swin_base*", family="swin") == TIMM_NAMES[2:4]
     for alias, name in [("Swin-T", 0), ("Swin-S", 1), ("Swin-B", 2), ("Swin-L", 4)]:
         assert vitlab.get_config(alias) == vitlab.get_config(TIMM_NAMES[name])

@@ -9,11 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from tests.helpers import weights_of
+from vitlab import load_checkpoint
+from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
+from vitlab.models.swin import SwinTransformer
 from vitlab.train.run import train
 
 # a Swin small enough for 8x8 digits: patch 2 -> 4x4 tokens, window 2, two stages
@@ -87,3 +92,31 @@ def test_fsdp_shards_swin_blocks_and_equals_one_process(tmp_path: Path) -> None:
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=2e-5, rtol=1e-4, msg=k)
+
+
+def test_a_swin_checkpoint_works_with_every_command(tmp_path: Path, capsys) -> None:
+    run = train(cfg("train.epochs=2"), out=tmp_path / "run")
+    model, meta = load_checkpoint(run)
+    assert isinstance(model, SwinTransformer) and meta.config.depths == (2, 2)
+    expected = json.loads((run / "results.json").read_text())["top1"]
+    assert main(["eval", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["top1"] == pytest.approx(expected, abs=1e-9)
+    image = tmp_path / "digit.png"
+    Image.fromarray(np.full((8, 8), 200, dtype=np.uint8)).save(image)
+    assert main(["predict", str(run), str(image), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)[0]["top"]) == 5
+    assert main(["fewshot", str(run), "--shots", "5", "--seeds", "1", "--features", "gap",
+                 "--json"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["results"][0]["mean"] > 0.2  # chance: 0.1
+    assert main(["analyze", str(run), "--out", str(tmp_path / "analysis")]) == 0
+    assert (tmp_path / "analysis" / "index.html").is_file()
+    capsys.readouterr()
+    for to in ("timm", "hf"):
+        assert main(["convert", str(run), str(tmp_path / to), "--to", to]) == 0
+        back, _ = load_checkpoint(tmp_path / to)
+        x = torch.randn(3, 1, 8, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(back.eval()(x), model.eval()(x), atol=1e-5, rtol=1e-5)
+    tuned = train(cfg(f"finetune.from={run}", "model.img_size=16", "train.epochs=1"),
+                  out=tmp_path / "ft")  # fmt: skip
+    assert load_checkpoint(tuned)[1].config.img_hw == (16, 16)

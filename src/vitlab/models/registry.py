@@ -235,10 +235,9 @@ def create_model(name: str, **overrides: object) -> Model:
     return build_model(get_config(name, **overrides))
 
 
-def list_models(pattern: str | None = None, family: str | None = "vit") -> list[str]:
-    """Registered names (aliases excluded), optionally filtered by a glob pattern, of one model
-    family: 'vit' (the default, what the callers written for ViTs alone expect), 'swin', or
-    None for all."""
+def list_models(pattern: str | None = None, family: str | None = None) -> list[str]:
+    """Registered names (aliases excluded), optionally filtered by a glob pattern and a model
+    family ('vit', 'swin'; None: all)."""
     return [
         n
         for n, cfg in _MODELS.items()
