@@ -78,7 +78,8 @@ def test_where_windows_do_not_tile_the_map_a_shifted_window_wraps_unmasked() -> 
     assert rows.tolist() == [2.0, 3.0, 4.0, 0.0]
     allowed = shift_window_mask((5, 5), (4, 4), (2, 2))[0] == 0
     apart = torch.cdist(centres[0], centres[0])[allowed]
-    assert apart.max().item() == pytest.approx(math.hypot(4, 4))  # the window's diagonal: 3 sqrt 2
+    # beyond the window's diagonal (3 sqrt 2): the padded shifted window holds rows 2, 3, 4 and 0
+    assert apart.max().item() == pytest.approx(math.hypot(4, 4))
 
 
 def tiny_swin(seed: int = 0, img_size: int = 36) -> SwinTransformer:
@@ -209,8 +210,9 @@ def test_windows_centred_on_padding_are_null_in_the_json(tmp_path) -> None:
 
 
 def test_the_analyze_command_passes_a_swin_through(tmp_path, monkeypatch, capsys) -> None:
-    """Until load_checkpoint reads Swin checkpoints (being built elsewhere), the command is given
-    one through it: digits images at the model's size, the Swin page."""
+    """The command on a model given through load_checkpoint (stubbed here for a 16x16 model that
+    needs no training; tests/test_swin_train.py runs it on a real run's checkpoint): digits
+    images at the model's size, the Swin page."""
     import vitlab.models.checkpoint as checkpoint
 
     cfg = SwinConfig(

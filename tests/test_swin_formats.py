@@ -372,3 +372,33 @@ def test_a_damaged_swin_state_dict_names_the_tensor(damage: str, message: str, t
     save_file(state, tmp_path / "w.safetensors")
     with pytest.raises(CheckpointError, match=message):
         load_pretrained(tmp_path / "w.safetensors", img_size=32)
+
+
+def test_swin_v2_and_absolute_positions_are_refused_by_name(tmp_path: Path) -> None:
+    import timm
+    import transformers
+
+    small = dict(img_size=16, patch_size=2, window_size=4, embed_dim=16, depths=(2, 2),
+                 num_heads=(2, 4), num_classes=3)  # fmt: skip
+    v2 = timm.create_model("swinv2_tiny_window8_256", pretrained=False, **small)
+    save_file(v2.state_dict(), tmp_path / "v2.safetensors")
+    with pytest.raises(CheckpointError, match="Swin V2"):
+        read_source(tmp_path / "v2.safetensors")
+    # the original Microsoft code's `ape=True` (timm 1.0 has no such option)
+    ape = timm.models.swin_transformer.SwinTransformer(**small).state_dict()
+    torch.save({**ape, "absolute_pos_embed": torch.zeros(1, 64, 16)}, tmp_path / "ape.pth")
+    with pytest.raises(CheckpointError, match="absolute position embeddings"):
+        read_source(tmp_path / "ape.pth")
+    hf = transformers.SwinForImageClassification(
+        transformers.SwinConfig(image_size=16, patch_size=2, window_size=4, embed_dim=16,
+                                depths=[2, 2], num_heads=[2, 4], use_absolute_embeddings=True)
+    )  # fmt: skip
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="absolute position embeddings"):
+        read_source(tmp_path / "hf")
+
+
+def test_hf_refuses_another_layernorm_eps(tmp_path: Path) -> None:
+    model = create_model("swin_nano_patch2_window4_32", norm_eps=1e-6)
+    with pytest.raises(CheckpointError, match="layer_norm_eps"):
+        save_pretrained(model, tmp_path / "hf", format="hf")

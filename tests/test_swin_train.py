@@ -117,6 +117,9 @@ def test_a_swin_checkpoint_works_with_every_command(tmp_path: Path, capsys) -> N
         x = torch.randn(3, 1, 8, 8)
         with torch.no_grad():
             torch.testing.assert_close(back.eval()(x), model.eval()(x), atol=1e-5, rtol=1e-5)
-    tuned = train(cfg(f"finetune.from={run}", "model.img_size=16", "train.epochs=1"),
-                  out=tmp_path / "ft")  # fmt: skip
-    assert load_checkpoint(tuned)[1].config.img_hw == (16, 16)
+    # fine-tuning at twice the resolution with twice the window: bias tables resampled
+    tuned = train(cfg(f"finetune.from={run}", "model.img_size=16", "model.window_size=4",
+                      "train.epochs=1"), out=tmp_path / "ft")  # fmt: skip
+    config = load_checkpoint(tuned)[1].config
+    assert config.img_hw == (16, 16) and config.window_size == 4
+    assert "relative position tables resampled to the window 2 -> 4" in capsys.readouterr().err

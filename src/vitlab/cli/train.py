@@ -12,20 +12,22 @@ from vitlab.config import load_run_config
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
-        help="train or fine-tune a ViT on a dataset",
-        description="Train a ViT from scratch or fine-tune one. Settings come from the defaults "
-        "(digits, vit_nano_patch4_28), then --config FILE.yaml, then key=value overrides with "
-        "dotted keys: model.* (name and any ViTConfig field), data.* (name: digits | fashion-mnist "
-        "| cifar10 | cifar100 | imagefolder:PATH, dir, val_fraction, crop_padding, "
-        "random_resized_crop, hflip, randaugment_ops, random_erasing, mixup, cutmix, ...), optim.* "
-        "(name adamw | sgd, lr, weight_decay, schedule cosine | linear | constant, warmup_epochs, "
-        "clip_grad, label_smoothing, ...), train.* (epochs, batch_size, accum_steps, seed, ema, "
-        "precision auto | fp32 | bf16 (auto: bf16 autocast where the GPU or CPU computes in "
-        "bf16, else fp32), compile, grad_checkpointing, strategy ddp | fsdp, device), "
-        "finetune.from=RUN_OR_CKPT (a vitlab run or checkpoint, or any timm / HF / torchvision / "
-        ".npz file, folder or hub name: the architecture is then the checkpoint's, model.* "
-        "overrides apply on top, positions are resampled and a new head made as needed). "
-        "Unknown keys and wrong types are errors. Under torchrun "
+        help="train or fine-tune a ViT or Swin on a dataset",
+        description="Train a ViT or Swin from scratch or fine-tune one. Settings come from the "
+        "defaults (digits, vit_nano_patch4_28), then --config FILE.yaml, then key=value overrides "
+        "with dotted keys: model.* (name and any field of its config: ViTConfig or SwinConfig), "
+        "data.* (name: digits | fashion-mnist | cifar10 | cifar100 | imagefolder:PATH, dir, "
+        "val_fraction, label_fraction, crop_padding, random_resized_crop, hflip, randaugment_ops, "
+        "random_erasing, mixup, cutmix, ...), optim.* (name adamw | sgd, lr, weight_decay, "
+        "schedule cosine | linear | constant, warmup_epochs, clip_grad, label_smoothing, ...), "
+        "train.* (epochs, batch_size, accum_steps, seed, ema, precision auto | fp32 | bf16 (auto: "
+        "bf16 autocast where the GPU or CPU computes in bf16, else fp32), compile, "
+        "grad_checkpointing, strategy ddp | fsdp, device, objective classify | mpp), mpp.* "
+        "(masked patch prediction without labels: target mean_color | patch_l2, corrupt, mask, "
+        "random, bits), finetune.from=RUN_OR_CKPT (a vitlab run or checkpoint, or any timm / HF "
+        "/ torchvision / .npz file, folder or hub name: the architecture is then the "
+        "checkpoint's, model.* overrides apply on top, positions are resampled and a new head "
+        "made as needed). Unknown keys and wrong types are errors. Under torchrun "
         "(`torchrun --nproc_per_node=N -m vitlab train ...`) it trains with DDP or FSDP.",
         epilog="Presets: configs/*.yaml. Example: vitlab train --config configs/fashion-mnist-quick"
         ".yaml train.epochs=5 optim.lr=0.002",

@@ -165,6 +165,22 @@ def convert(where: str, fn: Any, *args: Any) -> Any:
         raise CheckpointError(f"{where}: {e}") from None
 
 
+def refuse_swin_v2(keys: Iterable[str], where: str) -> None:
+    """A CheckpointError naming Swin V2 (its continuous position bias and attention scale) or
+    absolute position embeddings, which vitlab's Swin (v1) has no place for."""
+    keys = list(keys)
+    if any(k.endswith(("cpb_mlp.0.weight", "logit_scale")) for k in keys):
+        raise CheckpointError(
+            f"{where}: a Swin V2 checkpoint (continuous position bias, cosine attention): vitlab "
+            "builds the Swin (v1) of Liu et al. 2021"
+        )
+    if any(k.endswith(("absolute_pos_embed", "embeddings.position_embeddings")) for k in keys):
+        raise CheckpointError(
+            f"{where}: absolute position embeddings (ape / use_absolute_embeddings) are not part "
+            "of vitlab's Swin"
+        )
+
+
 def cpu_state(state: Mapping[str, Tensor]) -> StateDict:
     """Detached, contiguous CPU copies (what safetensors writes)."""
     return {k: v.detach().cpu().contiguous() for k, v in state.items()}

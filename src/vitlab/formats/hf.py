@@ -26,6 +26,7 @@ from vitlab.formats.base import (
     convert,
     cpu_state,
     preprocessing_of,
+    refuse_swin_v2,
     rename,
     state_family,
     swin_layout,
@@ -132,6 +133,7 @@ def detect(files: Files) -> bool:
 def read(files: Files) -> Source:
     tensors = files.tensors()
     if swin_layout(tensors) == "hf":  # Microsoft's Swins, trained on ImageNet's statistics
+        refuse_swin_v2(tensors, files.where)
         src = Source(convert(files.where, hf_swin.hf_swin_to_vitlab, tensors), "hf", files.where)
         pre = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD, interpolation="bicubic", crop_pct=None)
         src.preprocessing = pre

@@ -167,6 +167,12 @@ def read_hints(cfg: dict[str, Any], src: Source) -> None:
         attn_dropout=cfg.get("attention_probs_dropout_prob", 0.0),
         drop_path=cfg.get("drop_path_rate", 0.1),
     )
+    if cfg.get("layer_norm_eps", 1e-5) != 1e-5:
+        src.notes.append(
+            f"layer_norm_eps={cfg['layer_norm_eps']}: transformers uses it in the blocks' and the "
+            "final LayerNorm but 1e-5 in the patch embedding's and patch merging's, vitlab one eps "
+            "for all: outputs differ slightly"
+        )
     h, w = (size, size) if isinstance(size, int) else size
     window, patch = cfg.get("window_size", 7), cfg.get("patch_size", 4)
     problems = tiling_problems((h, w), patch, (window, window), len(cfg.get("depths", [])))
@@ -181,6 +187,11 @@ def hf_swin_config(cfg: SwinConfig, classes: list[str]) -> tuple[dict[str, Any],
     """(transformers SwinConfig dict, whether the model has a classifier) for `cfg`; an error for a
     model transformers would not compute alike (tiling_problems)."""
     why = tiling_problems(cfg.img_hw, cfg.patch_size, cfg.window_hw, cfg.num_stages)
+    if cfg.norm_eps != 1e-5:
+        why.append(
+            f"norm_eps={cfg.norm_eps}: transformers applies layer_norm_eps to the blocks' and the "
+            "final LayerNorm only (1e-5 in the patch embedding and patch merging)"
+        )
     if why:
         raise CheckpointError(
             f"cannot write Hugging Face Swin's format: {'; '.join(why)}. transformers pads such a "

@@ -24,6 +24,7 @@ from vitlab.formats.base import (
     convert,
     cpu_state,
     preprocessing_of,
+    refuse_swin_v2,
     rename,
     state_family,
     swin_layout,
@@ -60,6 +61,7 @@ def detect(files: Files) -> bool:
 def read(files: Files) -> Source:
     tensors = files.tensors()
     if swin_layout(tensors) == "timm":
+        refuse_swin_v2(tensors, files.where)
         src = Source({}, "timm", files.where)
         src.state = convert(files.where, timm_swin.timm_swin_to_vitlab, tensors, src.notes)
     else:

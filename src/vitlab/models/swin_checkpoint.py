@@ -154,12 +154,14 @@ def _trained_size(
         )
     clamped = [f"stage {i}: {n}" for i, n in enumerate(windows) if n != m]
     why = f"; windows clamped to the map at {', '.join(clamped)}" if clamped else ""
+    maps = [-(-grid // 2**i) for i in range(len(windows))]
+    tiles = all(n % w == 0 for n, w in zip(maps, windows))
     log.warning(
-        "%s: assuming img_size=%d, the smallest whose maps windows of %d tile%s (the size is in "
-        "no tensor); pass img_size= if not",
+        "%s: assuming img_size=%d, the smallest %s%s (the size is in no tensor); pass img_size= "
+        "if not",
         where,
         grid * patch,
-        m,
+        f"whose maps windows of {m} tile" if tiles else "that fits the bias tables",
         why,
     )
     return grid * patch

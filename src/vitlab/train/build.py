@@ -13,7 +13,7 @@ from vitlab.data.datasets import DatasetInfo, Split
 from vitlab.formats.base import Source
 from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
-from vitlab.models.registry import ModelConfig, config_of
+from vitlab.models.registry import ModelConfig, config_of, family_of
 
 
 def resolve_model_config(
@@ -49,20 +49,27 @@ def resolve_model_config(
 def finetune_weights(model: nn.Module, source: Source) -> list[str]:
     """Load another checkpoint's weights (read by read_source, any format vitlab reads) into
     model: the source is moved to the model's resolution (position embeddings of any kind
-    resampled) and channels (patch kernels adapted), and gets a zero-initialised head when the
-    class count differs. Returns what was adapted."""
+    resampled; a Swin's relative position tables, also to a new window) and channels (patch
+    kernels adapted), and gets a zero-initialised head when the class count differs. Returns what
+    was adapted."""
     cfg = model.config
     src_cfg = infer_config(source)
     notes = []
+    swin = family_of(cfg) == "swin"
+    where = "relative position tables" if swin else "position embeddings"
     if src_cfg.img_hw != cfg.img_hw:
-        notes.append(f"position embeddings resampled {src_cfg.grid} -> {cfg.grid}")
+        notes.append(f"{where} resampled to the token grid {src_cfg.grid} -> {cfg.grid}")
+    moves = {"img_size": cfg.img_size}
+    if swin:
+        moves["window_size"] = cfg.window_size
+        if src_cfg.window_size != cfg.window_size:
+            notes.append(f"{where} resampled to the window {src_cfg.window_size} -> "
+                         f"{cfg.window_size}")  # fmt: skip
     if src_cfg.in_chans != cfg.in_chans:
         notes.append(f"patch kernels adapted {src_cfg.in_chans} -> {cfg.in_chans} channels")
     if src_cfg.num_classes != cfg.num_classes:
         notes.append(f"new zero-initialised head for {cfg.num_classes} classes")
-    src, _ = load_checkpoint(
-        source, img_size=cfg.img_size, in_chans=cfg.in_chans, num_classes=cfg.num_classes
-    )
+    src, _ = load_checkpoint(source, in_chans=cfg.in_chans, num_classes=cfg.num_classes, **moves)
     state = src.state_dict()
     fresh = {k: v for k, v in model.state_dict().items() if k.startswith(MPP_PREFIX)}
     if fresh:  # pre-training goes on from an encoder: its head and [mask] start new
