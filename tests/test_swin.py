@@ -19,6 +19,7 @@ from vitlab.models.registry import config_of, list_models, register_model
 from vitlab.models.swin import SwinConfig, SwinTransformer
 from vitlab.models.swin_layers import (
     MASKED,
+    WindowAttention,
     relative_position_index,
     resample_rel_pos_table,
     shift_window_mask,
@@ -307,7 +308,7 @@ def test_grad_checkpointing_gives_the_same_gradients() -> None:
         torch.testing.assert_close(grads[1][name], g, msg=name)
 
 
-def test_bf16_on_cpu_takes_the_explicit_path_close_to_sdpa(monkeypatch) -> None:
+def test_cpu_takes_the_explicit_path_equal_to_sdpa_and_close_in_bf16(monkeypatch) -> None:
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -319,8 +320,13 @@ def test_bf16_on_cpu_takes_the_explicit_path_close_to_sdpa(monkeypatch) -> None:
     model = randomized(SwinTransformer(small()), seed=3)
     x = images(model.config)
     with torch.no_grad():
+        explicit = model(x)
+        assert not calls  # CPU: the explicit path, fp32 too
+        monkeypatch.setattr(WindowAttention, "fused", True)
         reference = model(x)
         assert calls and set(calls) == {torch.float32}
+        torch.testing.assert_close(explicit, reference, atol=1e-5, rtol=1e-5)
+        monkeypatch.setattr(WindowAttention, "fused", None)
         calls.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low = model(x)

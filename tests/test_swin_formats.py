@@ -354,8 +354,9 @@ def test_overrides_resize_adapt_channels_and_replace_the_head(tmp_path: Path) ->
         ("drop layers.1.blocks.0.attn.relative_position_bias_table", r"no layers\.1\.blocks\.0\."
          r"attn\.relative_position_bias_table tensor, so not a complete Swin"),
         ("drop patch_embed.proj.weight", r"no patch_embed\.proj\.weight tensor"),
-        ("add layers.0.blocks.0.attn.logit_scale", r"no place in a vitlab model \(timm Swin\): "
-         r"layers\.0\.blocks\.0\.attn\.logit_scale"),
+        ("add layers.0.blocks.0.attn.logit_scale", r"a Swin V2 checkpoint"),
+        ("add layers.0.blocks.0.attn.extra", r"no place in a vitlab model \(timm Swin\): "
+         r"layers\.0\.blocks\.0\.attn\.extra"),
         ("shrink layers.1.blocks.1.mlp.fc1.weight", r"layers\.1\.blocks\.1\.mlp\.fc1\.weight: "
          r"checkpoint \(64, 32\), model \(128, 32\)"),
     ],

@@ -137,8 +137,12 @@ class WindowAttention(nn.Module):
     """Multi-head self-attention inside each window with a learned bias per relative offset and
     head (table ((2Mh - 1)(2Mw - 1), h), looked up by relative_position_index) plus, in shifted
     blocks, the region mask. F.scaled_dot_product_attention with bias + mask as attn_mask, except
-    bf16 on CPU, which takes the explicit softmax((q * scale) k^T + bias) v path as the ViT's
-    attention does (layers.Attention)."""
+    on CPU, which takes the explicit softmax((q * scale) k^T + bias) v path: at a window's 49
+    tokens PyTorch's CPU kernel (its math fallback with a float mask) is 2-4x slower in fp32 and
+    bf16 alike, and timm's Swin takes the explicit path too (BENCHMARKS.md). `fused` (None: by
+    device) forces either path."""
+
+    fused: bool | None = None
 
     def __init__(self, spec: StageSpec) -> None:
         super().__init__()
@@ -198,7 +202,8 @@ class WindowAttention(nn.Module):
         h, d = self.num_heads, self.head_dim
         q, k, v, bias = self._qkv_bias(x, mask)
         drop = self.attn_drop if self.training else 0.0
-        if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        fused = self.fused if self.fused is not None else q.device.type != "cpu"
+        if not fused:
             probs = attention_probs(q, k, self.scale, bias)  # (B, nW, h, N, N)
             out = F.dropout(probs, drop, training=self.training) @ v
         else:
@@ -243,9 +248,12 @@ class SwinBlock(nn.Module):
         if sh or sw:
             x = torch.roll(x, shifts=(-sh, -sw), dims=(1, 2))
         (hp, wp), window = self.padded, self.window
-        x = F.pad(x, (0, 0, 0, wp - w, 0, hp - h))  # (B, Hp, Wp, C), zeros at bottom and right
+        if (hp, wp) != (h, w):  # (B, Hp, Wp, C), zeros at bottom and right
+            x = F.pad(x, (0, 0, 0, wp - w, 0, hp - h))
         out = self.attn(window_partition(x, window), self.attn_mask)  # (B, nW, N, C)
-        x = window_reverse(out, window, (hp, wp))[:, :h, :w]
+        x = window_reverse(out, window, (hp, wp))
+        if (hp, wp) != (h, w):
+            x = x[:, :h, :w]
         if sh or sw:
             x = torch.roll(x, shifts=(sh, sw), dims=(1, 2))
         return x
