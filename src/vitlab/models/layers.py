@@ -6,6 +6,7 @@ width, (gh, gw) the patch grid."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -140,6 +141,23 @@ class ConvStem(PatchEmbed):
 
 
 # --- the encoder block ---------------------------------------------------------------------------
+
+
+def chosen_indices(indices: int | Sequence[int] | None, n: int, what: str) -> list[int]:
+    """Sorted distinct indices into n `what`s (blocks, stages): all (None), the last k (an int),
+    or the listed ones (negative from the end); a ValueError naming an index out of range."""
+    if indices is None:
+        return list(range(n))
+    if isinstance(indices, int):
+        if not 0 <= indices <= n:
+            raise ValueError(f"cannot take the last {indices} {what}s of a {n}-{what} model")
+        return list(range(n - indices, n))
+    out = []
+    for i in indices:
+        if not -n <= i < n:
+            raise ValueError(f"{what} index {i} out of range for a {n}-{what} model")
+        out.append(i % n)
+    return sorted(set(out))
 
 
 def attention_probs(q: Tensor, k: Tensor, scale: float, bias: Tensor | None = None) -> Tensor:

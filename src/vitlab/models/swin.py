@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from vitlab.config import ConfigError, check_keys, validate
+from vitlab.models.layers import chosen_indices
 from vitlab.models.swin_layers import StageSpec, SwinPatchEmbed, SwinStage, WindowAttention
 
 
@@ -271,21 +272,6 @@ class SwinTransformer(nn.Module):
         """(B, C, H, W) images -> (B, num_classes) logits."""
         return self.forward_head(self.forward_features(x))
 
-    def _stage_indices(self, indices: int | Sequence[int] | None) -> list[int]:
-        n = len(self.layers)
-        if indices is None:
-            return list(range(n))
-        if isinstance(indices, int):
-            if not 0 <= indices <= n:
-                raise ValueError(f"cannot take the last {indices} stages of a {n}-stage model")
-            return list(range(n - indices, n))
-        out = []
-        for i in indices:
-            if not -n <= i < n:
-                raise ValueError(f"stage index {i} out of range for a {n}-stage model")
-            out.append(i % n)
-        return sorted(set(out))
-
     def forward_intermediates(
         self, x: Tensor, indices: int | Sequence[int] | None = None, norm: bool = False
     ) -> list[Tensor]:
@@ -294,7 +280,7 @@ class SwinTransformer(nn.Module):
         norm=False; `norm` applies the final LayerNorm to the last stage only, as timm does.
         `indices`: an int n (the last n stages) or stage indices (negative allowed); None for
         all. Stops after the last chosen stage."""
-        chosen = self._stage_indices(indices)
+        chosen = chosen_indices(indices, len(self.layers), "stage")
         out: list[Tensor] = []
         if not chosen:
             return out

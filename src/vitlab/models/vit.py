@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vitlab.config import ConfigError, check_keys, validate
-from vitlab.models.layers import Block, ConvStem, PatchEmbed, lecun_normal_
+from vitlab.models.layers import Block, ConvStem, PatchEmbed, chosen_indices, lecun_normal_
 from vitlab.models.pos_embed import POS_EMBEDS
 
 PoolKind = Literal["token", "gap"]
@@ -330,21 +330,6 @@ class VisionTransformer(nn.Module):
 
     # --- intermediates (analysis) ----------------------------------------------------------------
 
-    def _block_indices(self, indices: int | Sequence[int] | None) -> list[int]:
-        depth = len(self.blocks)
-        if indices is None:
-            return list(range(depth))
-        if isinstance(indices, int):
-            if not 0 <= indices <= depth:
-                raise ValueError(f"cannot take the last {indices} blocks of a {depth}-block model")
-            return list(range(depth - indices, depth))
-        out = []
-        for i in indices:
-            if not -depth <= i < depth:
-                raise ValueError(f"block index {i} out of range for a {depth}-block model")
-            out.append(i % depth)
-        return sorted(set(out))
-
     def iter_intermediates(
         self, x: Tensor, indices: int | Sequence[int] | None = None, return_attention: bool = False
     ) -> Iterator[tuple[int, Tensor, Tensor | None]]:
@@ -352,7 +337,7 @@ class VisionTransformer(nn.Module):
         chosen block, one at a time, and stop after the last one; attention is computed only for
         the chosen blocks. `indices`: an int n (the last n blocks) or block indices (negative
         allowed); None for all."""
-        chosen = self._block_indices(indices)
+        chosen = chosen_indices(indices, len(self.blocks), "block")
         if not chosen:
             return
         for i, tokens, attn in self._walk(self._embed(x), set(chosen), return_attention):
@@ -387,7 +372,7 @@ class VisionTransformer(nn.Module):
         formula written out from the weights and `features` against forward_features
         (test_forward_intermediates_tokens_and_attention_maps), and both paths' outputs against
         that formula (test_fused_attention_matches_explicit_reference)."""
-        chosen = self._block_indices(indices)
+        chosen = chosen_indices(indices, len(self.blocks), "block")
         tokens: list[Tensor] = []
         attentions: list[Tensor] = []
         last = self._embed(x)  # stays the embedded input for a model without blocks
