@@ -1,5 +1,5 @@
-"""Building blocks of the Vision Transformer: patch embedding (linear or convolutional stem),
-attention, MLP, the pre-LN encoder block and stochastic depth; position embeddings are in
+"""Building blocks of the Vision Transformer: patch embedding (the convolutional stems are in
+stems.py), attention, MLP, the pre-LN encoder block and stochastic depth; position embeddings are in
 pos_embed.py. Shapes: B batch, T tokens (prefix + N patches), D width, H heads, d = D / H head
 width, (gh, gw) the patch grid."""
 
@@ -105,38 +105,6 @@ class PatchEmbed(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         self.check_input(x)
         x = self.proj(x)  # (B, D, gh, gw)
-        return x.flatten(2).transpose(1, 2)  # (B, N, D)
-
-
-class ConvStem(PatchEmbed):
-    """Early convolutions in place of the patchify layer (a small hybrid, Xiao et al. 2021 "Early
-    Convolutions Help Transformers See Better"; the paper's hybrid feeds CNN feature maps the
-    same way): log2(P) blocks of 3x3 stride-2 conv -> BatchNorm -> ReLU, widths doubling from
-    `width`, then a 1x1 conv to D. (B, C, H, W) -> (B, N, D) on the same grid as P x P patches."""
-
-    def __init__(
-        self, img_size: Grid, patch_size: int, in_chans: int, embed_dim: int, width: int
-    ) -> None:
-        nn.Module.__init__(self)
-        self.patch_size = patch_size
-        self.in_chans = in_chans
-        self.set_image_size(img_size)
-        layers: list[nn.Module] = []
-        c = in_chans
-        for i in range(int(math.log2(patch_size))):
-            out = width * 2**i
-            layers += [
-                nn.Conv2d(c, out, 3, stride=2, padding=1, bias=False),
-                nn.BatchNorm2d(out),
-                nn.ReLU(inplace=True),
-            ]
-            c = out
-        self.stem = nn.Sequential(*layers)
-        self.proj = nn.Conv2d(c, embed_dim, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        self.check_input(x)
-        x = self.proj(self.stem(x))  # (B, D, gh, gw)
         return x.flatten(2).transpose(1, 2)  # (B, N, D)
 
 

@@ -25,8 +25,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vitlab.config import ConfigError, check_keys, validate
-from vitlab.models.layers import Block, ConvStem, PatchEmbed, chosen_indices, lecun_normal_
+from vitlab.models.layers import Block, PatchEmbed, chosen_indices, lecun_normal_
 from vitlab.models.pos_embed import POS_EMBEDS
+from vitlab.models.stems import ConvStem
 
 PoolKind = Literal["token", "gap"]
 PosEmbedKind = Literal["learned", "learned_2d", "relative", "sincos2d", "none"]
