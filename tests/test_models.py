@@ -63,7 +63,7 @@ def test_aliases_and_unknown_names() -> None:
         vitlab.create_model("vit_base_patch16_225")
     msg = str(err.value)
     assert "vit_base_patch16_225" in msg and "vit_base_patch16_224" in msg
-    assert set(vitlab.list_models("vit_base*")) == {
+    assert set(vitlab.list_models("vit_base_patch*")) == {
         f"vit_base_patch{p}_{s}" for p in (8, 16, 32) for s in (224, 384)
     }
 

@@ -1,7 +1,9 @@
 """Google's .npz format (the released vit_jax naming, or Flax linen / big_vision's, with blocks
 numbered or stacked on a leading depth axis): Flax kernels are (in, out) and transposed here,
-attention kernels are per head. Such weights use tanh GELU and inputs in [-1, 1]. vitlab reads it;
-it does not write it."""
+attention kernels are per head. Such weights use tanh GELU and inputs in [-1, 1]. A hybrid's
+ResNet (R50+ViT-B_16.npz, the augreg R26 / R50 files) is `conv_root`, `gn_root` and
+`block{i}/unit{j}/{conv1,gn1,conv2,gn2,conv3,gn3,conv_proj,gn_proj}` (numbered from 1), its 1x1
+projection `embedding`; conv kernels are HWIO. vitlab reads it; it does not write it."""
 
 from __future__ import annotations
 
@@ -89,6 +91,8 @@ def npz_to_vitlab(arrays: Mapping[str, np.ndarray]) -> tuple[StateDict, int]:
         return w[key] if index is None else w[key][index]
 
     out: StateDict = {}
+    if "conv_root/kernel" in w:
+        _resnet(w, take, out)
     out["patch_embed.proj.weight"] = _t(take("embedding/kernel").transpose(3, 2, 0, 1))
     out["patch_embed.proj.bias"] = _t(take("embedding/bias"))
     if "cls" in w:
@@ -110,6 +114,31 @@ def npz_to_vitlab(arrays: Mapping[str, np.ndarray]) -> tuple[StateDict, int]:
     if left:
         raise unknown(left, "Google .npz")
     return out, heads
+
+
+def _resnet(w: Mapping[str, np.ndarray], take: Callable[..., np.ndarray], out: StateDict) -> None:
+    """A hybrid's ResNet stem into `out` (timm's names): HWIO kernels to OIHW, GroupNorm scale
+    and bias flattened (BiT's files store them (1, 1, 1, C))."""
+    b = "patch_embed.backbone."
+
+    def conv(ours: str, theirs: str) -> None:
+        out[f"{b}{ours}.weight"] = _t(take(f"{theirs}/kernel").transpose(3, 2, 0, 1))
+
+    def norm(ours: str, theirs: str) -> None:
+        for param, name in (("weight", "scale"), ("bias", "bias")):
+            out[f"{b}{ours}.{param}"] = _t(take(f"{theirs}/{name}").reshape(-1))
+
+    conv("stem.conv", "conv_root")
+    norm("stem.norm", "gn_root")
+    units = [re.fullmatch(r"block(\d+)/unit(\d+)/conv1/kernel", k) for k in w]
+    for i, j in sorted((int(m[1]), int(m[2])) for m in units if m):
+        theirs, ours = f"block{i}/unit{j}/", f"stages.{i - 1}.blocks.{j - 1}."
+        for r in (1, 2, 3):
+            conv(f"{ours}conv{r}", f"{theirs}conv{r}")
+            norm(f"{ours}norm{r}", f"{theirs}gn{r}")
+        if f"{theirs}conv_proj/kernel" in w:
+            conv(f"{ours}downsample.conv", f"{theirs}conv_proj")
+            norm(f"{ours}downsample.norm", f"{theirs}gn_proj")
 
 
 def _blocks(w: Mapping[str, np.ndarray], take: Callable[..., np.ndarray], out: StateDict) -> int:

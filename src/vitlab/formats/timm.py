@@ -1,7 +1,9 @@
 """timm's format: a VisionTransformer or SwinTransformer state dict, alone or in a folder with
 timm's config.json (architecture, model_args, pretrained_cfg), as the hub serves `timm/...` names
 and timm.create_model loads `local-dir:DST`. vitlab's names are timm's except a ViT's learned
-position table, which is a module here (`pos_embed.weight`); the Swin specifics are in
+position table, which is a module here (`pos_embed.weight`); a hybrid's ResNet stem has timm's
+names (`patch_embed.backbone.*`) and is written under the timm entry point that builds its ResNet
+(vit_base_r50_s16_*, vit_small_r26_s32_*, vit_large_r50_s32_*); the Swin specifics are in
 formats.timm_swin."""
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ _SAME = (
     r"|pre_logits\.fc\.(weight|bias)"
     r"|blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)"
     r"|blocks\.\d+\.ls[12]\.gamma"
+    # a hybrid's ResNet stem (models/stems.py has timm's names)
+    r"|patch_embed\.backbone\.stem\.(conv\.weight|norm\.(weight|bias))"
+    r"|patch_embed\.backbone\.stages\.\d+\.blocks\.\d+\."
+    r"(conv[123]\.weight|norm[123]\.(weight|bias)|downsample\.(conv\.weight|norm\.(weight|bias)))"
 )
 
 
@@ -129,7 +135,7 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
         "mean": list(pre.mean),
         "std": list(pre.std),
         "num_classes": cfg.num_classes,
-        "first_conv": "patch_embed.proj",
+        "first_conv": _FIRST_CONV.get(cfg.stem, "patch_embed.proj"),
         "classifier": classifier,
     }
     config = {
@@ -166,6 +172,27 @@ REGISTERED = frozenset(
 )  # fmt: skip
 
 
+# the hybrids timm builds: its entry points fix the ResNet (width 64, units per stage), so the name
+# picks the backbone; the ViT's sizes are in model_args as for any ViT
+HYBRID_ARCHS = {
+    (3, 4, 9): "vit_base_r50_s16",
+    (2, 2, 2, 2): "vit_small_r26_s32",
+    (3, 4, 6, 3): "vit_large_r50_s32",
+}
+REGISTERED_HYBRIDS = frozenset(f"{a}_{r}" for a in HYBRID_ARCHS.values() for r in (224, 384))
+_FIRST_CONV = {"resnet": "patch_embed.backbone.stem.conv"}
+
+
+def timm_hybrid_arch(cfg: ViTConfig) -> str | None:
+    """The timm entry point that builds `cfg`'s ResNet stem (at cfg's resolution when timm has
+    that name), or None when timm builds no such ResNet."""
+    base = HYBRID_ARCHS.get(cfg.stem_depths) if cfg.stem_width == 64 else None
+    if base is None:
+        return None
+    h, w = cfg.img_hw
+    return f"{base}_{h}" if h == w and f"{base}_{h}" in REGISTERED_HYBRIDS else f"{base}_224"
+
+
 def timm_arch(cfg: ViTConfig) -> str:
     """The registered timm name closest to `cfg`: its family, patch and resolution when timm has
     that entry point, else the family's at 224, else vit_base_patch16_224."""
@@ -190,8 +217,16 @@ def timm_mlp_ratio(dim: int, mlp_dim: int) -> float:
 def timm_model_args(cfg: ViTConfig) -> tuple[str, dict[str, Any]]:
     """(timm architecture name, model_args) that build `cfg` with timm.create_model."""
     why = []
-    if cfg.stem != "patch":
+    hybrid = cfg.stem == "resnet"
+    if cfg.stem == "conv":
         why.append(f"stem={cfg.stem!r} (timm's ViT patchifies with one conv)")
+    if hybrid and timm_hybrid_arch(cfg) is None:
+        why.append(
+            f"a ResNet stem of width {cfg.stem_width} and units {cfg.stem_depths} (timm builds "
+            f"width 64 with units {', '.join(map(str, HYBRID_ARCHS))})"
+        )
+    if hybrid and cfg.distilled:
+        why.append("a distilled hybrid (timm has no such entry point)")
     if cfg.pos_embed != "learned":
         why.append(f"pos_embed={cfg.pos_embed!r} (timm's ViT has learned tables only)")
     if cfg.representation_size:
@@ -203,7 +238,7 @@ def timm_model_args(cfg: ViTConfig) -> tuple[str, dict[str, Any]]:
     h, w = cfg.img_hw
     args: dict[str, Any] = dict(
         img_size=[h, w],
-        patch_size=cfg.patch_size,
+        patch_size=1 if hybrid else cfg.patch_size,  # a hybrid's patches are on the feature map
         in_chans=cfg.in_chans,
         num_classes=cfg.num_classes,
         embed_dim=cfg.embed_dim,
@@ -224,4 +259,4 @@ def timm_model_args(cfg: ViTConfig) -> tuple[str, dict[str, Any]]:
         args["init_values"] = cfg.layer_scale
     if cfg.act == "gelu_tanh":
         args["act_layer"] = "gelu_tanh"
-    return timm_arch(cfg), args
+    return (timm_hybrid_arch(cfg) if hybrid else None) or timm_arch(cfg), args

@@ -9,8 +9,9 @@ the model, apply overrides and load the weights strictly.
 
 The family is the tensors' (Swin blocks are `layers.{i}.blocks.{j}`) or the vitlab metadata's.
 A ViT's architecture is read from the tensors (width, depth, MLP, patch, grid, prefix tokens,
-pooling, pre-logits), from the config a format carries (heads, eps, activation, labels), and from
-what the format implies (Google: tanh GELU, inputs in [-1, 1]); a Swin's in models.swin_checkpoint.
+pooling, pre-logits; a hybrid's ResNet stem in models.hybrid_checkpoint), from the config a format
+carries (heads, eps, activation, labels), and from what the format implies (Google: tanh GELU,
+inputs in [-1, 1]); a Swin's in models.swin_checkpoint.
 Every tensor must find its place and every parameter must be filled: anything else is an error
 with names and shapes.
 """
@@ -30,6 +31,7 @@ from vitlab import formats, hub
 from vitlab.config import ConfigError, check_keys
 from vitlab.formats.base import TORCH_SUFFIXES, CheckpointError, Files, Source, state_family
 from vitlab.formats.vitlab import CONFIGS, CheckpointMeta, resolve_checkpoint
+from vitlab.models.hybrid_checkpoint import infer_resnet_stem
 from vitlab.models.registry import Model, ModelConfig, build_model, family_of
 from vitlab.models.swin_checkpoint import infer_swin_config
 from vitlab.models.vit import ViTConfig
@@ -132,6 +134,9 @@ def _infer_vit(src: Source) -> ViTConfig:
         return s[key]
 
     d, chans, p, _ = need("patch_embed.proj.weight").shape
+    stem = infer_resnet_stem(s, where) or {}  # a hybrid: channels and stride from its ResNet
+    if stem:
+        chans, p = stem.pop("in_chans"), stem.pop("patch_size")
     depth = len({k.split(".")[1] for k in s if k.startswith("blocks.")})
     for i in range(depth):
         need(f"blocks.{i}.norm1.weight")
@@ -200,6 +205,7 @@ def _infer_vit(src: Source) -> ViTConfig:
         distilled=distilled,
         layer_scale=1e-5 if "blocks.0.ls1.gamma" in s else None,
         qkv_bias="blocks.0.attn.qkv.bias" in s or depth == 0,
+        **stem,
     )
     fields.update({k: v for k, v in hints.items() if v is not None})
     try:
@@ -209,6 +215,12 @@ def _infer_vit(src: Source) -> ViTConfig:
 
 
 _AFTER_LOADING = ("img_size", "window_size", "num_classes", "in_chans")
+# the kernel that sees the image, by stem (a Swin's is patch_embed.proj); a ResNet's root is
+# weight-standardised, so adapted kernels answer a grey image only up to a scale per channel
+_FIRST_CONV = {
+    "conv": "patch_embed.stem.0.weight",
+    "resnet": "patch_embed.backbone.stem.conv.weight",
+}
 
 
 def _adapt_in_chans(weight: Tensor, chans: int, where: str) -> Tensor:
@@ -263,8 +275,7 @@ def load_checkpoint(
     state = dict(src.state)
     if "in_chans" in overrides:
         chans = int(overrides["in_chans"])
-        conv_stem = getattr(cfg, "stem", "patch") == "conv"
-        first = "patch_embed.stem.0.weight" if conv_stem else "patch_embed.proj.weight"
+        first = _FIRST_CONV.get(getattr(cfg, "stem", "patch"), "patch_embed.proj.weight")
         state[first] = _adapt_in_chans(state[first], chans, src.where)
         cfg = cfg.replace(in_chans=chans)
     model = build_model(cfg)

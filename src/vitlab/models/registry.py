@@ -110,6 +110,46 @@ for _res, _chans, _data in ((28, 1, "28x28 greyscale"), (32, 3, "32x32 colour"))
     )
 
 
+# The paper's hybrids (§3.1), timm's names and shapes: a BiT ResNet-v2 stem of width 64 (R50 with
+# stage 4 removed and stage 3 extended to 9 units: stride 16; R26, or the full R50: stride 32), then
+# a ViT on its 1x1-projected feature map. patch_size is the ResNet's stride.
+_HYBRIDS = [
+    ("base", "r50", (3, 4, 9)),
+    ("small", "r26", (2, 2, 2, 2)),
+    ("large", "r50", (3, 4, 6, 3)),
+]
+for _size, _resnet, _depths in _HYBRIDS:
+    _dim, _depth, _mlp, _heads = _SIZES[_size]
+    _stride = 4 * 2 ** (len(_depths) - 1)
+    _short = f"{_resnet.upper()}+{_SHORT[_size]}/{_stride}"
+    for _res in (224, 384):
+        register_model(
+            f"vit_{_size}_{_resnet}_s{_stride}_{_res}",
+            ViTConfig(
+                img_size=_res,
+                patch_size=_stride,
+                embed_dim=_dim,
+                depth=_depth,
+                mlp_dim=_mlp,
+                num_heads=_heads,
+                stem="resnet",
+                stem_width=64,
+                stem_depths=_depths,
+            ),
+            f"{_short} hybrid at {_res}: ResNet units {_depths}, ImageNet-1k head",
+        )
+    register_alias(_short, f"vit_{_size}_{_resnet}_s{_stride}_224")
+
+# Small hybrids for CPU training: a ResNet stem of width 32 with one stage of two units (stride
+# 4, 128 channels; the same 7x7 / 8x8 token grid as the patch-4 presets), then the nano ViT.
+for _res, _chans, _data in ((28, 1, "28x28 greyscale"), (32, 3, "32x32 colour")):
+    register_model(
+        f"vit_nano_r_s4_{_res}",
+        _MODELS[f"vit_nano_patch4_{_res}"].replace(stem="resnet", stem_width=32, stem_depths=(2,)),
+        f"ResNet stem (width 32, units (2,), stride 4) + D=64, 4 layers, for {_data} images, "
+        "10 classes",
+    )
+
 # Swin (Liu et al. 2021), timm's names and shapes: (alias, C, depths, heads) per size; window 7
 # at 224, 12 at 384; drop_path keeps timm's default 0.1 (the paper trains T / S / B with 0.2 / 0.3
 # / 0.5).

@@ -10,6 +10,8 @@ Variants of the checkpoints people bring: positions for the patches only, added 
 tokens are joined (`no_embed_class`, DeiT-3 / big_vision); the final LayerNorm after pooling
 (`fc_norm`, timm's avg-pooled models); a DeiT distillation token with its own head, whose logits
 are averaged with the class token's (`distilled`); per-channel residual scales (`layer_scale`).
+The paper's hybrid (§3.1) is `stem="resnet"`: tokens from a BiT ResNet's feature map
+(models/stems.py), patch_size being the ResNet's stride.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ from torch.utils.checkpoint import checkpoint
 from vitlab.config import ConfigError, check_keys, validate
 from vitlab.models.layers import Block, PatchEmbed, chosen_indices, lecun_normal_
 from vitlab.models.pos_embed import POS_EMBEDS
-from vitlab.models.stems import ConvStem
+from vitlab.models.stems import ConvStem, ResNetStem, stem_problem
 
 PoolKind = Literal["token", "gap"]
 PosEmbedKind = Literal["learned", "learned_2d", "relative", "sincos2d", "none"]
 ActKind = Literal["gelu", "gelu_tanh"]
-StemKind = Literal["patch", "conv"]
+StemKind = Literal["patch", "conv", "resnet"]
 
 
 @dataclass
@@ -61,8 +63,11 @@ class ViTConfig:
     fc_norm: bool = False  # final LayerNorm after pooling instead of over all tokens (timm `avg`)
     distilled: bool = False  # DeiT: a distillation token after the class token, and its own head
     layer_scale: float | None = None  # CaiT / DeiT-3 per-channel residual scale, its initial value
-    stem: StemKind = "patch"  # "conv": log2(P) stride-2 3x3 convs, then 1x1 to D (a small hybrid)
-    stem_width: int = 32  # channels of the conv stem's first layer, doubling per layer
+    # "conv": log2(P) stride-2 3x3 convs, then 1x1 to D (a small hybrid); "resnet": the paper's
+    # hybrid, BiT's ResNet-v2 (models/stems.py) with stride P, then 1x1 to D
+    stem: StemKind = "patch"
+    stem_width: int = 32  # conv: first layer's channels, doubling; resnet: root's (BiT R50: 64)
+    stem_depths: tuple[int, ...] = ()  # resnet: units per stage, e.g. (3, 4, 9); P = 4 * 2^(S-1)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -104,6 +109,9 @@ class ViTConfig:
                 f"stem='conv' needs a power-of-two patch_size >= 2 and stem_width > 0, got "
                 f"patch_size {p}, stem_width {self.stem_width}"
             )
+        problem = stem_problem(self.stem, self.stem_width, self.stem_depths, p)
+        if problem:
+            raise ConfigError(problem)
         if self.distilled and not (self.class_token and self.pool == "token"):
             raise ConfigError("distilled=True needs class_token=True and pool='token'")
         if self.distilled and (self.fc_norm or self.representation_size):
@@ -167,6 +175,10 @@ class VisionTransformer(nn.Module):
         d = cfg.embed_dim
         if cfg.stem == "conv":
             self.patch_embed = ConvStem(cfg.img_hw, cfg.patch_size, cfg.in_chans, d, cfg.stem_width)
+        elif cfg.stem == "resnet":
+            self.patch_embed = ResNetStem(
+                cfg.img_hw, cfg.patch_size, cfg.in_chans, d, cfg.stem_width, cfg.stem_depths
+            )
         else:
             self.patch_embed = PatchEmbed(cfg.img_hw, cfg.patch_size, cfg.in_chans, d)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.class_token else None
@@ -213,13 +225,13 @@ class VisionTransformer(nn.Module):
                     else:
                         nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Conv2d):
-                if ".stem." in name:  # conv -> BN -> ReLU
+                if ".stem." in name or ".backbone." in name:  # conv -> norm -> ReLU (timm's)
                     nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
                 else:
                     lecun_normal_(m.weight)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-            elif isinstance(m, (nn.LayerNorm, nn.BatchNorm2d)):
+            elif isinstance(m, (nn.LayerNorm, nn.BatchNorm2d, nn.GroupNorm)):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
