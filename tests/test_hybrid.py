@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 import vitlab
 from vitlab import load_pretrained
 from vitlab.analysis.attention import mean_attention_distance, patch_centres
+from vitlab.analysis.cost import cost_report, forward_macs, macs_by_part
 from vitlab.cli.main import main
 from vitlab.config import ConfigError
 from vitlab.formats.timm import REGISTERED_HYBRIDS, timm_model_args, vitlab_to_timm
@@ -321,7 +322,51 @@ def test_google_npz_of_a_hybrid_gives_timms_logits(tmp_path: Path) -> None:
         load_pretrained(tmp_path / "broken.npz")
 
 
-# --- analyses -------------------------------------------------------------------------------------
+# --- cost and analyses ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,side", [("R50+B/16", 80), ("R26+S/32", 96), ("vit_nano_r_s4_28", 28)]
+)
+def test_forward_macs_count_every_conv_and_matmul_of_a_real_forward(name: str, side: int) -> None:
+    """torch's FlopCounterMode on a real forward: its convolutions are the ResNet and the 1x1
+    projection, its matrix products the encoder's linear layers and the head; the attention
+    products (2 T^2 D a layer, which it does not see on CPU's fused kernel) are added."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = get_config(name, img_size=side, depth=1)
+    model = build_model(cfg).eval()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(images(side, n=1, chans=cfg.in_chans))
+    counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    parts = macs_by_part(cfg)
+    assert counts["aten.convolution"] == 2 * (parts["backbone"] + parts["patch_embed"])
+    t = cfg.num_patches + 1
+    attention = 2 * t * t * cfg.embed_dim
+    assert counter.get_total_flops() == 2 * (forward_macs(cfg) - attention)
+
+
+def test_cost_of_r50_b16_at_384_with_the_cnn_as_its_own_part(capsys) -> None:
+    report = cost_report("vit_base_r50_s16_384")
+    # timm lists 67.43 GMACs; its counter also counts the norms (B/16: 17.58 G against our 17.56)
+    assert report["forward_macs"] == pytest.approx(67.43e9, rel=5e-3)
+    assert report["macs_by_part"]["backbone"] == pytest.approx(11.56e9, rel=1e-3)
+    assert report["params"]["total"] == 98_950_952
+    with torch.device("meta"):
+        model = vitlab.create_model("vit_base_r50_s16_384")
+    backbone = sum(p.numel() for n, p in model.named_parameters() if ".backbone." in n)
+    assert report["params"]["backbone"] == backbone == 11_894_848
+    assert report["stem"] == {
+        "kind": "resnet",
+        "width": 64,
+        "depths": [3, 4, 9],
+        "stride": 16,
+        "channels": 1024,
+    }
+    assert main(["cost", "vit_base_r50_s16_384"]) == 0
+    out = capsys.readouterr().out
+    assert "backbone     11,894,848" in out and "backbone      11.56 G" in out
+    assert "units [3, 4, 9] from width 64, stride 16, 1,024 channels" in out
 
 
 def test_analyses_measure_distances_in_pixels_on_the_stride_grid(tmp_path: Path) -> None:

@@ -6,6 +6,9 @@ Per encoder layer with N patch tokens, width D, MLP width M (class token left ou
     linear layers (qkv, out, MLP):         4 N D^2 + 2 N D M   (= 12 N D^2 when M = 4D)
     crossover (both equal):                N = 2D + M          (= 6D when M = 4D)
     attention matrix of one layer:         heads x T^2 fp32 numbers, T = N + prefix tokens
+
+A hybrid's ResNet stem (models/stems.py) is counted conv by conv on its "SAME"-padded maps and
+reported as its own part, `backbone`, in the parameters and the forward MACs.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from vitlab.analysis.swin_cost import format_swin_cost_report, swin_cost_report
 from vitlab.analysis.tables import byte_size, human, table
 from vitlab.models.registry import family_of, get_config, resolve_name
+from vitlab.models.stems import resnet_channels, resnet_stride
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
 DEFAULT_PATCH_SIZES = (4, 8, 14, 16, 28, 32, 56)
@@ -57,20 +61,51 @@ def layer_cost(cfg: ViTConfig, patch_size: int) -> LayerCost:
 
 def param_breakdown(model: VisionTransformer) -> dict[str, int]:
     """Parameters counted from the module, by part; relative-position tables count as pos_embed,
-    a distillation token with the class token, fc_norm with norm and head_dist with head."""
-    counts = dict.fromkeys(PARAM_GROUPS, 0)
+    a distillation token with the class token, fc_norm with norm and head_dist with head; a
+    hybrid's CNN is `backbone` (its 1x1 projection stays patch_embed)."""
+    hybrid = model.config.stem == "resnet"
+    counts = dict.fromkeys((("backbone",) if hybrid else ()) + PARAM_GROUPS, 0)
     for name, p in model.named_parameters():
         group = "pos_embed" if "rel_pos" in name else name.split(".")[0]
+        group = "backbone" if name.startswith("patch_embed.backbone.") else group
         group = _GROUP_OF.get(group, group)
         counts[group] += p.numel()
     counts["total"] = sum(counts.values())
     return counts
 
 
+def resnet_macs(img_hw: tuple[int, int], in_chans: int, width: int, depths: tuple[int, ...]) -> int:
+    """Conv MACs of a hybrid's ResNet (models/stems.py) on an image: every stride-2 layer halves
+    the map, rounding up ("SAME"); a unit's 1x1 conv1 runs before its stride, the rest after."""
+    h, w = (-(-s // 2) for s in img_hw)  # after the 7x7/2 root conv
+    macs = h * w * 49 * in_chans * width
+    h, w, c_in = -(-h // 2), -(-w // 2), width  # after the 3x3/2 max-pool
+    for i, (units, c) in enumerate(zip(depths, resnet_channels(width, depths))):
+        mid = c // 4
+        for j in range(units):
+            stride = 2 if i and not j else 1
+            macs += h * w * c_in * mid  # conv1
+            h, w = -(-h // stride), -(-w // stride)
+            macs += h * w * (9 * mid * mid + mid * c)  # conv2, conv3
+            macs += h * w * c_in * c if j == 0 else 0  # the projected shortcut
+            c_in = c
+    return macs
+
+
 def forward_macs(cfg: ViTConfig) -> int:
     """Matrix-product MACs of one forward pass at cfg's own patch size (timm's "GFLOPs")."""
+    return sum(macs_by_part(cfg).values())
+
+
+def macs_by_part(cfg: ViTConfig) -> dict[str, int]:
+    """forward_macs by part: a hybrid's CNN (`backbone`), the patch embedding (a stem's
+    projection), the encoder blocks, the pre-logits layer and head(s)."""
     n, t, d = cfg.num_patches, cfg.num_patches + cfg.num_prefix_tokens, cfg.embed_dim
+    parts = {}
     patch = n * cfg.patch_size**2 * cfg.in_chans * d
+    if cfg.stem == "resnet":
+        parts["backbone"] = resnet_macs(cfg.img_hw, cfg.in_chans, cfg.stem_width, cfg.stem_depths)
+        patch = n * resnet_channels(cfg.stem_width, cfg.stem_depths)[-1] * d
     if cfg.stem == "conv":  # 3x3 stride-2 layers, then the 1x1 projection
         h, w = cfg.img_hw
         patch, c = 0, cfg.in_chans
@@ -84,7 +119,7 @@ def forward_macs(cfg: ViTConfig) -> int:
     heads = 2 if cfg.distilled else 1
     head = d * cfg.representation_size if cfg.representation_size else 0
     head += heads * width * cfg.num_classes
-    return patch + cfg.depth * per_layer + head
+    return {**parts, "patch_embed": patch, "blocks": cfg.depth * per_layer, "head": head}
 
 
 def default_patch_sizes(cfg: ViTConfig) -> list[int]:
@@ -118,6 +153,15 @@ def cost_report(
             raise ValueError(f"patch size {p} does not fit a {cfg.img_hw[0]}x{cfg.img_hw[1]} image")
     with torch.device("meta"):
         params = param_breakdown(VisionTransformer(cfg))
+    hybrid = {}
+    if cfg.stem == "resnet":
+        hybrid["stem"] = {
+            "kind": "resnet",
+            "width": cfg.stem_width,
+            "depths": list(cfg.stem_depths),
+            "stride": resnet_stride(cfg.stem_depths),
+            "channels": resnet_channels(cfg.stem_width, cfg.stem_depths)[-1],
+        }
     return {
         "model": resolve_name(model),
         "img_size": list(cfg.img_hw),
@@ -132,6 +176,8 @@ def cost_report(
         "per_layer": [asdict(layer_cost(cfg, p)) for p in patch_sizes],
         "crossover_tokens": 2 * cfg.embed_dim + cfg.mlp_dim,
         "forward_macs": forward_macs(cfg),
+        "macs_by_part": macs_by_part(cfg),
+        **hybrid,
     }
 
 
@@ -162,7 +208,7 @@ def format_cost_report(report: dict) -> str:
     lines += table(header, rows)
     lines += ["", f"Parameters (patch size {report['patch_size']}):"]
     params, share = report["params"], report["params_share"]
-    rows = [[k, f"{params[k]:,}", f"{100 * share[k]:.2f}%"] for k in PARAM_GROUPS]
+    rows = [[k, f"{params[k]:,}", f"{100 * share[k]:.2f}%"] for k in share]
     rows.append(["total", f"{params['total']:,}", "100.00%"])
     lines += table(["part", "params", "share"], rows)
     n = report["crossover_tokens"]
@@ -172,6 +218,16 @@ def format_cost_report(report: dict) -> str:
         f"Crossover: attention costs as much as the linear layers at N = 2D + M = {n:,} tokens "
         f"(a patch side of {side:.1f} px on {h}x{w}).",
         f"Forward pass: {human(report['forward_macs'])}MACs per image "
-        f"({human(2 * report['forward_macs'])}FLOPs).",
+        f"({human(2 * report['forward_macs'])}FLOPs), by part:",
     ]
+    total = report["forward_macs"]
+    rows = [[k, human(v), f"{100 * v / total:.2f}%"] for k, v in report["macs_by_part"].items()]
+    lines += table(["part", "MACs", "share"], rows)
+    stem = report.get("stem")
+    if stem:
+        lines.append(
+            f"backbone: the hybrid's ResNet stem, units {stem['depths']} from width "
+            f"{stem['width']}, stride {stem['stride']}, {stem['channels']:,} channels projected "
+            f"to D by patch_embed."
+        )
     return "\n".join(lines)
