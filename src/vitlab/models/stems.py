@@ -6,13 +6,13 @@ ConvStem   log2(P) 3x3 stride-2 conv -> BatchNorm -> ReLU, then a 1x1 conv to D 
 ResNetStem BiT's ResNet-v2 as the paper's hybrids use it (R50+ViT-B/16 ...), in timm's module
            layout and state-dict names (`patch_embed.backbone.stem.conv`, ...), then a 1x1 conv
 
-The ResNet, for stem_width W and stem_depths (n_0, ..., n_{S-1}), TF "SAME" padding throughout
+The ResNet, for stem_width C0 and stem_depths (n_0, ..., n_{S-1}), TF "SAME" padding throughout
 (the JAX original's; an odd pixel of padding goes to the bottom / right):
 
-    backbone.stem       7x7/2 StdConv -> GN -> ReLU -> 3x3/2 max-pool      (B, W, H/4, W/4)
-    backbone.stages.i   n_i bottleneck units, 4 W 2^i channels out; the first unit of a stage
+    backbone.stem       7x7/2 StdConv -> GN -> ReLU -> 3x3/2 max-pool     (B, C0, H/4, W/4)
+    backbone.stages.i   n_i bottleneck units, 4 C0 2^i channels out; the first unit of a stage
                         strides (stage 0: 1, later: 2) on its 3x3 conv and projects the
-                        shortcut (downsample: 1x1 StdConv -> GN)          (B, 4W 2^i, ...)
+                        shortcut (downsample: 1x1 StdConv -> GN)          (B, 4 C0 2^i, ...)
     proj                1x1 conv to D                                       (B, D, H/P, W/P)
 
     unit(x) = ReLU(GN(conv3(ReLU(GN(conv2(ReLU(GN(conv1(x))))))) + shortcut(x))
@@ -21,8 +21,8 @@ The ResNet, for stem_width W and stem_depths (n_0, ..., n_{S-1}), TF "SAME" padd
 As in timm (and unlike BiT's classifier ResNets) the units are not pre-activation: GN and ReLU
 follow each conv. The numerics are timm's: weights standardised as (w - mean) / sqrt(var + 1e-8)
 per output channel, GroupNorm(32, eps 1e-5). The JAX original divides by std + 1e-5 and uses
-GroupNorm eps 1e-6: the same function up to ~1e-3 relative, so weights from Google's .npz files
-give timm's outputs here, not bit for bit the JAX ones. Init: timm's (Kaiming-normal convs, GN
+GroupNorm eps 1e-6: nearly the same function, so weights from Google's .npz files give timm's
+outputs here, close to but not exactly the JAX ones. Init: timm's (Kaiming-normal convs, GN
 scale 1); the JAX code zero-initialises each unit's last GN scale, which would leave the unit's
 convs without gradient at step 0.
 """
@@ -48,7 +48,7 @@ def resnet_stride(depths: tuple[int, ...]) -> int:
 
 
 def resnet_channels(width: int, depths: tuple[int, ...]) -> list[int]:
-    """Output channels of each stage: 4 W 2^i."""
+    """Output channels of each stage: 4 width 2^i."""
     return [4 * width * 2**i for i in range(len(depths))]
 
 
@@ -115,7 +115,7 @@ def group_norm(chans: int) -> nn.GroupNorm:
 
 
 class Root(nn.Module):
-    """7x7/2 StdConv -> GN -> ReLU -> 3x3/2 max-pool: (B, C, H, W) -> (B, W, H/4, W/4)."""
+    """7x7/2 StdConv -> GN -> ReLU -> 3x3/2 max-pool: (B, C, H, W) -> (B, width, H/4, W/4)."""
 
     def __init__(self, in_chans: int, width: int) -> None:
         super().__init__()
@@ -180,7 +180,7 @@ class Stage(nn.Module):
 
 
 class ResNetV2(nn.Module):
-    """The hybrid's CNN (see the module docstring): (B, C, H, W) -> (B, 4 W 2^(S-1), H/P, W/P)."""
+    """The hybrid's CNN (see the module docstring): (B, C, H, W) -> (B, 4 C0 2^(S-1), H/P, W/P)."""
 
     def __init__(self, in_chans: int, width: int, depths: tuple[int, ...]) -> None:
         super().__init__()
