@@ -135,7 +135,7 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
         "mean": list(pre.mean),
         "std": list(pre.std),
         "num_classes": cfg.num_classes,
-        "first_conv": _FIRST_CONV.get(cfg.stem, "patch_embed.proj"),
+        "first_conv": _FIRST_CONV.get(getattr(cfg, "stem", "patch"), "patch_embed.proj"),
         "classifier": classifier,
     }
     config = {
