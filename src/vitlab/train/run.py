@@ -13,8 +13,6 @@ Run folder:
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -90,27 +88,10 @@ def train(
     except BaseException as e:
         failed = True
         if d.enabled and isinstance(e, Exception):
-            raise_if_rank_lost(d, e, out)
+            distributed.raise_if_rank_lost(d, e, out)
         raise
     finally:
         distributed.shutdown(d, failed)
-
-
-def raise_if_rank_lost(d: Dist, error: Exception, out: Path | None) -> None:
-    """After `error` in a distributed run: RankLost naming the ranks that left, if any did, with
-    how to resume. SIGTERM is ignored from here on (see StopFlag)."""
-    with contextlib.suppress(ValueError):  # ValueError: not the main thread
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    lost = distributed.rank_lost(d, error)
-    if lost is None:
-        return
-    folder = out if out is not None else "RUN_FOLDER (named when the run started)"
-    raise distributed.RankLost(
-        f"{lost}. The run folder keeps the checkpoint of the last finished epoch; continue with "
-        f"`torchrun --nproc_per_node=... -m vitlab train --resume {folder}` on {d.world} "
-        f"processes again for an exact continuation",
-        lost.lost,
-    ) from error
 
 
 class Run:
