@@ -76,7 +76,12 @@ class Teacher:
     an nn.Module, so nothing recurses into it (train(), state_dict(), DDP)."""
 
     def __init__(
-        self, model: nn.Module, source: str, student: Preprocessing, own: Preprocessing
+        self,
+        model: nn.Module,
+        source: str,
+        student: Preprocessing,
+        own: Preprocessing,
+        device: torch.device,
     ) -> None:
         self.model, self.source = model.eval().requires_grad_(False), source
         self.size = own.img_size if own.img_size != student.img_size else None
@@ -84,7 +89,7 @@ class Teacher:
         self.shift: tuple[Tensor, Tensor] | None = None  # x_teacher = x * scale + offset
         if (own.mean, own.std) != (student.mean, student.std):
             s_mean, s_std, t_mean, t_std = (
-                torch.tensor(v, dtype=torch.float32).view(1, -1, 1, 1)
+                torch.tensor(v, dtype=torch.float32, device=device).view(1, -1, 1, 1)
                 for v in (student.mean, student.std, own.mean, own.std)
             )  # pixels = x * s_std + s_mean, then (pixels - t_mean) / t_std
             self.shift = (s_std / t_std, (s_mean - t_mean) / t_std)
@@ -105,7 +110,7 @@ class Teacher:
         """(B, C, H, W) student inputs -> (B, K) teacher logits (in the autocast of the caller)."""
         if self.shift is not None:
             scale, offset = self.shift
-            x = x * scale.to(x.device) + offset.to(x.device)
+            x = x * scale + offset
         if self.size is not None:
             x = F.interpolate(x, self.size, mode=self.mode, antialias=self.mode != "nearest")
         return self.model(x)
@@ -141,7 +146,7 @@ def load_teacher(
             f"distill.teacher {source} takes {own.in_chans}-channel images, the student's data "
             f"has {pre.in_chans}"
         )
-    teacher = Teacher(model, str(source), pre, own)
+    teacher = Teacher(model, str(source), pre, own, device)
     named = [c for c in meta.classes if not c.isdigit()]
     if named and meta.classes != classes:
         i = next(i for i, (a, b) in enumerate(zip(meta.classes, classes)) if a != b)
