@@ -193,17 +193,18 @@ def test_the_distillation_head_learns_the_teacher_and_the_class_head_the_labels(
 
 def test_resume_with_a_teacher_is_exact(teacher: Path, tmp_path: Path, capsys) -> None:
     extra = [f"distill.teacher={teacher}", "train.epochs=3", "data.mixup=0.5",
-             "data.crop_padding=1", "model.drop_path=0.1"]  # fmt: skip
+             "data.crop_padding=1", "model.drop_path=0.1", "train.ema=0.9"]  # fmt: skip
     straight = train(cfg(*extra), out=tmp_path / "straight")
     half = train(cfg(*extra, "train.stop_at_epoch=1"), out=tmp_path / "half")
     assert "teacher: " in (half / "config.yaml").read_text()
     copy = tmp_path / "copy"
     shutil.copytree(half, copy)
     resumed = train(load_run_config(str(half / "config.yaml")), resume=half)
-    a, b = weights_of(straight), weights_of(resumed)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    for which in ("last", "best"):  # best: the EMA weights
+        a, b = weights_of(straight, which), weights_of(resumed, which)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (which, k)
     assert "other weights" not in capsys.readouterr().err
 
     # a teacher that changed meanwhile: said, since the continuation cannot be exact
