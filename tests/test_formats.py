@@ -19,15 +19,17 @@ from vitlab.cli.main import main
 from vitlab.formats.base import Files, Source
 
 
-def test_every_format_has_the_interface_and_vitlab_writes_three() -> None:
+def test_every_format_has_the_interface_and_vitlab_writes_four() -> None:
     for name, module in formats.FORMATS.items():
         for function in ("detect", "read", "write"):
             assert callable(getattr(module, function, None)), f"{name}.{function}"
-    assert set(formats.WRITABLE) == {"vitlab", "timm", "hf"}
+    assert set(formats.WRITABLE) == {"vitlab", "timm", "hf", "torchvision"}
     model = create_model("vit_nano_patch4_28")
     for name in set(formats.FORMATS) - set(formats.WRITABLE):  # read-only formats say so
         with pytest.raises(formats.CheckpointError, match="does not write"):
             formats.get(name).write(model, Path("unused"))
+    with pytest.raises(formats.CheckpointError, match="for CNNs \\(ResNets\\) only"):
+        formats.get("torchvision").write(model, Path("unused"))  # tests/test_cnn.py: ResNets
 
 
 def library_files(tmp_path: Path) -> dict[str, Files]:

@@ -466,7 +466,8 @@ def test_config_errors(overrides, message) -> None:
 def test_registry_names_aliases_and_overrides() -> None:
     assert set(TIMM_NAMES) <= set(list_models(family="swin"))
     assert not set(list_models(family="vit")) & set(list_models(family="swin"))
-    assert set(list_models()) == set(list_models(family="vit")) | set(list_models(family="swin"))
+    families = [set(list_models(family=f)) for f in ("vit", "swin", "cnn")]
+    assert set(list_models()) == set.union(*families)  # the CNN baselines: tests/test_cnn.py
     assert list_models("swin_base*", family="swin") == TIMM_NAMES[2:4]
     for alias, name in [("Swin-T", 0), ("Swin-S", 1), ("Swin-B", 2), ("Swin-L", 4)]:
         assert vitlab.get_config(alias) == vitlab.get_config(TIMM_NAMES[name])
@@ -479,5 +480,5 @@ def test_registry_names_aliases_and_overrides() -> None:
         config_of(ModelSection("Swin-T", {"depth": 12}))
     with pytest.raises(ConfigError, match="unknown key 'mlp_dim'"):
         vitlab.create_model("swin_nano_patch2_window7_28", mlp_dim=10)
-    with pytest.raises(TypeError, match="ViTConfig or SwinConfig"):
+    with pytest.raises(TypeError, match="ViTConfig, SwinConfig or CNNConfig"):
         register_model("not_a_model", {"embed_dim": 8})  # type: ignore[arg-type]

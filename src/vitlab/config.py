@@ -298,6 +298,34 @@ class MPPConfig:
 
 
 @dataclass
+class DistillConfig:
+    """DeiT's distillation (Touvron et al. 2021) for a student with a distillation token
+    (model.distilled=true): its class head learns the labels, its distillation head the teacher's
+    predictions on the same (augmented, mixed) batch. A distilled student without a teacher trains
+    both heads on the labels (DeiT's "no distillation" control)."""
+
+    teacher: str | None = None  # a vitlab run or checkpoint, or any file / folder / hub name
+    # hard: cross-entropy against the teacher's argmax; soft: tau^2 KL to its softened outputs
+    type: typing.Literal["hard", "soft"] = "hard"
+    alpha: float = 0.5  # loss = (1 - alpha) class head's + alpha distillation head's
+    tau: float = 1.0  # soft only: the temperature of both softmaxes
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"distill.alpha must be in [0, 1], got {self.alpha}")
+        if not self.tau > 0:
+            raise ConfigError(f"distill.tau must be > 0, got {self.tau}")
+        if self.type == "soft" and self.teacher is None:
+            raise ConfigError("distill.type=soft softens a teacher's outputs: set distill.teacher")
+        if self.type == "hard" and self.tau != 1.0:
+            raise ConfigError(
+                f"distill.tau={self.tau} applies to distill.type=soft only (hard distillation "
+                f"takes the teacher's argmax)"
+            )
+
+
+@dataclass
 class FinetuneConfig:
     """Start from another run's or checkpoint's weights (`finetune.from=RUN_OR_CKPT`)."""
 
@@ -315,6 +343,7 @@ class RunConfig:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     finetune: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
     mpp: MPPConfig = dataclasses.field(default_factory=MPPConfig)
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
 
     SECTIONS: typing.ClassVar[dict[str, type]] = {
         "data": DataConfig,
@@ -322,6 +351,7 @@ class RunConfig:
         "train": TrainConfig,
         "finetune": FinetuneConfig,
         "mpp": MPPConfig,
+        "distill": DistillConfig,
     }
 
     @classmethod

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from vitlab.analysis.cnn_cost import cnn_cost_report, format_cnn_cost_report
 from vitlab.analysis.swin_cost import format_swin_cost_report, swin_cost_report
 from vitlab.analysis.tables import byte_size, human, table
 from vitlab.models.registry import family_of, get_config, resolve_name
@@ -136,9 +137,14 @@ def cost_report(
 ) -> dict:
     """Everything `vitlab cost` prints, as a JSON-ready dict; patch_sizes defaults to
     default_patch_sizes. The model is built on the meta device, so even H/14 costs no memory.
-    A Swin's report is swin_cost_report's (per stage, at its own patch size)."""
+    A Swin's report is swin_cost_report's (per stage, at its own patch size), a CNN's
+    cnn_cost_report's (per stage)."""
     overrides = {} if img_size is None else {"img_size": img_size}
     cfg = get_config(model, **overrides)
+    if family_of(cfg) == "cnn":
+        if patch_sizes is not None:
+            raise ValueError(f"patch sizes apply to ViTs; {resolve_name(model)} is a CNN")
+        return cnn_cost_report(model, img_size)
     if family_of(cfg) == "swin":
         if patch_sizes is not None:
             raise ValueError(
@@ -185,6 +191,8 @@ def format_cost_report(report: dict) -> str:
     """The report as readable text tables."""
     if report.get("family") == "swin":
         return format_swin_cost_report(report)
+    if report.get("family") == "cnn":
+        return format_cnn_cost_report(report)
     h, w = report["img_size"]
     d, m, heads = report["embed_dim"], report["mlp_dim"], report["num_heads"]
     lines = [

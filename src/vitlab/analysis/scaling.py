@@ -17,7 +17,7 @@ from vitlab.analysis.cost import layer_cost
 from vitlab.analysis.page import pyplot
 from vitlab.analysis.swin_cost import swin_attention_macs
 from vitlab.analysis.tables import human, table
-from vitlab.models.registry import ModelConfig, aliases_of, get_config, resolve_name
+from vitlab.models.registry import ModelConfig, aliases_of, family_of, get_config, resolve_name
 from vitlab.models.swin import SwinConfig
 
 DEFAULT_SIDES = (224, 384, 512, 768, 1024, 1536)
@@ -48,6 +48,10 @@ def attention_scaling(model: str, vs: str, sides: Sequence[int] = DEFAULT_SIDES)
     each one's growth over the first side. JSON-ready."""
     if not sides:
         raise ValueError("expected at least one image side")
+    for m in (model, vs):
+        if family_of(get_config(m)) == "cnn":
+            raise ValueError(f"{m} is a CNN, which has no attention: --scaling compares ViTs and "
+                             "Swins")  # fmt: skip
     names = [short_name(model), short_name(vs)]
     rows = []
     for side in sides:

@@ -1,19 +1,24 @@
-"""`vitlab convert`: read a ViT or Swin checkpoint in any known format, write it in vitlab's,
-timm's or Hugging Face's."""
+"""`vitlab convert`: read a ViT, Swin or ResNet checkpoint in any known format, write it in
+vitlab's, timm's or Hugging Face's (a ResNet: vitlab's or torchvision's)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vitlab import formats
+
+if TYPE_CHECKING:
+    from vitlab.models.swin import SwinConfig
+    from vitlab.models.vit import ViTConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="convert ViT and Swin checkpoints between vitlab, timm, Hugging Face, torchvision "
-        "and .npz",
+        help="convert ViT, Swin and ResNet checkpoints between vitlab, timm, Hugging Face, "
+        "torchvision and .npz",
         description="Read SRC (a file, a folder, a vitlab run, or a Hugging Face Hub name such "
         "as timm/vit_base_patch16_224.augreg2_in21k_ft_in1k or google/vit-base-patch16-224) and "
         "write DST as safetensors. --to vitlab: DST.safetensors or DST/model.safetensors with the "
@@ -22,7 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(timm.create_model('local-dir:DST', pretrained=True)). --to hf: a folder with "
         "config.json and preprocessor_config.json (ViTForImageClassification or "
         "SwinForImageClassification.from_pretrained; a Swin only where its windows tile every "
-        "stage's map). KEY=VALUE overrides change the model on the way: num_classes (new zero "
+        "stage's map). --to torchvision (ResNets only): a plain state dict, DST.pth or "
+        "DST.safetensors, that torchvision.models.resnet18/34/50 load; ResNets are not written "
+        "as timm or hf. KEY=VALUE overrides change the model on the way: num_classes (new zero "
         "head), img_size (positions resampled), in_chans, num_heads when the weights cannot "
         "tell; a Swin's window_size.",
     )
@@ -37,7 +44,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--to", default="vitlab", choices=formats.WRITABLE, help="format of DST")
     p.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="ViTConfig or SwinConfig fields"
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="ViTConfig, SwinConfig or CNNConfig fields",
     )
     p.set_defaults(run=run)
 
@@ -56,6 +66,8 @@ def parse_overrides(items: list[str]) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.models.checkpoint import load_checkpoint
+    from vitlab.models.cnn import CNNConfig
+    from vitlab.models.registry import shape_of
     from vitlab.models.swin import SwinConfig
 
     model, meta = load_checkpoint(args.source, args.src_format, **parse_overrides(args.overrides))
@@ -64,18 +76,26 @@ def run(args: argparse.Namespace) -> int:
     else:
         written = formats.get(args.to).write(model, args.dest)
     cfg = model.config
-    size = f"patch {cfg.patch_size}, {cfg.img_hw[0]}x{cfg.img_hw[1]}, {cfg.num_classes} classes"
-    if isinstance(cfg, SwinConfig):
-        shape = (
-            f"Swin, blocks {list(cfg.depths)}, width {cfg.embed_dim}, heads "
-            f"{list(cfg.num_heads)}, window {'x'.join(map(str, cfg.window_hw))}, {size}"
-        )
+    if isinstance(cfg, CNNConfig):
+        shape = f"{shape_of(cfg)}, {cfg.in_chans}-channel images, {cfg.num_classes} classes"
     else:
-        shape = f"{cfg.depth} blocks, width {cfg.embed_dim}, {cfg.num_heads} heads, {size}, "
-        shape += f"pool {cfg.pool}"
+        shape = _transformer_shape(cfg, isinstance(cfg, SwinConfig))
     print(f"read {args.source} ({meta.info.get('source_format', 'vitlab')}): {shape}")
     for note in meta.info.get("notes", []):
         print(f"note: {note}")
     for path in written:
         print(f"wrote {path}")
     return 0
+
+
+def _transformer_shape(cfg: ViTConfig | SwinConfig, swin: bool) -> str:
+    """A ViT's or Swin's architecture in one line."""
+    size = f"patch {cfg.patch_size}, {cfg.img_hw[0]}x{cfg.img_hw[1]}, {cfg.num_classes} classes"
+    if swin:
+        return (
+            f"Swin, blocks {list(cfg.depths)}, width {cfg.embed_dim}, heads "
+            f"{list(cfg.num_heads)}, window {'x'.join(map(str, cfg.window_hw))}, {size}"
+        )
+    return (
+        f"{cfg.depth} blocks, width {cfg.embed_dim}, {cfg.num_heads} heads, {size}, pool {cfg.pool}"
+    )

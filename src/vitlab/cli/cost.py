@@ -1,6 +1,6 @@
 """`vitlab cost`: the paper's cost argument for one model (see vitlab.analysis.cost; a Swin's per
-stage, vitlab.analysis.swin_cost), and attention cost against image size (--scaling,
-vitlab.analysis.scaling)."""
+stage, vitlab.analysis.swin_cost; a CNN's, vitlab.analysis.cnn_cost), and attention cost against
+image size (--scaling, vitlab.analysis.scaling)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def parse_int_list(text: str) -> list[int]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "cost",
-        help="per-layer cost by patch size (a Swin's per stage), parameters, crossover length",
+        help="per-layer cost by patch size (a Swin's and a CNN's per stage), parameters, "
+        "crossover length",
         description="Reproduce the paper's cost argument for MODEL's width and heads: for each "
         "patch size, the patch tokens N, attention MACs (2 N^2 D), linear MACs (4 N D^2 + 2 N D M, "
         "= 12 N D^2 when M = 4D), the attention share, and one layer's attention matrix size in "
@@ -61,7 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "For a Swin (Swin-T ...): per stage the map's tokens N, window tokens M^2 (clamped to the "
         "map), windows per image, blocks, width C, heads, attention MACs (2 N M^2 C per block) and "
         "linear MACs (qkv, proj, MLP, patch merging), one block's attention matrices, parameters; "
-        "then the patch embedding, head and totals. --scaling instead tabulates attention MACs "
+        "then the patch embedding, head and totals. For a CNN (resnet18 ...): per stage the map, "
+        "its stride, channels, blocks, convolution and downsample MACs (k k C_in C_out H W) and "
+        "parameters; then the stem, head and totals. --scaling instead tabulates attention MACs "
         "against the image side beside a second model (--vs) and plots them log-log.",
     )
     p.add_argument(

@@ -14,7 +14,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Evaluate RUN_OR_CKPT (a run folder: its best checkpoint; a checkpoint folder; "
         "a .safetensors file; or any timm / HF / torchvision / .npz source `vitlab convert` "
         "reads) on a dataset split. Prints top-1, top-5, loss, per-class accuracy "
-        "and the confusion matrix, and saves the confusion matrix as a PNG.",
+        "and the confusion matrix, and saves the confusion matrix as a PNG. For a distilled "
+        "model (DeiT), whose top-1 is its two heads' average, also each head's top-1 alone "
+        "(top1_cls, top1_dist).",
     )
     p.add_argument("checkpoint", metavar="RUN_OR_CKPT")
     p.add_argument("--data", help="dataset name (default: the run's data.name, else digits)")

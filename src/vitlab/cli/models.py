@@ -24,11 +24,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="List the registered models: name, aliases, input size, patch size, width, "
         "depth, heads, MLP width and parameter count (counted on the meta device, no memory). "
         "Swin rows give the first stage's width, the blocks and heads per stage (e.g. 2-2-6-2) "
-        "and the MLP ratio.",
+        "and the MLP ratio. CNN rows (torchvision ResNets) give the stem's stride as the patch "
+        "(1: the small stem, a 3x3 stride-1 conv1 and no max-pool; 4: the standard one), the "
+        "first stage's width, the residual blocks per stage and their kind (basic or "
+        "bottleneck).",
     )
-    p.add_argument("pattern", nargs="?", help="glob filter on names, e.g. 'vit_base*', 'swin*'")
     p.add_argument(
-        "--family", choices=["vit", "swin"], help="only this model family (default: all)"
+        "pattern", nargs="?", help="glob filter on names, e.g. 'vit_base*', 'swin*', 'resnet*'"
+    )
+    p.add_argument(
+        "--family", choices=["vit", "swin", "cnn"], help="only this model family (default: all)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per model (a list)")
     p.set_defaults(run=run)
@@ -45,12 +50,16 @@ def model_rows(pattern: str | None, family: str | None = None) -> list[dict]:
             "family": family_of(cfg),
             "aliases": aliases_of(name),
             "img_size": list(cfg.img_hw),
-            "patch_size": cfg.patch_size,
+            "patch_size": getattr(cfg, "patch_size", None),  # None: a CNN
             "in_chans": cfg.in_chans,
             "num_classes": cfg.num_classes,
-            "embed_dim": cfg.embed_dim,
+            "embed_dim": getattr(cfg, "embed_dim", None),
         }
-        if row["family"] == "swin":
+        if row["family"] == "cnn":
+            row.update(arch=cfg.arch, depths=list(cfg.depths), widths=list(cfg.stage_dims))
+            row.update(embed_dim=cfg.stage_dims[0], small_stem=cfg.uses_small_stem)
+            row.update(stem_stride=cfg.stem_stride, bottleneck=cfg.bottleneck)
+        elif row["family"] == "swin":
             row.update(depths=list(cfg.depths), num_heads=list(cfg.num_heads))
             row.update(window_size=cfg.window_size, mlp_ratio=cfg.mlp_ratio)
         else:
@@ -60,7 +69,10 @@ def model_rows(pattern: str | None, family: str | None = None) -> list[dict]:
 
 
 def _cells(r: dict) -> list[str]:
-    """depth, heads, MLP: one number each for a ViT, per stage for a Swin."""
+    """depth, heads, MLP: one number each for a ViT, per stage for a Swin; a CNN's blocks per
+    stage and their kind."""
+    if r["family"] == "cnn":
+        return ["-".join(map(str, r["depths"])), "-", "bottleneck" if r["bottleneck"] else "basic"]
     if r["family"] == "swin":
         return ["-".join(map(str, r["depths"])), "-".join(map(str, r["num_heads"])),
                 f"{r['mlp_ratio']:g}x"]  # fmt: skip
@@ -81,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             r["name"],
             ",".join(r["aliases"]) or "-",
             f"{r['img_size'][0]}x{r['img_size'][1]}x{r['in_chans']}",
-            str(r["patch_size"]),
+            str(r["patch_size"] or r["stem_stride"]),
             str(r["embed_dim"]),
             *_cells(r),
             f"{r['params']:,}",

@@ -24,8 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bf16 autocast where the GPU or CPU computes in bf16, else fp32), compile, "
         "grad_checkpointing, strategy ddp | fsdp, device, objective classify | mpp), mpp.* "
         "(masked patch prediction without labels: target mean_color | patch_l2, corrupt, mask, "
-        "random, bits), finetune.from=RUN_OR_CKPT (a vitlab run or checkpoint, or any timm / HF "
-        "/ torchvision / .npz file, folder or hub name: the architecture is then the "
+        "random, bits), distill.* (DeiT, for model.distilled=true: teacher=RUN_OR_CKPT, type "
+        "hard | soft, alpha, tau), finetune.from=RUN_OR_CKPT (a vitlab run or checkpoint, or "
+        "any timm / HF / torchvision / .npz file, folder or hub name: the architecture is then the "
         "checkpoint's, model.* overrides apply on top, positions are resampled and a new head "
         "made as needed). Unknown keys and wrong types are errors. Under torchrun "
         "(`torchrun --nproc_per_node=N -m vitlab train ...`) it trains with DDP or FSDP.",

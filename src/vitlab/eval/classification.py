@@ -1,5 +1,5 @@
-"""Classification metrics: loss, top-1, top-5, per-class accuracy and the confusion matrix,
-summed over all ranks under torchrun."""
+"""Classification metrics: loss, top-1, top-5, per-class accuracy and the confusion matrix, and a
+distilled model's (DeiT) top-1 of each head alone, summed over all ranks under torchrun."""
 
 from __future__ import annotations
 
@@ -14,6 +14,18 @@ from torch import Tensor, nn
 from vitlab.runtime import Dist
 
 
+def distilled_heads(model: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    """A distilled ViT's (DeiT) class head and distillation head logits, each (B, num_classes),
+    on (B, C, H, W) images: forward() returns only their average."""
+    tokens = model.forward_features(x)  # (B, T, D): class token, distillation token, patches
+    return model.head(tokens[:, 0]), model.head_dist(tokens[:, 1])
+
+
+def is_distilled(model: nn.Module) -> bool:
+    """Whether `model` has a DeiT distillation head beside its class head."""
+    return isinstance(getattr(model, "head_dist", None), nn.Linear)
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -24,20 +36,29 @@ def evaluate(
     d: Dist | None = None,
 ) -> dict:
     """Metrics of `model` over every batch: {"loss", "top1", "top5", "per_class", "confusion",
-    "num_images"} (accuracies in [0, 1]; per_class is a list; confusion[true][predicted]).
-    Samples labelled below 0 (the loaders' padding, which keeps ranks stepping together) run
-    through the model but are not counted."""
+    "num_images"} (accuracies in [0, 1]; per_class is a list; confusion[true][predicted]), and
+    for a distilled model (DeiT), whose prediction averages two heads, "top1_cls" and "top1_dist":
+    each head's alone. Samples labelled below 0 (the loaders' padding, which keeps ranks stepping
+    together) run through the model but are not counted."""
     was_training = model.training
     model.eval()
+    distilled = is_distilled(model)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, top-5 hits, images
+    # loss sum, top-5 hits, images, class head hits, distillation head hits
+    totals = torch.zeros(5, dtype=torch.float64, device=device)
     k = min(5, num_classes)
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast or nullcontext():
-            logits = model(x)
-        logits = logits.float()
         counted = y >= 0
+        with autocast or nullcontext():
+            if distilled:
+                by_cls, by_dist = distilled_heads(model, x)
+                logits = (by_cls + by_dist) / 2  # as forward_head
+                totals[3] += (by_cls.argmax(dim=1) == y)[counted].sum()
+                totals[4] += (by_dist.argmax(dim=1) == y)[counted].sum()
+            else:
+                logits = model(x)
+        logits = logits.float()
         if not counted.all():
             logits, y = logits[counted], y[counted]
         totals[0] += nn.functional.cross_entropy(logits, y, reduction="sum")
@@ -52,9 +73,11 @@ def evaluate(
     n = max(totals[2].item(), 1.0)
     per_class_total = confusion.sum(dim=1)
     per_class = (confusion.diagonal() / per_class_total.clamp(min=1)).tolist()
+    heads = {"top1_cls": totals[3].item() / n, "top1_dist": totals[4].item() / n}
     return {
         "loss": totals[0].item() / n,
         "top1": confusion.diagonal().sum().item() / n,
+        **(heads if distilled else {}),
         "top5": totals[1].item() / n,
         "per_class": per_class,
         "confusion": confusion.long().tolist(),

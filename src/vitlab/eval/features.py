@@ -6,6 +6,8 @@ extracted once per dataset split in float32 and cached as safetensors.
     gap         the mean of the patch tokens after the final norm, prefix tokens skipped: for
                 models whose class token never had a training signal (masked patch prediction)
 
+For a CNN both are the mean of the last stage's map, the vector its classifier reads.
+
 A vitlab run (or a checkpoint inside one) keeps its cache in RUN/features/; other sources only
 with an explicit cache folder. A cache file is named by a hash of what its features depend on
 (the weights file's path, size and mtime, the dataset, its folder and split, the preprocessing
@@ -39,6 +41,7 @@ from vitlab.formats.base import (
     write_safetensors,
 )
 from vitlab.formats.vitlab import read_metadata, vitlab_weights
+from vitlab.models.registry import family_of
 from vitlab.preprocessing import Preprocessing
 from vitlab.runtime import pick_device
 
@@ -69,6 +72,8 @@ class Features:
 def represent(model: nn.Module, images: Tensor, kind: str) -> Tensor:
     """(B, C, H, W) normalised images -> (B, D) features of `kind` (FEATURE_KINDS)."""
     tokens = model.forward_features(images)  # (B, T, D); a Swin's map (B, h, w, D); final norm
+    if kind == "gap" and family_of(model.config) == "cnn":
+        kind = "prelogits"  # a CNN's pooled vector is its (B, C, h, w) map's mean already
     if kind == "prelogits":
         return model.forward_head(tokens, pre_logits=True)  # (B, num_features)
     if kind == "gap":

@@ -94,9 +94,13 @@ def format_report(r: dict) -> str:
     lines = [
         f"{r['checkpoint']} on {r['data']} ({r['split']}, {r['num_images']:,} images)",
         f"top-1 {100 * r['top1']:.2f}%   top-5 {100 * r['top5']:.2f}%   loss {r['loss']:.4f}",
-        "",
-        "per-class accuracy:",
     ]
+    if "top1_cls" in r:  # a distilled model (DeiT): top-1 is its two heads' average
+        lines.append(
+            f"top-1 of the class head alone {100 * r['top1_cls']:.2f}%, of the distillation head "
+            f"alone {100 * r['top1_dist']:.2f}%"
+        )
+    lines += ["", "per-class accuracy:"]
     lines += [
         f"  {c:<16} {100 * a:6.2f}%" for c, a in zip(r["classes"], r["per_class"], strict=True)
     ]

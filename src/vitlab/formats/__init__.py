@@ -25,7 +25,7 @@ FORMATS: dict[str, ModuleType] = {
     "hf": hf,
     "torchvision": torchvision,
 }
-WRITABLE = ("vitlab", "timm", "hf")
+WRITABLE = ("vitlab", "timm", "hf", "torchvision")
 
 __all__ = ["FORMATS", "WRITABLE", "CheckpointError", "Files", "Source", "detect", "get", "read"]
 
@@ -60,6 +60,6 @@ def detect(files: Files) -> str:
             return name
     shown = ", ".join(sorted(files.names())[:6])
     raise CheckpointError(
-        f"{files.where}: not a ViT checkpoint (nor a Swin one) in a format vitlab knows "
+        f"{files.where}: not a ViT checkpoint (nor a Swin or ResNet one) in a format vitlab knows "
         f"({', '.join(FORMATS)}); first keys: {shown}"
     )

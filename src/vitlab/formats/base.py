@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from vitlab.preprocessing import Preprocessing
 
 if TYPE_CHECKING:  # annotations only: base.py stays free of model code
+    from vitlab.models.cnn import CNNConfig
     from vitlab.models.swin import SwinConfig
     from vitlab.models.vit import ViTConfig
 
@@ -104,7 +105,7 @@ class Source:
     preprocessing: dict[str, Any] = field(default_factory=dict)  # Preprocessing fields
     classes: list[str] | None = None
     # the architecture once known (vitlab files carry theirs)
-    config: ViTConfig | SwinConfig | None = None
+    config: ViTConfig | SwinConfig | CNNConfig | None = None
     info: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -130,8 +131,22 @@ def swin_layout(keys: Iterable[str]) -> str | None:
     return None
 
 
+# a ResNet's residual blocks in torchvision's (and timm's, and vitlab's) names
+_RESNET_BLOCK = re.compile(r"^layer[1-4]\.\d+\.(?:conv|bn)\d\.")
+
+
+def is_resnet(keys: Iterable[str]) -> bool:
+    """Whether `keys` name a ResNet in torchvision's names: conv1 and layer{1-4}.{j} blocks."""
+    keys = list(keys)
+    return "conv1.weight" in keys and any(_RESNET_BLOCK.match(k) for k in keys)
+
+
 def state_family(keys: Iterable[str]) -> str:
-    """'swin' when `keys` are a Swin Transformer's (timm's or transformers' names), else 'vit'."""
+    """'swin' when `keys` are a Swin Transformer's (timm's or transformers' names), 'cnn' when a
+    torchvision ResNet's, else 'vit'."""
+    keys = list(keys)
+    if is_resnet(keys):
+        return "cnn"
     return "vit" if swin_layout(keys) is None else "swin"
 
 

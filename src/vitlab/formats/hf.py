@@ -196,6 +196,11 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
     """Folder DST with model.safetensors (hub names), config.json and preprocessor_config.json,
     which ViTForImageClassification.from_pretrained (ViTModel without a classifier) loads, or
     SwinForImageClassification's (SwinModel) for a Swin whose windows tile its maps."""
+    if family_of(model.config) == "cnn":
+        raise CheckpointError(
+            "vitlab writes Hugging Face's format for ViTs and Swins; write a ResNet with --to "
+            "torchvision (a plain state dict in torchvision's names) or --to vitlab"
+        )
     state = cpu_state(model.state_dict())
     if family_of(model.config) == "swin":
         config, with_classifier = hf_swin.hf_swin_config(model.config, classes_of(model))

@@ -80,8 +80,13 @@ def read(files: Files) -> Source:
 
 def read_config(cfg: dict[str, Any], src: Source) -> None:
     """Hints, preprocessing and class names from timm's config.json."""
-    if state_family(src.state) == "swin":
+    family = state_family(src.state)
+    if family == "swin":
         timm_swin.read_hints(cfg, src)
+    elif family == "cnn":  # a timm ResNet (torchvision's names): its input size
+        size = (cfg.get("pretrained_cfg") or {}).get("input_size")
+        if isinstance(size, list) and len(size) == 3:
+            src.hints["img_size"] = tuple(size[1:])
     else:
         _read_vit_hints(cfg, src)
     pre = cfg.get("pretrained_cfg") or {}
@@ -117,6 +122,12 @@ def _read_vit_hints(cfg: dict[str, Any], src: Source) -> None:
 def write(model: nn.Module, dst: Path) -> list[Path]:
     """DST.safetensors alone, or a folder with model.safetensors and timm's config.json."""
     cfg = model.config
+    if family_of(cfg) == "cnn":
+        raise CheckpointError(
+            "vitlab writes timm's format for ViTs and Swins; write a ResNet with --to torchvision "
+            "(a plain state dict in torchvision's names, which are timm's resnet18/34/50's too) "
+            "or --to vitlab"
+        )
     state = cpu_state(model.state_dict())
     if family_of(cfg) == "swin":  # the same names
         (arch, args), classifier = timm_swin.timm_swin_model_args(cfg), "head.fc"

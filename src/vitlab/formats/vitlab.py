@@ -1,9 +1,10 @@
-"""vitlab's own format: model.safetensors whose metadata holds the model family ('vit' or 'swin';
-'vit' when absent, as in files written before Swin), its config, preprocessing, class names and
-training info, alone (DST.safetensors) or in a checkpoint folder; a run keeps its checkpoints under
-run/checkpoints/{best,last}. A plain ViT state dict in vitlab's names (timm's, with the learned
-position table as `pos_embed.weight`) is read too, without that metadata; a plain Swin state dict
-is timm's (the same names), so the timm format reads it."""
+"""vitlab's own format: model.safetensors whose metadata holds the model family ('vit', 'swin' or
+'cnn'; 'vit' when absent, as in files written before Swin), its config, preprocessing, class
+names and training info, alone (DST.safetensors) or in a checkpoint folder; a run keeps its
+checkpoints under run/checkpoints/{best,last}. A plain ViT state dict in vitlab's names (timm's,
+with the learned position table as `pos_embed.weight`) is read too, without that metadata; a
+plain Swin state dict is timm's (the same names), so the timm format reads it, and a plain CNN's
+is torchvision's."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from vitlab.formats.base import (
     state_family,
     write_safetensors,
 )
+from vitlab.models.cnn import CNNConfig
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
 from vitlab.models.registry import ModelConfig, family_of
 from vitlab.models.swin import SwinConfig
@@ -36,14 +38,18 @@ from vitlab.preprocessing import Preprocessing
 
 log = logging.getLogger(__name__)
 
-CONFIGS: dict[str, type[ViTConfig] | type[SwinConfig]] = {"vit": ViTConfig, "swin": SwinConfig}
+CONFIGS: dict[str, type[ViTConfig] | type[SwinConfig] | type[CNNConfig]] = {
+    "vit": ViTConfig,
+    "swin": SwinConfig,
+    "cnn": CNNConfig,
+}
 
 
 @dataclass
 class CheckpointMeta:
     """What a weights file holds besides the tensors."""
 
-    config: ModelConfig  # a ViTConfig or a SwinConfig
+    config: ModelConfig  # a ViTConfig, a SwinConfig or a CNNConfig
     preprocessing: Preprocessing
     classes: list[str]
     info: dict[str, Any] = field(default_factory=dict)  # epoch, step, metrics, source ...

@@ -1,5 +1,6 @@
-"""The model families (ViT, Swin): configs, modules, building blocks and registry."""
+"""The model families (ViT, Swin, CNN baselines): configs, modules, building blocks and registry."""
 
+from vitlab.models.cnn import CNNConfig, ResNet
 from vitlab.models.pos_embed import resample_pos_embed
 from vitlab.models.registry import (
     UnknownModelError,
@@ -14,7 +15,9 @@ from vitlab.models.swin import SwinConfig, SwinTransformer
 from vitlab.models.vit import Intermediates, VisionTransformer, ViTConfig
 
 __all__ = [
+    "CNNConfig",
     "Intermediates",
+    "ResNet",
     "SwinConfig",
     "SwinTransformer",
     "UnknownModelError",

@@ -1,17 +1,18 @@
-"""Loading and saving ViTs and Swins in any checkpoint format vitlab speaks (see vitlab.formats):
-resolve a source (a file, a folder, a vitlab run or a Hugging Face Hub name) to its files, read
-them in their format, infer the architecture from the tensors and what the format states, build
-the model, apply overrides and load the weights strictly.
+"""Loading and saving ViTs, Swins and CNNs in any checkpoint format vitlab speaks (see
+vitlab.formats): resolve a source (a file, a folder, a vitlab run or a Hugging Face Hub name) to
+its files, read them in their format, infer the architecture from the tensors and what the format
+states, build the model, apply overrides and load the weights strictly.
 
-    load_pretrained(source, **overrides) -> VisionTransformer | SwinTransformer
+    load_pretrained(source, **overrides) -> VisionTransformer | SwinTransformer | ResNet
     load_checkpoint(source, ...)        -> (model, CheckpointMeta)
     save_pretrained(model, dst, format)  vitlab's, timm's or Hugging Face's format
 
-The family is the tensors' (Swin blocks are `layers.{i}.blocks.{j}`) or the vitlab metadata's.
+The family is the tensors' (Swin blocks are `layers.{i}.blocks.{j}`, a ResNet's `layer{i}.{j}`)
+or the vitlab metadata's.
 A ViT's architecture is read from the tensors (width, depth, MLP, patch, grid, prefix tokens,
 pooling, pre-logits; a hybrid's ResNet stem in models.hybrid_checkpoint), from the config a format
 carries (heads, eps, activation, labels), and from what the format implies (Google: tanh GELU,
-inputs in [-1, 1]); a Swin's in models.swin_checkpoint.
+inputs in [-1, 1]); a Swin's in models.swin_checkpoint, a ResNet's in models.cnn_checkpoint.
 Every tensor must find its place and every parameter must be filled: anything else is an error
 with names and shapes.
 """
@@ -31,6 +32,7 @@ from vitlab import formats, hub
 from vitlab.config import ConfigError, check_keys
 from vitlab.formats.base import TORCH_SUFFIXES, CheckpointError, Files, Source, state_family
 from vitlab.formats.vitlab import CONFIGS, CheckpointMeta, resolve_checkpoint
+from vitlab.models.cnn_checkpoint import infer_cnn_config
 from vitlab.models.hybrid_checkpoint import infer_resnet_stem
 from vitlab.models.registry import Model, ModelConfig, build_model, family_of
 from vitlab.models.swin_checkpoint import infer_swin_config
@@ -104,23 +106,26 @@ _PAPER_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
 
 
 def source_family(src: Source) -> str:
-    """'vit' or 'swin': the family of the model `src` holds."""
+    """'vit', 'swin' or 'cnn': the family of the model `src` holds."""
     return family_of(src.config) if src.config is not None else state_family(src.state)
 
 
 def infer_config(src: Source) -> ModelConfig:
-    """The ViTConfig or SwinConfig that `src`'s tensors were trained with (at their own size and
-    classes)."""
+    """The ViTConfig, SwinConfig or CNNConfig that `src`'s tensors were trained with (at their own
+    size and classes)."""
     return _infer(src)
 
 
 def _infer(src: Source, img_size: int | tuple[int, int] | None = None) -> ModelConfig:
     """infer_config; `img_size` is taken as a Swin's trained size when the source states none and
-    its tables fit it (a ViT's size is always in its position table)."""
+    its tables fit it (a ViT's size is always in its position table), and as a CNN's when the
+    source states none."""
     if src.config is not None:
         return src.config
     if source_family(src) == "swin":
         return infer_swin_config(src, img_size)
+    if source_family(src) == "cnn":
+        return infer_cnn_config(src, img_size)
     return _infer_vit(src)
 
 
@@ -253,14 +258,15 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     **overrides: Any,
 ) -> tuple[Model, CheckpointMeta]:
-    """A model (VisionTransformer or SwinTransformer, as the weights are) with the weights of
-    `source` (a file, a folder, a vitlab run or a hub name, in any format vitlab reads, or a
+    """A model (VisionTransformer, SwinTransformer or ResNet, as the weights are) with the weights
+    of `source` (a file, a folder, a vitlab run or a hub name, in any format vitlab reads, or a
     Source read_source made) and its CheckpointMeta (config, preprocessing, class names, info).
 
-    `overrides` are fields of the family's config (ViTConfig or SwinConfig): img_size resamples
-    the position embeddings (a Swin's relative position tables, its windows kept), a Swin's
-    window_size resamples its tables to the new window, num_classes replaces the head(s) with
-    zero-initialised ones, in_chans adapts the patch kernels; any other field (dropout,
+    `overrides` are fields of the family's config (ViTConfig, SwinConfig or CNNConfig): img_size
+    resamples the position embeddings (a Swin's relative position tables, its windows kept; a
+    CNN's is only recorded), a Swin's window_size resamples its tables to the new window,
+    num_classes replaces the head(s) with zero-initialised ones, in_chans adapts the patch
+    kernels (a CNN's conv1); any other field (dropout,
     drop_path, num_heads, ...) is set before the weights are loaded, and a field the weights
     cannot take (another width ...) fails naming the tensors."""
     src = source if isinstance(source, Source) else read_source(source, format)
@@ -276,6 +282,7 @@ def load_checkpoint(
     if "in_chans" in overrides:
         chans = int(overrides["in_chans"])
         first = _FIRST_CONV.get(getattr(cfg, "stem", "patch"), "patch_embed.proj.weight")
+        first = getattr(cfg, "first_conv", first)  # a CNN's conv1
         state[first] = _adapt_in_chans(state[first], chans, src.where)
         cfg = cfg.replace(in_chans=chans)
     model = build_model(cfg)
@@ -301,8 +308,8 @@ def load_checkpoint(
 
 
 def load_pretrained(source: str | Path, format: str = "auto", **overrides: Any) -> Model:
-    """A VisionTransformer or SwinTransformer with the weights of `source`: a timm, Hugging Face,
-    torchvision, Google .npz or vitlab checkpoint (file or folder), or a hub name such as
+    """A VisionTransformer, SwinTransformer or ResNet with the weights of `source`: a timm,
+    Hugging Face, torchvision, Google .npz or vitlab checkpoint (file or folder), or a hub name as
     `timm/vit_base_patch16_224.augreg2_in21k_ft_in1k`, `google/vit-base-patch16-224` or
     `microsoft/swin-tiny-patch4-window7-224`. The format is detected (or named with `format=`);
     the architecture is read from the weights; overrides (num_classes, img_size, in_chans,
@@ -340,7 +347,8 @@ def save_pretrained(
     """Write `model` (a ViT or a Swin) in vitlab's, timm's or Hugging Face's format
     (vitlab.formats) with its `.preprocessing` (inputs in [-1, 1] when it has none) and
     `.classes`. Returns the files written. Hugging Face's Swin is written only where the windows
-    tile every stage's map (see formats.hf_swin)."""
+    tile every stage's map (see formats.hf_swin). A CNN (ResNet) is written in vitlab's format or
+    as torchvision's plain state dict (format="torchvision")."""
     if "layout" in deprecated:  # the name before formats had one name everywhere
         warnings.warn("save_pretrained(layout=) is now format=", DeprecationWarning, stacklevel=2)
         if format != "vitlab":

@@ -1,5 +1,5 @@
-"""Registered model names and aliases -> a model config (ViTConfig or SwinConfig); the config's
-type picks the model class. A new size is an entry, never a new class."""
+"""Registered model names and aliases -> a model config (ViTConfig, SwinConfig or CNNConfig); the
+config's type picks the model class. A new size is an entry, never a new class."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import difflib
 import fnmatch
 
 from vitlab.config import ModelSection
+from vitlab.models.cnn import CNNConfig, ResNet
 from vitlab.models.swin import SwinConfig, SwinTransformer
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
-ModelConfig = ViTConfig | SwinConfig
-Model = VisionTransformer | SwinTransformer
+ModelConfig = ViTConfig | SwinConfig | CNNConfig
+Model = VisionTransformer | SwinTransformer | ResNet
 
 # (width D, depth L, MLP M, heads): paper Table 1, Ti and S from DeiT
 _SIZES: dict[str, tuple[int, int, int, int]] = {
@@ -40,10 +41,12 @@ _DESCRIPTIONS: dict[str, str] = {}
 
 
 def register_model(name: str, config: ModelConfig, description: str = "") -> None:
-    """Register `config` (a ViTConfig or SwinConfig) under `name` (a name already taken is an
-    error)."""
-    if not isinstance(config, (ViTConfig, SwinConfig)):
-        raise TypeError(f"expected a ViTConfig or SwinConfig, got {type(config).__name__}")
+    """Register `config` (a ViTConfig, SwinConfig or CNNConfig) under `name` (a name already taken
+    is an error)."""
+    if not isinstance(config, (ViTConfig, SwinConfig, CNNConfig)):
+        raise TypeError(
+            f"expected a ViTConfig, SwinConfig or CNNConfig, got {type(config).__name__}"
+        )
     if name in _MODELS or name in _ALIASES:
         raise ValueError(f"model name {name!r} is already registered")
     _MODELS[name] = config
@@ -210,6 +213,20 @@ register_model(
 )
 
 
+# CNN baselines: torchvision's ResNets at 224 for ImageNet (the parameter counts of its builders),
+# and 10-class presets for CPU training with the small stem (3x3 stride-1 conv1, no max-pool).
+for _arch, _short in (("resnet18", "18"), ("resnet34", "34"), ("resnet50", "50")):
+    register_model(
+        _arch, CNNConfig(arch=_arch), f"ResNet-{_short} (torchvision) at 224, ImageNet-1k head"
+    )
+for _res, _chans, _data in ((28, 1, "28x28 greyscale"), (32, 3, "32x32 colour")):
+    register_model(
+        f"resnet18_{_res}",
+        CNNConfig(arch="resnet18", img_size=_res, in_chans=_chans, num_classes=10),
+        f"ResNet-18 with the small stem, for {_data} images, 10 classes",
+    )
+
+
 def resolve_name(name: str) -> str:
     """The registered name for `name` or its alias; unknown names raise with the closest names."""
     if name in _MODELS:
@@ -244,14 +261,17 @@ def config_of(section: ModelSection) -> ModelConfig:
 
 
 def family_of(config: ModelConfig) -> str:
-    """'vit' or 'swin': the model family a config builds."""
+    """'vit', 'swin' or 'cnn': the model family a config builds."""
     return getattr(config, "family", "vit")
 
 
 def shape_of(config: ModelConfig) -> str:
-    """One line: 'D=64, 4 layers, patch 4, 28x28' or 'Swin C=96, depths 2-2-6-2, window 7,
-    patch 4, 224x224'."""
+    """One line: 'D=64, 4 layers, patch 4, 28x28', 'Swin C=96, depths 2-2-6-2, window 7,
+    patch 4, 224x224' or 'ResNet-18, small stem, 28x28'."""
     h, w = config.img_hw
+    if isinstance(config, CNNConfig):
+        stem = "small stem" if config.uses_small_stem else "standard stem"
+        return f"ResNet-{config.arch.removeprefix('resnet')}, {stem}, {h}x{w}"
     if isinstance(config, SwinConfig):
         depths = "-".join(map(str, config.depths))
         shape = f"Swin C={config.embed_dim}, depths {depths}, window {config.window_size}"
@@ -261,23 +281,25 @@ def shape_of(config: ModelConfig) -> str:
 
 
 def build_model(config: ModelConfig) -> Model:
-    """The model a config describes: a VisionTransformer or a SwinTransformer."""
+    """The model a config describes: a VisionTransformer, a SwinTransformer or a ResNet."""
+    if isinstance(config, CNNConfig):
+        return ResNet(config)
     if isinstance(config, SwinConfig):
         return SwinTransformer(config)
     if isinstance(config, ViTConfig):
         return VisionTransformer(config)
-    raise TypeError(f"expected a ViTConfig or SwinConfig, got {type(config).__name__}")
+    raise TypeError(f"expected a ViTConfig, SwinConfig or CNNConfig, got {type(config).__name__}")
 
 
 def create_model(name: str, **overrides: object) -> Model:
-    """Build a registered model, e.g. create_model("B/16", num_classes=10, img_size=384) or
-    create_model("Swin-T", num_classes=10)."""
+    """Build a registered model, e.g. create_model("B/16", num_classes=10, img_size=384),
+    create_model("Swin-T", num_classes=10) or create_model("resnet18", num_classes=10)."""
     return build_model(get_config(name, **overrides))
 
 
 def list_models(pattern: str | None = None, family: str | None = None) -> list[str]:
     """Registered names (aliases excluded), optionally filtered by a glob pattern and a model
-    family ('vit', 'swin'; None: all)."""
+    family ('vit', 'swin', 'cnn'; None: all)."""
     return [
         n
         for n, cfg in _MODELS.items()

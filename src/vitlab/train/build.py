@@ -49,15 +49,17 @@ def resolve_model_config(
 def finetune_weights(model: nn.Module, source: Source) -> list[str]:
     """Load another checkpoint's weights (read by read_source, any format vitlab reads) into
     model: the source is moved to the model's resolution (position embeddings of any kind
-    resampled; a Swin's relative position tables, also to a new window) and channels (patch
-    kernels adapted), and gets a zero-initialised head when the class count differs. Returns what
-    was adapted."""
+    resampled; a Swin's relative position tables, also to a new window; a CNN's size only
+    recorded) and channels (patch kernels, a CNN's conv1, adapted), and gets a zero-initialised
+    head when the class count differs. Returns what was adapted."""
     cfg = model.config
     src_cfg = infer_config(source)
     notes = []
-    swin = family_of(cfg) == "swin"
+    swin, cnn = family_of(cfg) == "swin", family_of(cfg) == "cnn"
     where = "relative position tables" if swin else "position embeddings"
-    if src_cfg.img_hw != cfg.img_hw:
+    if src_cfg.img_hw != cfg.img_hw and cnn:  # a CNN's weights take any size
+        notes.append(f"image size {src_cfg.img_hw} -> {cfg.img_hw} (a CNN's weights are kept)")
+    elif src_cfg.img_hw != cfg.img_hw:
         notes.append(f"{where} resampled to the token grid {src_cfg.grid} -> {cfg.grid}")
     moves = {"img_size": cfg.img_size}
     if swin:
@@ -66,7 +68,8 @@ def finetune_weights(model: nn.Module, source: Source) -> list[str]:
             notes.append(f"{where} resampled to the window {src_cfg.window_size} -> "
                          f"{cfg.window_size}")  # fmt: skip
     if src_cfg.in_chans != cfg.in_chans:
-        notes.append(f"patch kernels adapted {src_cfg.in_chans} -> {cfg.in_chans} channels")
+        kernels = "conv1 kernels" if cnn else "patch kernels"
+        notes.append(f"{kernels} adapted {src_cfg.in_chans} -> {cfg.in_chans} channels")
     if src_cfg.num_classes != cfg.num_classes:
         notes.append(f"new zero-initialised head for {cfg.num_classes} classes")
     src, _ = load_checkpoint(source, in_chans=cfg.in_chans, num_classes=cfg.num_classes, **moves)

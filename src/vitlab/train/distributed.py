@@ -4,7 +4,9 @@ these take, Dist, is vitlab.runtime's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import sys
 import time
@@ -145,6 +147,23 @@ def rank_lost(d: Dist, error: BaseException) -> RankLost | None:
         return None
     names = ", ".join(f"rank {r} of {d.world} ({why})" for r, why in sorted(lost.items()))
     return RankLost(f"lost {names}; rank {d.rank} stops too", lost)
+
+
+def raise_if_rank_lost(d: Dist, error: Exception, out: Path | None) -> None:
+    """After `error` in a distributed run: RankLost naming the ranks that left, if any did, with
+    how to resume. SIGTERM is ignored from here on (see StopFlag)."""
+    with contextlib.suppress(ValueError):  # ValueError: not the main thread
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    lost = rank_lost(d, error)
+    if lost is None:
+        return
+    folder = out if out is not None else "RUN_FOLDER (named when the run started)"
+    raise RankLost(
+        f"{lost}. The run folder keeps the checkpoint of the last finished epoch; continue with "
+        f"`torchrun --nproc_per_node=... -m vitlab train --resume {folder}` on {d.world} "
+        f"processes again for an exact continuation",
+        lost.lost,
+    ) from error
 
 
 def _chain(error: BaseException) -> list[BaseException]:

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from vitlab.config import DistillConfig
 from vitlab.data.loader import Loader
 from vitlab.models.mpp import mpp_loss
 from vitlab.runtime import Dist, rng_state
+from vitlab.train.distill import TwoHeads, distillation_loss
 from vitlab.train.distributed import all_sum, any_rank
 from vitlab.train.optim import EMA
 
@@ -46,6 +48,23 @@ def classification(label_smoothing: float = 0.0) -> Objective:
         loss = nn.functional.cross_entropy(logits.float(), y, label_smoothing=label_smoothing)
         target = y.argmax(dim=1) if y.ndim == 2 else y
         return loss, (logits.argmax(dim=1) == target).sum(), len(y)
+
+    return step
+
+
+def distillation(
+    cfg: DistillConfig, teacher: Callable[[Tensor], Tensor] | None, label_smoothing: float = 0.0
+) -> Objective:
+    """DeiT: the model (a distill.TwoHeads) returns its class and distillation heads' logits,
+    `teacher` (None: the labels stand in) its logits for the same batch; distill's loss.
+    Accuracy: the two heads' average (the model's prediction) against the labels."""
+
+    def step(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor | None, int]:
+        cls, dist = model(x)
+        target = teacher(x) if teacher is not None else None
+        loss = distillation_loss(cls, dist, y, target, cfg, label_smoothing)
+        labels = y.argmax(dim=1) if y.ndim == 2 else y
+        return loss, ((cls.float() + dist.float()).argmax(dim=1) == labels).sum(), len(y)
 
     return step
 
@@ -143,10 +162,11 @@ def _ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    """The plain model under torch.compile and DDP wrappers (whose state-dict keys carry
-    `_orig_mod.` and `module.`)."""
+    """The plain model under torch.compile, DDP and TwoHeads wrappers (whose state-dict keys
+    carry `_orig_mod.`, `module.` and `student.`)."""
     model = getattr(model, "_orig_mod", model)
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return model.student if isinstance(model, TwoHeads) else model
 
 
 def _stats(

@@ -102,9 +102,18 @@ class RunLog:
             what = f"masked patch prediction:{_acc(test['top1'])} loss {test['loss']:.4f} on "
             what += f"{test['num_patches']:,} corrupted patches of {test['num_images']:,} images"
         else:
-            what = f"top-1 {100 * test['top1']:.2f}%  top-5 {100 * test['top5']:.2f}%  loss "
-            what += f"{test['loss']:.4f} on {test['num_images']:,} images"
+            what = f"top-1 {100 * test['top1']:.2f}%{_heads(test)}  top-5 "
+            what += f"{100 * test['top5']:.2f}%  loss {test['loss']:.4f} on "
+            what += f"{test['num_images']:,} images"
         print(f"test: {what}; run folder {self.out}", file=sys.stderr)
+
+
+def _heads(metrics: dict) -> str:
+    """' (class head 12.34%, distillation head 12.34%)' for a distilled model, else nothing."""
+    if "top1_cls" not in metrics:
+        return ""
+    cls, dist = 100 * metrics["top1_cls"], 100 * metrics["top1_dist"]
+    return f" (class head {cls:.2f}%, distillation head {dist:.2f}%)"
 
 
 def _round(value: float | None) -> float | None:

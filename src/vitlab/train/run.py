@@ -13,8 +13,6 @@ Run folder:
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,7 +28,7 @@ from vitlab.models.checkpoint import infer_config, read_source
 from vitlab.models.mpp import MaskedPatchViT
 from vitlab.models.registry import build_model, config_of, family_of, shape_of
 from vitlab.runtime import Dist, derive_seed, pick_device, rng_state, set_rng_state, use_bf16
-from vitlab.train import distributed, engine
+from vitlab.train import distill, distributed, engine
 from vitlab.train.build import finetune_weights, load_data, resolve_model_config
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
 from vitlab.train.folder import check_resume_length, claim_run_folder, default_run_folder
@@ -90,27 +88,10 @@ def train(
     except BaseException as e:
         failed = True
         if d.enabled and isinstance(e, Exception):
-            raise_if_rank_lost(d, e, out)
+            distributed.raise_if_rank_lost(d, e, out)
         raise
     finally:
         distributed.shutdown(d, failed)
-
-
-def raise_if_rank_lost(d: Dist, error: Exception, out: Path | None) -> None:
-    """After `error` in a distributed run: RankLost naming the ranks that left, if any did, with
-    how to resume. SIGTERM is ignored from here on (see StopFlag)."""
-    with contextlib.suppress(ValueError):  # ValueError: not the main thread
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    lost = distributed.rank_lost(d, error)
-    if lost is None:
-        return
-    folder = out if out is not None else "RUN_FOLDER (named when the run started)"
-    raise distributed.RankLost(
-        f"{lost}. The run folder keeps the checkpoint of the last finished epoch; continue with "
-        f"`torchrun --nproc_per_node=... -m vitlab train --resume {folder}` on {d.world} "
-        f"processes again for an exact continuation",
-        lost.lost,
-    ) from error
 
 
 class Run:
@@ -161,6 +142,11 @@ class Run:
         if len(mean) != mc.in_chans:
             mean, std = mean * mc.in_chans, std * mc.in_chans
         self.pre = Preprocessing(mc.img_hw, mc.in_chans, mean, std)
+        # the teacher is loaded before the seed: a student starts the same with or without one
+        sharded = d.enabled and self.strategy == "fsdp"
+        self.two_heads, self.teacher = distill.prepare(
+            cfg, mc, info.classes, self.pre, device, sharded
+        )
 
         torch.manual_seed(cfg.train.seed)
         if self.mpp:
@@ -189,7 +175,8 @@ class Run:
         )
         self.settings = self._step_settings()
         # FSDP shards self.model in place; the optimizer must be built after, to see the shards
-        self.train_model = distributed.wrap(self.model, d, self.strategy, device)
+        student = distill.TwoHeads(self.model) if self.two_heads else self.model
+        self.train_model = distributed.wrap(student, d, self.strategy, device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.ema = EMA(self.model, cfg.train.ema) if cfg.train.ema else None
         self.pos, self.best = Position(), float("-inf")
@@ -223,10 +210,16 @@ class Run:
             clip_grad=cfg.optim.clip_grad,
             lr_at=lambda step: learning_rate(cfg.optim, step, total, warmup),
             autocast=self.autocast,
-            objective=engine.masked_patch_prediction(cfg.mpp.target)
-            if self.mpp
-            else engine.classification(cfg.optim.label_smoothing),
+            objective=self._objective(),
         )
+
+    def _objective(self) -> engine.Objective:
+        smoothing = self.cfg.optim.label_smoothing
+        if self.mpp:
+            return engine.masked_patch_prediction(self.cfg.mpp.target)
+        if self.two_heads:
+            return engine.distillation(self.cfg.distill, self.teacher, smoothing)
+        return engine.classification(smoothing)
 
     def _total_steps(self) -> int:
         return len(self.loader) // self.cfg.train.accum_steps * self.cfg.train.epochs
@@ -247,6 +240,8 @@ class Run:
         self.pos = Position(state["epoch"], state["batch"], state["step"], self._saved_rng(state))
         set_rng_state(self.pos.rng, self.device)
         self.best = float(state["best"])
+        if self.d.is_main:
+            distill.check_resumed(self.teacher, state.get("teacher"))
 
     def _saved_rng(self, state: dict) -> dict[str, torch.Tensor]:
         """This rank's RNG state at the checkpoint (each rank's is saved). A rank the saving run
@@ -297,6 +292,8 @@ class Run:
         )
         for note in self.notes:
             print(f"fine-tune: {note}", file=sys.stderr)
+        if self.two_heads:
+            distill.announce(self.teacher, self.cfg.distill)
 
     def _model_label(self) -> str:
         """What is trained: the registered name with its overrides, or the fine-tuning source's
@@ -351,6 +348,7 @@ class Run:
                 "rng_ranks": rngs,
                 "best": self.best,
                 "ema": self.ema.state_dict() if self.ema else None,
+                "teacher": self.teacher.digest if self.teacher else None,
             }
         self.meta.info = {"epoch": self.pos.epoch, "step": self.pos.step, **(info or {})}
         if self.mpp:

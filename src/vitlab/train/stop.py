@@ -14,7 +14,7 @@ class StopFlag:
     (at once, or after the collective timeout), nothing is saved and the last epoch's checkpoint
     stands. Leaving on an error there, SIGTERM is ignored from then on: torchrun's agent sends it
     to every survivor as soon as one rank dies, and it would cut short the report of which rank
-    was lost (see vitlab.train.run.raise_if_rank_lost); the process is ending anyway."""
+    was lost (see vitlab.train.distributed.raise_if_rank_lost); the process is ending anyway."""
 
     def __init__(self, distributed: bool = False) -> None:
         self.requested, self.distributed = False, distributed
