@@ -6,6 +6,9 @@ independent count; and a run on digits through train, resume, eval, predict and 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -363,6 +366,49 @@ def test_a_cnn_run_learns_and_resumes_exactly(cnn_run: Path, tmp_path: Path) -> 
 def test_a_cnn_refuses_masked_patch_prediction(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="pre-trains a ViT.*cnn model"):
         train(run_config("train.objective=mpp", "train.epochs=1"), out=tmp_path / "mpp")
+    with pytest.raises(ConfigError, match="compile with train.grad_checkpointing"):
+        train(run_config("train.compile=true", "train.grad_checkpointing=true"))
+
+
+def test_finetuning_a_small_stem_run_at_64_px_keeps_its_stem(cnn_run: Path, tmp_path: Path) -> None:
+    """The run was built with the small stem at 8 px; at 64 px the automatic choice would be the
+    standard stem, but the weights are the small stem's, and so is the config they carry."""
+    assert load_checkpoint(cnn_run)[1].config.small_stem is True
+    tuned = train(run_config(f"finetune.from={cnn_run}", "model.img_size=64", "train.epochs=1",
+                             "data.label_fraction=0.05"), out=tmp_path / "ft")  # fmt: skip
+    model, meta = load_checkpoint(tuned)
+    assert meta.config.img_hw == (64, 64) and meta.config.small_stem is True
+    assert model.conv1.kernel_size == (3, 3)
+
+
+def test_under_ddp_validation_is_the_saved_models(tmp_path: Path, capsys) -> None:
+    """BatchNorm statistics are rank 0's on every rank before validation and saving, so the
+    validation accuracy logged under torchrun is the saved checkpoint's (fp32: exactly)."""
+    out = tmp_path / "ddp"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_port=29553",
+            "-m",
+            "vitlab",
+            "train",
+            "--out",
+            str(out),
+            *RUN,
+            "train.epochs=1",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["val_acc"]
+    assert main(["eval", str(out), "--split", "val", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["top1"] == pytest.approx(logged, abs=1e-6)
 
 
 def test_a_cnn_run_works_with_eval_predict_and_fewshot(cnn_run: Path, tmp_path: Path,

@@ -145,7 +145,8 @@ class ResNet(nn.Module):
 
     def __init__(self, config: CNNConfig) -> None:
         super().__init__()
-        cfg = self.config = config
+        # the stem is fixed once built: a checkpoint says which, whatever size it is used at later
+        cfg = self.config = config.replace(small_stem=config.uses_small_stem)
         net = _builders()[cfg.arch](
             weights=None,
             num_classes=cfg.num_classes or 1,

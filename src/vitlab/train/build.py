@@ -34,8 +34,16 @@ def resolve_model_config(
         auto["num_classes"] = classes
     if "in_chans" not in cfg.model.overrides:
         auto["in_chans"] = info.in_chans
+    if base is not None and family_of(base) == "cnn":  # the source's stem, at any new size
+        base = base.replace(small_stem=base.uses_small_stem)
     mc = config_of(cfg.model) if base is None else base.replace(**cfg.model.overrides)
     mc = mc.replace(**auto)
+    if family_of(mc) == "cnn" and cfg.train.compile and cfg.train.grad_checkpointing:
+        raise ConfigError(
+            "train.compile with train.grad_checkpointing is not supported for a CNN (its "
+            "checkpointed blocks keep BatchNorm statistics to one update, which torch.compile "
+            "cannot trace): choose one"
+        )
     if mc.num_classes != classes:
         why = "masked patch prediction trains no classifier" if mpp else f"dataset {info.name} has"
         raise ConfigError(f"model.num_classes={mc.num_classes} but {why} {classes}")

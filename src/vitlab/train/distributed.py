@@ -10,12 +10,13 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from vitlab.runtime import Dist, derive_seed
 
@@ -173,6 +174,16 @@ def _chain(error: BaseException) -> list[BaseException]:
         seen.append(error)
         error = error.__cause__ or error.__context__
     return seen
+
+
+def sync_buffers(model: nn.Module, d: Dist, extra: Iterable[Tensor] = ()) -> None:
+    """Rank 0's floating-point buffers (BatchNorm running statistics: DDP copies them to the other
+    ranks only at the start of a forward, FSDP never) and `extra` tensors (the EMA's) on every
+    rank, so that validation, the saved weights and the EMA are one model's."""
+    if not d.enabled:
+        return
+    for t in [*(b for b in model.buffers() if b.is_floating_point()), *extra]:
+        dist.broadcast(t, src=0)
 
 
 def wrap(model: nn.Module, d: Dist, strategy: str, device: torch.device) -> nn.Module:

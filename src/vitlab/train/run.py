@@ -412,6 +412,7 @@ class Run:
     def _end_of_epoch(self, stats: dict) -> None:
         """Validate (the EMA weights when train.ema), log, keep the best, save the last."""
         model, pos = self.model, self.pos
+        distributed.sync_buffers(model, self.d, self.ema.shadow.values() if self.ema else ())
         raw = self.ema.apply_to(model) if self.ema else None
         val = self.evaluate(self.data.val) if self.data.val is not None else None
         evaluated = None
