@@ -26,10 +26,13 @@ from vitlab import create_model, load_checkpoint, save_pretrained
 from vitlab.analysis.cost import cost_report, format_cost_report
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
+from vitlab.data import dataset_info, load_split
 from vitlab.eval.features import represent
 from vitlab.formats.base import CheckpointError
+from vitlab.models.checkpoint import infer_config, read_source
 from vitlab.models.cnn import CNNConfig, ResNet
 from vitlab.models.registry import build_model, family_of, get_config, list_models, shape_of
+from vitlab.train.build import finetune_weights, resolve_model_config
 from vitlab.train.run import train
 
 TORCHVISION = {"resnet18": 11_689_512, "resnet34": 21_797_672, "resnet50": 25_557_032}
@@ -370,15 +373,20 @@ def test_a_cnn_refuses_masked_patch_prediction(tmp_path: Path) -> None:
         train(run_config("train.compile=true", "train.grad_checkpointing=true"))
 
 
-def test_finetuning_a_small_stem_run_at_64_px_keeps_its_stem(cnn_run: Path, tmp_path: Path) -> None:
+def test_finetuning_a_small_stem_run_at_64_px_keeps_its_stem(cnn_run: Path) -> None:
     """The run was built with the small stem at 8 px; at 64 px the automatic choice would be the
-    standard stem, but the weights are the small stem's, and so is the config they carry."""
+    standard stem, but the weights are the small stem's, and so is the config they carry. The
+    steps `vitlab train finetune.from=RUN model.img_size=64` takes before its first epoch."""
     assert load_checkpoint(cnn_run)[1].config.small_stem is True
-    tuned = train(run_config(f"finetune.from={cnn_run}", "model.img_size=64", "train.epochs=1",
-                             "data.label_fraction=0.05"), out=tmp_path / "ft")  # fmt: skip
-    model, meta = load_checkpoint(tuned)
-    assert meta.config.img_hw == (64, 64) and meta.config.small_stem is True
-    assert model.conv1.kernel_size == (3, 3)
+    cfg = run_config(f"finetune.from={cnn_run}", "model.img_size=64")
+    source = read_source(cnn_run)
+    info = dataset_info("digits", load_split("digits", "train"))
+    config = resolve_model_config(cfg, info, infer_config(source))
+    assert config.img_hw == (64, 64) and config.small_stem is True
+    model = build_model(config)
+    notes = finetune_weights(model, source)
+    assert model.conv1.kernel_size == (3, 3) and any("weights are kept" in n for n in notes)
+    assert torch.equal(model.conv1.weight, weights_of(cnn_run, "best")["conv1.weight"])
 
 
 def test_under_ddp_validation_is_the_saved_models(tmp_path: Path, capsys) -> None:
