@@ -22,6 +22,11 @@ class ConfigError(ValueError):
     """A configuration value or key that cannot be used."""
 
 
+def pair(size: int | tuple[int, int]) -> tuple[int, int]:
+    """(height, width) of a size given as one side or as a pair (img_size, window_size)."""
+    return (size, size) if isinstance(size, int) else (size[0], size[1])
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is typing.Literal:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from vitlab.config import ConfigError, check_keys, validate
+from vitlab.config import ConfigError, check_keys, pair, validate
 from vitlab.models.layers import chosen_indices
 
 ResNetArch = Literal["resnet18", "resnet34", "resnet50"]
@@ -65,8 +65,7 @@ class CNNConfig:
 
     @property
     def img_hw(self) -> tuple[int, int]:
-        s = self.img_size
-        return (s, s) if isinstance(s, int) else (s[0], s[1])
+        return pair(self.img_size)
 
     @property
     def uses_small_stem(self) -> bool:

@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from vitlab.config import ConfigError, check_keys, validate
+from vitlab.config import ConfigError, check_keys, pair, validate
 from vitlab.models.layers import chosen_indices
 from vitlab.models.swin_layers import StageSpec, SwinPatchEmbed, SwinStage, WindowAttention
 
@@ -84,13 +84,11 @@ class SwinConfig:
 
     @property
     def img_hw(self) -> tuple[int, int]:
-        s = self.img_size
-        return (s, s) if isinstance(s, int) else (s[0], s[1])
+        return pair(self.img_size)
 
     @property
     def window_hw(self) -> tuple[int, int]:
-        s = self.window_size
-        return (s, s) if isinstance(s, int) else (s[0], s[1])
+        return pair(self.window_size)
 
     @property
     def grid(self) -> tuple[int, int]:

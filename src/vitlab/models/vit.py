@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from vitlab.config import ConfigError, check_keys, validate
+from vitlab.config import ConfigError, check_keys, pair, validate
 from vitlab.models.layers import Block, PatchEmbed, chosen_indices, lecun_normal_
 from vitlab.models.pos_embed import POS_EMBEDS
 from vitlab.models.stems import ConvStem, ResNetStem, stem_problem
@@ -119,8 +119,7 @@ class ViTConfig:
 
     @property
     def img_hw(self) -> tuple[int, int]:
-        s = self.img_size
-        return (s, s) if isinstance(s, int) else (s[0], s[1])
+        return pair(self.img_size)
 
     @property
     def grid(self) -> tuple[int, int]:
