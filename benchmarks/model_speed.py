@@ -1,11 +1,16 @@
-"""Forward (inference) and training-step throughput of vitlab against timm's VisionTransformer of
-the same shape, side by side in one process, fp32 and bf16 autocast.
+"""Forward (inference) and training-step throughput of vitlab against timm's twin of the same
+shape (its VisionTransformer, hybrid, DeiT distilled model or ResNet), side by side in one process,
+fp32 and bf16 autocast.
 
     .venv/bin/python benchmarks/model_speed.py                       # the default set
     .venv/bin/python benchmarks/model_speed.py --models Ti/16 --batch 32 --steps 10 --json out.json
+    .venv/bin/python benchmarks/model_speed.py --models Ti/16:distilled=true R26+S/32 resnet18_28
 
-Both models get identical weights (the test suite checks that they then agree to 1e-5), so the
-comparison is of implementations only. Results go in BENCHMARKS.md.
+A model is a registered name or alias, optionally with `:field=value,...` config overrides. Both
+models get identical weights (the test suite checks that they then agree to 1e-4), so the
+comparison is of implementations only. A distilled model's forward averages its two heads in both
+libraries (timm's default); the training step is cross-entropy on that output. Results go in
+BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -18,24 +23,62 @@ from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
+import yaml
 
 import vitlab
 from vitlab.formats.timm import timm_model_args, vitlab_to_timm
-from vitlab.models.vit import VisionTransformer
+from vitlab.models.registry import family_of
 from vitlab.runtime import use_bf16
 
-DEFAULT = [("vit_nano_patch4_28", 256), ("Ti/16", 32), ("S/16", 16), ("B/16", 8)]
+DEFAULT = [
+    ("vit_nano_patch4_28", 256),
+    ("Ti/16", 32),
+    ("S/16", 16),
+    ("B/16", 8),
+    ("Ti/16:distilled=true", 32),  # DeiT-Ti distilled
+    ("R26+S/32", 16),  # hybrids
+    ("R50+B/16", 4),
+    ("resnet18_28", 128),  # CNN baselines: the small stem, and torchvision's at 224
+    ("resnet18", 16),
+]
 
 
-def timm_twin(model: VisionTransformer) -> torch.nn.Module:
-    """timm's VisionTransformer with model's shape and weights (built from the same model_args
-    that `vitlab convert --to timm` writes)."""
+def parse_model(spec: str) -> tuple[str, dict[str, object]]:
+    """'Ti/16:distilled=true,img_size=384' -> ('Ti/16', {'distilled': True, 'img_size': 384})."""
+    name, _, rest = spec.partition(":")
+    overrides = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        overrides[key] = yaml.safe_load(value)
+    return name, overrides
+
+
+def timm_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """timm's model with `model`'s shape and weights: a ViT, hybrid or distilled ViT from the same
+    model_args that `vitlab convert --to timm` writes; a ResNet from timm's resnet18 / 34 / 50
+    (torchvision's names, as vitlab's), its conv1 and max-pool swapped for the small stem."""
     import timm
 
-    arch, args = timm_model_args(model.config)
+    cfg = model.config
+    if family_of(cfg) == "cnn":
+        twin = timm.create_model(cfg.arch, num_classes=cfg.num_classes, in_chans=cfg.in_chans)
+        if cfg.uses_small_stem:
+            twin.conv1 = torch.nn.Conv2d(cfg.in_chans, 64, 3, 1, 1, bias=False)
+            twin.maxpool = torch.nn.Identity()
+        twin.load_state_dict(model.state_dict())
+        return twin
+    arch, args = timm_model_args(cfg)
     twin = timm.create_model(arch, **args)
     twin.load_state_dict(vitlab_to_timm(model.state_dict()))
     return twin
+
+
+def randomize_heads(model: torch.nn.Module) -> None:
+    """Non-zero classifier weights (vitlab's start at zero), so the heads' matmuls are real."""
+    for name in ("head", "head_dist", "fc"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Linear):
+            torch.nn.init.normal_(head.weight, std=0.02)
 
 
 def median_seconds(fns: dict[str, Callable[[], None]], steps: int, warmup: int = 2) -> dict:
@@ -76,7 +119,11 @@ def step_fns(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: boo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="*", help="names or aliases (default: a standard set)")
+    parser.add_argument(
+        "--models",
+        nargs="*",
+        help="names or aliases, each optionally NAME:field=value,... (default: a standard set)",
+    )
     parser.add_argument("--batch", type=int, help="batch size for every model")
     parser.add_argument("--steps", type=int, default=5, help="timed calls per measurement")
     parser.add_argument("--json", help="also write the results to this file")
@@ -88,15 +135,21 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor()}")
     results = []
     for name, batch in runs:
-        ours = vitlab.create_model(name)
-        torch.nn.init.normal_(ours.head.weight, std=0.02)
+        base, overrides = parse_model(name)
+        ours = vitlab.create_model(base, **overrides)
+        randomize_heads(ours)
         theirs = timm_twin(ours)
         cfg = ours.config
         x = torch.randn(batch, cfg.in_chans, *cfg.img_hw)
         y = torch.randint(0, cfg.num_classes, (batch,))
+        with torch.inference_mode():  # the same function, or the comparison means nothing
+            diff = (ours.eval()(x[:2]) - theirs.eval()(x[:2])).abs().max().item()
+        if diff > 1e-3:
+            raise SystemExit(f"{name}: vitlab's and timm's logits differ by {diff:.2e}")
         by_precision = {}
         for bf16 in (False, True):
-            row = {"model": name, "batch": batch, "precision": "bf16" if bf16 else "fp32"}
+            row = {"model": name, "batch": batch, "precision": "bf16" if bf16 else "fp32",
+                   "fp32_max_abs_logit_diff": float(f"{diff:.1e}")}  # fmt: skip
             fns = {lib: step_fns(m, x, y, bf16) for lib, m in (("vitlab", ours), ("timm", theirs))}
             for i, kind in enumerate(("infer", "train")):
                 secs = median_seconds({lib: f[i] for lib, f in fns.items()}, args.steps)

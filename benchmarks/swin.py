@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
@@ -25,12 +24,10 @@ import time
 from pathlib import Path
 
 import torch
+from fmnist_runs import cpu, same_budget
 from model_speed import median_seconds, step_fns
 
 import vitlab
-from vitlab.config import load_run_config
-from vitlab.models.registry import build_model, config_of
-from vitlab.runtime import use_bf16
 
 SPEED = [("Swin-T", 8), ("swin_nano_patch2_window7_28", 128)]
 
@@ -114,55 +111,8 @@ FMNIST = {
 }
 
 
-def training_img_s(overrides: list[str]) -> float:
-    """Images/s of the training step on a batch of 128 in the run's default precision."""
-    config = config_of(load_run_config(None, overrides).model)
-    model = build_model(config.replace(num_classes=10, in_chans=1, img_size=28))
-    x, y = torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,))
-    _, train = step_fns(model, x, y, use_bf16("auto", x.device))
-    return 128 / median_seconds({"m": train}, 10)["m"]
-
-
 def fmnist(budget: float, out: Path) -> list[dict]:
-    recipe = ["data.name=fashion-mnist", "train.batch_size=128", "optim.lr=0.002",
-              "optim.weight_decay=0.05", "optim.warmup_epochs=0.3",
-              "optim.label_smoothing=0.1"]  # fmt: skip
-    results = []
-    for label, overrides in FMNIST.items():
-        img_s = training_img_s(overrides)
-        epochs = max(1, round(budget * img_s / 54_000))
-        run = out / label.split()[0].lower() / label.split("(")[1].rstrip(")").replace(" ", "-")
-        if not (run / "results.json").is_file():
-            t0 = time.perf_counter()
-            subprocess.run(
-                [sys.executable, "-m", "vitlab", "-q", "train", "--out", str(run), "--overwrite",
-                 *recipe, *overrides, f"train.epochs={epochs}"],
-                check=True,
-            )  # fmt: skip
-            (run / "wall_s.txt").write_text(f"{time.perf_counter() - t0:.0f}\n")
-        r = json.loads((run / "results.json").read_text())
-        wall = float((run / "wall_s.txt").read_text())
-        row = {"model": label, "measured_train_img_s": round(img_s), "epochs": epochs,
-               "test_top1": r["top1"], "wall_s": wall}  # fmt: skip
-        results.append(row)
-        print(json.dumps(row), flush=True)
-    return results
-
-
-def cpu() -> str:
-    """The CPU's model name and the flags that decide the fast path."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if "model name" in ln), "")
-    flags = set(
-        next(
-            (ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []
-        )
-    )
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return f"{name} ({', '.join(f for f in wanted if f in flags)})"
+    return same_budget(FMNIST, budget, out)
 
 
 def main() -> None:
