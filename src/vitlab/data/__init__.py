@@ -10,7 +10,7 @@ from vitlab.data.datasets import (
     load_split,
     train_val_split,
 )
-from vitlab.data.loader import make_loader
+from vitlab.data.loader import loader_options, make_loader
 from vitlab.data.transforms import BatchAugment, Preprocessing
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "Preprocessing",
     "dataset_info",
     "label_subset",
+    "loader_options",
     "load_split",
     "make_loader",
     "train_val_split",

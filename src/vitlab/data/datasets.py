@@ -1,5 +1,5 @@
 """Datasets by name. Small ones load into memory as uint8 tensors (N, C, H, W); image folders are
-listed, checked, and streamed from disk.
+listed (each file checked when first decoded) and streamed from disk.
 
     digits          scikit-learn's bundled 8x8 digits (1,797 images); test = a seeded 20%
     fashion-mnist   60k / 10k 28x28 greyscale, IDX gz files (located or downloaded, SHA-256 checked)
@@ -63,12 +63,13 @@ class ArraySplit:
 
 @dataclass
 class FolderSplit:
-    """One split of an image folder: file paths and labels, read on demand."""
+    """One split of an image folder: file paths (strings: a Path each costs more to make than
+    listing the file) and labels, read on demand."""
 
-    files: list[Path]
+    files: list[str]
     labels: Tensor  # (N,) int64
     classes: list[str]
-    skipped: list[Path] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -77,6 +78,14 @@ class FolderSplit:
         return FolderSplit(
             [self.files[i] for i in index.tolist()], self.labels[index], self.classes
         )
+
+    def read(self, i: int) -> bytes:
+        """Image i's encoded bytes (an OSError when the file cannot be read)."""
+        with open(self.files[i], "rb") as f:
+            return f.read()
+
+    def where(self, i: int) -> str:
+        return self.files[i]
 
 
 Split = ArraySplit | FolderSplit
@@ -291,20 +300,6 @@ def load_cifar_split(name: str, split: str, data_dir: str | None) -> ArraySplit:
 # --- image folders --------------------------------------------------------------------------------
 
 
-def _check_image(path: Path) -> str | None:
-    """None when PIL reads the file's header and structure (`verify()`, which does not decode the
-    pixels), else why not. A file that passes and still fails to
-    decode (a truncated JPEG) is a DatasetError naming it when it is loaded (read_image)."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as im:
-            im.verify()
-        return None
-    except Exception as e:  # PIL raises many kinds for bad files
-        return f"{type(e).__name__}: {e}"
-
-
 def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
     """The image file at `path` decoded and converted to `mode` ('L', 'RGB'); a DatasetError naming
     the file when it cannot be (PIL raises OSError, ValueError, DecompressionBombError ...)."""
@@ -317,10 +312,26 @@ def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
         raise DatasetError(f"cannot read image {path}: {type(e).__name__}: {e}") from None
 
 
+def _list_files(folder: Path) -> list[str]:
+    """Every file under folder, sorted, listed without opening or stat-ing any (os.scandir's
+    entries know their type): a tree of millions of files is indexed in the time it takes to list
+    its directories."""
+    found, stack = [], [folder]
+    while stack:
+        with os.scandir(stack.pop()) as entries:
+            for e in entries:
+                if e.is_dir():
+                    stack.append(Path(e.path))
+                elif e.is_file():
+                    found.append(e.path)
+    return sorted(found)
+
+
 def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSplit:
-    """Files of root/CLASS/*; unreadable and non-image files are skipped with a warning each. A
-    folder without sub-folders is unlabelled: its images, no classes (for training without labels,
-    train.objective=mpp)."""
+    """Files of root/CLASS/* with an image suffix, listed only: a file is checked when it is first
+    decoded, and one that does not decode is then skipped and named once (see loader.py). Other
+    files are skipped with one warning naming a few. A folder without sub-folders is unlabelled:
+    its images, no classes (for training without labels, train.objective=mpp)."""
     if not root.is_dir():
         raise DatasetError(f"image folder {root} does not exist")
     found = sorted(p.name for p in root.iterdir() if p.is_dir())
@@ -331,22 +342,18 @@ def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSpl
         folder = root / cls
         if not folder.is_dir():
             continue
-        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-            why = (
-                "not an image file"
-                if path.suffix.lower() not in IMAGE_SUFFIXES
-                else _check_image(path)
-            )
-            if why:
-                log.warning("skipping %s: %s", path, why)
+        for path in _list_files(folder):
+            if os.path.splitext(path)[1].lower() in IMAGE_SUFFIXES:
+                files.append(path)
+                labels.append(label)
+            else:
                 skipped.append(path)
-                continue
-            files.append(path)
-            labels.append(label)
     if skipped:
-        log.warning("skipped %d unreadable or non-image files in %s", len(skipped), root)
+        names = ", ".join(str(p) for p in skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+        log.warning("skipped %d non-image files in %s: %s", len(skipped), root, names)
     if not files:
-        raise DatasetError(f"image folder {root} holds no readable images")
+        kinds = ", ".join(sorted(IMAGE_SUFFIXES))
+        raise DatasetError(f"image folder {root} holds no image files ({kinds})")
     if unlabelled:
         log.info("image folder %s has no class sub-folders: %d unlabelled images", root, len(files))
     return FolderSplit(files, torch.tensor(labels, dtype=torch.long), list(classes), skipped)

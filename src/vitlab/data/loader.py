@@ -15,20 +15,26 @@ exact)."""
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from vitlab.data.datasets import ArraySplit, FolderSplit, Split, read_image
+from vitlab.config import DataConfig
+from vitlab.data.datasets import ArraySplit, DatasetError, Split
+from vitlab.data.decode import available_cores, decode_image
 from vitlab.data.transforms import BatchAugment
 from vitlab.preprocessing import Preprocessing
 from vitlab.runtime import derive_seed
 
 Batch = tuple[Tensor, Tensor]
 PADDING = -1  # the label of a padding sample: evaluated so ranks step together, never counted
+MAX_SUBSTITUTES = 100  # undecodable images in a row before a training batch gives up
+log = logging.getLogger(__name__)
 
 
 class BatchPlan:
@@ -94,49 +100,108 @@ class ArrayLoader:
         return self.iterate()
 
 
-class _FolderImages(Dataset):
-    """Decodes image files to uint8 (C, H, W), with the per-image random transforms in workers.
-    A DataLoader fetches whole batches, `(seed, indices)`, through __getitems__."""
+class _FileImages(Dataset):
+    """Decodes a split's images (files, or rows of a Hugging Face dataset: anything with read(i)
+    -> bytes and where(i) -> name) to uint8 (C, H, W), with the per-image random transforms, in
+    workers. A DataLoader fetches whole batches, `(seed, indices)`, through __getitems__.
 
-    def __init__(self, files: list[Path], labels: Tensor, per_image: Callable, in_chans: int):
-        self.files, self.labels, self.per_image, self.in_chans = files, labels, per_image, in_chans
+    An image that does not decode is skipped: in training the next readable one in the split
+    takes its place (the batch keeps its size), in evaluation a padding sample (never counted)."""
+
+    def __init__(self, split: Split, per_image: Callable, in_chans: int, train: bool) -> None:
+        self.split, self.per_image, self.in_chans, self.train = split, per_image, in_chans, train
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len(self.split)
 
-    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
-        from torchvision.transforms.v2 import functional as TF
+    def _decode(self, i: int) -> Tensor:
+        try:
+            data = self.split.read(i)
+        except OSError as e:
+            raise DatasetError(f"cannot read image {self.split.where(i)}: {e}") from None
+        return decode_image(data, self.in_chans, self.split.where(i))  # or DatasetError
 
-        image = read_image(self.files[i], "L" if self.in_chans == 1 else "RGB")  # or DatasetError
-        x = TF.pil_to_tensor(image)
-        return self.per_image(x[None])[0], self.labels[i]
+    def _sample(self, i: int, bad: list[tuple[str, str]]) -> tuple[Tensor, Tensor]:
+        n = len(self.split)
+        for j in range(i, i + min(n, MAX_SUBSTITUTES)):
+            try:
+                x = self._decode(j % n)
+            except DatasetError as e:
+                bad.append((self.split.where(j % n), str(e)))
+                if not self.train:
+                    return self.per_image(torch.zeros(1, self.in_chans, 8, 8, dtype=torch.uint8))[
+                        0
+                    ], torch.tensor(PADDING)
+                continue
+            return self.per_image(x[None])[0], self.split.labels[j % n]
+        raise DatasetError(f"none of {min(n, MAX_SUBSTITUTES)} images from {self.split.where(i)} "
+                           f"on decodes: {bad[-1][1]}")  # fmt: skip
 
-    def __getitems__(self, batch: tuple[int, list[int]]) -> list[tuple[Tensor, Tensor]]:
-        """One batch, its random transforms drawn from its own seed (the process's RNG, in a worker
-        or with workers=0 the trainer's, is left as it was)."""
+    def __getitems__(self, batch: tuple[int, list[int]]) -> tuple[Tensor, Tensor, list]:
+        """One batch (images, labels, why each undecodable image was skipped), its random
+        transforms drawn from its own seed (the process's RNG, in a worker or with workers=0 the
+        trainer's, is left as it was)."""
         seed, indices = batch
+        bad: list[tuple[str, str]] = []
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return [self[i] for i in indices]
+            samples = [self._sample(i, bad) for i in indices]
+        return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples]), bad
+
+
+def _as_is(batch: object) -> object:
+    """The DataLoader's collate function: __getitems__ returns the batch already stacked."""
+    return batch
+
+
+class _Batches:
+    """A batch sampler whose batches are replaced every epoch: one DataLoader, and with
+    persistent workers one set of worker processes, serves every epoch."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, list[int]]] = []
+
+    def __iter__(self) -> Iterator[tuple[int, list[int]]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def warn_once(seen: set[str], bad: list[tuple[str, str]]) -> None:
+    """Log each undecodable image, (name, why), the first time it comes."""
+    for where, why in bad:
+        if where not in seen:
+            seen.add(where)
+            log.warning("skipping an image that does not decode: %s", why)
 
 
 class FolderLoader:
-    """Image files streamed through a DataLoader with workers."""
+    """Image files (or Hugging Face rows) decoded and augmented in DataLoader workers."""
 
     def __init__(
         self,
-        split: FolderSplit,
+        split: Split,
         plan: BatchPlan,
         per_image: Callable[[Tensor], Tensor],
         finish: Callable[..., Batch],
         in_chans: int,
-        workers: int,
+        options: LoaderOptions,
     ) -> None:
-        self.plan, self.finish, self.workers = plan, finish, workers
-        self.dataset = _FolderImages(split.files, split.labels, per_image, in_chans)
+        self.plan, self.finish, self.options = plan, finish, options
+        self.dataset = _FileImages(split, per_image, in_chans, train=plan.shuffle)
+        self.skipped: set[str] = set()  # the undecodable images, each named once
+        self._sampler, self._loader = _Batches(), None
 
     def __len__(self) -> int:
         return len(self.plan)
+
+    def _dataloader(self) -> DataLoader:
+        if self._loader is None:
+            self._loader = self.options.dataloader(
+                self.dataset, batch_sampler=self._sampler, collate_fn=_as_is
+            )
+        return self._loader
 
     def iterate(self, epoch: int = 0, start: int = 0) -> Iterator[Batch]:
         plan, batches, pads = self.plan, [], []
@@ -144,19 +209,45 @@ class FolderLoader:
             index, pad = _padded(index)
             batches.append((plan.batch_seed(epoch, b), index.tolist()))
             pads.append(pad)
-        loader = DataLoader(
-            self.dataset,
-            batch_sampler=batches,
-            num_workers=self.workers,
-            persistent_workers=False,
-            # the workers' base seed (unused: each batch has its own), not from the global RNG
-            generator=torch.Generator().manual_seed(plan.batch_seed(epoch, -1)),
-        )
-        for (images, labels), pad in zip(loader, pads, strict=True):
+        self._sampler.batches = batches
+        for (images, labels, bad), pad in zip(self._dataloader(), pads, strict=True):
+            warn_once(self.skipped, bad)
             yield self.finish(images, torch.full_like(labels, PADDING) if pad else labels)
 
     def __iter__(self) -> Iterator[Batch]:
         return self.iterate()
+
+
+@dataclass
+class LoaderOptions:
+    """DataLoader settings for streamed data (files, shards, HF rows)."""
+
+    workers: int = 0
+    pin_memory: bool = False  # page-locked batches: faster, asynchronous copies to a GPU
+    prefetch: int = 2  # batches each worker prepares ahead
+    persistent: bool = True  # keep the workers from one epoch to the next
+
+    def dataloader(self, dataset: Dataset, **kw: object) -> DataLoader:
+        extra = {}
+        if self.workers:
+            extra = {"prefetch_factor": self.prefetch, "persistent_workers": self.persistent}
+        # the workers' base seed (unused: each batch has its own), not from the global RNG
+        gen = torch.Generator().manual_seed(0)
+        return DataLoader(
+            dataset, num_workers=self.workers, pin_memory=self.pin_memory, generator=gen,
+            **extra, **kw,
+        )  # fmt: skip
+
+
+def loader_options(cfg: DataConfig, device: torch.device) -> dict:
+    """make_loader's keyword arguments for a run: cfg's workers (default: this process's share
+    of the cores it may use, among torchrun's processes on this machine), pinned memory when
+    training on a GPU, cfg's prefetch depth."""
+    workers = cfg.workers
+    if workers is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        workers = max(1, available_cores() // max(local_world, 1))
+    return {"workers": workers, "pin_memory": device.type == "cuda", "prefetch": cfg.prefetch}
 
 
 Loader = ArrayLoader | FolderLoader
@@ -173,8 +264,12 @@ def make_loader(
     rank: int = 0,
     world: int = 1,
     workers: int = 0,
+    pin_memory: bool = False,
+    prefetch: int = 2,
 ) -> Loader:
-    """A training loader (augment given, shuffled) or an evaluation loader (plain preprocessing)."""
+    """A training loader (augment given, shuffled) or an evaluation loader (plain preprocessing).
+    `workers`, `pin_memory` and `prefetch` apply to streamed data (files, shards, HF rows)."""
+    options = LoaderOptions(workers, pin_memory, prefetch)
     plan = BatchPlan(len(split), batch_size, shuffle, seed, rank, world)
     if augment is None:
 
@@ -186,4 +281,4 @@ def make_loader(
         per_image, finish = augment.per_image_only, augment.finish
     if isinstance(split, ArraySplit):
         return ArrayLoader(split, plan, lambda im, lab: finish(per_image(im), lab))
-    return FolderLoader(split, plan, per_image, finish, pre.in_chans, workers)
+    return FolderLoader(split, plan, per_image, finish, pre.in_chans, options)

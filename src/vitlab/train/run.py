@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from vitlab.config import ConfigError, RunConfig, to_dict
-from vitlab.data import BatchAugment, Preprocessing, make_loader
+from vitlab.data import BatchAugment, Preprocessing, loader_options, make_loader
 from vitlab.data.datasets import Split
 from vitlab.eval.classification import evaluate
 from vitlab.eval.mpp import evaluate_mpp
@@ -171,7 +171,7 @@ class Run:
             seed=cfg.train.seed,
             rank=d.rank,
             world=d.world,
-            workers=cfg.data.workers,
+            **loader_options(cfg.data, device),
         )
         self.settings = self._step_settings()
         # FSDP shards self.model in place; the optimizer must be built after, to see the shards
@@ -315,7 +315,7 @@ class Run:
             self.pre,
             rank=self.d.rank,
             world=self.d.world,
-            workers=self.cfg.data.workers,
+            **loader_options(self.cfg.data, self.device),
         )
         precision = nullcontext() if fp32 else self.autocast()
         if self.mpp:  # the same corruption draws at every evaluation of a split
