@@ -5,6 +5,12 @@ listed (each file checked when first decoded) and streamed from disk.
     fashion-mnist   60k / 10k 28x28 greyscale, IDX gz files (located or downloaded, SHA-256 checked)
     cifar10/100     the python-version archive (tar.gz or extracted folder)
     imagefolder:P   one sub-folder per class; P/train + P/test (or P/val) when present
+    wds:SHARDS      WebDataset shards (vitlab.data.shards), streamed
+    hf:NAME         a Hugging Face dataset: hub name, save_to_disk folder, parquet files
+                    (vitlab.data.hf)
+
+A source of one split (a wds pattern, one parquet file) is the training split; data.test names
+the test split's source, loaded whole (split "all").
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import torch
 from torch import Tensor
 
 from vitlab.data.download import FASHION_SHA256, DatasetError, find_or_fetch_fashion_mnist
+from vitlab.data.hf import HFSplit, load_hf
+from vitlab.data.shards import ShardSplit, carve_shards, load_shards
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +96,7 @@ class FolderSplit:
         return self.files[i]
 
 
-Split = ArraySplit | FolderSplit
+Split = ArraySplit | FolderSplit | ShardSplit | HFSplit
 
 
 @dataclass
@@ -376,13 +384,37 @@ def load_folder_split(root: Path, split: str, seed: int) -> FolderSplit:
 
 # --- by name --------------------------------------------------------------------------------------
 
-NAMES = ("digits", "fashion-mnist", "cifar10", "cifar100", "imagefolder:PATH")
+NAMES = (
+    "digits",
+    "fashion-mnist",
+    "cifar10",
+    "cifar100",
+    "imagefolder:PATH",
+    "wds:SHARDS",
+    "hf:NAME",
+)
 
 
-def load_split(name: str, split: str, data_dir: str | None = None, seed: int = 0) -> Split:
-    """The 'train' or 'test' split of a dataset by name."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+def load_split(
+    name: str,
+    split: str,
+    data_dir: str | None = None,
+    seed: int = 0,
+    keys: tuple[str | None, str | None] = (None, None),
+) -> Split:
+    """The 'train' or 'test' split of a dataset by name, or 'all' of a folder, shards or HF
+    dataset (a test split named by data.test); keys = (data.image_key, data.label_key)."""
+    if split not in ("train", "test", "all"):
+        raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
+    if name.startswith("wds:"):
+        return load_shards(name[4:], split, keys)
+    if name.startswith("hf:"):
+        return load_hf(name[3:], split, keys, seed)
+    if split == "all" and name.startswith("imagefolder:"):
+        return scan_image_folder(Path(name.split(":", 1)[1]).expanduser())
+    if split == "all":
+        raise DatasetError(f"data.test={name}: a test split of its own is an image folder, shards "
+                           f"or a Hugging Face dataset; {name} has its own test split")  # fmt: skip
     if name == "digits":
         return load_digits_split(split)
     if name == "fashion-mnist":
@@ -395,6 +427,8 @@ def load_split(name: str, split: str, data_dir: str | None = None, seed: int = 0
 
 
 def dataset_info(name: str, split: Split) -> DatasetInfo:
+    if isinstance(split, ShardSplit | HFSplit):
+        return DatasetInfo(name, split.classes, split.in_chans, None, *split.stats)
     key = "imagefolder" if name.startswith("imagefolder:") else name
     mean, std = STATS[key]
     if isinstance(split, ArraySplit):
@@ -409,6 +443,9 @@ def label_subset(train: Split, fraction: float, seed: int) -> Split:
     the split has no labels), in the split's order: the labelled part of a few-label run."""
     if fraction >= 1.0:
         return train
+    if isinstance(train, ShardSplit):
+        raise DatasetError("data.label_fraction < 1 picks images by label: shards are streamed, "
+                           "not indexed; write the subset's shards instead")  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     groups = [torch.arange(len(train))]
     if train.classes:
@@ -425,5 +462,7 @@ def train_val_split(train: Split, fraction: float, seed: int) -> tuple[Split, Sp
     """Carve a seeded validation set out of train (none when fraction is 0)."""
     if fraction <= 0:
         return train, None
+    if isinstance(train, ShardSplit):
+        return carve_shards(train, fraction, seed)
     kept, carved = _seeded_split(len(train), fraction, seed)
     return train.subset(kept), train.subset(carved)

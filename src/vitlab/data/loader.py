@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from vitlab.config import DataConfig
-from vitlab.data.datasets import ArraySplit, DatasetError, Split
+from vitlab.data.datasets import ArraySplit, DatasetError, ShardSplit, Split
 from vitlab.data.decode import available_cores, decode_image
 from vitlab.data.transforms import BatchAugment
 from vitlab.preprocessing import Preprocessing
@@ -247,7 +247,12 @@ def loader_options(cfg: DataConfig, device: torch.device) -> dict:
     if workers is None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         workers = max(1, available_cores() // max(local_world, 1))
-    return {"workers": workers, "pin_memory": device.type == "cuda", "prefetch": cfg.prefetch}
+    return {
+        "workers": workers,
+        "pin_memory": device.type == "cuda",
+        "prefetch": cfg.prefetch,
+        "buffer": cfg.shuffle_buffer,
+    }
 
 
 Loader = ArrayLoader | FolderLoader
@@ -266,11 +271,12 @@ def make_loader(
     workers: int = 0,
     pin_memory: bool = False,
     prefetch: int = 2,
+    buffer: int = 1000,
 ) -> Loader:
     """A training loader (augment given, shuffled) or an evaluation loader (plain preprocessing).
-    `workers`, `pin_memory` and `prefetch` apply to streamed data (files, shards, HF rows)."""
+    `workers`, `pin_memory` and `prefetch` apply to streamed data (files, shards, HF rows),
+    `buffer` (the shuffle buffer's size) to shards."""
     options = LoaderOptions(workers, pin_memory, prefetch)
-    plan = BatchPlan(len(split), batch_size, shuffle, seed, rank, world)
     if augment is None:
 
         def evaluate_batch(images: Tensor, labels: Tensor) -> Batch:  # resized by per_image
@@ -279,6 +285,14 @@ def make_loader(
         per_image, finish = pre.resize, evaluate_batch
     else:
         per_image, finish = augment.per_image_only, augment.finish
+    if isinstance(split, ShardSplit):
+        from vitlab.data.stream import StreamLoader  # which imports this module
+
+        return StreamLoader(
+            split, batch_size, per_image, finish, in_chans=pre.in_chans, train=shuffle, seed=seed,
+            rank=rank, world=world, buffer=buffer, options=options,
+        )  # fmt: skip
+    plan = BatchPlan(len(split), batch_size, shuffle, seed, rank, world)
     if isinstance(split, ArraySplit):
         return ArrayLoader(split, plan, lambda im, lab: finish(per_image(im), lab))
     return FolderLoader(split, plan, per_image, finish, pre.in_chans, options)

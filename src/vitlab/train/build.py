@@ -98,8 +98,12 @@ class Data:
 
 
 def load_data(cfg: RunConfig) -> Data:
-    train_full = load_split(cfg.data.name, "train", cfg.data.dir, cfg.data.split_seed)
-    test = load_split(cfg.data.name, "test", cfg.data.dir, cfg.data.split_seed)
+    keys, seed = (cfg.data.image_key, cfg.data.label_key), cfg.data.split_seed
+    train_full = load_split(cfg.data.name, "train", cfg.data.dir, seed, keys)
+    if cfg.data.test:  # a test split of its own, whole
+        test = load_split(cfg.data.test, "all", cfg.data.dir, seed, keys)
+    else:
+        test = load_split(cfg.data.name, "test", cfg.data.dir, seed, keys)
     train, val = train_val_split(train_full, cfg.data.val_fraction, cfg.data.split_seed)
     train = label_subset(train, cfg.data.label_fraction, cfg.data.split_seed)
     return Data(dataset_info(cfg.data.name, train_full), train, val, test)

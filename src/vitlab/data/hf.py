@@ -1,0 +1,135 @@
+"""Hugging Face datasets (`data.name=hf:NAME`), through the `datasets` library.
+
+NAME is a folder `Dataset.save_to_disk` wrote, a parquet file, a folder of parquet files (splits
+named by their file names, as `datasets.load_dataset` reads them), or, online, a hub name
+(`hf:ILSVRC/imagenet-1k`, `hf:uoft-cs/cifar10`). The image column is the first of type Image
+(else one named image / img / jpg / png) unless data.image_key names it; the label column the first
+ClassLabel (else label / labels / cls / fine_label / target) unless data.label_key does. Class
+names come from the ClassLabel, else are the label values. The test split is `test`, else
+`validation` / `val`, else a seeded 20% of the only split (as an image folder's)."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from vitlab.data.download import DatasetError
+
+IMAGE_NAMES = ("image", "img", "jpg", "png")
+LABEL_NAMES = ("label", "labels", "cls", "fine_label", "target")
+IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+
+
+@dataclass
+class HFSplit:
+    """Rows of a Hugging Face dataset (memory-mapped Arrow), images read on demand."""
+
+    table: object  # datasets.Dataset of the image column only, undecoded
+    name: str
+    rows: Tensor  # (N,) int64: the table's rows in this split
+    labels: Tensor  # (N,) int64
+    classes: list[str]
+    in_chans: int = 3
+    stats: tuple[tuple[float, ...], tuple[float, ...]] = IMAGENET_STATS
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def subset(self, index: Tensor) -> HFSplit:
+        return replace(self, rows=self.rows[index], labels=self.labels[index])
+
+    def read(self, i: int) -> bytes:
+        """Row i's encoded image (an OSError when its file cannot be read)."""
+        cell = self.table[int(self.rows[i])][self.table.column_names[0]]
+        if isinstance(cell, dict) and cell.get("bytes") is None and cell.get("path"):
+            with open(cell["path"], "rb") as f:
+                return f.read()
+        data = cell.get("bytes") if isinstance(cell, dict) else cell
+        if not isinstance(data, bytes):
+            raise OSError(f"an image cell holds {type(data).__name__}, not encoded bytes")
+        return data
+
+    def where(self, i: int) -> str:
+        return f"row {int(self.rows[i])} of {self.name}"
+
+
+def _open(spec: str) -> dict:
+    """{split name: datasets.Dataset} of hf:SPEC."""
+    import datasets
+
+    path = Path(spec).expanduser()
+    try:
+        if path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):
+            found = datasets.load_from_disk(str(path))
+        elif path.suffix == ".parquet":
+            found = datasets.load_dataset("parquet", data_files=str(path))
+        else:  # a folder of data files, or a hub name
+            found = datasets.load_dataset(str(path) if path.exists() else spec)
+    except Exception as e:  # missing, offline, unknown name: the library says which
+        raise DatasetError(f"cannot load the Hugging Face dataset {spec}: {type(e).__name__}: "
+                           f"{e}") from None  # fmt: skip
+    return dict(found) if isinstance(found, datasets.DatasetDict) else {"train": found}
+
+
+def _column(table, key: str | None, kind: str, names: tuple[str, ...], what: str) -> str:
+    if key is not None:
+        if key not in table.column_names:
+            raise DatasetError(
+                f"data.{what}_key={key}: no such column; it has {table.column_names}"
+            )
+        return key
+    typed = [c for c, f in table.features.items() if type(f).__name__ == kind]
+    named = [c for c in names if c in table.column_names]
+    if not typed + named:
+        raise DatasetError(f"no {what} column found (a {kind} feature, or one named "
+                           f"{' / '.join(names)}) among {table.column_names}: set "
+                           f"data.{what}_key")  # fmt: skip
+    return (typed + named)[0]
+
+
+def load_hf(spec: str, split: str, keys: tuple[str | None, str | None], seed: int) -> HFSplit:
+    """Split 'train', 'test' or 'all' of hf:SPEC; keys = (data.image_key, data.label_key)."""
+    import datasets
+
+    from vitlab.data.datasets import _seeded_split
+
+    splits = _open(spec)
+    test = next((n for n in ("test", "validation", "val") if n in splits), None)
+    train = "train" if "train" in splits else next(iter(splits))
+    if split == "all" and len(splits) > 1 and test is None:
+        raise DatasetError(f"hf:{spec} has splits {sorted(splits)}: which is the test split?")
+    table = splits[test if split != "train" and test else train]
+    image = _column(table, keys[0], "Image", IMAGE_NAMES, "image")
+    label = _column(table, keys[1], "ClassLabel", LABEL_NAMES, "label")
+    feature = table.features[label]
+    labels = torch.as_tensor(list(table[label]), dtype=torch.long)
+    if isinstance(feature, datasets.ClassLabel):
+        classes = list(feature.names)
+    else:
+        classes = [str(i) for i in range(int(labels.max()) + 1 if len(labels) else 0)]
+    images = table.select_columns([image])
+    if isinstance(images.features[image], datasets.Image):
+        images = images.cast_column(image, datasets.Image(decode=False))
+    full = HFSplit(images, f"hf:{spec}", torch.arange(len(labels)), labels, classes)
+    full.in_chans = _channels(full)
+    if split == "all" or test is not None:
+        return full
+    kept, carved = _seeded_split(len(full), 0.2, seed)
+    return full.subset(carved if split == "test" else kept)
+
+
+def _channels(split: HFSplit) -> int:
+    """1 when the first image is greyscale, else 3."""
+    from PIL import Image
+
+    if not len(split):
+        raise DatasetError(f"{split.name} has no rows")
+    try:
+        with Image.open(io.BytesIO(split.read(0))) as im:
+            return 1 if im.mode in ("1", "L", "I", "I;16", "F") else 3
+    except Exception as e:
+        raise DatasetError(f"cannot read image {split.where(0)}: {type(e).__name__}: {e}") from None
