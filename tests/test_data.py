@@ -228,7 +228,6 @@ def test_a_tree_of_100k_files_is_indexed_in_seconds(tmp_path: Path) -> None:
     """No file is opened while scanning: 100,000 (empty) files in 100 classes index in seconds."""
     import os
     import tempfile
-    import time
 
     shm = Path("/dev/shm")  # a RAM disk, where there is one: creating the files is the slow part
     where = shm if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path

@@ -50,8 +50,11 @@ def balanced(tmp_path_factory) -> Path:
     return root
 
 
-def epoch_keys(split, epoch: int, start: int = 0, rank: int = 0, world: int = 1, workers: int = 2,
-               batch: int = 16, buffer: int = 10) -> tuple[list[str], list[torch.Tensor]]:  # fmt: skip
+def epoch_keys(
+    split, epoch: int, start: int = 0, rank: int = 0, world: int = 1, workers: int = 2
+) -> tuple[list[str], list[torch.Tensor]]:
+    """The sample keys and images of an epoch's batches from `start`: batches of 16, buffer 10."""
+    batch, buffer = 16, 10
     loader = make_loader(split, batch, PRE, augment=AUG, shuffle=True, seed=3, rank=rank,
                          world=world, workers=workers, buffer=buffer)  # fmt: skip
     loader.record = []
