@@ -156,3 +156,53 @@ def test_train_from_shards_interrupted_mid_epoch_resumes_exactly(tmp_path, monke
     for which in ("last", "best"):
         a, b = weights_of(straight, which), weights_of(resumed, which)
         assert all(torch.equal(a[k], b[k]) for k in a), which
+
+
+def test_two_rank_ddp_reads_distinct_shards_and_trains(tmp_path: Path, balanced: Path) -> None:
+    """Under torchrun (2 ranks, gloo): each rank's DataLoader workers read shards no other rank
+    reads, together every sample of the epoch once; and `vitlab train` trains from them."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import kill_tree
+
+    root = Path(__file__).resolve().parents[1]
+    spec = {"shards": f"{balanced}/part-{{00..07}}.tar", "out": str(tmp_path)}
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "tests.test_shards", json.dumps(spec)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = kill_tree(proc)
+        pytest.fail(f"torchrun hung: {stderr[-3000:]}")
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"keys{r}.json").read_text()) for r in range(2)]
+    everything = {f"s{s}-{i:02d}" for s in range(SHARDS) for i in range(PER_SHARD)}
+    assert set(ranks[0]).isdisjoint(ranks[1]) and set(ranks[0]) | set(ranks[1]) == everything
+    assert {k.split("-")[0] for k in ranks[0]}.isdisjoint(k.split("-")[0] for k in ranks[1])
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["top1"] is not None
+
+
+def rank_worker(spec: dict) -> None:
+    """One torchrun rank: its epoch-0 sample keys (2 DataLoader workers), then a short DDP run."""
+    import os
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    split = load_split(f"wds:{spec['shards']}", "train")
+    keys, _ = epoch_keys(split, 0, rank=rank, world=world, workers=2)
+    (Path(spec["out"]) / f"keys{rank}.json").write_text(json.dumps(keys))
+    cfg = load_run_config(None, [*TINY_MODEL, f"data.name=wds:{spec['shards']}",
+                                 f"data.test=wds:{spec['shards']}", "data.workers=2",
+                                 "data.val_fraction=0", "train.batch_size=16",
+                                 "train.epochs=1", "train.precision=fp32"])  # fmt: skip
+    train(cfg, out=Path(spec["out"]) / "run")
+
+
+if __name__ == "__main__":
+    import sys
+
+    rank_worker(json.loads(sys.argv[1]))
