@@ -224,6 +224,27 @@ def test_image_folder_skips_bad_files_with_warnings(tmp_path: Path, caplog) -> N
         load_split(f"imagefolder:{tmp_path / 'nope'}", "train")
 
 
+def test_close_ends_the_workers_and_the_default_count_is_capped(tmp_path: Path, monkeypatch):
+    from vitlab.data import loader as loader_mod
+
+    monkeypatch.setattr(loader_mod, "available_cores", lambda: 64)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert loader_mod.loader_options(DataConfig(), torch.device("cpu"))["workers"] == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert loader_mod.loader_options(DataConfig(), torch.device("cpu"))["workers"] == 4
+    make_folder(tmp_path / "imgs")
+    pre = Preprocessing((16, 16), 3, (0.5,) * 3, (0.5,) * 3)
+    aug = BatchAugment(DataConfig(), pre, 3)
+    loader = make_loader(scan_image_folder(tmp_path / "imgs"), 4, pre, augment=aug, shuffle=True,
+                         workers=1)  # fmt: skip
+    assert len(list(loader.iterate(0))) == 3
+    workers = loader._loader._iterator._workers  # persistent: alive between epochs
+    assert workers and all(w.is_alive() for w in workers)
+    loader.close()
+    assert not any(w.is_alive() for w in workers)
+    assert len(list(loader.iterate(1))) == 3  # usable again: new workers
+
+
 def test_a_tree_of_100k_files_is_indexed_in_seconds(tmp_path: Path) -> None:
     """No file is opened while scanning: 100,000 (empty) files in 100 classes index in seconds."""
     import os

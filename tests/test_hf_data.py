@@ -51,7 +51,13 @@ def test_save_to_disk_and_parquet_columns_found_or_named(tmp_path: Path) -> None
         load_split(f"hf:{tmp_path / 'missing.parquet'}", "train")
 
 
-def test_train_from_parquet_files(tmp_path: Path) -> None:
+def test_train_from_parquet_files(tmp_path: Path, monkeypatch) -> None:
+    """Trains from a parquet file with data.test another; every loader's workers are ended
+    (train's after training, validation's after each evaluation, test's after testing)."""
+    from vitlab.data.loader import FolderLoader
+
+    closed, close = [], FolderLoader.close
+    monkeypatch.setattr(FolderLoader, "close", lambda self: closed.append(self) or close(self))
     table(90).to_parquet(str(tmp_path / "train.parquet"))
     table(30).to_parquet(str(tmp_path / "test.parquet"))
     cfg = load_run_config(None, [*TINY_MODEL, f"data.name=hf:{tmp_path / 'train.parquet'}",
@@ -59,4 +65,5 @@ def test_train_from_parquet_files(tmp_path: Path) -> None:
                                  "train.batch_size=16", "train.epochs=1"])  # fmt: skip
     run = train(cfg, out=tmp_path / "run")
     result = json.loads((run / "results.json").read_text())
-    assert result["top1"] is not None and result.get("images", 30) == 30
+    assert result["top1"] is not None and result["num_images"] == 30
+    assert len({id(x) for x in closed}) == 3 and all(x._loader is None for x in closed)

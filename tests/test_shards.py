@@ -111,6 +111,67 @@ def test_mid_epoch_resume_is_exact(balanced: Path) -> None:
     assert len(set(keys)) == len(keys) == 128
 
 
+def test_the_order_does_not_depend_on_the_worker_count(balanced: Path) -> None:
+    """Streams are a function of shards and ranks alone: workers=0 and 2 deliver the same samples
+    in the same order with the same augmentation, and a resume with another worker count (1) is
+    an uninterrupted epoch's remainder."""
+    split = load_split(f"wds:{balanced}/part-{{00..07}}.tar", "train")
+    keys, images = epoch_keys(split, 1, workers=0)
+    keys2, images2 = epoch_keys(split, 1, workers=2)
+    assert keys2 == keys and len(set(keys)) == 128
+    assert all(torch.equal(a, b) for a, b in zip(images, images2, strict=True))
+    rest, rest_images = epoch_keys(split, 1, start=3, workers=1)
+    assert rest == keys[3 * 16 :]
+    assert all(torch.equal(a, b) for a, b in zip(images[3:], rest_images, strict=True))
+
+
+def test_evaluation_with_fewer_shards_than_ranks_pads(balanced: Path) -> None:
+    """A validation split of 1 shard on 2 ranks: rank 1 reads nothing and yields padding batches
+    (labels PADDING), as many as rank 0's real ones; training still refuses it."""
+    from vitlab.data.loader import PADDING
+
+    split = load_split(f"wds:{balanced}/part-00.tar", "train")
+    ranks = [list(make_loader(split, 5, PRE, rank=r, world=2, workers=1)) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == 4  # 16 samples in batches of 5
+    assert sum(len(y) for _, y in ranks[0]) == 16 and all((y >= 0).all() for _, y in ranks[0])
+    assert all((y == PADDING).all() for _, y in ranks[1])
+    with pytest.raises(DatasetError, match="1 training shards for 2 processes"):
+        make_loader(split, 4, PRE, shuffle=True, augment=AUG, world=2)
+
+
+def test_empty_shards_and_uneven_deals_are_named(balanced: Path, caplog) -> None:
+    """A training shard of no samples is refused (a stream of them would wait forever); 12 equal
+    shards for 8 streams (1 or 2 each, 24 samples an epoch per stream) and a carve of 1 shard in
+    2 for val_fraction=0.1 are warned about; 8 shards for 8 streams are not."""
+    import logging
+
+    from vitlab.data.shards import ShardSplit
+
+    urls = [f"{balanced}/part-{s:02d}.tar" for s in range(8)]
+    with pytest.raises(DatasetError, match="part-03.tar holds no samples"):
+        make_loader(ShardSplit(urls, [16, 16, 16, 0, 16, 16, 16, 16], ["0"]), 16, PRE,
+                    shuffle=True, augment=AUG)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        make_loader(ShardSplit(urls, [16] * 8, ["0"]), 16, PRE, shuffle=True, augment=AUG)
+        assert not caplog.records
+        make_loader(ShardSplit(urls + urls[:4], [16] * 12, ["0"]), 16, PRE, shuffle=True,
+                    augment=AUG)  # fmt: skip
+        assert "holds 16 to 32 samples for 24" in caplog.text
+        train_val_split(ShardSplit(urls[:2], [16, 16], ["0"]), 0.1, 0)
+        assert "carves 50% of the samples for data.val_fraction=0.1" in caplog.text
+
+
+def test_in_process_batches_seed_no_cuda_generator(balanced: Path, tmp_path, monkeypatch) -> None:
+    """workers=0: each batch's draws are seeded on the CPU generator alone (fork_rng(devices=[])
+    restores only that one), for shards and image files alike."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(seed))
+    split = load_split(f"wds:{balanced}/part-{{00..01}}.tar", "train")
+    epoch_keys(split, 0, workers=0)
+    files = load_split(f"imagefolder:{write_image_folder(tmp_path / 'im', 3)}", "all")
+    assert calls == [] and len(list(make_loader(files, 8, PRE, workers=0))) == 2  # 9 images
+
+
 def test_writer_index_and_errors(tmp_path: Path, balanced: Path) -> None:
     root = write_image_folder(tmp_path / "images", per_class=10)
     (root / "class1" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
@@ -128,9 +189,6 @@ def test_writer_index_and_errors(tmp_path: Path, balanced: Path) -> None:
         load_split(f"wds:{balanced}/part-{{00..07}}.tar", "test")
     with pytest.raises(DatasetError, match="does not exist"):
         load_split(f"wds:{balanced}/nope-{{0..1}}.tar", "train")
-    with pytest.raises(DatasetError, match="2 processes"):
-        make_loader(load_split(f"wds:{balanced}/part-00.tar", "train"), 4, PRE, shuffle=True,
-                    augment=AUG, world=2)  # fmt: skip
 
 
 def test_train_from_shards_interrupted_mid_epoch_resumes_exactly(tmp_path, monkeypatch) -> None:

@@ -33,6 +33,7 @@ from vitlab.runtime import derive_seed
 
 Batch = tuple[Tensor, Tensor]
 PADDING = -1  # the label of a padding sample: evaluated so ranks step together, never counted
+MAX_WORKERS = 8  # data.workers' default at most: more rarely helps and each holds memory
 MAX_SUBSTITUTES = 100  # undecodable images in a row before a training batch gives up
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ class ArrayLoader:
     def __iter__(self) -> Iterator[Batch]:
         return self.iterate()
 
+    def close(self) -> None:
+        """Nothing to release: no workers."""
+
 
 class _FileImages(Dataset):
     """Decodes a split's images (files, or rows of a Hugging Face dataset: anything with read(i)
@@ -144,7 +148,7 @@ class _FileImages(Dataset):
         seed, indices = batch
         bad: list[tuple[str, str]] = []
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # the CPU's only: fork_rng keeps no other
             samples = [self._sample(i, bad) for i in indices]
         return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples]), bad
 
@@ -217,6 +221,23 @@ class FolderLoader:
     def __iter__(self) -> Iterator[Batch]:
         return self.iterate()
 
+    def close(self) -> None:
+        """End the worker processes (persistent ones live as long as the DataLoader does, which a
+        reference cycle can make as long as the process); the next iterate() starts new ones."""
+        if self._loader is not None:
+            shut_down(self._loader)
+            self._loader = None
+
+
+def shut_down(loader: DataLoader | Iterator | None) -> None:
+    """End the worker processes of a DataLoader (of its persistent iterator) or of one of its
+    iterators now."""
+    it = getattr(loader, "_iterator", None) if isinstance(loader, DataLoader) else loader
+    if it is not None and hasattr(it, "_shutdown_workers"):  # torch's multi-process iterator
+        it._shutdown_workers()
+    if isinstance(loader, DataLoader):
+        loader._iterator = None
+
 
 @dataclass
 class LoaderOptions:
@@ -241,12 +262,12 @@ class LoaderOptions:
 
 def loader_options(cfg: DataConfig, device: torch.device) -> dict:
     """make_loader's keyword arguments for a run: cfg's workers (default: this process's share
-    of the cores it may use, among torchrun's processes on this machine), pinned memory when
-    training on a GPU, cfg's prefetch depth."""
+    of the cores it may use, among torchrun's processes on this machine, at most MAX_WORKERS),
+    pinned memory when training on a GPU, cfg's prefetch depth."""
     workers = cfg.workers
     if workers is None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        workers = max(1, available_cores() // max(local_world, 1))
+        workers = max(1, min(MAX_WORKERS, available_cores() // max(local_world, 1)))
     return {
         "workers": workers,
         "pin_memory": device.type == "cuda",
@@ -255,7 +276,7 @@ def loader_options(cfg: DataConfig, device: torch.device) -> dict:
     }
 
 
-Loader = ArrayLoader | FolderLoader
+Loader = ArrayLoader | FolderLoader  # or a StreamLoader (stream.py): iterate, len, close
 
 
 def make_loader(
@@ -276,7 +297,8 @@ def make_loader(
     """A training loader (augment given, shuffled) or an evaluation loader (plain preprocessing).
     `workers`, `pin_memory` and `prefetch` apply to streamed data (files, shards, HF rows),
     `buffer` (the shuffle buffer's size) to shards."""
-    options = LoaderOptions(workers, pin_memory, prefetch)
+    # an evaluation pass is one a call: its workers end with it
+    options = LoaderOptions(workers, pin_memory, prefetch, persistent=augment is not None)
     if augment is None:
 
         def evaluate_batch(images: Tensor, labels: Tensor) -> Batch:  # resized by per_image

@@ -184,7 +184,8 @@ def _count(url: str, keys: tuple, top: int) -> tuple[int, int]:
 
 def carve_shards(split: ShardSplit, fraction: float, seed: int) -> tuple[ShardSplit, ShardSplit]:
     """(kept, carved): a seeded `fraction` of the shards (at least one each) carved out, as the
-    validation split of a sharded training set."""
+    validation split of a sharded training set; warned about when the carved share of samples is
+    far (more than 1.5 times off) from `fraction`."""
     import torch
 
     n = len(split.urls)
@@ -195,4 +196,10 @@ def carve_shards(split: ShardSplit, fraction: float, seed: int) -> tuple[ShardSp
         )
     k = min(n - 1, max(1, int(round(n * fraction))))
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return split.shards(sorted(perm[k:])), split.shards(sorted(perm[:k]))
+    kept, carved = split.shards(sorted(perm[k:])), split.shards(sorted(perm[:k]))
+    share = len(carved) / max(len(split), 1)
+    if not fraction / 1.5 <= share <= fraction * 1.5:
+        log.warning("data.val_fraction carves whole shards: %d of %d carves %.0f%% of the samples "
+                    "for data.val_fraction=%g; write more (smaller) shards for a closer share",
+                    k, n, 100 * share, fraction)  # fmt: skip
+    return kept, carved

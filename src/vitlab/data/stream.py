@@ -1,12 +1,16 @@
 """Loaders for WebDataset shards: sequential reads, every rank and worker its own shards.
 
 Training. The epoch is a fixed number of samples, len(loader) global batches of the dataset's
-size // batch_size, so every rank steps together. Each rank reads through K streams (K =
-data.workers, at most shards // ranks; one when workers=0): stream k of rank r is global stream
-g = r * K + k of G = ranks * K, and in epoch e it reads the shards perm_e[g::G] of a permutation of
-all shards seeded by (seed, e), so ranks and workers read distinct shards and every epoch deals
-them anew. A stream shuffles its samples through a buffer of data.shuffle_buffer samples, seeded
-by (seed, e, rank, k); batch b of the rank comes from stream b % K. A stream that runs out of
+size // batch_size, so every rank steps together. Each rank reads through K streams, K = shards //
+ranks at most MAX_STREAMS: a function of the shard count and the world size alone, never of the
+DataLoader workers, so the data order (and an exact resume) is the same with any data.workers on
+any machine. Stream k of rank r is global stream g = r * K + k of G = ranks * K, and in epoch e it
+reads the shards perm_e[g::G] of a permutation of all shards seeded by (seed, e), so ranks and
+streams read distinct shards and every epoch deals them anew. A stream shuffles its samples
+through a buffer of data.shuffle_buffer samples, seeded by (seed, e, rank, k); batch b of the rank
+comes from stream b % K. The DataLoader's workers serve the streams round-robin (W workers, W the
+largest divisor of K not above data.workers: worker w serves the streams k = start + w mod W, each
+stream one worker's). A stream that runs out of
 samples before its share of the epoch reads its shards again (in a new seeded order); one whose
 shards hold more leaves the rest for later epochs (when shard sizes differ).
 
@@ -17,14 +21,16 @@ samples still in the buffer and those after it are read again (from the first sh
 one). A resumed epoch delivers the samples, in the order, an uninterrupted one would: none
 repeated, none skipped. (The issue asked for at most one buffer's worth; this is stronger.)
 
-Evaluation reads rank r's shards r::ranks in order, split among its workers, each sample once;
-ranks with fewer batches end with padding batches (labels PADDING), so all step together.
+Evaluation reads rank r's shards r::ranks in order, split among K streams the same way, each
+sample once; ranks with fewer batches (or none: fewer shards than ranks) end with padding batches
+(labels PADDING, never scored), so all step together.
 
 An undecodable image is named once and replaced, in training, by another image of its batch
 (the stream's count stays exact, so resume does too), in evaluation by a padding sample."""
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Callable, Iterator
@@ -36,11 +42,14 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from vitlab.data.decode import decode_image
 from vitlab.data.download import DatasetError
-from vitlab.data.loader import PADDING, Batch, LoaderOptions, warn_once
+from vitlab.data.loader import PADDING, Batch, LoaderOptions, shut_down, warn_once
 from vitlab.data.shards import ShardSplit
 from vitlab.runtime import derive_seed
 
 SHUFFLE, PASS, SHARDS = 1, 2, 3  # derive_seed tags: one stream of seeds per purpose
+MAX_STREAMS = 8  # streams a rank reads at once (each holds an open shard and a shuffle buffer)
+UNEVEN = 0.25  # a stream's share of an epoch this far from its shards' samples is warned about
+log = logging.getLogger(__name__)
 
 
 def _pop(rng: random.Random, buf: list) -> object:
@@ -79,23 +88,28 @@ def _replay(rng: random.Random, size: int, length: int, emitted: int) -> tuple[i
     raise AssertionError("unreachable: each pass emits `length` samples")
 
 
+def _worker() -> tuple[int, int]:
+    """(this DataLoader worker's id, the number of workers); (0, 1) in the training process."""
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
 class _TrainStreams(IterableDataset):
-    """What one rank's DataLoader iterates in one call: batches start.. of epoch `epoch`, DataLoader
-    worker w serving stream (start + w) % K."""
+    """What one rank's DataLoader iterates in one call: batches start.. of epoch `epoch`, worker w
+    of W yielding batches start + w, start + w + W, ... (the DataLoader's round-robin order). W
+    divides K, so each stream's batches are all one worker's."""
 
     def __init__(self, loader: StreamLoader, epoch: int, start: int) -> None:
         self.loader, self.epoch, self.start = loader, epoch, start
 
     def __iter__(self) -> Iterator:
-        info = get_worker_info()
-        w = 0 if info is None else info.id
-        ld, epoch = self.loader, self.epoch
-        k = (self.start + w) % ld.streams
-        first = self.start + w  # the first batch this stream serves from here
-        done = sum(1 for b in range(first % ld.streams, first, ld.streams))  # its batches before
-        samples = ld.stream(epoch, k, done * ld.per_rank)
-        for b in range(first, len(ld), ld.streams):
-            chunk = [next(samples) for _ in range(ld.per_rank)]
+        w, workers = _worker()
+        ld, epoch, streams = self.loader, self.epoch, {}
+        for b in range(self.start + w, len(ld), workers):
+            k, j = b % ld.streams, b // ld.streams  # batch b is stream k's j-th
+            if k not in streams:
+                streams[k] = ld.stream(epoch, k, j * ld.per_rank)
+            chunk = [next(streams[k]) for _ in range(ld.per_rank)]
             yield ld.decode_batch(chunk, ld.batch_seed(epoch, b), train=True)
 
 
@@ -104,12 +118,12 @@ class _EvalStreams(IterableDataset):
         self.loader = loader
 
     def __iter__(self) -> Iterator:
-        info = get_worker_info()
+        w, workers = _worker()
         ld = self.loader
-        mine = ld.eval_shards()[0 if info is None else info.id]
-        samples = chain.from_iterable(ld.split.read(s) for s in mine)
-        while chunk := [x for _, x in zip(range(ld.batch_size), samples)]:
-            yield ld.decode_batch(chunk, 0, train=False)
+        for mine in ld.eval_shards()[w::workers]:
+            samples = chain.from_iterable(ld.split.read(s) for s in mine)
+            while chunk := [x for _, x in zip(range(ld.batch_size), samples)]:
+                yield ld.decode_batch(chunk, 0, train=False)
 
 
 class StreamLoader:
@@ -135,20 +149,31 @@ class StreamLoader:
         self.seed, self.rank, self.world, self.buffer = seed, rank, world, buffer
         self.options = options or LoaderOptions()
         n_shards = len(split.urls)
-        if n_shards < world:
-            raise DatasetError(f"{n_shards} shards for {world} processes: every process reads "
-                               f"shards of its own; write at least {world} (vitlab data shard "
-                               f"--shard-size)")  # fmt: skip
+        if train and n_shards < world:  # evaluation: a rank without shards pads
+            raise DatasetError(f"{n_shards} training shards for {world} processes: every process "
+                               f"reads shards of its own; write at least {world} (vitlab data "
+                               f"shard --shard-size)")  # fmt: skip
+        empty = [u for u, c in zip(split.urls, split.counts, strict=True) if c == 0]
+        if train and empty:  # a stream of them would wait forever for a sample
+            raise DatasetError(f"training shard {empty[0]} holds no samples ({len(empty)} such): "
+                               f"leave empty shards out")  # fmt: skip
         if train and batch_size % world:
             raise ValueError(f"batch size {batch_size} is not divisible by {world} processes")
         if train and len(split) < batch_size:
             raise ValueError(
                 f"{len(split)} training images are fewer than one batch of {batch_size}"
             )
-        self.streams = max(1, min(self.options.workers, n_shards // world))
+        self.streams = max(1, min(MAX_STREAMS, n_shards // world))  # never the worker count
         self.per_rank = batch_size // world
+        # DataLoader workers: the most that divide the streams evenly (0: in this process)
+        asked = self.options.workers
+        self.workers = max(d for d in range(1, self.streams + 1) if self.streams % d == 0
+                           and d <= max(asked, 1)) if asked else 0  # fmt: skip
+        if train:
+            self._check_deal()
         self.skipped: set[str] = set()
         self.record: list[str] | None = None  # when a list: every batch's sample keys go there
+        self._running: Iterator | None = None  # the DataLoader iterator of the current pass
 
     def __len__(self) -> int:
         if self.train:
@@ -157,22 +182,40 @@ class StreamLoader:
                   for r in range(self.world)]  # fmt: skip
         return max(counts)
 
+    def _check_deal(self) -> None:
+        """Warn when shard sizes deal unevenly to the streams: a stream whose shards hold far fewer
+        samples than its share of an epoch repeats some, one holding far more leaves some out."""
+        total, order = self.world * self.streams, self._order(0)
+        sizes = sorted(self._size(order[g::total]) for g in range(total))
+        share = len(self) * self.batch_size / total
+        if sizes[0] < (1 - UNEVEN) * share or sizes[-1] > (1 + UNEVEN) * share:
+            log.warning(
+                "%d shards deal unevenly to %d streams (%d ranks x %d): a stream holds %d to %d "
+                "samples for %d an epoch, so some samples repeat within an epoch and others wait "
+                "for a later one; write a multiple of %d shards of equal size",
+                len(self.split.urls), total, self.world, self.streams, sizes[0], sizes[-1],
+                round(share), total,
+            )  # fmt: skip
+
     # --- the plan ---------------------------------------------------------------------------------
 
     def shards_of(self, epoch: int, k: int, p: int = 0) -> list[int]:
         """The shards stream k of this rank reads in pass p of epoch `epoch`."""
-        order = torch.randperm(
-            len(self.split.urls),
-            generator=torch.Generator().manual_seed(derive_seed(self.seed, SHARDS, epoch)),
-        ).tolist()
+        order = self._order(epoch)
         g, total = self.rank * self.streams + k, self.world * self.streams
         mine = order[g::total]
         if p:
             random.Random(derive_seed(self.seed, PASS, epoch, g, p)).shuffle(mine)
         return mine
 
+    def _order(self, epoch: int) -> list[int]:
+        """Epoch `epoch`'s permutation of all shards, dealt to the global streams in turn."""
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, SHARDS, epoch))
+        return torch.randperm(len(self.split.urls), generator=gen).tolist()
+
     def eval_shards(self, rank: int | None = None) -> list[list[int]]:
-        """Each worker's shards of `rank` (this one by default) in evaluation."""
+        """Each stream's shards of `rank` (this one by default) in evaluation (none: a rank of
+        more than there are shards)."""
         r = self.rank if rank is None else rank
         mine = list(range(len(self.split.urls)))[r :: self.world]
         return [mine[k :: self.streams] for k in range(self.streams)]
@@ -224,7 +267,7 @@ class StreamLoader:
         random transforms drawn from the batch's seed."""
         images, labels, bad = [], [], []
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # the CPU's only: fork_rng keeps no other
             for key, data, label in chunk:
                 try:
                     x = decode_image(data, self.in_chans, f"{key} (a shard's sample)")
@@ -246,16 +289,13 @@ class StreamLoader:
 
     def iterate(self, epoch: int = 0, start: int = 0) -> Iterator[Batch]:
         """Epoch `epoch`'s batches (0-based) from batch `start` on."""
-        if self.train:
-            data, workers = _TrainStreams(self, epoch, start), self.streams
-        else:
-            data, workers = _EvalStreams(self), self.streams
-        if not self.options.workers:
-            workers = 0
+        data = _TrainStreams(self, epoch, start) if self.train else _EvalStreams(self)
+        workers = self.workers if self.train or any(self.eval_shards()) else 0
         options = LoaderOptions(workers, self.options.pin_memory, self.options.prefetch, False)
-        loader = options.dataloader(data, batch_size=None)
+        self.close()
+        self._running = iter(options.dataloader(data, batch_size=None))
         n = 0
-        for images, labels, keys, bad in loader:
+        for images, labels, keys, bad in self._running:
             warn_once(self.skipped, bad)
             if self.record is not None:
                 self.record.extend(keys)
@@ -267,3 +307,8 @@ class StreamLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         return self.iterate()
+
+    def close(self) -> None:
+        """End the worker processes of a pass left unfinished."""
+        shut_down(self._running)
+        self._running = None

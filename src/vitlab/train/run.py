@@ -22,6 +22,7 @@ import torch
 from vitlab.config import ConfigError, RunConfig, to_dict
 from vitlab.data import BatchAugment, Preprocessing, loader_options, make_loader
 from vitlab.data.datasets import Split
+from vitlab.data.loader import Loader
 from vitlab.eval.classification import evaluate
 from vitlab.eval.mpp import evaluate_mpp
 from vitlab.models.checkpoint import infer_config, read_source
@@ -71,7 +72,7 @@ def train(
         torch.cuda.set_device(device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    failed = False
+    failed, run = False, None
     try:
         if resume is None and out is None:  # rank 0 names it, every rank uses that name
             out = distributed.broadcast(default_run_folder(cfg) if d.is_main else None, d)
@@ -91,6 +92,8 @@ def train(
             distributed.raise_if_rank_lost(d, e, out)
         raise
     finally:
+        if run is not None:  # its loaders' workers would outlive it (Run is in a cycle)
+            run.close()
         distributed.shutdown(d, failed)
 
 
@@ -173,6 +176,9 @@ class Run:
             world=d.world,
             **loader_options(cfg.data, device),
         )
+        # built now, so that what makes them fail does so before training
+        self.val_loader = self.eval_loader(self.data.val) if self.data.val is not None else None
+        self.test_loader = self.eval_loader(self.data.test)
         self.settings = self._step_settings()
         # FSDP shards self.model in place; the optimizer must be built after, to see the shards
         student = distill.TwoHeads(self.model) if self.two_heads else self.model
@@ -307,9 +313,9 @@ class Run:
 
     # --- phases ----------------------------------------------------------------------------------
 
-    def evaluate(self, split: Split, fp32: bool = False) -> dict:
-        """Metrics on `split`, under the run's precision, or in float32 (as `vitlab eval`)."""
-        batches = make_loader(
+    def eval_loader(self, split: Split) -> Loader:
+        """An evaluation loader of `split` (its workers end with each pass)."""
+        return make_loader(
             split,
             max(self.cfg.train.batch_size, 256),
             self.pre,
@@ -317,12 +323,26 @@ class Run:
             world=self.d.world,
             **loader_options(self.cfg.data, self.device),
         )
+
+    def evaluate(self, data: Split | Loader, fp32: bool = False) -> dict:
+        """Metrics on a split (or its loader), under the run's precision, or in float32 (as
+        `vitlab eval`)."""
+        batches = self.eval_loader(data) if isinstance(data, Split) else data
         precision = nullcontext() if fp32 else self.autocast()
-        if self.mpp:  # the same corruption draws at every evaluation of a split
-            return evaluate_mpp(self.model, batches, self.device, precision, self.d, seed=0)
-        return evaluate(
-            self.model, batches, self.model_cfg.num_classes, self.device, precision, self.d
-        )
+        try:
+            if self.mpp:  # the same corruption draws at every evaluation of a split
+                return evaluate_mpp(self.model, batches, self.device, precision, self.d, seed=0)
+            return evaluate(
+                self.model, batches, self.model_cfg.num_classes, self.device, precision, self.d
+            )
+        finally:
+            batches.close()
+
+    def close(self) -> None:
+        """End every loader's worker processes."""
+        for loader in (self.loader, self.val_loader, self.test_loader):
+            if loader is not None:
+                loader.close()
 
     def save(self, folder: str, with_state: bool, weights: dict | None = None, info=None) -> None:
         """Write checkpoint `folder`; gathering sharded (FSDP) state is collective, so every rank
@@ -414,7 +434,7 @@ class Run:
         model, pos = self.model, self.pos
         distributed.sync_buffers(model, self.d, self.ema.shadow.values() if self.ema else ())
         raw = self.ema.apply_to(model) if self.ema else None
-        val = self.evaluate(self.data.val) if self.data.val is not None else None
+        val = self.evaluate(self.val_loader) if self.val_loader is not None else None
         evaluated = None
         if raw is not None:
             evaluated = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -441,7 +461,7 @@ class Run:
             distributed.load_full_state(self.model, None, state, None, self.d, self.strategy)
         else:
             self.model.load_state_dict(self.best_state)
-        result = self.evaluate(self.data.test, fp32=True)
+        result = self.evaluate(self.test_loader, fp32=True)
         if self.d.is_main:
             self.log.results(result, self.meta.classes)
         return result
