@@ -224,6 +224,47 @@ def test_image_folder_skips_bad_files_with_warnings(tmp_path: Path, caplog) -> N
         load_split(f"imagefolder:{tmp_path / 'nope'}", "train")
 
 
+def test_decode_16_bit_png_and_header_bombs() -> None:
+    """A 16-bit PNG decodes to its high bytes as uint8 (greyscale and as RGB); a JPEG whose header
+    claims 20000 x 10000 pixels is refused before any decoder allocates them."""
+    from vitlab.data.decode import decode_image
+
+    deep = np.arange(0, 65536, 257, dtype=np.uint16).reshape(16, 16)  # 0, 257, ..., 65535
+    out = io.BytesIO()
+    Image.fromarray(deep).save(out, format="PNG")
+    grey = decode_image(out.getvalue(), 1, "deep.png")
+    assert grey.dtype == torch.uint8 and grey.shape == (1, 16, 16)
+    assert torch.equal(grey[0], torch.from_numpy((deep >> 8).astype(np.uint8)))
+    rgb = decode_image(out.getvalue(), 3, "deep.png")
+    assert rgb.dtype == torch.uint8 and torch.equal(rgb[1], grey[0])
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(out, format="JPEG")
+    jpeg = bytearray(out.getvalue())
+    sof = jpeg.index(b"\xff\xc0")  # FF C0, length (2), precision (1), height (2), width (2)
+    jpeg[sof + 5 : sof + 9] = (10_000).to_bytes(2, "big") + (20_000).to_bytes(2, "big")
+    import torchvision.io
+
+    calls = []
+    with pytest.MonkeyPatch.context() as m:  # torchvision's decoder allocates the claim: not run
+        m.setattr(torchvision.io, "decode_image", lambda *a, **k: calls.append(a))
+        with pytest.raises(DatasetError, match="bomb.jpg: .*(20000 x 10000|DecompressionBomb)"):
+            decode_image(bytes(jpeg), 3, "bomb.jpg")
+    assert calls == []
+
+
+def test_decode_ignores_only_torchvisions_deprecation_warning() -> None:
+    import importlib
+    import re
+    import warnings
+
+    from vitlab.data import decode
+
+    importlib.reload(decode)  # its filter, added now (pytest resets filters between tests)
+    mine = [f for f in warnings.filters if f[1] and f[1].pattern.startswith("The image decoding")]
+    assert mine and all(f[3] is not None for f in mine)  # never a filter for every module
+    assert re.match(mine[0][3], "torchvision.io.image") and not re.match(mine[0][3], "mylib")
+
+
 def test_close_ends_the_workers_and_the_default_count_is_capped(tmp_path: Path, monkeypatch):
     from vitlab.data import loader as loader_mod
 

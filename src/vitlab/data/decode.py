@@ -14,11 +14,14 @@ from torch import Tensor
 from vitlab.data.download import DatasetError
 
 # torchvision 0.29 warns on every first use that TorchCodec will take its decoders over; vitlab
-# pins torchvision, and the warning says nothing a user can act on
-warnings.filterwarnings("ignore", "The image decoding and encoding", DeprecationWarning)
+# pins torchvision, and the warning says nothing a user can act on (only torchvision's is ignored)
+warnings.filterwarnings(
+    "ignore", "The image decoding", DeprecationWarning, module=r"torchvision\.io\.image"
+)
 
 # torchvision allocates what a header claims; refuse what PIL would refuse as a decompression bomb
 MAX_PIXELS = 2 * 89_478_485
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def decode_image(data: bytes, in_chans: int, where: str) -> Tensor:
@@ -28,27 +31,37 @@ def decode_image(data: bytes, in_chans: int, where: str) -> Tensor:
     from torchvision.io import decode_image as tv_decode
 
     mode = ImageReadMode.GRAY if in_chans == 1 else ImageReadMode.RGB
-    if _torchvision_reads(data):
+    if _torchvision_reads(data) and _size_ok(data, where):
         try:
-            return tv_decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode)
+            x = tv_decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode)
         except Exception:  # damaged: PIL's view, and its error message, decide
             pass
+        else:  # a 16-bit PNG decodes to uint16: its high bytes
+            return (x.to(torch.int32) >> 8).to(torch.uint8) if x.dtype == torch.uint16 else x
     return _pil_decode(data, "L" if in_chans == 1 else "RGB", where)
 
 
 def _torchvision_reads(data: bytes) -> bool:
     """JPEG, PNG or WebP: what torchvision decodes (its GIF decoder ignores PIL's size limit)."""
-    png = data[:8] == b"\x89PNG\r\n\x1a\n"
     webp = data[:4] == b"RIFF" and data[8:12] == b"WEBP"
-    return (data[:3] == b"\xff\xd8\xff" or png or webp) and _size_ok(data)
+    return data[:3] == b"\xff\xd8\xff" or data[:8] == PNG or webp
 
 
-def _size_ok(data: bytes) -> bool:
-    """A PNG's header dimensions within MAX_PIXELS (JPEG and WebP decoders check their own)."""
-    if data[:8] != b"\x89PNG\r\n\x1a\n" or len(data) < 24:
-        return True
-    w, h = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    return w * h <= MAX_PIXELS
+def _size_ok(data: bytes, where: str) -> bool:
+    """False when PIL cannot read the header (its decoder then names the fault); a DatasetError
+    when the header's dimensions pass MAX_PIXELS. PIL reads the header only: torchvision's
+    decoders allocate what it claims before they read the pixels."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            w, h = im.size
+    except Exception:
+        return False
+    if w * h > MAX_PIXELS:
+        raise DatasetError(f"cannot read image {where}: its header claims {w} x {h} pixels, "
+                           f"more than {MAX_PIXELS:,} (a decompression bomb?)")  # fmt: skip
+    return True
 
 
 def _pil_decode(data: bytes, mode: str, where: str) -> Tensor:
