@@ -10,7 +10,9 @@ listed (each file checked when first decoded) and streamed from disk.
                     (vitlab.data.hf)
 
 A source of one split (a wds pattern, one parquet file) is the training split; data.test names
-the test split's source, loaded whole (split "all").
+the test split's source, loaded whole (split "all"), and then the training source is loaded whole
+too (no test split carved from it). load_run_split reads a run's splits as `vitlab train` does,
+for every command that evaluates a run.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ import pickle
 import struct
 import tarfile
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from vitlab.config import DataConfig
 from vitlab.data.download import FASHION_SHA256, DatasetError, find_or_fetch_fashion_mnist
 from vitlab.data.hf import HFSplit, load_hf
 from vitlab.data.shards import ShardSplit, carve_shards, load_shards
@@ -321,18 +324,19 @@ def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
 
 
 def _list_files(folder: Path) -> list[str]:
-    """Every file under folder, sorted, listed without opening or stat-ing any (os.scandir's
-    entries know their type): a tree of millions of files is indexed in the time it takes to list
-    its directories."""
+    """Every file under folder, sorted as Paths sort (by their parts), listed without opening or
+    stat-ing any (os.scandir's entries know their type): a tree of millions of files is indexed
+    in the time it takes to list its directories. Symbolic links to folders are not followed (a
+    link to a folder above would loop)."""
     found, stack = [], [folder]
     while stack:
         with os.scandir(stack.pop()) as entries:
             for e in entries:
-                if e.is_dir():
+                if e.is_dir(follow_symlinks=False):
                     stack.append(Path(e.path))
                 elif e.is_file():
                     found.append(e.path)
-    return sorted(found)
+    return sorted(found, key=lambda p: p.split(os.sep))
 
 
 def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSplit:
@@ -367,7 +371,7 @@ def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSpl
     return FolderSplit(files, torch.tensor(labels, dtype=torch.long), list(classes), skipped)
 
 
-def load_folder_split(root: Path, split: str, seed: int) -> FolderSplit:
+def load_folder_split(root: Path, split: str, seed: int, whole: bool = False) -> FolderSplit:
     train_dir = root / "train"
     if train_dir.is_dir():
         classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
@@ -378,6 +382,8 @@ def load_folder_split(root: Path, split: str, seed: int) -> FolderSplit:
                 return scan_image_folder(root / name, classes)
         raise DatasetError(f"{root} has train/ but neither test/ nor val/ for the test split")
     full = scan_image_folder(root)
+    if whole and split == "train":
+        return full
     train, test = _seeded_split(len(full), 0.2, seed)
     return full.subset(test if split == "test" else train)
 
@@ -401,15 +407,17 @@ def load_split(
     data_dir: str | None = None,
     seed: int = 0,
     keys: tuple[str | None, str | None] = (None, None),
+    whole: bool = False,
 ) -> Split:
     """The 'train' or 'test' split of a dataset by name, or 'all' of a folder, shards or HF
-    dataset (a test split named by data.test); keys = (data.image_key, data.label_key)."""
+    dataset (a test split named by data.test); keys = (data.image_key, data.label_key); whole:
+    'train' of a source of one split is all of it (its test split is another source's)."""
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
     if name.startswith("wds:"):
         return load_shards(name[4:], split, keys)
     if name.startswith("hf:"):
-        return load_hf(name[3:], split, keys, seed)
+        return load_hf(name[3:], split, keys, seed, whole)
     if split == "all" and name.startswith("imagefolder:"):
         return scan_image_folder(Path(name.split(":", 1)[1]).expanduser())
     if split == "all":
@@ -422,8 +430,45 @@ def load_split(
     if name in ("cifar10", "cifar100"):
         return load_cifar_split(name, split, data_dir)
     if name.startswith("imagefolder:"):
-        return load_folder_split(Path(name.split(":", 1)[1]).expanduser(), split, seed)
+        return load_folder_split(Path(name.split(":", 1)[1]).expanduser(), split, seed, whole)
     raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(NAMES)}")
+
+
+def _listed(names: list[str]) -> str:
+    return repr(names) if len(names) <= 12 else f"{names[:12]!r} ... ({len(names)} classes)"
+
+
+def match_classes(test: Split, classes: list[str], name: str) -> Split:
+    """`test` (data.test's source) labelled by the training split's classes: the same list, or
+    class indices (numbered classes, no more than training has); else a DatasetError naming both."""
+    if test.classes == classes:
+        return test
+    numbered = test.classes == [str(i) for i in range(len(test.classes))]
+    if numbered and len(test.classes) <= len(classes) and not isinstance(test, ArraySplit):
+        return replace(test, classes=list(classes))
+    raise DatasetError(f"data.test={name} has the classes {_listed(test.classes)}, the training "
+                       f"split {_listed(classes)}: a test split is labelled with the training "
+                       f"split's classes, in its order")  # fmt: skip
+
+
+def load_run_split(cfg: DataConfig, split: str, classes: list[str] | None = None) -> Split:
+    """Split 'train' (before the validation carve), 'val' or 'test' of a run's data as `vitlab
+    train` reads it: with data.test, the training source whole and the test split data.test's,
+    labelled by the training split's classes (`classes`, or read from the training split)."""
+    keys, seed = (cfg.image_key, cfg.label_key), cfg.split_seed
+    if split in ("train", "val"):
+        full = load_split(cfg.name, "train", cfg.dir, seed, keys, whole=bool(cfg.test))
+        if split == "train":
+            return full
+        _, val = train_val_split(full, cfg.val_fraction, seed)
+        if val is None:
+            raise DatasetError(f"{cfg.name} has no validation split (data.val_fraction=0)")
+        return val
+    if not cfg.test:
+        return load_split(cfg.name, "test", cfg.dir, seed, keys)
+    if classes is None:
+        classes = load_run_split(cfg, "train").classes
+    return match_classes(load_split(cfg.test, "all", cfg.dir, seed, keys), classes, cfg.test)
 
 
 def dataset_info(name: str, split: Split) -> DatasetInfo:

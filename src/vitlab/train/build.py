@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from vitlab.config import ConfigError, RunConfig
-from vitlab.data import dataset_info, label_subset, load_split, train_val_split
-from vitlab.data.datasets import DatasetInfo, Split
+from vitlab.data import dataset_info, label_subset, train_val_split
+from vitlab.data.datasets import DatasetInfo, Split, load_run_split
 from vitlab.formats.base import Source
 from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
@@ -52,6 +52,16 @@ def resolve_model_config(
             f"model.in_chans={mc.in_chans} but dataset {info.name} has {info.in_chans} channels"
         )
     return mc
+
+
+def normalization(cfg: RunConfig, info: DatasetInfo, in_chans: int) -> tuple[tuple, tuple]:
+    """(mean, std) per channel: the data's (one value for every channel when it has one), or
+    none (0, 1) when data.normalize is off; a ConfigError when they fit neither."""
+    mean, std = (info.mean, info.std) if cfg.data.normalize else ((0.0,), (1.0,))
+    if len(mean) not in (1, in_chans) or len(std) != len(mean):
+        raise ConfigError(f"dataset {info.name}'s statistics have {len(mean)} channels, the model "
+                          f"{in_chans}")  # fmt: skip
+    return tuple(mean) * (in_chans // len(mean)), tuple(std) * (in_chans // len(std))
 
 
 def finetune_weights(model: nn.Module, source: Source) -> list[str]:
@@ -98,12 +108,8 @@ class Data:
 
 
 def load_data(cfg: RunConfig) -> Data:
-    keys, seed = (cfg.data.image_key, cfg.data.label_key), cfg.data.split_seed
-    train_full = load_split(cfg.data.name, "train", cfg.data.dir, seed, keys)
-    if cfg.data.test:  # a test split of its own, whole
-        test = load_split(cfg.data.test, "all", cfg.data.dir, seed, keys)
-    else:
-        test = load_split(cfg.data.name, "test", cfg.data.dir, seed, keys)
+    train_full = load_run_split(cfg.data, "train")
+    test = load_run_split(cfg.data, "test", train_full.classes)
     train, val = train_val_split(train_full, cfg.data.val_fraction, cfg.data.split_seed)
     train = label_subset(train, cfg.data.label_fraction, cfg.data.split_seed)
     return Data(dataset_info(cfg.data.name, train_full), train, val, test)

@@ -30,7 +30,7 @@ from vitlab.models.mpp import MaskedPatchViT
 from vitlab.models.registry import build_model, config_of, family_of, shape_of
 from vitlab.runtime import Dist, derive_seed, pick_device, rng_state, set_rng_state, use_bf16
 from vitlab.train import distill, distributed, engine
-from vitlab.train.build import finetune_weights, load_data, resolve_model_config
+from vitlab.train.build import finetune_weights, load_data, normalization, resolve_model_config
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
 from vitlab.train.folder import check_resume_length, claim_run_folder, default_run_folder
 from vitlab.train.log import RunLog
@@ -141,9 +141,7 @@ class Run:
             )
         self.out = Path(out or default_run_folder(cfg))
         info = self.data.info
-        mean, std = (info.mean, info.std) if cfg.data.normalize else ((0.0,), (1.0,))
-        if len(mean) != mc.in_chans:
-            mean, std = mean * mc.in_chans, std * mc.in_chans
+        mean, std = normalization(cfg, info, mc.in_chans)
         self.pre = Preprocessing(mc.img_hw, mc.in_chans, mean, std)
         # the teacher is loaded before the seed: a student starts the same with or without one
         sharded = d.enabled and self.strategy == "fsdp"
