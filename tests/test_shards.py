@@ -189,6 +189,8 @@ def test_writer_index_and_errors(tmp_path: Path, balanced: Path) -> None:
         load_split(f"wds:{balanced}/part-{{00..07}}.tar", "test")
     with pytest.raises(DatasetError, match="does not exist"):
         load_split(f"wds:{balanced}/nope-{{0..1}}.tar", "train")
+    with pytest.raises(DatasetError, match="URL patterns are not supported"):
+        load_split(f"wds:file://{balanced}/part-{{00..07}}.tar", "train")
 
 
 def test_train_from_shards_interrupted_mid_epoch_resumes_exactly(tmp_path, monkeypatch) -> None:

@@ -2,10 +2,12 @@
 and `KEY.cls` (the class index as text), read with the `webdataset` library.
 
 SHARDS is a folder that `vitlab data shard` wrote (its index.json lists each split's shards, their
-sample counts, the class names and the image statistics), or a brace pattern of local paths or URLs
-(`/data/in1k/train-{000000..001023}.tar`, `https://host/train-{0000..0099}.tar`): the training
-shards, the test split then named by data.test. A pattern's sample counts come from an index.json
-beside its shards when there is one, else local shards are counted (read once)."""
+sample counts, the class names and the image statistics), or a brace pattern of local paths
+(`/data/in1k/train-{000000..001023}.tar`): the training shards, the test split then named by
+data.test. Shards are read from local (or mounted network) file systems; URL patterns are not
+supported, as no index is fetched for them. A pattern's sample counts come from an index.json
+beside its shards when there is one, else every shard is read once to count it, by every rank at
+every start: write an index (`vitlab data shard`) for large datasets."""
 
 from __future__ import annotations
 
@@ -139,12 +141,15 @@ def load_shards(spec: str, split: str, keys: tuple[str | None, str | None]) -> S
 def _pattern_split(pattern: str, keys: tuple) -> ShardSplit:
     from braceexpand import braceexpand
 
+    if "://" in pattern:
+        raise DatasetError(f"wds:{pattern}: URL patterns are not supported (no index is fetched "
+                           f"for them): copy or mount the shards and name their paths")  # fmt: skip
     urls = list(braceexpand(pattern))
-    beside = Path(urls[0]).parent / INDEX if "://" not in urls[0] else None
+    beside = Path(urls[0]).parent / INDEX
     counts: dict[str, int] = {}
     classes: list[str] = []
     in_chans, stats = 3, IMAGENET_STATS
-    if beside is not None and beside.is_file():
+    if beside.is_file():
         index = _read_index(beside)
         for table in index["splits"].values():
             for s in table.get("shards", []):
@@ -154,11 +159,6 @@ def _pattern_split(pattern: str, keys: tuple) -> ShardSplit:
         if index.get("mean") and index.get("std"):
             stats = (tuple(index["mean"]), tuple(index["std"]))
     missing = [u for u in urls if Path(u).name not in counts]
-    if any("://" in u for u in missing):
-        raise DatasetError(
-            f"no sample counts for {missing[0]}: shards read over the network need an {INDEX} "
-            f"beside them (`vitlab data shard` writes one)"
-        )
     top = -1
     for u in missing:
         if not Path(u).is_file():
