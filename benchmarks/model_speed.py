@@ -128,7 +128,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed calls per measurement")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
-    runs = [(m, 16) for m in args.models] if args.models else DEFAULT
+    batches = dict(DEFAULT)  # a model of the default set keeps its batch
+    runs = [(m, batches.get(m, 16)) for m in args.models] if args.models else DEFAULT
     if args.batch:
         runs = [(m, args.batch) for m, _ in runs]
     torch.manual_seed(0)
