@@ -78,8 +78,8 @@ def test_sizes_init_and_logits_are_torchvisions(arch: str) -> None:
 
 
 def test_registry_family_shape_and_presets() -> None:
-    assert list_models(family="cnn") == [*TORCHVISION, "resnet18_28", "resnet18_32"]
-    assert "resnetv2_50" not in list_models()
+    bit = ["resnetv2_50", "resnetv2_50_28", "resnetv2_50_32"]  # tests/test_resnetv2.py
+    assert list_models(family="cnn") == [*TORCHVISION, "resnet18_28", "resnet18_32", *bit]
     assert not set(list_models(family="cnn")) & set(list_models(family="vit"))
     cfg = get_config("resnet18_28")
     assert family_of(cfg) == "cnn" and (cfg.in_chans, cfg.num_classes) == (1, 10)
@@ -168,7 +168,7 @@ def test_every_cnn_runs_and_every_parameter_gets_a_gradient() -> None:
         cfg = get_config(name)
         torch.manual_seed(0)
         model = create_model(name, img_size=16, small_stem=cfg.uses_small_stem, num_classes=3)
-        model.fc.weight.data.normal_(std=0.1)
+        model.classifier.weight.data.normal_(std=0.1)
         logits = model(torch.randn(2, cfg.in_chans, 16, 16))
         assert logits.shape == (2, 3) and torch.isfinite(logits).all()
         logits.square().mean().backward()
