@@ -11,17 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torchvision.models as tvm
-from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.helpers import weights_of
+from tests.helpers import check_eval_and_predict, weights_of
 from vitlab import create_model, load_checkpoint, save_pretrained
 from vitlab.analysis.cost import cost_report, format_cost_report
 from vitlab.cli.main import main
@@ -423,13 +421,7 @@ def test_a_cnn_run_works_with_eval_predict_and_fewshot(cnn_run: Path, tmp_path: 
                                                        capsys) -> None:  # fmt: skip
     model, meta = load_checkpoint(cnn_run)
     assert isinstance(model, ResNet) and meta.config.img_size == 8 and meta.config.uses_small_stem
-    expected = json.loads((cnn_run / "results.json").read_text())["top1"]
-    assert main(["eval", str(cnn_run), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["top1"] == pytest.approx(expected, abs=1e-9)
-    image = tmp_path / "digit.png"
-    Image.fromarray(np.full((8, 8), 200, dtype=np.uint8)).save(image)
-    assert main(["predict", str(cnn_run), str(image), "--json"]) == 0
-    assert len(json.loads(capsys.readouterr().out)[0]["top"]) == 5
+    check_eval_and_predict(cnn_run, tmp_path, capsys)
     means = {}
     for kind in ("prelogits", "gap"):
         assert main(["fewshot", str(cnn_run), "--shots", "5", "--seeds", "1", "--features", kind,

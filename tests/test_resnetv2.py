@@ -11,16 +11,14 @@ import json
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.helpers import weights_of
+from tests.helpers import check_eval_and_predict, weights_of
 from vitlab import create_model, load_checkpoint, save_pretrained
 from vitlab.analysis.cost import cost_report, format_cost_report
 from vitlab.cli.main import main
@@ -304,13 +302,7 @@ def test_a_run_trains_evaluates_predicts_and_fine_tunes(tmp_path: Path, capsys) 
     model, meta = load_checkpoint(run)
     assert isinstance(model, BiTResNet) and meta.config.img_size == 8
     assert meta.config.uses_small_stem
-    expected = json.loads((run / "results.json").read_text())["top1"]
-    assert main(["eval", str(run), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["top1"] == pytest.approx(expected, abs=1e-9)
-    image = tmp_path / "digit.png"
-    Image.fromarray(np.full((8, 8), 200, dtype=np.uint8)).save(image)
-    assert main(["predict", str(run), str(image), "--json"]) == 0
-    assert len(json.loads(capsys.readouterr().out)[0]["top"]) == 5
+    check_eval_and_predict(run, tmp_path, capsys)
     # fine-tuning at 16 px: the steps `vitlab train finetune.from=RUN model.img_size=16` takes
     # before its first epoch; the small stem and its weights are kept
     cfg = load_run_config(None, [*RUN, f"finetune.from={run}", "model.img_size=16"])

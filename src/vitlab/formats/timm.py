@@ -76,7 +76,7 @@ def resnetv2_names(state: Mapping[str, Tensor]) -> StateDict:
     return rename(state, [(rf"({_RESNETV2}|head\.fc\.(?:weight|bias))", r"\1")], "timm ResNetV2")
 
 
-def refuse_preact(keys: Iterable[str], where: str) -> None:
+def refuse_other_resnetv2(keys: Iterable[str], where: str) -> None:
     """A CheckpointError naming what vitlab's resnetv2_50 is not: timm's pre-activation ResNetV2
     (its registered resnetv2_50, BiT's resnetv2_50x1_bit: a final `norm`, no stem.norm) or one
     with BatchNorm (running statistics)."""
@@ -102,7 +102,7 @@ def detect(files: Files) -> bool:
 def read(files: Files) -> Source:
     tensors = files.tensors()
     if is_resnetv2(tensors):
-        refuse_preact(tensors, files.where)
+        refuse_other_resnetv2(tensors, files.where)
         src = Source(convert(files.where, resnetv2_names, tensors), "timm", files.where)
     elif swin_layout(tensors) == "timm":
         refuse_swin_v2(tensors, files.where)
