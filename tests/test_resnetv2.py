@@ -262,6 +262,56 @@ def test_convert_to_timm_builds_the_twin_in_timm_and_reads_back(tmp_path: Path, 
         assert torch.equal(back(x), ours(x))
 
 
+def test_timm_folders_of_other_resnetv2s_and_small_stem_folders_are_refused(
+    tmp_path: Path, capsys
+) -> None:
+    ours, _ = paired()
+    save_pretrained(ours, tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "t"), "--to", "timm"]) == 0
+    config_path = tmp_path / "t" / "config.json"
+    written = json.loads(config_path.read_text())
+    load_checkpoint(tmp_path / "t")  # as written: read back
+    # the same tensor names, another function: told by config.json's model_args
+    for change, why in (({"preact": True}, "preact=True"), ({"stem_type": "fixed"}, "stem_type"),
+                        ({"conv_layer": "std_conv"}, "conv_layer")):  # fmt: skip
+        config = json.loads(json.dumps(written))
+        config["model_args"].update(change)
+        config_path.write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match=why):
+            load_checkpoint(tmp_path / "t")
+    # timm builds the standard stem only: a small-stem model goes out as a state dict
+    save_pretrained(create_model("resnetv2_50_28"), tmp_path / "small")
+    assert main(["convert", str(tmp_path / "small"), str(tmp_path / "s"), "--to", "timm"]) == 2
+    assert "no small stem" in capsys.readouterr().err and not (tmp_path / "s").exists()
+    out = tmp_path / "s.safetensors"
+    assert main(["convert", str(tmp_path / "small"), str(out), "--to", "timm"]) == 0
+    with safe_open(str(out), "pt") as f:
+        assert f.get_tensor("stem.conv.weight").shape == (64, 1, 3, 3)
+
+
+def test_adapting_the_standardised_root_to_grey_is_said_to_be_approximate(tmp_path: Path) -> None:
+    """Summed RGB kernels answer a grey image exactly behind a plain conv, but a StdConv
+    standardises the sum anew: the output moves, and fine-tuning says so."""
+    rgb = create_model("resnetv2_50_32", num_classes=10)
+    for m in rgb.modules():  # GroupNorm scales away from 1, so the per-channel rescale shows
+        if isinstance(m, nn.GroupNorm):
+            nn.init.normal_(m.weight, 1.0, 0.5)
+    save_pretrained(rgb, tmp_path / "rgb")
+    grey, _ = load_checkpoint(tmp_path / "rgb", in_chans=1)
+    x = torch.rand(4, 1, 32, 32)
+    with torch.no_grad():
+        moved = (grey.eval()(x) - rgb.eval()(x.expand(-1, 3, -1, -1))).abs().max().item()
+    assert moved > 1e-3  # not the same function (a plain conv's sum would be)
+    source = read_source(str(tmp_path / "rgb"))
+    source.config = infer_config(source)
+    cfg = load_run_config(None, ["data.name=digits", "model.img_size=32"])
+    info = dataset_info("digits", load_split("digits", "train"))
+    model = build_model(resolve_model_config(cfg, info, source.config))
+    assert model.config.in_chans == 1
+    notes = finetune_weights(model, source)
+    assert any("adapted 3 -> 1 channels (approximate" in n for n in notes), notes
+
+
 def test_torchvision_and_hf_conversions_are_refused(tmp_path: Path, capsys) -> None:
     save_pretrained(create_model("resnetv2_50_28"), tmp_path / "src")
     for to, why in (("torchvision", "torchvision has no model for"), ("hf", "--to timm")):

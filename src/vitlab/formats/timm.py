@@ -12,7 +12,9 @@ timm's `resnetv2_50` entry point with model_args for that network, but a conv la
 value: the file says so in `conv_layer`, and timm builds it only when given the layer,
 `timm.create_model("local-dir:DST", pretrained=True, conv_layer=partial(StdConv2dSame,
 eps=1e-8))` (without it, construction fails rather than giving plain convs the weights). timm's
-stem is the standard one: a small-stem model's stem.conv (3x3) does not load into it."""
+stem is the standard one: a small-stem model is written as a state dict only (its 3x3 stem.conv
+does not load into timm's). Reading, a config.json whose model_args describe another ResNetV2
+(pre-activation, another stem padding or conv layer) is refused."""
 
 from __future__ import annotations
 
@@ -122,6 +124,8 @@ def read_config(cfg: dict[str, Any], src: Source) -> None:
     if family == "swin":
         timm_swin.read_hints(cfg, src)
     elif family == "cnn":  # a timm ResNet (torchvision's names) or ResNetV2: its input size
+        if is_resnetv2(src.state):
+            _refuse_other_resnetv2_args(cfg.get("model_args") or {}, src.where)
         size = (cfg.get("pretrained_cfg") or {}).get("input_size")
         if isinstance(size, list) and len(size) == 3:
             src.hints["img_size"] = tuple(size[1:])
@@ -137,6 +141,25 @@ def read_config(cfg: dict[str, Any], src: Source) -> None:
     names = cfg.get("label_names") or pre.get("label_names")
     if names:
         src.classes = list(names)
+
+
+def _refuse_other_resnetv2_args(args: dict[str, Any], where: str) -> None:
+    """A CheckpointError when config.json's model_args describe a ResNetV2 with the names of
+    vitlab's resnetv2_50 but another function: pre-activation units, another stem padding
+    (stem_type "" or "fixed": symmetric), or another conv layer than StdConv2dSame (plain
+    convs, StdConv2d with another eps). Tensors alone cannot tell these apart."""
+    why = []
+    if args.get("preact", False):
+        why.append("preact=True (pre-activation units)")
+    if args.get("stem_type", "same") != "same":
+        why.append(f"stem_type={args['stem_type']!r} (vitlab's pads TF-'same')")
+    if args.get("conv_layer", CONV_LAYER_NOTE) != CONV_LAYER_NOTE:
+        why.append(f"conv_layer={args['conv_layer']!r} (vitlab's is StdConv2dSame, eps 1e-8)")
+    if why:
+        raise CheckpointError(
+            f"{where}: config.json's model_args describe a ResNetV2 vitlab's resnetv2_50 is not: "
+            + "; ".join(why)
+        )
 
 
 def _read_vit_hints(cfg: dict[str, Any], src: Source) -> None:
@@ -170,6 +193,12 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
     if family_of(cfg) == "swin":  # the same names
         (arch, args), classifier = timm_swin.timm_swin_model_args(cfg), "head.fc"
     elif family_of(cfg) == "cnn":  # the same names
+        if cfg.uses_small_stem and dst.suffix != ".safetensors":
+            raise CheckpointError(
+                "timm's ResNetV2 has no small stem (3x3 stride 1, no max-pool), so timm cannot "
+                "build this model from a folder: write DST.safetensors (the state dict, timm's "
+                "names) or --to vitlab"
+            )
         (arch, args), classifier = timm_resnetv2_args(cfg), "head.fc"
         first_conv = "stem.conv"
     else:

@@ -9,7 +9,8 @@ map    = stages.i(map), i = 0..3          bottleneck units, 256 / 512 / 1024 / 2
                                           stride 2 from stages.1 on: (B, 2048, H/32, W/32)
 logits = head.fc(mean over the map)       a 1x1 conv with bias on the (B, 2048, 1, 1) mean
 
-Its twin in timm is the hybrid vit_base_r50_s16_224's backbone with four stages and a head:
+Its twin in timm is the backbone of the hybrid vit_large_r50_s32_224 (units (3, 4, 6, 3)) with a
+head:
 `timm.models.resnetv2.ResNetV2(layers=(3, 4, 6, 3), preact=False, stem_type="same",
 conv_layer=partial(StdConv2dSame, eps=1e-8), num_classes=N, in_chans=C)`, whose state dict loads
 here as it is (its `norm` is an Identity without preact, its head.fc a 1x1 Conv2d). It is NOT timm's

@@ -78,7 +78,11 @@ def finetune_weights(model: nn.Module, source: Source) -> list[str]:
                          f"{cfg.window_size}")  # fmt: skip
     if src_cfg.in_chans != cfg.in_chans:
         kernels = f"{cfg.first_conv.removesuffix('.weight')} kernels" if cnn else "patch kernels"
-        notes.append(f"{kernels} adapted {src_cfg.in_chans} -> {cfg.in_chans} channels")
+        note = f"{kernels} adapted {src_cfg.in_chans} -> {cfg.in_chans} channels"
+        if cfg.in_chans < src_cfg.in_chans and _standardised_root(cfg):
+            note += (" (approximate: the summed kernels of a weight-standardised conv are "
+                     "standardised anew, which rescales each channel's response)")  # fmt: skip
+        notes.append(note)
     if src_cfg.num_classes != cfg.num_classes:
         notes.append(f"new zero-initialised head for {cfg.num_classes} classes")
     src, _ = load_checkpoint(source, in_chans=cfg.in_chans, num_classes=cfg.num_classes, **moves)
@@ -104,3 +108,9 @@ def load_data(cfg: RunConfig) -> Data:
     train, val = train_val_split(train_full, cfg.data.val_fraction, cfg.data.split_seed)
     train = label_subset(train, cfg.data.label_fraction, cfg.data.split_seed)
     return Data(dataset_info(cfg.data.name, train_full), train, val, test)
+
+
+def _standardised_root(cfg: ModelConfig) -> bool:
+    """Whether the kernel that sees the image is a weight-standardised conv (StdConv2d): BiT's
+    ResNet-v2 and the hybrids' ResNet stem."""
+    return getattr(cfg, "bit", False) or getattr(cfg, "stem", None) == "resnet"
