@@ -9,12 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from tests.helpers import weights_of
+from tests.helpers import check_eval_and_predict, weights_of
 from vitlab import load_checkpoint
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
@@ -98,13 +96,7 @@ def test_a_swin_checkpoint_works_with_every_command(tmp_path: Path, capsys) -> N
     run = train(cfg("train.epochs=2"), out=tmp_path / "run")
     model, meta = load_checkpoint(run)
     assert isinstance(model, SwinTransformer) and meta.config.depths == (2, 2)
-    expected = json.loads((run / "results.json").read_text())["top1"]
-    assert main(["eval", str(run), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["top1"] == pytest.approx(expected, abs=1e-9)
-    image = tmp_path / "digit.png"
-    Image.fromarray(np.full((8, 8), 200, dtype=np.uint8)).save(image)
-    assert main(["predict", str(run), str(image), "--json"]) == 0
-    assert len(json.loads(capsys.readouterr().out)[0]["top"]) == 5
+    check_eval_and_predict(run, tmp_path, capsys)
     assert main(["fewshot", str(run), "--shots", "5", "--seeds", "1", "--features", "gap",
                  "--json"]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["results"][0]["mean"] > 0.2  # chance: 0.1
