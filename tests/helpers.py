@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,23 @@ TINY_MODEL = [
 def weights_of(run: Path, which: str = "last") -> dict[str, torch.Tensor]:
     """The weights of run folder `run`'s checkpoint `which` (last | best)."""
     return load_weights(run / "checkpoints" / which / "model.safetensors")
+
+
+def torchrun_train(
+    out: Path, *overrides: str, port: int, timeout: float | None = 300
+) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=2 -m vitlab train --out OUT OVERRIDES` on CPU (gloo), one thread
+    a process, its output captured as text; the caller checks the return code."""
+    run = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={port}",
+    ]
+    cmd = [*run, "-m", "vitlab", "train", "--out", str(out), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def check_eval_and_predict(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -6,9 +6,6 @@ independent count; and a run on digits through train, resume, eval, predict and 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.helpers import check_eval_and_predict, weights_of
+from tests.helpers import check_eval_and_predict, torchrun_train, weights_of
 from vitlab import create_model, load_checkpoint, save_pretrained
 from vitlab.analysis.cost import cost_report, format_cost_report
 from vitlab.cli.main import main
@@ -391,26 +388,7 @@ def test_under_ddp_validation_is_the_saved_models(tmp_path: Path, capsys) -> Non
     """BatchNorm statistics are rank 0's on every rank before validation and saving, so the
     validation accuracy logged under torchrun is the saved checkpoint's (fp32: exactly)."""
     out = tmp_path / "ddp"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--master_port=29553",
-            "-m",
-            "vitlab",
-            "train",
-            "--out",
-            str(out),
-            *RUN,
-            "train.epochs=1",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
-    )
+    proc = torchrun_train(out, *RUN, "train.epochs=1", port=29553)
     assert proc.returncode == 0, proc.stderr[-3000:]
     logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["val_acc"]
     assert main(["eval", str(out), "--split", "val", "--json"]) == 0

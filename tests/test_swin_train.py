@@ -4,7 +4,6 @@ with the same weights as one process, and refuses what only a ViT can do."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import check_eval_and_predict, weights_of
+from tests.helpers import check_eval_and_predict, torchrun_train, weights_of
 from vitlab import load_checkpoint
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
@@ -64,26 +63,7 @@ def test_fsdp_shards_swin_blocks_and_equals_one_process(tmp_path: Path) -> None:
         check=True,
         capture_output=True,
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--master_port=29547",
-            "-m",
-            "vitlab",
-            "train",
-            "--out",
-            str(multi),
-            *common,
-            "train.strategy=fsdp",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
-    )
+    proc = torchrun_train(multi, *common, "train.strategy=fsdp", port=29547)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stderr
     a, b = weights_of(single), weights_of(multi)
