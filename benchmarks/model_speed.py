@@ -21,6 +21,7 @@ import platform
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import yaml
@@ -40,6 +41,7 @@ DEFAULT = [
     ("R50+B/16", 4),
     ("resnet18_28", 128),  # CNN baselines: the small stem, and torchvision's at 224
     ("resnet18", 16),
+    ("resnetv2_50", 8),  # BiT's ResNet-v2-50 (the hybrids' ResNet with four stages)
 ]
 
 
@@ -56,10 +58,22 @@ def parse_model(spec: str) -> tuple[str, dict[str, object]]:
 def timm_twin(model: torch.nn.Module) -> torch.nn.Module:
     """timm's model with `model`'s shape and weights: a ViT, hybrid or distilled ViT from the same
     model_args that `vitlab convert --to timm` writes; a ResNet from timm's resnet18 / 34 / 50
-    (torchvision's names, as vitlab's), its conv1 and max-pool swapped for the small stem."""
+    (torchvision's names, as vitlab's), its conv1 and max-pool swapped for the small stem; BiT's
+    ResNet-v2-50 as timm's ResNetV2 with StdConv2dSame (the hybrids' backbone)."""
     import timm
 
     cfg = model.config
+    if family_of(cfg) == "cnn" and cfg.bit:  # timm's ResNetV2 as the hybrids build it
+        from timm.layers import StdConv2dSame
+        from timm.models.resnetv2 import ResNetV2
+
+        if cfg.uses_small_stem:
+            raise SystemExit("timm's ResNetV2 has no small stem: compare resnetv2_50 above 32 px")
+        twin = ResNetV2(layers=cfg.depths, preact=False, stem_type="same",
+                        conv_layer=partial(StdConv2dSame, eps=1e-8),
+                        num_classes=cfg.num_classes, in_chans=cfg.in_chans)  # fmt: skip
+        twin.load_state_dict(model.state_dict())
+        return twin
     if family_of(cfg) == "cnn":
         twin = timm.create_model(cfg.arch, num_classes=cfg.num_classes, in_chans=cfg.in_chans)
         if cfg.uses_small_stem:
@@ -128,7 +142,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed calls per measurement")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
-    runs = [(m, 16) for m in args.models] if args.models else DEFAULT
+    batches = dict(DEFAULT)  # a model of the default set keeps its batch
+    runs = [(m, batches.get(m, 16)) for m in args.models] if args.models else DEFAULT
     if args.batch:
         runs = [(m, args.batch) for m, _ in runs]
     torch.manual_seed(0)

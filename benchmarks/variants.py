@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from fmnist_runs import cpu, same_budget, train
 
+FULL_PRESET = Path(__file__).resolve().parent.parent / "configs" / "fashion-mnist.yaml"
 TEACHER = ["model.name=resnet18_28", "data.name=fashion-mnist", "data.crop_padding=1",
            "data.hflip=0.5", "optim.name=sgd", "optim.lr=0.1", "optim.weight_decay=0.0005",
            "optim.warmup_epochs=0.3", "optim.label_smoothing=0.1",
@@ -48,7 +49,7 @@ def deit(teacher_run: Path, epochs: int, seeds: list[int], out: Path) -> list[di
     results = []
     for seed in seeds:
         for distilled in (False, True):
-            args = ["--config", "configs/fashion-mnist.yaml", f"train.epochs={epochs}",
+            args = ["--config", str(FULL_PRESET), f"train.epochs={epochs}",
                     f"train.seed={seed}"]  # fmt: skip
             if distilled:
                 args += ["model.distilled=true", f"distill.teacher={teacher_run}",

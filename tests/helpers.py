@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
+from PIL import Image
 from torch import nn
 
+from vitlab.cli.main import main
 from vitlab.models.vit import VisionTransformer, ViTConfig
 from vitlab.train.state import load_weights
 
@@ -29,6 +35,35 @@ TINY_MODEL = [
 def weights_of(run: Path, which: str = "last") -> dict[str, torch.Tensor]:
     """The weights of run folder `run`'s checkpoint `which` (last | best)."""
     return load_weights(run / "checkpoints" / which / "model.safetensors")
+
+
+def torchrun_train(
+    out: Path, *overrides: str, port: int, timeout: float | None = 300
+) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=2 -m vitlab train --out OUT OVERRIDES` on CPU (gloo), one thread
+    a process, its output captured as text; the caller checks the return code."""
+    run = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={port}",
+    ]
+    cmd = [*run, "-m", "vitlab", "train", "--out", str(out), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def check_eval_and_predict(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`vitlab eval RUN` gives the top-1 the run recorded, and `vitlab predict RUN` answers an
+    8x8 grey image (digits' size) with its top 5 classes."""
+    expected = json.loads((run / "results.json").read_text())["top1"]
+    assert main(["eval", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["top1"] == pytest.approx(expected, abs=1e-9)
+    image = tmp_path / "digit.png"
+    Image.fromarray(np.full((8, 8), 200, dtype=np.uint8)).save(image)
+    assert main(["predict", str(run), str(image), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)[0]["top"]) == 5
 
 
 def tiny_config(**overrides: object) -> ViTConfig:

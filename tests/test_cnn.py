@@ -6,22 +6,17 @@ independent count; and a run on digits through train, resume, eval, predict and 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torchvision.models as tvm
-from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.helpers import weights_of
+from tests.helpers import check_eval_and_predict, torchrun_train, weights_of
 from vitlab import create_model, load_checkpoint, save_pretrained
 from vitlab.analysis.cost import cost_report, format_cost_report
 from vitlab.cli.main import main
@@ -78,8 +73,8 @@ def test_sizes_init_and_logits_are_torchvisions(arch: str) -> None:
 
 
 def test_registry_family_shape_and_presets() -> None:
-    assert list_models(family="cnn") == [*TORCHVISION, "resnet18_28", "resnet18_32"]
-    assert "resnetv2_50" not in list_models()
+    bit = ["resnetv2_50", "resnetv2_50_28", "resnetv2_50_32"]  # tests/test_resnetv2.py
+    assert list_models(family="cnn") == [*TORCHVISION, "resnet18_28", "resnet18_32", *bit]
     assert not set(list_models(family="cnn")) & set(list_models(family="vit"))
     cfg = get_config("resnet18_28")
     assert family_of(cfg) == "cnn" and (cfg.in_chans, cfg.num_classes) == (1, 10)
@@ -168,7 +163,7 @@ def test_every_cnn_runs_and_every_parameter_gets_a_gradient() -> None:
         cfg = get_config(name)
         torch.manual_seed(0)
         model = create_model(name, img_size=16, small_stem=cfg.uses_small_stem, num_classes=3)
-        model.fc.weight.data.normal_(std=0.1)
+        model.classifier.weight.data.normal_(std=0.1)
         logits = model(torch.randn(2, cfg.in_chans, 16, 16))
         assert logits.shape == (2, 3) and torch.isfinite(logits).all()
         logits.square().mean().backward()
@@ -393,26 +388,7 @@ def test_under_ddp_validation_is_the_saved_models(tmp_path: Path, capsys) -> Non
     """BatchNorm statistics are rank 0's on every rank before validation and saving, so the
     validation accuracy logged under torchrun is the saved checkpoint's (fp32: exactly)."""
     out = tmp_path / "ddp"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--master_port=29553",
-            "-m",
-            "vitlab",
-            "train",
-            "--out",
-            str(out),
-            *RUN,
-            "train.epochs=1",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
-    )
+    proc = torchrun_train(out, *RUN, "train.epochs=1", port=29553)
     assert proc.returncode == 0, proc.stderr[-3000:]
     logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["val_acc"]
     assert main(["eval", str(out), "--split", "val", "--json"]) == 0
@@ -423,13 +399,7 @@ def test_a_cnn_run_works_with_eval_predict_and_fewshot(cnn_run: Path, tmp_path: 
                                                        capsys) -> None:  # fmt: skip
     model, meta = load_checkpoint(cnn_run)
     assert isinstance(model, ResNet) and meta.config.img_size == 8 and meta.config.uses_small_stem
-    expected = json.loads((cnn_run / "results.json").read_text())["top1"]
-    assert main(["eval", str(cnn_run), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["top1"] == pytest.approx(expected, abs=1e-9)
-    image = tmp_path / "digit.png"
-    Image.fromarray(np.full((8, 8), 200, dtype=np.uint8)).save(image)
-    assert main(["predict", str(cnn_run), str(image), "--json"]) == 0
-    assert len(json.loads(capsys.readouterr().out)[0]["top"]) == 5
+    check_eval_and_predict(cnn_run, tmp_path, capsys)
     means = {}
     for kind in ("prelogits", "gap"):
         assert main(["fewshot", str(cnn_run), "--shots", "5", "--seeds", "1", "--features", kind,

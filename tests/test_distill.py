@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ import torch
 import yaml
 from torch.nn import functional as F
 
-from tests.helpers import TINY_MODEL, tiny_checkpoint, weights_of
+from tests.helpers import TINY_MODEL, tiny_checkpoint, torchrun_train, weights_of
 from vitlab import load_checkpoint
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, DistillConfig, load_run_config
@@ -315,14 +312,7 @@ def test_two_processes_with_a_teacher_equal_one(teacher: Path, tmp_path: Path) -
               "train.precision=fp32", "optim.name=sgd", "optim.lr=0.05"]  # fmt: skip
     single = train(load_run_config(None, common), out=tmp_path / "single")
     multi = tmp_path / "ddp"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--master_port=29547", "-m", "vitlab", "train", "--out", str(multi), *common],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=240,
-    )  # fmt: skip
+    proc = torchrun_train(multi, *common, port=29547, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stderr and "distill: teacher" in proc.stderr
     a, b = weights_of(single), weights_of(multi)

@@ -5,9 +5,6 @@ image folder, resume, torchrun), and fine-tuning from its encoder."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY_MODEL, weights_of
+from tests.helpers import TINY_MODEL, torchrun_train, weights_of
 from vitlab import load_checkpoint
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, MPPConfig, load_run_config
@@ -230,26 +227,8 @@ def test_an_image_folder_without_classes_trains_by_mpp_only(tmp_path: Path, caps
 
 def test_pretraining_under_torchrun_counts_every_test_image_once(tmp_path: Path) -> None:
     out = tmp_path / "ddp"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--master_port=29541",
-            "-m",
-            "vitlab",
-            "train",
-            "--out",
-            str(out),
-            *FAST,
-            "train.epochs=1",
-            "train.precision=fp32",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=240,
+    proc = torchrun_train(
+        out, *FAST, "train.epochs=1", "train.precision=fp32", port=29541, timeout=240
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stderr

@@ -4,17 +4,14 @@ with the same weights as one process, and refuses what only a ViT can do."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from tests.helpers import weights_of
+from tests.helpers import check_eval_and_predict, torchrun_train, weights_of
 from vitlab import load_checkpoint
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
@@ -66,26 +63,7 @@ def test_fsdp_shards_swin_blocks_and_equals_one_process(tmp_path: Path) -> None:
         check=True,
         capture_output=True,
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--master_port=29547",
-            "-m",
-            "vitlab",
-            "train",
-            "--out",
-            str(multi),
-            *common,
-            "train.strategy=fsdp",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
-    )
+    proc = torchrun_train(multi, *common, "train.strategy=fsdp", port=29547)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stderr
     a, b = weights_of(single), weights_of(multi)
@@ -98,13 +76,7 @@ def test_a_swin_checkpoint_works_with_every_command(tmp_path: Path, capsys) -> N
     run = train(cfg("train.epochs=2"), out=tmp_path / "run")
     model, meta = load_checkpoint(run)
     assert isinstance(model, SwinTransformer) and meta.config.depths == (2, 2)
-    expected = json.loads((run / "results.json").read_text())["top1"]
-    assert main(["eval", str(run), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["top1"] == pytest.approx(expected, abs=1e-9)
-    image = tmp_path / "digit.png"
-    Image.fromarray(np.full((8, 8), 200, dtype=np.uint8)).save(image)
-    assert main(["predict", str(run), str(image), "--json"]) == 0
-    assert len(json.loads(capsys.readouterr().out)[0]["top"]) == 5
+    check_eval_and_predict(run, tmp_path, capsys)
     assert main(["fewshot", str(run), "--shots", "5", "--seeds", "1", "--features", "gap",
                  "--json"]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["results"][0]["mean"] > 0.2  # chance: 0.1

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY_MODEL, weights_of
+from tests.helpers import TINY_MODEL, torchrun_train, weights_of
 from vitlab import load_checkpoint, runtime
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
@@ -361,28 +361,9 @@ def test_two_processes_equal_one_process(tmp_path: Path, strategy: str) -> None:
         check=True,
         capture_output=True,
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     multi = tmp_path / strategy
     port = 29533 if strategy == "ddp" else 29534
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={port}",
-            "-m",
-            "vitlab",
-            "train",
-            "--out",
-            str(multi),
-            *common,
-            f"train.strategy={strategy}",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    proc = torchrun_train(multi, *common, f"train.strategy={strategy}", port=port, timeout=None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stderr
     a, b = weights_of(single), weights_of(multi)

@@ -1,19 +1,21 @@
-"""`vitlab cost` for a CNN baseline (torchvision's ResNet): per stage, the map, its channels and
-what one forward pass multiplies there, counted as the model computes it (models.cnn), plus the
-parameters of the real module.
+"""`vitlab cost` for a CNN baseline (torchvision's ResNets, BiT's ResNet-v2-50): per stage, the
+map, its channels and what one forward pass multiplies there, counted as the model computes it
+(models.cnn, models.resnetv2), plus the parameters of the real module.
 
 A convolution with a k_h x k_w kernel from C_in to C_out channels (groups 1) that outputs an
 H_out x W_out map multiplies k_h k_w C_in C_out H_out W_out times (MACs); a 3x3 stride-2 conv with
 padding 1 (and a 1x1 stride-2 one) outputs ceil(H / 2). Per stage i (width w = 64 2^i, stride 2
 from the second stage on, in the first block):
     basic block:        3x3 C_in -> w (the stride), 3x3 w -> w
-    bottleneck block:   1x1 C_in -> w, 3x3 w -> w (the stride), 1x1 w -> 4w (torchvision's v1.5)
+    bottleneck block:   1x1 C_in -> w, 3x3 w -> w (the stride), 1x1 w -> 4w (torchvision's v1.5,
+                        and BiT's units, whose SAME padding gives the same ceil(H / 2) maps)
     downsample:         1x1 C_in -> C_out (the stride), where the map or the width changes
     stem:               7x7 stride 2 C_in -> 64, then a 3x3 stride-2 max-pool; small: 3x3 stride 1
-    head:               C_last x classes
+    head:               C_last x classes (fc, or BiT's 1x1 head.fc on the pooled map)
 Only convolutions and the classifier multiply (as torch.utils.flop_counter counts them);
-BatchNorm, ReLU, the residual additions and the pooling are left out, as in torchvision's
-published figures (ResNet-18 at 224: 1.81 G, which torchvision calls GFLOPS).
+BatchNorm / GroupNorm, the weight standardisation, ReLU, the residual additions and the pooling
+are left out, as in torchvision's published figures (ResNet-18 at 224: 1.81 G, which torchvision
+calls GFLOPS).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from vitlab.analysis.tables import human, table
-from vitlab.models.cnn import STEM_WIDTH, CNNConfig, ResNet
-from vitlab.models.registry import get_config, resolve_name
+from vitlab.models.cnn import CNN, STEM_WIDTH, CNNConfig
+from vitlab.models.registry import build_model, get_config, resolve_name
 
 
 @dataclass
@@ -88,22 +90,27 @@ def stage_costs(cfg: CNNConfig, params: dict[str, int] | None = None) -> list[CN
                 conv_macs=convs,
                 downsample_macs=down,
                 macs=convs + down,
-                params=(params or {}).get(f"layer{i + 1}", 0),
+                params=(params or {}).get(stage_names(cfg)[i], 0),
             )
         )
     return out
 
 
-def cnn_param_breakdown(model: ResNet) -> dict[str, int]:
-    """Parameters counted from the module: stem (conv1, bn1), layer1 ... layer4, head (fc),
-    total."""
-    counts = {"stem": 0, **{f"layer{i + 1}": 0 for i in range(len(model.stages))}, "head": 0}
-    for name, p in model.named_parameters():
-        part = name.split(".")[0]
-        part = "stem" if part in ("conv1", "bn1") else "head" if part == "fc" else part
-        counts[part] += p.numel()
-    counts["total"] = sum(counts.values())
-    return counts
+def stage_names(cfg: CNNConfig) -> list[str]:
+    """The stages' module names: layer1 ... layer4, or BiT's stages.0 ... stages.3."""
+    return [f"stages.{i}" if cfg.bit else f"layer{i + 1}" for i in range(len(cfg.depths))]
+
+
+def _count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def cnn_param_breakdown(model: CNN) -> dict[str, int]:
+    """Parameters counted from the module: stem (conv1, bn1 or stem.*), each stage by its name
+    (stage_names), head (the classifier), total."""
+    stages = dict(zip(stage_names(model.config), map(_count, model.stages), strict=True))
+    total, head = _count(model), _count(model.classifier)
+    return {"stem": total - sum(stages.values()) - head, **stages, "head": head, "total": total}
 
 
 def cnn_cost_report(model: str, img_size: int | tuple[int, int] | None = None) -> dict:
@@ -116,7 +123,7 @@ def cnn_cost_report(model: str, img_size: int | tuple[int, int] | None = None) -
     if img_size is not None:
         cfg = cfg.replace(img_size=img_size, small_stem=cfg.uses_small_stem)
     with torch.device("meta"):
-        params = cnn_param_breakdown(ResNet(cfg))
+        params = cnn_param_breakdown(build_model(cfg))
     grid, stem_macs = stem_cost(cfg)
     stages = stage_costs(cfg, params)
     head_macs = cfg.num_features * cfg.num_classes
@@ -125,6 +132,7 @@ def cnn_cost_report(model: str, img_size: int | tuple[int, int] | None = None) -
         "model": resolve_name(model),
         "family": "cnn",
         "arch": cfg.arch,
+        "title": cfg.title,
         "img_size": list(cfg.img_hw),
         "in_chans": cfg.in_chans,
         "num_classes": cfg.num_classes,
@@ -134,6 +142,7 @@ def cnn_cost_report(model: str, img_size: int | tuple[int, int] | None = None) -
         "params": params,
         "params_share": {k: v / params["total"] for k, v in params.items() if k != "total"},
         "stem": {"grid": grid, "stride": cfg.stem_stride, "macs": stem_macs},
+        "stage_names": stage_names(cfg),
         "stages": [asdict(s) for s in stages],
         "head_macs": head_macs,
         "forward_macs": total,
@@ -143,12 +152,12 @@ def cnn_cost_report(model: str, img_size: int | tuple[int, int] | None = None) -
 def format_cnn_cost_report(report: dict) -> str:
     """The CNN report as readable text tables."""
     h, w = report["img_size"]
-    stem = "standard stem (7x7 stride-2 conv1, 3x3 stride-2 max-pool)"
+    stem = "standard stem (7x7 stride-2 conv, 3x3 stride-2 max-pool)"
     if report["small_stem"]:
-        stem = "small stem (3x3 stride-1 conv1, no max-pool)"
+        stem = "small stem (3x3 stride-1 conv, no max-pool)"
     kind = "bottleneck" if report["bottleneck"] else "basic"
     lines = [
-        f"{report['model']}: {report['arch']}, {h}x{w}x{report['in_chans']} image, {stem}, "
+        f"{report['model']}: {report['title']}, {h}x{w}x{report['in_chans']} image, {stem}, "
         f"{kind} blocks {'-'.join(map(str, report['depths']))}, {report['num_classes']} classes",
         "",
         "Cost by stage, per image (MACs of the convolutions, k_h k_w C_in C_out H_out W_out):",
@@ -159,10 +168,10 @@ def format_cnn_cost_report(report: dict) -> str:
     total = report["forward_macs"]
     rows = [["stem", "x".join(map(str, st["grid"])), str(st["stride"]), "64", "", "", ""]]
     rows[0] += [human(st["macs"]), f"{100 * st['macs'] / total:.1f}%", f"{params['stem']:,}"]
-    for s in report["stages"]:
+    for name, s in zip(report["stage_names"], report["stages"], strict=True):
         rows.append(
             [
-                f"layer{s['stage'] + 1}",
+                name,
                 "x".join(map(str, s["grid"])),
                 str(s["stride"]),
                 f"{s['in_channels']}->{s['channels']}",

@@ -24,7 +24,7 @@ from vitlab.analysis.page import Images, Report, plot_filters, pyplot, write_ind
 from vitlab.analysis.swin_report import analyze_swin
 from vitlab.data import load_split
 from vitlab.data.datasets import ArraySplit, DatasetError
-from vitlab.models.cnn import ResNet
+from vitlab.models.cnn import CNN
 from vitlab.models.swin import SwinTransformer
 from vitlab.models.vit import VisionTransformer
 from vitlab.preprocessing import Preprocessing
@@ -156,7 +156,7 @@ def analyze(
     A Swin gets analyze_swin's page (no rollout: head_fusion is not used)."""
     if isinstance(model, SwinTransformer):
         return analyze_swin(model, images, out, title)
-    if isinstance(model, ResNet):
+    if isinstance(model, CNN):
         raise ValueError(
             "vitlab analyze shows attention (distance, rollout) and position embeddings; a CNN "
             "has neither: see vitlab cost for its per-stage cost"

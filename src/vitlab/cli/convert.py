@@ -1,5 +1,6 @@
 """`vitlab convert`: read a ViT, Swin or ResNet checkpoint in any known format, write it in
-vitlab's, timm's or Hugging Face's (a ResNet: vitlab's or torchvision's)."""
+vitlab's, timm's or Hugging Face's (a torchvision ResNet: vitlab's or torchvision's; BiT's
+ResNet-v2: vitlab's or timm's)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "config.json and preprocessor_config.json (ViTForImageClassification or "
         "SwinForImageClassification.from_pretrained; a Swin only where its windows tile every "
         "stage's map). --to torchvision (ResNets only): a plain state dict, DST.pth or "
-        "DST.safetensors, that torchvision.models.resnet18/34/50 load; ResNets are not written "
-        "as timm or hf. KEY=VALUE overrides change the model on the way: num_classes (new zero "
+        "DST.safetensors, that torchvision.models.resnet18/34/50 load; those ResNets are not "
+        "written as timm or hf. BiT's resnetv2_50 is written --to timm (timm's ResNetV2 names; "
+        "timm builds it given conv_layer=partial(StdConv2dSame, eps=1e-8)), never --to "
+        "torchvision or hf. KEY=VALUE overrides change the model on the way: num_classes (new zero "
         "head), img_size (positions resampled), in_chans, num_heads when the weights cannot "
         "tell; a Swin's window_size.",
     )

@@ -24,8 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="List the registered models: name, aliases, input size, patch size, width, "
         "depth, heads, MLP width and parameter count (counted on the meta device, no memory). "
         "Swin rows give the first stage's width, the blocks and heads per stage (e.g. 2-2-6-2) "
-        "and the MLP ratio. CNN rows (torchvision ResNets) give the stem's stride as the patch "
-        "(1: the small stem, a 3x3 stride-1 conv1 and no max-pool; 4: the standard one), the "
+        "and the MLP ratio. CNN rows (torchvision ResNets, BiT's resnetv2_50) give the stem's "
+        "stride as the patch (1: the small stem, a 3x3 stride-1 conv and no max-pool; 4: the "
+        "standard one), the "
         "first stage's width, the residual blocks per stage and their kind (basic or "
         "bottleneck).",
     )

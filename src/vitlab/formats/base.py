@@ -141,13 +141,35 @@ def is_resnet(keys: Iterable[str]) -> bool:
     return "conv1.weight" in keys and any(_RESNET_BLOCK.match(k) for k in keys)
 
 
+# a ResNet-v2's units in timm's names, at the top level (a hybrid's are under patch_embed.backbone)
+_RESNETV2_BLOCK = re.compile(r"^stages\.\d+\.blocks\.\d+\.conv\d\.weight$")
+
+
+def is_resnetv2(keys: Iterable[str]) -> bool:
+    """Whether `keys` name a classifier ResNet-v2 in timm's names (BiT's, models.resnetv2):
+    stem.conv and stages.{i}.blocks.{j} units."""
+    keys = list(keys)
+    return "stem.conv.weight" in keys and any(_RESNETV2_BLOCK.match(k) for k in keys)
+
+
 def state_family(keys: Iterable[str]) -> str:
     """'swin' when `keys` are a Swin Transformer's (timm's or transformers' names), 'cnn' when a
-    torchvision ResNet's, else 'vit'."""
+    torchvision ResNet's or a timm ResNet-v2's, else 'vit'."""
     keys = list(keys)
-    if is_resnet(keys):
+    if is_resnet(keys) or is_resnetv2(keys):
         return "cnn"
     return "vit" if swin_layout(keys) is None else "swin"
+
+
+def write_cnn_instead(config: Any) -> str:
+    """Where a CNN is written, for a format that refuses it: torchvision's ResNets as torchvision's
+    state dict, BiT's ResNet-v2 (a CNNConfig with `bit`) as timm's."""
+    if getattr(config, "bit", False):
+        return "write BiT's ResNet-v2 (timm's ResNetV2 names) with --to timm or --to vitlab"
+    return (
+        "write a ResNet with --to torchvision (a plain state dict in torchvision's names, which "
+        "are timm's resnet18/34/50's too) or --to vitlab"
+    )
 
 
 def unknown(keys: list[str], format: str) -> FormatError:

@@ -31,6 +31,7 @@ from vitlab.formats.base import (
     state_family,
     swin_layout,
     unknown,
+    write_cnn_instead,
     write_json,
     write_safetensors,
 )
@@ -198,8 +199,8 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
     SwinForImageClassification's (SwinModel) for a Swin whose windows tile its maps."""
     if family_of(model.config) == "cnn":
         raise CheckpointError(
-            "vitlab writes Hugging Face's format for ViTs and Swins; write a ResNet with --to "
-            "torchvision (a plain state dict in torchvision's names) or --to vitlab"
+            "vitlab writes Hugging Face's format for ViTs and Swins; "
+            + write_cnn_instead(model.config)
         )
     state = cpu_state(model.state_dict())
     if family_of(model.config) == "swin":

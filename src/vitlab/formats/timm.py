@@ -4,12 +4,22 @@ and timm.create_model loads `local-dir:DST`. vitlab's names are timm's except a 
 position table, which is a module here (`pos_embed.weight`); a hybrid's ResNet stem has timm's
 names (`patch_embed.backbone.*`) and is written under the timm entry point that builds its ResNet
 (vit_base_r50_s16_*, vit_small_r26_s32_*, vit_large_r50_s32_*); the Swin specifics are in
-formats.timm_swin."""
+formats.timm_swin.
+
+BiT's ResNet-v2-50 (models.resnetv2) has the names of timm's ResNetV2(preact=False,
+stem_type="same", conv_layer=partial(StdConv2dSame, eps=1e-8)). Its folder's config.json names
+timm's `resnetv2_50` entry point with model_args for that network, but a conv layer is no JSON
+value: the file says so in `conv_layer`, and timm builds it only when given the layer,
+`timm.create_model("local-dir:DST", pretrained=True, conv_layer=partial(StdConv2dSame,
+eps=1e-8))` (without it, construction fails rather than giving plain convs the weights). timm's
+stem is the standard one: a small-stem model is written as a state dict only (its 3x3 stem.conv
+does not load into timm's). Reading, a config.json whose model_args describe another ResNetV2
+(pre-activation, another stem padding or conv layer) is refused."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,28 +35,33 @@ from vitlab.formats.base import (
     classes_of,
     convert,
     cpu_state,
+    is_resnetv2,
     preprocessing_of,
     refuse_swin_v2,
     rename,
     state_family,
     swin_layout,
+    write_cnn_instead,
     write_json,
     write_safetensors,
 )
+from vitlab.models.cnn import CNNConfig
 from vitlab.models.registry import UnknownModelError, family_of, get_config
 from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD
 
+# timm's ResNetV2 without pre-activation (models/stems.py has timm's names)
+_RESNETV2 = (
+    r"stem\.(?:conv\.weight|norm\.(?:weight|bias))|stages\.\d+\.blocks\.\d+\."
+    r"(?:conv[123]\.weight|norm[123]\.(?:weight|bias)|downsample\.(?:conv\.weight|norm\.(?:weight|bias)))"
+)
 _SAME = (
     r"patch_embed\.proj\.(weight|bias)|cls_token|dist_token|norm\.(weight|bias)"
     r"|fc_norm\.(weight|bias)|head\.(weight|bias)|head_dist\.(weight|bias)"
     r"|pre_logits\.fc\.(weight|bias)"
     r"|blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)"
     r"|blocks\.\d+\.ls[12]\.gamma"
-    # a hybrid's ResNet stem (models/stems.py has timm's names)
-    r"|patch_embed\.backbone\.stem\.(conv\.weight|norm\.(weight|bias))"
-    r"|patch_embed\.backbone\.stages\.\d+\.blocks\.\d+\."
-    r"(conv[123]\.weight|norm[123]\.(weight|bias)|downsample\.(conv\.weight|norm\.(weight|bias)))"
+    rf"|patch_embed\.backbone\.(?:{_RESNETV2})"  # a hybrid's ResNet stem
 )
 
 
@@ -58,15 +73,40 @@ def vitlab_to_timm(state: Mapping[str, Tensor]) -> StateDict:
     return rename(state, [(r"pos_embed\.weight", "pos_embed"), (f"({_SAME})", r"\1")], "timm")
 
 
+def resnetv2_names(state: Mapping[str, Tensor]) -> StateDict:
+    """A BiT ResNet-v2 classifier's tensors, whose names are timm's: checked, not renamed."""
+    return rename(state, [(rf"({_RESNETV2}|head\.fc\.(?:weight|bias))", r"\1")], "timm ResNetV2")
+
+
+def refuse_other_resnetv2(keys: Iterable[str], where: str) -> None:
+    """A CheckpointError naming what vitlab's resnetv2_50 is not: timm's pre-activation ResNetV2
+    (its registered resnetv2_50, BiT's resnetv2_50x1_bit: a final `norm`, no stem.norm) or one
+    with BatchNorm (running statistics)."""
+    keys = list(keys)
+    ours = "vitlab's resnetv2_50 is the R50 hybrid's ResNet-v2 (GroupNorm after each conv)"
+    if any(k.endswith("running_mean") for k in keys):
+        raise CheckpointError(
+            f"{where}: a ResNet-v2 with BatchNorm (timm's registered resnetv2_50 ...): {ours}"
+        )
+    if "norm.weight" in keys or "stem.norm.weight" not in keys:
+        raise CheckpointError(
+            f"{where}: a pre-activation ResNet-v2 (timm's resnetv2_50x1_bit, BiT's released "
+            f"weights): {ours}, timm's ResNetV2(preact=False, stem_type='same')"
+        )
+
+
 def detect(files: Files) -> bool:
     keys = files.names()
     vit = "patch_embed.proj.weight" in keys and "pos_embed" in keys
-    return vit or swin_layout(keys) == "timm"
+    return vit or swin_layout(keys) == "timm" or is_resnetv2(keys)
 
 
 def read(files: Files) -> Source:
     tensors = files.tensors()
-    if swin_layout(tensors) == "timm":
+    if is_resnetv2(tensors):
+        refuse_other_resnetv2(tensors, files.where)
+        src = Source(convert(files.where, resnetv2_names, tensors), "timm", files.where)
+    elif swin_layout(tensors) == "timm":
         refuse_swin_v2(tensors, files.where)
         src = Source({}, "timm", files.where)
         src.state = convert(files.where, timm_swin.timm_swin_to_vitlab, tensors, src.notes)
@@ -83,7 +123,9 @@ def read_config(cfg: dict[str, Any], src: Source) -> None:
     family = state_family(src.state)
     if family == "swin":
         timm_swin.read_hints(cfg, src)
-    elif family == "cnn":  # a timm ResNet (torchvision's names): its input size
+    elif family == "cnn":  # a timm ResNet (torchvision's names) or ResNetV2: its input size
+        if is_resnetv2(src.state):
+            _refuse_other_resnetv2_args(cfg.get("model_args") or {}, src.where)
         size = (cfg.get("pretrained_cfg") or {}).get("input_size")
         if isinstance(size, list) and len(size) == 3:
             src.hints["img_size"] = tuple(size[1:])
@@ -99,6 +141,25 @@ def read_config(cfg: dict[str, Any], src: Source) -> None:
     names = cfg.get("label_names") or pre.get("label_names")
     if names:
         src.classes = list(names)
+
+
+def _refuse_other_resnetv2_args(args: dict[str, Any], where: str) -> None:
+    """A CheckpointError when config.json's model_args describe a ResNetV2 with the names of
+    vitlab's resnetv2_50 but another function: pre-activation units, another stem padding
+    (stem_type "" or "fixed": symmetric), or another conv layer than StdConv2dSame (plain
+    convs, StdConv2d with another eps). Tensors alone cannot tell these apart."""
+    why = []
+    if args.get("preact", False):
+        why.append("preact=True (pre-activation units)")
+    if args.get("stem_type", "same") != "same":
+        why.append(f"stem_type={args['stem_type']!r} (vitlab's pads TF-'same')")
+    if args.get("conv_layer", CONV_LAYER_NOTE) != CONV_LAYER_NOTE:
+        why.append(f"conv_layer={args['conv_layer']!r} (vitlab's is StdConv2dSame, eps 1e-8)")
+    if why:
+        raise CheckpointError(
+            f"{where}: config.json's model_args describe a ResNetV2 vitlab's resnetv2_50 is not: "
+            + "; ".join(why)
+        )
 
 
 def _read_vit_hints(cfg: dict[str, Any], src: Source) -> None:
@@ -122,15 +183,24 @@ def _read_vit_hints(cfg: dict[str, Any], src: Source) -> None:
 def write(model: nn.Module, dst: Path) -> list[Path]:
     """DST.safetensors alone, or a folder with model.safetensors and timm's config.json."""
     cfg = model.config
-    if family_of(cfg) == "cnn":
+    if family_of(cfg) == "cnn" and not cfg.bit:
         raise CheckpointError(
-            "vitlab writes timm's format for ViTs and Swins; write a ResNet with --to torchvision "
-            "(a plain state dict in torchvision's names, which are timm's resnet18/34/50's too) "
-            "or --to vitlab"
+            "vitlab writes timm's format for ViTs, Swins and BiT's ResNet-v2; "
+            + write_cnn_instead(cfg)
         )
     state = cpu_state(model.state_dict())
+    first_conv = _FIRST_CONV.get(getattr(cfg, "stem", "patch"), "patch_embed.proj")
     if family_of(cfg) == "swin":  # the same names
         (arch, args), classifier = timm_swin.timm_swin_model_args(cfg), "head.fc"
+    elif family_of(cfg) == "cnn":  # the same names
+        if cfg.uses_small_stem and dst.suffix != ".safetensors":
+            raise CheckpointError(
+                "timm's ResNetV2 has no small stem (3x3 stride 1, no max-pool), so timm cannot "
+                "build this model from a folder: write DST.safetensors (the state dict, timm's "
+                "names) or --to vitlab"
+            )
+        (arch, args), classifier = timm_resnetv2_args(cfg), "head.fc"
+        first_conv = "stem.conv"
     else:
         (arch, args), state = timm_model_args(cfg), vitlab_to_timm(state)
         classifier = ["head", "head_dist"] if cfg.distilled else "head"
@@ -146,7 +216,7 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
         "mean": list(pre.mean),
         "std": list(pre.std),
         "num_classes": cfg.num_classes,
-        "first_conv": _FIRST_CONV.get(getattr(cfg, "stem", "patch"), "patch_embed.proj"),
+        "first_conv": first_conv,
         "classifier": classifier,
     }
     config = {
@@ -192,6 +262,29 @@ HYBRID_ARCHS = {
 }
 REGISTERED_HYBRIDS = frozenset(f"{a}_{r}" for a in HYBRID_ARCHS.values() for r in (224, 384))
 _FIRST_CONV = {"resnet": "patch_embed.backbone.stem.conv"}
+
+
+def timm_resnetv2_args(cfg: CNNConfig) -> tuple[str, dict[str, Any]]:
+    """(timm entry point, model_args) for BiT's ResNet-v2-50: what JSON can say of timm's
+    ResNetV2(preact=False, stem_type="same", conv_layer=partial(StdConv2dSame, eps=1e-8)). The
+    conv layer is a note timm cannot call: the caller passes the layer itself (module
+    docstring)."""
+    return "resnetv2_50", dict(
+        layers=list(cfg.depths),
+        preact=False,
+        stem_type="same",
+        conv_layer=CONV_LAYER_NOTE,
+        norm_layer="groupnorm",  # timm's GroupNormAct: 32 groups, eps 1e-5
+        in_chans=cfg.in_chans,
+        num_classes=cfg.num_classes,
+        global_pool="avg",
+    )
+
+
+CONV_LAYER_NOTE = (
+    "not JSON: pass conv_layer=functools.partial(timm.layers.StdConv2dSame, eps=1e-8) to "
+    "timm.create_model"
+)
 
 
 def timm_hybrid_arch(cfg: ViTConfig) -> str | None:

@@ -27,6 +27,7 @@ from vitlab.formats.base import (
     fsync,
     is_resnet,
     rename,
+    write_cnn_instead,
     write_safetensors,
 )
 from vitlab.models.registry import family_of
@@ -90,6 +91,11 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
         raise CheckpointError(
             "vitlab writes torchvision's format for CNNs (ResNets) only; write a ViT or a Swin "
             "as vitlab, timm or hf"
+        )
+    if model.config.bit:
+        raise CheckpointError(
+            f"{model.config.arch} is BiT's ResNet-v2 (GroupNorm, weight-standardised convs), "
+            "which torchvision has no model for; " + write_cnn_instead(model.config)
         )
     state = cpu_state(model.state_dict())
     if dst.suffix in TORCH_SUFFIXES:

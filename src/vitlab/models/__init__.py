@@ -1,6 +1,6 @@
 """The model families (ViT, Swin, CNN baselines): configs, modules, building blocks and registry."""
 
-from vitlab.models.cnn import CNNConfig, ResNet
+from vitlab.models.cnn import CNN, CNNConfig, ResNet
 from vitlab.models.pos_embed import resample_pos_embed
 from vitlab.models.registry import (
     UnknownModelError,
@@ -11,10 +11,13 @@ from vitlab.models.registry import (
     register_alias,
     register_model,
 )
+from vitlab.models.resnetv2 import BiTResNet
 from vitlab.models.swin import SwinConfig, SwinTransformer
 from vitlab.models.vit import Intermediates, VisionTransformer, ViTConfig
 
 __all__ = [
+    "BiTResNet",
+    "CNN",
     "CNNConfig",
     "Intermediates",
     "ResNet",

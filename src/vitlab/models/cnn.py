@@ -1,6 +1,8 @@
 """CNN baselines: torchvision's ResNet-18 / 34 / 50 (He et al., CVPR 2016), built by torchvision's
 own builders and kept under torchvision's parameter names (conv1, bn1, layer1..4, fc), so its state
-dicts load as they are and give its outputs.
+dicts load as they are and give its outputs; and BiT's ResNet-v2-50 as the hybrids build it
+(models.resnetv2, timm's names). `CNN` is what both share: the config, the stages, the forward
+split, intermediates, grad checkpointing and the classifier reset.
 
 map    = maxpool(relu(bn1(conv1(x))))     (B, 64, H/4, W/4)    7x7 stride 2, 3x3 max-pool stride 2
 map    = layer_i(map), i = 1..4           residual blocks, stride 2 from layer2 on, widths
@@ -17,10 +19,10 @@ takes any image size: img_size is what the preprocessing resizes to, not a const
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -29,14 +31,18 @@ from torch.utils.checkpoint import checkpoint
 from vitlab.config import ConfigError, check_keys, pair, validate
 from vitlab.models.layers import chosen_indices
 
-ResNetArch = Literal["resnet18", "resnet34", "resnet50"]
+ResNetArch = Literal["resnet18", "resnet34", "resnet50", "resnetv2_50"]
 
-# arch -> (residual blocks per stage, bottleneck blocks); torchvision's resnet18 / 34 / 50
+# arch -> (residual blocks per stage, bottleneck blocks); torchvision's resnet18 / 34 / 50, and
+# the BiT ResNet-v2-50 of models.resnetv2 (GroupNorm, weight-standardised convs, timm's names)
 ARCHS: dict[str, tuple[tuple[int, ...], bool]] = {
     "resnet18": ((2, 2, 2, 2), False),
     "resnet34": ((3, 4, 6, 3), False),
     "resnet50": ((3, 4, 6, 3), True),
+    "resnetv2_50": ((3, 4, 6, 3), True),
 }
+BIT_ARCHS = ("resnetv2_50",)  # built by models.resnetv2, not torchvision
+_TITLES = {"resnetv2_50": "BiT ResNet-v2-50"}
 STEM_WIDTH = 64  # conv1's output channels
 SMALL_SIDE = 32  # the automatic small stem: both image sides at most this
 
@@ -53,7 +59,7 @@ class CNNConfig:
     in_chans: int = 3
     num_classes: int = 1000  # 0: no classifier, forward() returns pooled features
     small_stem: bool | None = None  # 3x3 stride-1 conv1, no max-pool; None: when sides <= 32
-    zero_init_residual: bool = False  # torchvision's: each block's last BatchNorm scale starts at 0
+    zero_init_residual: bool = False  # each block's last norm scale (BatchNorm, GN) starts at 0
 
     def __post_init__(self) -> None:
         validate(self)
@@ -101,9 +107,19 @@ class CNNConfig:
         return 1 if self.uses_small_stem else 4
 
     @property
+    def bit(self) -> bool:
+        """BiT's ResNet-v2 (models.resnetv2, timm's names) rather than a torchvision ResNet."""
+        return self.arch in BIT_ARCHS
+
+    @property
+    def title(self) -> str:
+        """'ResNet-18' ... 'BiT ResNet-v2-50'."""
+        return _TITLES.get(self.arch, f"ResNet-{self.arch.removeprefix('resnet')}")
+
+    @property
     def first_conv(self) -> str:
         """The weight in_chans acts on (load_checkpoint adapts it to another channel count)."""
-        return "conv1.weight"
+        return "stem.conv.weight" if self.bit else "conv1.weight"
 
     def replace(self, **changes: object) -> CNNConfig:
         """A copy with `changes` applied; unknown keys and wrong types raise ConfigError."""
@@ -111,7 +127,7 @@ class CNNConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _builders() -> dict[str, object]:
+def _torchvision_builders() -> dict[str, object]:
     from torchvision import models  # imported when first built: it takes seconds
 
     return {"resnet18": models.resnet18, "resnet34": models.resnet34, "resnet50": models.resnet50}
@@ -137,59 +153,58 @@ def _stats_once(block: nn.Module) -> Callable[[], tuple[AbstractContextManager, 
     return lambda: (nullcontext(), _batchnorm_stats_kept(block))
 
 
-class ResNet(nn.Module):
-    """torchvision's ResNet for one CNNConfig, its modules adopted under their own names."""
+class CNN(nn.Module):
+    """What the CNN baselines share. A subclass builds its stem, `stages` (each an iterable of
+    residual blocks, or a module with `.blocks`) and a classifier at `classifier_name`, and defines
+    _stem, forward_head and _classifier_layer."""
 
     num_prefix_tokens = 0  # no tokens: features are a map
+    classifier_name: ClassVar[str]  # the classifier's module path: "fc", "head.fc"
+    stages: Sequence[nn.Module]  # the four stages, in order
 
     def __init__(self, config: CNNConfig) -> None:
         super().__init__()
         # the stem is fixed once built: a checkpoint says which, whatever size it is used at later
-        cfg = self.config = config.replace(small_stem=config.uses_small_stem)
-        net = _builders()[cfg.arch](
-            weights=None,
-            num_classes=cfg.num_classes or 1,
-            zero_init_residual=cfg.zero_init_residual,
-        )
-        if cfg.uses_small_stem or cfg.in_chans != 3:
-            kernel, stride, pad = (3, 1, 1) if cfg.uses_small_stem else (7, 2, 3)
-            net.conv1 = nn.Conv2d(cfg.in_chans, STEM_WIDTH, kernel, stride, pad, bias=False)
-            nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
-        if cfg.uses_small_stem:
-            net.maxpool = nn.Identity()
-        if not cfg.num_classes:
-            net.fc = nn.Identity()
-        for name, module in net.named_children():  # conv1 bn1 relu maxpool layer1-4 avgpool fc
-            self.add_module(name, module)
-        self.num_features = cfg.num_features
+        self.config = config.replace(small_stem=config.uses_small_stem)
+        self.num_features = self.config.num_features
         self.grad_checkpointing = False
         self.preprocessing = None  # a vitlab.preprocessing.Preprocessing when the weights have one
         self.classes: list[str] | None = None  # class names, likewise
 
     # --- construction ----------------------------------------------------------------------------
 
-    @property
-    def stages(self) -> list[nn.Sequential]:
-        """layer1 ... layer4."""
-        return [self.layer1, self.layer2, self.layer3, self.layer4]
+    @staticmethod
+    def _units(stage: nn.Module) -> Iterable[nn.Module]:
+        """A stage's residual blocks."""
+        return stage
 
     @property
     def blocks(self) -> list[nn.Module]:
         """Every residual block in order (FSDP shards each; train.distributed.wrap)."""
-        return [block for stage in self.stages for block in stage]
+        return [block for stage in self.stages for block in self._units(stage)]
+
+    @property
+    def classifier(self) -> nn.Module:
+        """The layer that makes the logits (nn.Identity without classes)."""
+        return self.get_submodule(self.classifier_name)
+
+    def _classifier_layer(self, num_classes: int, **device: Any) -> nn.Module:
+        """A new classifier from num_features to `num_classes`, with weight and bias."""
+        raise NotImplementedError
 
     def reset_classifier(self, num_classes: int) -> None:
-        """Replace fc by a zero-initialised one for `num_classes` (0: none), as the ViT and the Swin
-        do, so a fine-tuned head starts from zero logits (a model built from a config keeps
-        torchvision's PyTorch-default fc instead)."""
+        """Replace the classifier by a zero-initialised one for `num_classes` (0: none), as the ViT
+        and the Swin do, so a fine-tuned head starts from zero logits (a model built from a config
+        keeps its library's initialisation instead)."""
         self.config = self.config.replace(num_classes=num_classes)
-        fc: nn.Module = nn.Identity()
+        head: nn.Module = nn.Identity()
         if num_classes:
-            ref = self.conv1.weight
-            fc = nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype)
-            nn.init.zeros_(fc.weight)
-            nn.init.zeros_(fc.bias)
-        self.fc = fc
+            ref = next(self.parameters())
+            head = self._classifier_layer(num_classes, device=ref.device, dtype=ref.dtype)
+            nn.init.zeros_(head.weight)
+            nn.init.zeros_(head.bias)
+        parent, _, name = self.classifier_name.rpartition(".")
+        setattr(self.get_submodule(parent), name, head)
 
     def set_image_size(
         self, img_size: int | tuple[int, int], small_stem: bool | None = None
@@ -211,12 +226,13 @@ class ResNet(nn.Module):
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each residual block's activations in the backward pass instead of storing
-        them (BatchNorm statistics are updated once per batch all the same)."""
+        them (BatchNorm statistics, where there are any, are updated once per batch all the
+        same)."""
         self.grad_checkpointing = enable
 
     def no_weight_decay(self) -> set[str]:
-        """Names of the parameters AdamW should not decay: BatchNorm scales and shifts, fc's
-        bias."""
+        """Names of the parameters AdamW should not decay: the norms' scales and shifts, the
+        classifier's bias."""
         return {name for name, p in self.named_parameters() if p.ndim <= 1}
 
     # --- forward ---------------------------------------------------------------------------------
@@ -233,19 +249,22 @@ class ResNet(nn.Module):
 
     def _stem(self, x: Tensor) -> Tensor:
         """(B, C, H, W) images -> (B, 64, H/s, W/s), s the stem's stride (4, or 1)."""
-        self._check(x)
-        return self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        raise NotImplementedError
 
-    def _stage(self, stage: nn.Sequential, x: Tensor) -> Tensor:
-        for block in stage:
+    def _checkpointed(self, block: nn.Module, x: Tensor) -> Tensor:
+        return checkpoint(block, x, use_reentrant=False)
+
+    def _stage(self, stage: nn.Module, x: Tensor) -> Tensor:
+        for block in self._units(stage):
             if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False, context_fn=_stats_once(block))
+                x = self._checkpointed(block, x)
             else:
                 x = block(x)
         return x
 
     def _maps(self, x: Tensor) -> Iterator[Tensor]:
         """(B, C, H, W) images -> each stage's output map (B, C_i, h_i, w_i)."""
+        self._check(x)
         x = self._stem(x)
         for stage in self.stages:
             x = self._stage(stage, x)
@@ -254,6 +273,7 @@ class ResNet(nn.Module):
     def forward_features(self, x: Tensor) -> Tensor:
         """(B, C, H, W) -> (B, C_last, h, w) the last stage's map: h = ceil(H / 32) with the
         standard stem, ceil(H / 8) with the small one."""
+        self._check(x)
         x = self._stem(x)
         for stage in self.stages:
             x = self._stage(stage, x)
@@ -261,12 +281,11 @@ class ResNet(nn.Module):
 
     def forward_head(self, features: Tensor, pre_logits: bool = False) -> Tensor:
         """(B, C, h, w) map -> (B, num_classes) logits, or the pooled (B, num_features) vector
-        (the map's mean, what fc reads) when `pre_logits`."""
-        x = self.avgpool(features).flatten(1)  # (B, C)
-        return x if pre_logits else self.fc(x)
+        (the map's mean, what the classifier reads) when `pre_logits`."""
+        raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
-        """(B, C, H, W) images -> (B, num_classes) logits, as torchvision's forward."""
+        """(B, C, H, W) images -> (B, num_classes) logits."""
         return self.forward_head(self.forward_features(x))
 
     def forward_intermediates(
@@ -285,3 +304,48 @@ class ResNet(nn.Module):
             if i == chosen[-1]:
                 break
         return out
+
+
+class ResNet(CNN):
+    """torchvision's ResNet for one CNNConfig, its modules adopted under their own names."""
+
+    classifier_name = "fc"
+
+    def __init__(self, config: CNNConfig) -> None:
+        super().__init__(config)
+        cfg = self.config
+        if cfg.bit:
+            raise ConfigError(f"{cfg.arch} is built by models.resnetv2.BiTResNet, not ResNet")
+        net = _torchvision_builders()[cfg.arch](
+            weights=None,
+            num_classes=cfg.num_classes or 1,
+            zero_init_residual=cfg.zero_init_residual,
+        )
+        if cfg.uses_small_stem or cfg.in_chans != 3:
+            kernel, stride, pad = (3, 1, 1) if cfg.uses_small_stem else (7, 2, 3)
+            net.conv1 = nn.Conv2d(cfg.in_chans, STEM_WIDTH, kernel, stride, pad, bias=False)
+            nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
+        if cfg.uses_small_stem:
+            net.maxpool = nn.Identity()
+        if not cfg.num_classes:
+            net.fc = nn.Identity()
+        for name, module in net.named_children():  # conv1 bn1 relu maxpool layer1-4 avgpool fc
+            self.add_module(name, module)
+
+    @property
+    def stages(self) -> list[nn.Sequential]:
+        """layer1 ... layer4."""
+        return [self.layer1, self.layer2, self.layer3, self.layer4]
+
+    def _classifier_layer(self, num_classes: int, **device: Any) -> nn.Module:
+        return nn.Linear(self.num_features, num_classes, **device)
+
+    def _stem(self, x: Tensor) -> Tensor:
+        return self.maxpool(self.relu(self.bn1(self.conv1(x))))
+
+    def _checkpointed(self, block: nn.Module, x: Tensor) -> Tensor:
+        return checkpoint(block, x, use_reentrant=False, context_fn=_stats_once(block))
+
+    def forward_head(self, features: Tensor, pre_logits: bool = False) -> Tensor:
+        x = self.avgpool(features).flatten(1)  # (B, C)
+        return x if pre_logits else self.fc(x)

@@ -7,12 +7,13 @@ import difflib
 import fnmatch
 
 from vitlab.config import ModelSection
-from vitlab.models.cnn import CNNConfig, ResNet
+from vitlab.models.cnn import CNN, CNNConfig, ResNet
+from vitlab.models.resnetv2 import BiTResNet
 from vitlab.models.swin import SwinConfig, SwinTransformer
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
 ModelConfig = ViTConfig | SwinConfig | CNNConfig
-Model = VisionTransformer | SwinTransformer | ResNet
+Model = VisionTransformer | SwinTransformer | CNN  # a CNN: ResNet or BiTResNet
 
 # (width D, depth L, MLP M, heads): paper Table 1, Ti and S from DeiT
 _SIZES: dict[str, tuple[int, int, int, int]] = {
@@ -225,6 +226,19 @@ for _res, _chans, _data in ((28, 1, "28x28 greyscale"), (32, 3, "32x32 colour"))
         CNNConfig(arch="resnet18", img_size=_res, in_chans=_chans, num_classes=10),
         f"ResNet-18 with the small stem, for {_data} images, 10 classes",
     )
+# BiT's ResNet-v2-50 as the R50 hybrids build it (models.resnetv2: GroupNorm, weight-standardised
+# convs, not pre-activation, timm's names; not timm's registered resnetv2_50), likewise
+register_model(
+    "resnetv2_50",
+    CNNConfig(arch="resnetv2_50"),
+    "BiT ResNet-v2-50 (GroupNorm, StdConv, the R50 hybrid's units) at 224, ImageNet-1k head",
+)
+for _res, _chans, _data in ((28, 1, "28x28 greyscale"), (32, 3, "32x32 colour")):
+    register_model(
+        f"resnetv2_50_{_res}",
+        CNNConfig(arch="resnetv2_50", img_size=_res, in_chans=_chans, num_classes=10),
+        f"BiT ResNet-v2-50 with the small stem, for {_data} images, 10 classes",
+    )
 
 
 def resolve_name(name: str) -> str:
@@ -271,7 +285,7 @@ def shape_of(config: ModelConfig) -> str:
     h, w = config.img_hw
     if isinstance(config, CNNConfig):
         stem = "small stem" if config.uses_small_stem else "standard stem"
-        return f"ResNet-{config.arch.removeprefix('resnet')}, {stem}, {h}x{w}"
+        return f"{config.title}, {stem}, {h}x{w}"
     if isinstance(config, SwinConfig):
         depths = "-".join(map(str, config.depths))
         shape = f"Swin C={config.embed_dim}, depths {depths}, window {config.window_size}"
@@ -281,9 +295,10 @@ def shape_of(config: ModelConfig) -> str:
 
 
 def build_model(config: ModelConfig) -> Model:
-    """The model a config describes: a VisionTransformer, a SwinTransformer or a ResNet."""
+    """The model a config describes: a VisionTransformer, a SwinTransformer, or a CNN (a ResNet,
+    or a BiTResNet for arch "resnetv2_50")."""
     if isinstance(config, CNNConfig):
-        return ResNet(config)
+        return BiTResNet(config) if config.bit else ResNet(config)
     if isinstance(config, SwinConfig):
         return SwinTransformer(config)
     if isinstance(config, ViTConfig):

@@ -115,15 +115,20 @@ def group_norm(chans: int) -> nn.GroupNorm:
 
 
 class Root(nn.Module):
-    """7x7/2 StdConv -> GN -> ReLU -> 3x3/2 max-pool: (B, C, H, W) -> (B, width, H/4, W/4)."""
+    """7x7/2 StdConv -> GN -> ReLU -> 3x3/2 max-pool: (B, C, H, W) -> (B, width, H/4, W/4).
+    `small` (the CNN baseline's small-image stem, models.resnetv2): a 3x3 stride-1 StdConv -> GN
+    -> ReLU and no pool, (B, width, H, W)."""
 
-    def __init__(self, in_chans: int, width: int) -> None:
+    def __init__(self, in_chans: int, width: int, small: bool = False) -> None:
         super().__init__()
-        self.conv = StdConv2d(in_chans, width, 7, stride=2)
+        self.conv = StdConv2d(in_chans, width, 3 if small else 7, stride=1 if small else 2)
         self.norm = group_norm(width)
+        self.small = small
 
     def forward(self, x: Tensor) -> Tensor:
         x = F.relu(self.norm(self.conv(x)))
+        if self.small:
+            return x
         return F.max_pool2d(pad_same(x, 3, 2, value=-math.inf), 3, 2)
 
 
@@ -180,11 +185,14 @@ class Stage(nn.Module):
 
 
 class ResNetV2(nn.Module):
-    """The hybrid's CNN (see the module docstring): (B, C, H, W) -> (B, 4 C0 2^(S-1), H/P, W/P)."""
+    """The hybrid's CNN (see the module docstring): (B, C, H, W) -> (B, 4 C0 2^(S-1), H/P, W/P);
+    with `small_stem` Root's small variant, P / 4 (models.resnetv2's classifier)."""
 
-    def __init__(self, in_chans: int, width: int, depths: tuple[int, ...]) -> None:
+    def __init__(
+        self, in_chans: int, width: int, depths: tuple[int, ...], small_stem: bool = False
+    ) -> None:
         super().__init__()
-        self.stem = Root(in_chans, width)
+        self.stem = Root(in_chans, width, small_stem)
         chans = resnet_channels(width, depths)
         ins = [width, *chans[:-1]]
         self.stages = nn.Sequential(

@@ -38,11 +38,12 @@ def resolve_model_config(
         base = base.replace(small_stem=base.uses_small_stem)
     mc = config_of(cfg.model) if base is None else base.replace(**cfg.model.overrides)
     mc = mc.replace(**auto)
-    if family_of(mc) == "cnn" and cfg.train.compile and cfg.train.grad_checkpointing:
+    batchnorm = family_of(mc) == "cnn" and not mc.bit  # BiT's ResNet-v2 has GroupNorm
+    if batchnorm and cfg.train.compile and cfg.train.grad_checkpointing:
         raise ConfigError(
-            "train.compile with train.grad_checkpointing is not supported for a CNN (its "
-            "checkpointed blocks keep BatchNorm statistics to one update, which torch.compile "
-            "cannot trace): choose one"
+            "train.compile with train.grad_checkpointing is not supported for a torchvision "
+            "ResNet (its checkpointed blocks keep BatchNorm statistics to one update, which "
+            "torch.compile cannot trace): choose one"
         )
     if mc.num_classes != classes:
         why = "masked patch prediction trains no classifier" if mpp else f"dataset {info.name} has"
@@ -86,8 +87,12 @@ def finetune_weights(model: nn.Module, source: Source) -> list[str]:
             notes.append(f"{where} resampled to the window {src_cfg.window_size} -> "
                          f"{cfg.window_size}")  # fmt: skip
     if src_cfg.in_chans != cfg.in_chans:
-        kernels = "conv1 kernels" if cnn else "patch kernels"
-        notes.append(f"{kernels} adapted {src_cfg.in_chans} -> {cfg.in_chans} channels")
+        kernels = f"{cfg.first_conv.removesuffix('.weight')} kernels" if cnn else "patch kernels"
+        note = f"{kernels} adapted {src_cfg.in_chans} -> {cfg.in_chans} channels"
+        if cfg.in_chans < src_cfg.in_chans and _standardised_root(cfg):
+            note += (" (approximate: the summed kernels of a weight-standardised conv are "
+                     "standardised anew, which rescales each channel's response)")  # fmt: skip
+        notes.append(note)
     if src_cfg.num_classes != cfg.num_classes:
         notes.append(f"new zero-initialised head for {cfg.num_classes} classes")
     src, _ = load_checkpoint(source, in_chans=cfg.in_chans, num_classes=cfg.num_classes, **moves)
@@ -113,3 +118,9 @@ def load_data(cfg: RunConfig) -> Data:
     train, val = train_val_split(train_full, cfg.data.val_fraction, cfg.data.split_seed)
     train = label_subset(train, cfg.data.label_fraction, cfg.data.split_seed)
     return Data(dataset_info(cfg.data.name, train_full), train, val, test)
+
+
+def _standardised_root(cfg: ModelConfig) -> bool:
+    """Whether the kernel that sees the image is a weight-standardised conv (StdConv2d): BiT's
+    ResNet-v2 and the hybrids' ResNet stem."""
+    return getattr(cfg, "bit", False) or getattr(cfg, "stem", None) == "resnet"
