@@ -266,7 +266,7 @@ def test_decode_ignores_only_torchvisions_deprecation_warning() -> None:
 
 
 def test_close_ends_the_workers_and_the_default_count_is_capped(tmp_path: Path, monkeypatch):
-    from vitlab.data import loader as loader_mod
+    from vitlab.data import workers as loader_mod
 
     monkeypatch.setattr(loader_mod, "available_cores", lambda: 64)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

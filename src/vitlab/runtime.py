@@ -80,3 +80,10 @@ def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def seeded_split(n: int, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
+    """(kept, carved) index tensors: a seeded `fraction` of range(n) carved out."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    k = int(round(n * fraction))
+    return perm[k:].sort().values, perm[:k].sort().values

@@ -10,8 +10,9 @@ from vitlab.data.datasets import (
     load_split,
     train_val_split,
 )
-from vitlab.data.loader import loader_options, make_loader
+from vitlab.data.loader import make_loader
 from vitlab.data.transforms import BatchAugment, Preprocessing
+from vitlab.data.workers import loader_options
 
 __all__ = [
     "ArraySplit",

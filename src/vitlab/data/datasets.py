@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import logging
 import math
 import os
-import pickle
 import struct
-import tarfile
 import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,9 +32,11 @@ import torch
 from torch import Tensor
 
 from vitlab.config import DataConfig
+from vitlab.data.cifar import read_cifar
 from vitlab.data.download import FASHION_SHA256, DatasetError, find_or_fetch_fashion_mnist
 from vitlab.data.hf import HFSplit, load_hf
 from vitlab.data.shards import ShardSplit, carve_shards, load_shards
+from vitlab.runtime import seeded_split
 
 log = logging.getLogger(__name__)
 
@@ -124,13 +123,6 @@ STATS = {
 }
 
 
-def _seeded_split(n: int, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
-    """(kept, carved) index tensors: a seeded `fraction` of range(n) carved out."""
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    k = int(round(n * fraction))
-    return perm[k:].sort().values, perm[:k].sort().values
-
-
 # --- digits ---------------------------------------------------------------------------------------
 
 
@@ -140,7 +132,7 @@ def load_digits_split(split: str) -> ArraySplit:
     data = load_digits()
     images = torch.from_numpy(np.rint(data.images * (255.0 / 16.0)).astype(np.uint8))[:, None]
     full = ArraySplit(images, torch.from_numpy(data.target).long(), [str(i) for i in range(10)])
-    train, test = _seeded_split(len(full), 0.2, seed=1797)  # fixed: test never moves
+    train, test = seeded_split(len(full), 0.2, seed=1797)  # fixed: test never moves
     return full.subset(test if split == "test" else train)
 
 
@@ -198,114 +190,10 @@ def load_fashion_mnist_split(split: str, data_dir: str | None) -> ArraySplit:
 # --- CIFAR ----------------------------------------------------------------------------------------
 
 
-class _ArrayUnpickler(pickle.Unpickler):
-    """CIFAR's python archive is pickles by definition; allow only what those hold (dicts, lists,
-    bytes and numpy arrays), never arbitrary callables."""
-
-    ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-    }
-
-    def find_class(self, module: str, name: str):
-        if (module, name) not in self.ALLOWED:
-            raise DatasetError(f"refusing to unpickle {module}.{name}: not part of a CIFAR batch")
-        found = super().find_class(module, name)
-        return _empty_array if name == "_reconstruct" else found
-
-
-def _empty_array(subtype: type, shape: tuple, dtype: object) -> np.ndarray:
-    """numpy's _reconstruct as numpy pickles it: an empty array that __setstate__ then fills with
-    the bytes the file holds. Any other shape would allocate what the file does not hold (a
-    hostile batch could claim terabytes, or a billion labels to check one by one)."""
-    if subtype is not np.ndarray or tuple(shape) != (0,):
-        raise DatasetError(f"refusing to unpickle an array of shape {shape!r} without its data")
-    return np.ndarray((0,), dtype=dtype)
-
-
-def _load_cifar_batch(raw: bytes, where: str) -> dict:
-    try:
-        batch = _ArrayUnpickler(io.BytesIO(raw), encoding="bytes").load()
-    except DatasetError:
-        raise
-    except Exception as e:  # truncated or damaged pickles fail in many ways, memory included
-        raise DatasetError(f"{where} is not a readable CIFAR batch: {e}") from None
-    if not isinstance(batch, dict):
-        raise DatasetError(f"{where} is not a CIFAR batch: a {type(batch).__name__}, not a dict")
-    return {k.decode("latin-1") if isinstance(k, bytes) else k: v for k, v in batch.items()}
-
-
-def _cifar_field(batch: dict, key: str, where: str) -> object:
-    if key not in batch:
-        raise DatasetError(f"CIFAR file {where} has no {key!r} entry")
-    return batch[key]
-
-
-def _cifar_names(meta: dict, key: str, where: str) -> list[str]:
-    names = _cifar_field(meta, key, where)
-    if not isinstance(names, list) or not all(isinstance(n, (bytes, str)) for n in names):
-        raise DatasetError(f"CIFAR file {where}: {key!r} is not a list of names")
-    return [n.decode("utf-8", "replace") if isinstance(n, bytes) else n for n in names]
-
-
-def _cifar_arrays(batch: dict, label_key: str, classes: int, where: str) -> tuple:
-    """(images (N, 3, 32, 32) uint8, labels (N,) int64) of one batch, checked."""
-    data = _cifar_field(batch, "data", where)
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape[1:] != (3072,):
-        shape = getattr(data, "shape", type(data).__name__)
-        raise DatasetError(f"CIFAR batch {where}: expected (N, 3072) bytes, got {shape}")
-    labels = _cifar_field(batch, label_key, where)
-    if isinstance(labels, (list, np.ndarray)) and len(labels) != len(data):
-        raise DatasetError(f"CIFAR batch {where}: {len(data)} images but {len(labels)} labels")
-    if not isinstance(labels, (list, np.ndarray)) or not all(
-        isinstance(y, (int, np.integer)) and not isinstance(y, bool) and 0 <= y < classes
-        for y in labels
-    ):
-        raise DatasetError(f"CIFAR batch {where}: {label_key!r} are not class indices < {classes}")
-    return data.reshape(-1, 3, 32, 32), np.array([int(y) for y in labels], dtype=np.int64)
-
-
-def _cifar_members(root: Path, names: list[str]) -> dict[str, bytes]:
-    """Read the named batch files from an extracted folder or a .tar.gz archive under root."""
-    for folder in (root, *sorted(p for p in root.glob("cifar-*") if p.is_dir())):
-        if all((folder / n).is_file() for n in names):
-            return {n: (folder / n).read_bytes() for n in names}
-    for archive in sorted(root.glob("cifar-*python.tar.gz")) + sorted(root.glob("*.tar.gz")):
-        try:
-            with tarfile.open(archive, "r:gz") as tar:
-                found = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
-                if all(n in found for n in names):
-                    return {n: tar.extractfile(found[n]).read() for n in names}
-        except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
-            raise DatasetError(f"cannot read archive {archive}: {e}") from None
-    raise DatasetError(
-        f"CIFAR files {names} not found under {root}: put the python-version archive "
-        f"(cifar-10-python.tar.gz or cifar-100-python.tar.gz) or its extracted folder there"
-    )
-
-
 def load_cifar_split(name: str, split: str, data_dir: str | None) -> ArraySplit:
     root = Path(data_dir or os.environ.get("VITLAB_DATA") or Path.home() / ".cache" / "vitlab")
-    if name == "cifar10":
-        names = ["test_batch"] if split == "test" else [f"data_batch_{i}" for i in range(1, 6)]
-        meta_name, names_key, label_key = "batches.meta", "label_names", "labels"
-    else:
-        names = ["test" if split == "test" else "train"]
-        meta_name, names_key, label_key = "meta", "fine_label_names", "fine_labels"
-    members = _cifar_members(root, [*names, meta_name])
-    classes = _cifar_names(_load_cifar_batch(members[meta_name], meta_name), names_key, meta_name)
-    images, labels = [], []
-    for n in names:
-        x, y = _cifar_arrays(_load_cifar_batch(members[n], n), label_key, len(classes), n)
-        images.append(x)
-        labels.append(y)
-    return ArraySplit(
-        torch.from_numpy(np.concatenate(images)),
-        torch.from_numpy(np.concatenate(labels)),
-        classes,
-    )
+    images, labels, classes = read_cifar(root, name, split)
+    return ArraySplit(torch.from_numpy(images), torch.from_numpy(labels), classes)
 
 
 # --- image folders --------------------------------------------------------------------------------
@@ -384,7 +272,7 @@ def load_folder_split(root: Path, split: str, seed: int, whole: bool = False) ->
     full = scan_image_folder(root)
     if whole and split == "train":
         return full
-    train, test = _seeded_split(len(full), 0.2, seed)
+    train, test = seeded_split(len(full), 0.2, seed)
     return full.subset(test if split == "test" else train)
 
 
@@ -509,5 +397,5 @@ def train_val_split(train: Split, fraction: float, seed: int) -> tuple[Split, Sp
         return train, None
     if isinstance(train, ShardSplit):
         return carve_shards(train, fraction, seed)
-    kept, carved = _seeded_split(len(train), fraction, seed)
+    kept, carved = seeded_split(len(train), fraction, seed)
     return train.subset(kept), train.subset(carved)

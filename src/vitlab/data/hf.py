@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from vitlab.data.download import DatasetError
+from vitlab.runtime import seeded_split
 
 IMAGE_NAMES = ("image", "img", "jpg", "png")
 LABEL_NAMES = ("label", "labels", "cls", "fine_label", "target")
@@ -128,8 +129,6 @@ def load_hf(
     the training split of a source of one split not carved (the test split is another's)."""
     import datasets
 
-    from vitlab.data.datasets import _seeded_split
-
     splits = _open(spec)
     named = [n for n in ("test", "validation", "val") if n in splits]
     test = next((n for n in named if _labelled(splits[n], keys[1])), None)
@@ -162,7 +161,7 @@ def load_hf(
         full.stats = GREY_STATS
     if split == "all" or test is not None or (whole and split == "train"):
         return full
-    kept, carved = _seeded_split(len(full), 0.2, seed)
+    kept, carved = seeded_split(len(full), 0.2, seed)
     return full.subset(carved if split == "test" else kept)
 
 

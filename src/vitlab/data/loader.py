@@ -15,27 +15,21 @@ exact)."""
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from vitlab.config import DataConfig
 from vitlab.data.datasets import ArraySplit, DatasetError, ShardSplit, Split
-from vitlab.data.decode import available_cores, decode_image
+from vitlab.data.decode import decode_image
+from vitlab.data.stream import StreamLoader
 from vitlab.data.transforms import BatchAugment
+from vitlab.data.workers import PADDING, Batch, LoaderOptions, shut_down, warn_once
 from vitlab.preprocessing import Preprocessing
 from vitlab.runtime import derive_seed
 
-Batch = tuple[Tensor, Tensor]
-PADDING = -1  # the label of a padding sample: evaluated so ranks step together, never counted
-MAX_WORKERS = 8  # data.workers' default at most: more rarely helps and each holds memory
 MAX_SUBSTITUTES = 100  # undecodable images in a row before a training batch gives up
-log = logging.getLogger(__name__)
 
 
 class BatchPlan:
@@ -172,14 +166,6 @@ class _Batches:
         return len(self.batches)
 
 
-def warn_once(seen: set[str], bad: list[tuple[str, str]]) -> None:
-    """Log each undecodable image, (name, why), the first time it comes."""
-    for where, why in bad:
-        if where not in seen:
-            seen.add(where)
-            log.warning("skipping an image that does not decode: %s", why)
-
-
 class FolderLoader:
     """Image files (or Hugging Face rows) decoded and augmented in DataLoader workers."""
 
@@ -229,54 +215,7 @@ class FolderLoader:
             self._loader = None
 
 
-def shut_down(loader: DataLoader | Iterator | None) -> None:
-    """End the worker processes of a DataLoader (of its persistent iterator) or of one of its
-    iterators now."""
-    it = getattr(loader, "_iterator", None) if isinstance(loader, DataLoader) else loader
-    if it is not None and hasattr(it, "_shutdown_workers"):  # torch's multi-process iterator
-        it._shutdown_workers()
-    if isinstance(loader, DataLoader):
-        loader._iterator = None
-
-
-@dataclass
-class LoaderOptions:
-    """DataLoader settings for streamed data (files, shards, HF rows)."""
-
-    workers: int = 0
-    pin_memory: bool = False  # page-locked batches: faster, asynchronous copies to a GPU
-    prefetch: int = 2  # batches each worker prepares ahead
-    persistent: bool = True  # keep the workers from one epoch to the next
-
-    def dataloader(self, dataset: Dataset, **kw: object) -> DataLoader:
-        extra = {}
-        if self.workers:
-            extra = {"prefetch_factor": self.prefetch, "persistent_workers": self.persistent}
-        # the workers' base seed (unused: each batch has its own), not from the global RNG
-        gen = torch.Generator().manual_seed(0)
-        return DataLoader(
-            dataset, num_workers=self.workers, pin_memory=self.pin_memory, generator=gen,
-            **extra, **kw,
-        )  # fmt: skip
-
-
-def loader_options(cfg: DataConfig, device: torch.device) -> dict:
-    """make_loader's keyword arguments for a run: cfg's workers (default: this process's share
-    of the cores it may use, among torchrun's processes on this machine, at most MAX_WORKERS),
-    pinned memory when training on a GPU, cfg's prefetch depth."""
-    workers = cfg.workers
-    if workers is None:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        workers = max(1, min(MAX_WORKERS, available_cores() // max(local_world, 1)))
-    return {
-        "workers": workers,
-        "pin_memory": device.type == "cuda",
-        "prefetch": cfg.prefetch,
-        "buffer": cfg.shuffle_buffer,
-    }
-
-
-Loader = ArrayLoader | FolderLoader  # or a StreamLoader (stream.py): iterate, len, close
+Loader = ArrayLoader | FolderLoader | StreamLoader  # iterate(epoch, start), len, close
 
 
 def make_loader(
@@ -308,8 +247,6 @@ def make_loader(
     else:
         per_image, finish = augment.per_image_only, augment.finish
     if isinstance(split, ShardSplit):
-        from vitlab.data.stream import StreamLoader  # which imports this module
-
         return StreamLoader(
             split, batch_size, per_image, finish, in_chans=pre.in_chans, train=shuffle, seed=seed,
             rank=rank, world=world, buffer=buffer, options=options,

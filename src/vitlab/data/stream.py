@@ -42,8 +42,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from vitlab.data.decode import decode_image
 from vitlab.data.download import DatasetError
-from vitlab.data.loader import PADDING, Batch, LoaderOptions, shut_down, warn_once
 from vitlab.data.shards import ShardSplit
+from vitlab.data.workers import PADDING, Batch, LoaderOptions, shut_down, warn_once
 from vitlab.runtime import derive_seed
 
 SHUFFLE, PASS, SHARDS = 1, 2, 3  # derive_seed tags: one stream of seeds per purpose

@@ -3,6 +3,7 @@ fine-tuning source's weights."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from torch import nn
@@ -13,7 +14,8 @@ from vitlab.data.datasets import DatasetInfo, Split, load_run_split
 from vitlab.formats.base import Source
 from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
-from vitlab.models.registry import ModelConfig, config_of, family_of
+from vitlab.models.registry import ModelConfig, config_of, family_of, shape_of
+from vitlab.train import distill
 
 
 def resolve_model_config(
@@ -124,3 +126,31 @@ def _standardised_root(cfg: ModelConfig) -> bool:
     """Whether the kernel that sees the image is a weight-standardised conv (StdConv2d): BiT's
     ResNet-v2 and the hybrids' ResNet stem."""
     return getattr(cfg, "bit", False) or getattr(cfg, "stem", None) == "resnet"
+
+
+def model_label(cfg: RunConfig, mc: ModelConfig) -> str:
+    """What is trained: the registered name with its overrides, or the fine-tuning source's
+    architecture, and the shape either way."""
+    shape = shape_of(mc)
+    if cfg.finetune.from_:
+        return f"the architecture of {cfg.finetune.from_} [{shape}]"
+    changes = ", ".join(f"{k}={v}" for k, v in cfg.model.overrides.items())
+    return f"{cfg.model.name}{f' with {changes}' if changes else ''} [{shape}]"
+
+
+def announce(run) -> None:  # a train.run.Run (which imports this module)
+    """The run's first line on stderr: model, precision, device, processes, data, run folder."""
+    data, d, cfg = run.data, run.d, run.cfg
+    params = sum(p.numel() for p in run.model.parameters())
+    print(
+        f"vitlab train: {model_label(cfg, run.model_cfg)} ({params:,} params, "
+        f"{'bf16' if run.bf16 else 'fp32'}, {run.device}, {d.world} process"
+        f"{'es' if d.world > 1 else ''}) on {cfg.data.name}: {len(data.train):,} train / "
+        f"{len(data.val) if data.val is not None else 0:,} val / {len(data.test):,} test; "
+        f"run folder {run.out}",
+        file=sys.stderr,
+    )
+    for note in run.notes:
+        print(f"fine-tune: {note}", file=sys.stderr)
+    if run.two_heads:
+        distill.announce(run.teacher, cfg.distill)

@@ -27,9 +27,9 @@ from vitlab.eval.classification import evaluate
 from vitlab.eval.mpp import evaluate_mpp
 from vitlab.models.checkpoint import infer_config, read_source
 from vitlab.models.mpp import MaskedPatchViT
-from vitlab.models.registry import build_model, config_of, family_of, shape_of
+from vitlab.models.registry import build_model, config_of, family_of
 from vitlab.runtime import Dist, derive_seed, pick_device, rng_state, set_rng_state, use_bf16
-from vitlab.train import distill, distributed, engine
+from vitlab.train import build, distill, distributed, engine
 from vitlab.train.build import finetune_weights, load_data, normalization, resolve_model_config
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
 from vitlab.train.folder import check_resume_length, claim_run_folder, default_run_folder
@@ -193,7 +193,8 @@ class Run:
             self.train_model = torch.compile(self.train_model)
         self.meta = CheckpointMeta(mc, self.pre, [] if self.mpp else info.classes, {})
         self.log = RunLog(self.out, cfg, d.is_main, self.pos.epoch if resume is not None else None)
-        self._announce()
+        if d.is_main:
+            build.announce(self)
 
     # --- building --------------------------------------------------------------------------------
 
@@ -280,34 +281,6 @@ class Run:
             f"the end",
             file=sys.stderr,
         )
-
-    def _announce(self) -> None:
-        if not self.d.is_main:
-            return
-        data, d = self.data, self.d
-        params = sum(p.numel() for p in self.model.parameters())
-        print(
-            f"vitlab train: {self._model_label()} ({params:,} params, "
-            f"{'bf16' if self.bf16 else 'fp32'}, {self.device}, {d.world} process"
-            f"{'es' if d.world > 1 else ''}) on {self.cfg.data.name}: {len(data.train):,} train / "
-            f"{len(data.val) if data.val is not None else 0:,} val / {len(data.test):,} test; "
-            f"run folder {self.out}",
-            file=sys.stderr,
-        )
-        for note in self.notes:
-            print(f"fine-tune: {note}", file=sys.stderr)
-        if self.two_heads:
-            distill.announce(self.teacher, self.cfg.distill)
-
-    def _model_label(self) -> str:
-        """What is trained: the registered name with its overrides, or the fine-tuning source's
-        architecture, and the shape either way."""
-        c, cfg = self.model_cfg, self.cfg
-        shape = shape_of(c)
-        if cfg.finetune.from_:
-            return f"the architecture of {cfg.finetune.from_} [{shape}]"
-        changes = ", ".join(f"{k}={v}" for k, v in cfg.model.overrides.items())
-        return f"{cfg.model.name}{f' with {changes}' if changes else ''} [{shape}]"
 
     # --- phases ----------------------------------------------------------------------------------
 
