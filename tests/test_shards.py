@@ -19,6 +19,7 @@ from vitlab.config import DataConfig, load_run_config
 from vitlab.data import BatchAugment, Preprocessing, load_split, make_loader
 from vitlab.data.datasets import DatasetError, train_val_split
 from vitlab.data.stream import _replay, _shuffled
+from vitlab.data.writer import write_shards
 from vitlab.train import run as run_mod
 from vitlab.train.run import TrainingStopped, train
 
@@ -175,12 +176,31 @@ def test_in_process_batches_seed_no_cuda_generator(balanced: Path, tmp_path, mon
 def test_writer_index_and_errors(tmp_path: Path, balanced: Path) -> None:
     root = write_image_folder(tmp_path / "images", per_class=10)
     (root / "class1" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    jpeg = io.BytesIO()
+    Image.new("RGB", (32, 32), (9, 99, 199)).save(jpeg, format="JPEG")
+    (root / "class2" / "cut.jpg").write_bytes(jpeg.getvalue()[:200])  # a truncated JPEG
     assert main(["data", "shard", f"imagefolder:{root}", str(tmp_path / "shards"),
-                 "--shard-size", "2KB", "--no-progress"]) == 0  # fmt: skip
+                 "--shard-size", "2KB", "--no-progress", "--workers", "2"]) == 0  # fmt: skip
     index = json.loads((tmp_path / "shards" / "index.json").read_text())
     assert index["classes"] == ["class0", "class1", "class2"] and index["in_chans"] == 3
-    counts = {n: s["count"] for n, s in index["splits"].items()}
-    assert counts == {"train": 25, "test": 6} and len(index["splits"]["train"]["shards"]) > 2
+    splits = index["splits"]
+    counts = {n: s["count"] for n, s in splits.items()}
+    # 30 good images and 2 that do not decode, carved 80/20 before the writer checks them
+    assert (
+        sum(counts.values()) == 30 and splits["train"]["skipped"] + splits["test"]["skipped"] == 2
+    )
+    assert len(splits["train"]["shards"]) > 2 and not list((tmp_path / "shards").glob(".*"))
+    # the same data, the same bytes: checked in this process or by two workers
+    write_shards(f"imagefolder:{root}", tmp_path / "again", 2000, progress=False, workers=0)
+    for shard in splits["train"]["shards"] + splits["test"]["shards"]:
+        name = shard["name"]
+        assert (tmp_path / "again" / name).read_bytes() == (tmp_path / "shards" / name).read_bytes()
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / ".train-000000.tar.tmp").write_bytes(b"")  # a killed writer's remains
+    with pytest.raises(DatasetError, match="interrupted"):
+        write_shards(f"imagefolder:{root}", tmp_path / "half", progress=False, workers=0)
+    with pytest.raises(DatasetError, match="already holds shards"):
+        write_shards(f"imagefolder:{root}", tmp_path / "again", progress=False, workers=0)
     train = load_split(f"wds:{tmp_path / 'shards'}", "train")
     assert len(train) == 25 and train.classes == index["classes"]
     kept, val = train_val_split(train, 0.2, 0)
@@ -197,8 +217,6 @@ def test_train_from_shards_interrupted_mid_epoch_resumes_exactly(tmp_path, monke
     """`vitlab train` from shards the writer made, workers reading them, Ctrl-C mid-epoch 2 and
     --resume: the weights equal an uninterrupted run's bit for bit."""
     root = write_image_folder(tmp_path / "images", per_class=40)
-    from vitlab.data.writer import write_shards
-
     write_shards(f"imagefolder:{root}", tmp_path / "shards", shard_size=3000, progress=False)
     common = [*TINY_MODEL, f"data.name=wds:{tmp_path / 'shards'}", "data.workers=2",
               "data.hflip=0.5", "data.shuffle_buffer=20", "train.batch_size=16",

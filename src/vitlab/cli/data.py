@@ -21,7 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "shard",
         help="write a dataset as WebDataset shards with a JSON index",
         description="Write dataset SRC's train and test splits as WebDataset shards under DST "
-        "(an empty or new folder), with a progress bar. Image files keep their bytes; in-memory "
+        "(an empty or new folder), with a progress bar. Every image is decoded once on the way (by "
+        "--workers processes); one that does not decode is skipped and named. Image files keep "
+        "their bytes; in-memory "
         "datasets (CIFAR, Fashion-MNIST, digits) and formats other than JPEG / PNG / WebP are "
         "stored as PNG.",
         epilog="Example: vitlab data shard imagefolder:/data/imagenet /data/in1k-shards "
@@ -35,6 +37,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     shard.add_argument("--image-key", help="hf: the image column (default: found)")
     shard.add_argument("--label-key", help="hf: the label column (default: found)")
     shard.add_argument("--seed", type=int, default=0, help="sample order (and a carved test split)")
+    shard.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes that read and check the images (default: one per core)",
+    )
     shard.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -46,11 +54,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         index = write_shards(
             args.src, args.dst, parse_size(args.shard_size), args.data_dir,
-            (args.image_key, args.label_key), args.seed, not args.no_progress,
+            (args.image_key, args.label_key), args.seed, not args.no_progress, args.workers,
         )  # fmt: skip
     except DatasetError as e:
         raise ValueError(str(e)) from None
     for name, split in index["splits"].items():
-        print(f"{name}: {split['count']:,} samples in {len(split['shards'])} shards")
+        skipped = f" ({split['skipped']:,} undecodable skipped)" if split["skipped"] else ""
+        print(f"{name}: {split['count']:,} samples in {len(split['shards'])} shards{skipped}")
     print(args.dst / "index.json")
     return 0

@@ -1,28 +1,34 @@
 """Any dataset vitlab reads, written as WebDataset shards (`vitlab data shard SRC DST`).
 
 DST/train-000000.tar, ... and DST/test-000000.tar, ... hold samples `KEY.jpg` / `.png` / `.webp`
-(an image file's bytes as they are; in-memory arrays and other formats as PNG, losslessly) and
+(an image file's bytes as they are; in-memory arrays and other formats as PNG, losslessly; every
+image decoded once on the way, one that does not decode skipped and named) and
 `KEY.cls` (the class index), in a seeded random order (so each shard mixes the classes and a
 shuffle buffer has something to shuffle); DST/index.json lists each split's shards with their
-sample counts and sizes, the class names, channels and normalisation statistics."""
+sample counts and sizes, the class names, channels and normalisation statistics. Each shard is
+written under a temporary name and renamed when whole; index.json comes last."""
 
 from __future__ import annotations
 
-import io
-import json
+import logging
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from vitlab.data.datasets import ArraySplit, FolderSplit, Split, dataset_info, load_split
+from vitlab.data.decode import available_cores, decode_image
 from vitlab.data.download import DatasetError
 from vitlab.data.hf import HFSplit
 from vitlab.data.shards import INDEX, ShardSplit
+from vitlab.formats.base import write_json
 
 UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 FORMAT = "vitlab-shards/1"
+log = logging.getLogger(__name__)
 
 
 def parse_size(text: str) -> int:
@@ -45,61 +51,117 @@ def _extension(data: bytes) -> str | None:
     return None
 
 
-def _png(image) -> bytes:  # a PIL image
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
-def encoded(split: Split, i: int) -> tuple[bytes, str]:
-    """(encoded image, extension) of sample i of an indexed split."""
-    from PIL import Image
+def _checked(split: Split, i: int, in_chans: int) -> tuple[bytes, str]:
+    """(encoded image, extension) of sample i of an indexed split, decoded once to check it (the
+    same decoder training uses, size guard included); a DatasetError naming the sample when it
+    cannot be read or decoded."""
+    from torchvision.io import encode_png
 
     if isinstance(split, ArraySplit):
-        pixels = split.images[i].permute(1, 2, 0).numpy()  # (H, W, C)
-        return _png(Image.fromarray(pixels[..., 0] if pixels.shape[2] == 1 else pixels)), "png"
-    data = split.read(i)
+        return encode_png(split.images[i]).numpy().tobytes(), "png"
+    where = split.where(i)
+    try:
+        data = split.read(i)
+    except OSError as e:
+        raise DatasetError(f"cannot read image {where}: {e}") from None
+    pixels = decode_image(data, in_chans, where)
     ext = _extension(data)
-    if ext is None:  # BMP, TIFF, ...: re-encoded losslessly
-        with Image.open(io.BytesIO(data)) as im:
-            return _png(im.convert("L" if im.mode in ("1", "L") else "RGB")), "png"
+    if ext is None:  # BMP, TIFF, ...: stored as the PNG of what training would decode
+        return encode_png(pixels).numpy().tobytes(), "png"
     return data, ext
 
 
-def samples(split: Split, seed: int) -> Iterator[tuple[bytes, str, int]]:
-    """(encoded image, extension, label) of every sample, indexed splits in a seeded order."""
+class _Checked(Dataset):
+    """Sample i's (encoded image, extension, label, why it was skipped or None), in a worker."""
+
+    def __init__(self, split: Split, in_chans: int) -> None:
+        self.split, self.in_chans = split, in_chans
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, i: int) -> tuple[bytes, str, int, str | None]:
+        try:
+            data, ext = _checked(self.split, i, self.in_chans)
+        except DatasetError as e:
+            return b"", "", -1, str(e)
+        return data, ext, int(self.split.labels[i]), None
+
+
+def _as_is(sample: object) -> object:
+    return sample
+
+
+def samples(
+    split: Split, seed: int, in_chans: int, workers: int
+) -> Iterator[tuple[bytes, str, int, str | None]]:
+    """(encoded image, extension, label, None) of every sample, or (..., why) for one that does
+    not decode; indexed splits in a seeded order, checked by `workers` processes."""
     if isinstance(split, ShardSplit):
         for s in range(len(split.urls)):
-            for _key, data, label in split.read(s):
-                yield data, _extension(data) or "png", label
+            for key, data, label in split.read(s):
+                try:
+                    decode_image(data, in_chans, f"{key} of {split.urls[s]}")
+                except DatasetError as e:
+                    yield b"", "", -1, str(e)
+                else:
+                    yield data, _extension(data) or "png", label, None
         return
     order = torch.randperm(len(split), generator=torch.Generator().manual_seed(seed)).tolist()
-    for i in order:
-        data, ext = encoded(split, i)
-        yield data, ext, int(split.labels[i])
+    loader = DataLoader(
+        _Checked(split, in_chans), batch_size=None, sampler=order, num_workers=workers,
+        collate_fn=_as_is, prefetch_factor=64 if workers else None,
+    )  # fmt: skip
+    yield from loader
 
 
-def write_split(split: Split, dst: Path, name: str, shard_size: int, seed: int, bar) -> dict:
-    """Write one split's shards; returns its entry of the index."""
-    import webdataset as wds
+class _Shard:
+    """One shard written to a hidden temporary file, fsynced, then renamed into place: a kill
+    leaves whole shards and at most one .tmp file, never a truncated .tar."""
 
-    shards, writer, size, count = [], None, 0, 0
+    def __init__(self, path: Path) -> None:
+        import webdataset as wds
 
-    def close() -> None:
-        if writer is not None:
-            writer.close()
-            shards.append({"name": f"{name}-{len(shards):06d}.tar", "count": count, "bytes": size})
+        self.path, self.tmp = path, path.with_name(f".{path.name}.tmp")
+        self.file = open(self.tmp, "wb")  # noqa: SIM115  (closed by close())
+        self.tar = wds.TarWriter(self.file, mtime=0)  # fixed times: the same data, the same bytes
+        self.size = self.count = 0
 
-    for n, (data, ext, label) in enumerate(samples(split, seed)):
-        if writer is None or size >= shard_size:
-            close()
-            writer = wds.TarWriter(str(dst / f"{name}-{len(shards):06d}.tar"))
-            size, count = 0, 0
-        size += writer.write({"__key__": f"{name}-{n:09d}", ext: data, "cls": str(label).encode()})
-        count += 1
+    def write(self, sample: dict) -> None:
+        self.size += self.tar.write(sample)
+        self.count += 1
+
+    def close(self) -> dict:
+        self.tar.close()
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        return {"name": self.path.name, "count": self.count, "bytes": self.size}
+
+
+def write_split(
+    split: Split, dst: Path, name: str, shard_size: int, seed: int, in_chans: int, workers: int,
+    bar,
+) -> dict:  # fmt: skip
+    """Write one split's shards; returns its entry of the index (skipped: the samples that did
+    not decode, each named in a warning)."""
+    shards, shard, skipped = [], None, 0
+    for data, ext, label, why in samples(split, seed, in_chans, workers):
         bar.update(1)
-    close()
-    return {"count": sum(s["count"] for s in shards), "shards": shards}
+        if why is not None:
+            log.warning("skipping an image that does not decode: %s", why)
+            skipped += 1
+            continue
+        if shard is None or shard.size >= shard_size:
+            if shard is not None:
+                shards.append(shard.close())
+            shard = _Shard(dst / f"{name}-{len(shards):06d}.tar")
+        n = sum(s["count"] for s in shards) + shard.count
+        shard.write({"__key__": f"{name}-{n:09d}", ext: data, "cls": str(label).encode()})
+    if shard is not None:
+        shards.append(shard.close())
+    return {"count": sum(s["count"] for s in shards), "skipped": skipped, "shards": shards}
 
 
 def write_shards(
@@ -110,13 +172,20 @@ def write_shards(
     keys: tuple[str | None, str | None] = (None, None),
     seed: int = 0,
     progress: bool = True,
+    workers: int | None = None,
 ) -> dict:
-    """Write dataset `source`'s train and test splits as shards under dst; returns the index."""
+    """Write dataset `source`'s train and test splits as shards under dst; returns the index.
+    Every image is decoded once on the way (by `workers` processes, default one per available
+    core): one that does not decode is skipped and named; the index counts the skipped."""
     from tqdm import tqdm
 
     dst.mkdir(parents=True, exist_ok=True)
-    if (dst / INDEX).exists() or any(dst.glob("*.tar")):
+    if (dst / INDEX).exists():
         raise DatasetError(f"{dst} already holds shards: choose an empty folder")
+    if any(dst.glob("*.tar")) or any(dst.glob(".*.tar.tmp")):
+        raise DatasetError(f"{dst} holds .tar files but no {INDEX}: the remains of an "
+                           f"interrupted `vitlab data shard`? Remove them, or choose an empty "
+                           f"folder")  # fmt: skip
     splits = {s: load_split(source, s, data_dir, seed, keys) for s in ("train", "test")}
     info = dataset_info(source, splits["train"])
     index = {
@@ -128,11 +197,14 @@ def write_shards(
         "std": list(info.std),
         "splits": {},
     }
+    workers = available_cores() if workers is None else workers
     total = sum(len(s) for s in splits.values())
     with tqdm(total=total, unit="img", desc=f"sharding {source}", disable=not progress) as bar:
         for name, split in splits.items():
-            index["splits"][name] = write_split(split, dst, name, shard_size, seed, bar)
-    (dst / INDEX).write_text(json.dumps(index, indent=1))
+            index["splits"][name] = write_split(
+                split, dst, name, shard_size, seed, info.in_chans, workers, bar
+            )
+    write_json(dst / INDEX, index)  # last, atomically: its presence means every shard is whole
     return index
 
 
