@@ -21,6 +21,7 @@ import argparse
 import json
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -28,15 +29,16 @@ from model_speed import median_seconds, step_fns  # benchmarks/ is on sys.path w
 
 from vitlab.config import DataConfig, load_run_config
 from vitlab.data import BatchAugment, Preprocessing, load_split, make_loader
+from vitlab.data.workers import shut_down
 from vitlab.models.vit import VisionTransformer
-from vitlab.runtime import use_bf16
+from vitlab.runtime import tune_allocator, use_bf16
 from vitlab.train.build import load_data, resolve_model_config
 
 DEFAULT = ["configs/fashion-mnist-quick.yaml", "configs/fashion-mnist.yaml", "configs/digits.yaml"]
 
 
-def loader_rate(loader, batches: int) -> float:
-    it = loader.iterate()
+def loader_rate(loader, batches: int, epoch: int = 0) -> float:
+    it = loader.iterate(epoch)
     next(it)  # warm-up
     n, t = 0, time.perf_counter()
     for _ in range(batches):
@@ -90,16 +92,19 @@ def write_parquet(folder: Path, out: Path) -> Path:
     return out
 
 
-def timm_rate(folder: Path, batch: int, workers: int, batches: int) -> float:
+def timm_loader(folder: Path, batch: int, workers: int):
     from timm.data import create_dataset, create_loader
 
     dataset = create_dataset("", root=str(folder), is_training=True)
-    loader = create_loader(
+    return create_loader(
         dataset, input_size=(3, 224, 224), batch_size=batch, is_training=True,
         use_prefetcher=False, num_workers=workers, hflip=0.5, scale=(0.08, 1.0),
         no_aug=False, color_jitter=None, persistent_workers=True,
     )  # fmt: skip
-    it = iter(loader)
+
+
+def timm_rate(loader, batches: int) -> float:
+    it = iter(loader)  # a new epoch; the persistent workers carry on
     next(it)
     n, t = 0, time.perf_counter()
     for _ in range(batches):
@@ -109,11 +114,17 @@ def timm_rate(folder: Path, batch: int, workers: int, batches: int) -> float:
 
 
 def compare_sources(args: argparse.Namespace) -> None:
+    """Every source's loader built first (its workers persistent), then `rounds` rounds in which
+    each delivers `batches` batches in turn: the median round per source, so a disturbance of
+    the machine hits every source alike."""
     from vitlab.data.writer import write_shards
 
     with tempfile.TemporaryDirectory() as tmp:
         root = write_photos(Path(tmp) / "photos", args.photos)
-        write_shards(f"imagefolder:{root}", Path(tmp) / "shards", 256 * 2**20, progress=False)
+        # about 16 training shards (80% of the photos): vitlab deals whole shards to its workers,
+        # and a count that is a multiple of every worker count up to 8 deals evenly
+        size = args.shard_size or sum(f.stat().st_size for f in root.glob("*/*.jpg")) // 21
+        write_shards(f"imagefolder:{root}", Path(tmp) / "shards", size, progress=False)
         parquet = write_parquet(root, Path(tmp) / "photos.parquet")
         sources = {
             "vitlab imagefolder": f"imagefolder:{root}",
@@ -124,17 +135,30 @@ def compare_sources(args: argparse.Namespace) -> None:
         pre = Preprocessing((224, 224), 3, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
         aug = BatchAugment(cfg, pre, 10)
         batches = min(args.batches, args.photos * 4 // 5 // args.batch - 2)
-        rows = {}
+        loaders = {}
         for label, name in sources.items():
             split = load_split(name, "train" if not name.startswith("hf:") else "all")
             loader = make_loader(split, args.batch, pre, augment=aug, shuffle=True,
                                  workers=args.workers)  # fmt: skip
-            rows[label] = loader_rate(loader, batches)
-        rows["timm imagefolder"] = timm_rate(root, args.batch, args.workers, batches)
-        for label, rate in rows.items():
+            loaders[label] = partial(loader_rate, loader, batches)
+        timm = timm_loader(root, args.batch, args.workers)  # forks after vitlab's workers
+        loaders["timm imagefolder"] = partial(timm_rate, timm, batches)
+        rates = {label: [] for label in loaders}
+        for _ in range(args.rounds):
+            for label, rate in loaders.items():
+                rates[label].append(rate())
+        for rate in loaders.values():  # every worker ended before the files go
+            loader = rate.args[0]
+            if loader is timm:
+                shut_down(loader)
+            else:
+                loader.close()
+        medians = {label: float(np.median(r)) for label, r in rates.items()}
+        for label, rate in medians.items():
             per = rate / max(args.workers, 1)
             print(json.dumps({"source": label, "img_s": round(rate), "img_s_per_worker":
-                              round(per), "vs_timm": round(rate / rows["timm imagefolder"], 2)}),
+                              round(per), "vs_timm": round(rate / medians["timm imagefolder"], 2),
+                              "rounds": [round(r) for r in rates[label]]}),
                   flush=True)  # fmt: skip
 
 
@@ -145,7 +169,21 @@ def main() -> None:
     parser.add_argument("--photos", type=int, default=0, help="compare sources on N JPEGs")
     parser.add_argument("--workers", type=int, default=2, help="loader workers (--photos)")
     parser.add_argument("--batch", type=int, default=64, help="batch size (--photos)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per source (--photos)")
+    parser.add_argument(
+        "--default-allocator",
+        action="store_true",
+        help="leave glibc's malloc settings as they are (vitlab tunes them)",
+    )
+    parser.add_argument(
+        "--shard-size",
+        type=int,
+        default=0,
+        help="bytes per shard (--photos; default: the photos' size / 16)",
+    )
     args = parser.parse_args()
+    if not args.default_allocator:
+        tune_allocator()  # as the vitlab command does; this process's timm loader gets it too
     if args.photos:
         return compare_sources(args)
     for path in args.configs:

@@ -252,6 +252,26 @@ def test_decode_16_bit_png_and_header_bombs() -> None:
     assert calls == []
 
 
+def test_header_sizes_read_directly_agree_with_pil() -> None:
+    """The JPEG / PNG header reader the size guard uses gives PIL's size for baseline and
+    progressive JPEGs, ones with large APP segments before the frame header, and PNGs; None for
+    what it does not follow (WebP, garbage), which PIL then reads."""
+    from vitlab.data.decode import _header_size
+
+    rng = np.random.default_rng(0)
+    cases = [("JPEG", {}), ("JPEG", {"progressive": True}), ("PNG", {}),
+             ("JPEG", {"icc_profile": b"p" * 70_000, "exif": b"Exif" + b"x" * 3000})]  # fmt: skip
+    for fmt, kw in cases:
+        for w, h in [(37, 11), (1, 1), (300, 2)]:
+            out = io.BytesIO()
+            Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(out, fmt, **kw)
+            with Image.open(io.BytesIO(out.getvalue())) as im:
+                assert _header_size(out.getvalue()) == im.size == (w, h), (fmt, kw.keys())
+    out = io.BytesIO()
+    Image.new("RGB", (5, 4)).save(out, "WEBP")
+    assert _header_size(out.getvalue()) is None and _header_size(b"\xff\xd8\x00junk") is None
+
+
 def test_decode_ignores_only_torchvisions_deprecation_warning() -> None:
     import importlib
     import re

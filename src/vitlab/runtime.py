@@ -87,3 +87,31 @@ def seeded_split(n: int, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     k = int(round(n * fraction))
     return perm[k:].sort().values, perm[:k].sort().values
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_ALLOCATOR = {_M_MMAP_THRESHOLD: 1 << 30, _M_TRIM_THRESHOLD: 1 << 30, _M_TOP_PAD: 1 << 28}
+
+
+def tune_allocator() -> bool:
+    """Keep freed memory for the next allocation instead of returning it to the OS (glibc only).
+
+    glibc's malloc serves every block over its mmap threshold (32 MiB at most) with fresh pages,
+    returns them on free, and the next allocation faults them in again: for the 10-100 MB
+    activations and batches of CPU training, those page faults cost about a quarter of a step
+    (the nano preset's fp32 training step 1,035 -> 1,353 img/s, its inference 2,795 -> 5,403,
+    measured on 2 cores). With thresholds of 1 GiB the heap keeps what a step frees, so memory
+    stays at its peak rather than rising and falling. A user's MALLOC_* environment variables
+    win; elsewhere than glibc this does nothing. True when the setting was applied."""
+    import ctypes
+    import os
+    import platform
+
+    if platform.libc_ver()[0] != "glibc" or any(k.startswith("MALLOC_") for k in os.environ):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return all(mallopt(param, value) == 1 for param, value in _ALLOCATOR.items())

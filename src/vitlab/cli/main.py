@@ -14,6 +14,7 @@ from vitlab.cli import data as data_cmd
 from vitlab.cli import eval as eval_cmd
 from vitlab.config import ConfigError
 from vitlab.models.registry import UnknownModelError
+from vitlab.runtime import tune_allocator
 
 COMMANDS = (
     models,
@@ -102,6 +103,7 @@ def cli_logging(verbose: int, quiet: int) -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    tune_allocator()  # CPU work reuses freed memory instead of faulting fresh pages in
     try:
         with cli_logging(args.verbose, args.quiet):
             return args.run(args) or 0

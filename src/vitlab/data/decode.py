@@ -22,6 +22,21 @@ warnings.filterwarnings(
 # torchvision allocates what a header claims; refuse what PIL would refuse as a decompression bomb
 MAX_PIXELS = 2 * 89_478_485
 PNG = b"\x89PNG\r\n\x1a\n"
+SOF = {
+    0xC0,
+    0xC1,
+    0xC2,
+    0xC3,
+    0xC5,
+    0xC6,
+    0xC7,
+    0xC9,
+    0xCA,
+    0xCB,
+    0xCD,
+    0xCE,
+    0xCF,
+}  # frame markers
 
 
 def decode_image(data: bytes, in_chans: int, where: str) -> Tensor:
@@ -47,17 +62,49 @@ def _torchvision_reads(data: bytes) -> bool:
     return data[:3] == b"\xff\xd8\xff" or data[:8] == PNG or webp
 
 
+def _header_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a PNG's IHDR or a JPEG's SOF segment, read directly (about 100x
+    faster than PIL opening the file); None for WebP and for a header this does not follow."""
+    if data[:8] == PNG:
+        if len(data) >= 24 and data[12:16] == b"IHDR":
+            return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        return None
+    if data[:2] != b"\xff\xd8":
+        return None
+    i = 2
+    while i + 9 <= len(data):
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if 0xD0 <= marker <= 0xD9 or marker == 0x01:  # no length
+            i += 2
+            continue
+        if marker in SOF:
+            return int.from_bytes(data[i + 7 : i + 9], "big"), int.from_bytes(
+                data[i + 5 : i + 7], "big"
+            )
+        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+    return None
+
+
 def _size_ok(data: bytes, where: str) -> bool:
-    """False when PIL cannot read the header (its decoder then names the fault); a DatasetError
-    when the header's dimensions pass MAX_PIXELS. PIL reads the header only: torchvision's
-    decoders allocate what it claims before they read the pixels."""
+    """False when the header cannot be read (the decoder then names the fault); a DatasetError
+    when the header's dimensions pass MAX_PIXELS. Only the header is read (by PIL where
+    _header_size does not know the format): torchvision's decoders allocate what it claims
+    before they read the pixels."""
     from PIL import Image
 
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            w, h = im.size
-    except Exception:
-        return False
+    size = _header_size(data)
+    if size is None:
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                size = im.size
+        except Exception:
+            return False
+    w, h = size
     if w * h > MAX_PIXELS:
         raise DatasetError(f"cannot read image {where}: its header claims {w} x {h} pixels, "
                            f"more than {MAX_PIXELS:,} (a decompression bomb?)")  # fmt: skip

@@ -10,6 +10,7 @@ written under a temporary name and renamed when whole; index.json comes last."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -24,7 +25,6 @@ from vitlab.data.decode import available_cores, decode_image
 from vitlab.data.download import DatasetError
 from vitlab.data.hf import HFSplit
 from vitlab.data.shards import INDEX, ShardSplit
-from vitlab.formats.base import write_json
 
 UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 FORMAT = "vitlab-shards/1"
@@ -115,6 +115,14 @@ def samples(
     yield from loader
 
 
+def _commit(file, path: Path) -> None:
+    """Flush, fsync and close `file` (open on a temporary name), then rename it to `path`."""
+    file.flush()
+    os.fsync(file.fileno())
+    file.close()
+    os.replace(file.name, path)
+
+
 class _Shard:
     """One shard written to a hidden temporary file, fsynced, then renamed into place: a kill
     leaves whole shards and at most one .tmp file, never a truncated .tar."""
@@ -133,10 +141,7 @@ class _Shard:
 
     def close(self) -> dict:
         self.tar.close()
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.replace(self.tmp, self.path)
+        _commit(self.file, self.path)
         return {"name": self.path.name, "count": self.count, "bytes": self.size}
 
 
@@ -204,7 +209,9 @@ def write_shards(
             index["splits"][name] = write_split(
                 split, dst, name, shard_size, seed, info.in_chans, workers, bar
             )
-    write_json(dst / INDEX, index)  # last, atomically: its presence means every shard is whole
+    with open(dst / f".{INDEX}.tmp", "w") as f:  # last, atomically: then every shard is whole
+        f.write(json.dumps(index, indent=1))
+        _commit(f, dst / INDEX)
     return index
 
 
