@@ -99,7 +99,7 @@ def timm_loader(folder: Path, batch: int, workers: int):
     return create_loader(
         dataset, input_size=(3, 224, 224), batch_size=batch, is_training=True,
         use_prefetcher=False, num_workers=workers, hflip=0.5, scale=(0.08, 1.0),
-        no_aug=False, color_jitter=None, persistent_workers=True,
+        no_aug=False, color_jitter=None, persistent_workers=workers > 0,
     )  # fmt: skip
 
 

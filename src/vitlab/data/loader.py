@@ -106,8 +106,11 @@ class _FileImages(Dataset):
     An image that does not decode is skipped: in training the next readable one in the split
     takes its place (the batch keeps its size), in evaluation a padding sample (never counted)."""
 
-    def __init__(self, split: Split, per_image: Callable, in_chans: int, train: bool) -> None:
-        self.split, self.per_image, self.in_chans, self.train = split, per_image, in_chans, train
+    def __init__(
+        self, split: Split, per_image: Callable, prepare: Callable, in_chans: int, train: bool
+    ) -> None:
+        self.split, self.per_image, self.prepare = split, per_image, prepare
+        self.in_chans, self.train = in_chans, train
 
     def __len__(self) -> int:
         return len(self.split)
@@ -144,7 +147,8 @@ class _FileImages(Dataset):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)  # the CPU's only: fork_rng keeps no other
             samples = [self._sample(i, bad) for i in indices]
-        return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples]), bad
+        images = self.prepare(torch.stack([x for x, _ in samples]))
+        return images, torch.stack([y for _, y in samples]), bad
 
 
 def _as_is(batch: object) -> object:
@@ -174,12 +178,13 @@ class FolderLoader:
         split: Split,
         plan: BatchPlan,
         per_image: Callable[[Tensor], Tensor],
+        prepare: Callable[[Tensor], Tensor],
         finish: Callable[..., Batch],
         in_chans: int,
         options: LoaderOptions,
     ) -> None:
         self.plan, self.finish, self.options = plan, finish, options
-        self.dataset = _FileImages(split, per_image, in_chans, train=plan.shuffle)
+        self.dataset = _FileImages(split, per_image, prepare, in_chans, train=plan.shuffle)
         self.skipped: set[str] = set()  # the undecodable images, each named once
         self._sampler, self._loader = _Batches(), None
 
@@ -243,15 +248,22 @@ def make_loader(
         def evaluate_batch(images: Tensor, labels: Tensor) -> Batch:  # resized by per_image
             return pre.normalize(images), labels
 
-        per_image, finish = pre.resize, evaluate_batch
+        per_image, finish, mix = pre.resize, evaluate_batch, _unmixed
     else:
-        per_image, finish = augment.per_image_only, augment.finish
+        per_image, finish, mix = augment.per_image_only, augment.finish, augment.mix_only
+    if isinstance(split, ArraySplit):
+        plan = BatchPlan(len(split), batch_size, shuffle, seed, rank, world)
+        return ArrayLoader(split, plan, lambda im, lab: finish(per_image(im), lab))
+    # streamed data: images decoded, transformed and normalised in the workers (the training
+    # process, which also runs the model, is left the batch-level random erasing and mixing)
     if isinstance(split, ShardSplit):
         return StreamLoader(
-            split, batch_size, per_image, finish, in_chans=pre.in_chans, train=shuffle, seed=seed,
-            rank=rank, world=world, buffer=buffer, options=options,
+            split, batch_size, per_image, pre.normalize, mix, in_chans=pre.in_chans,
+            train=shuffle, seed=seed, rank=rank, world=world, buffer=buffer, options=options,
         )  # fmt: skip
     plan = BatchPlan(len(split), batch_size, shuffle, seed, rank, world)
-    if isinstance(split, ArraySplit):
-        return ArrayLoader(split, plan, lambda im, lab: finish(per_image(im), lab))
-    return FolderLoader(split, plan, per_image, finish, pre.in_chans, options)
+    return FolderLoader(split, plan, per_image, pre.normalize, mix, pre.in_chans, options)
+
+
+def _unmixed(images: Tensor, labels: Tensor) -> Batch:
+    return images, labels

@@ -134,6 +134,7 @@ class StreamLoader:
         split: ShardSplit,
         batch_size: int,
         per_image: Callable[[Tensor], Tensor],
+        prepare: Callable[[Tensor], Tensor],
         finish: Callable[..., Batch],
         *,
         in_chans: int,
@@ -145,7 +146,8 @@ class StreamLoader:
         options: LoaderOptions | None = None,
     ) -> None:
         self.split, self.batch_size, self.train = split, batch_size, train
-        self.per_image, self.finish, self.in_chans = per_image, finish, in_chans
+        self.per_image, self.prepare, self.finish = per_image, prepare, finish
+        self.in_chans = in_chans
         self.seed, self.rank, self.world, self.buffer = seed, rank, world, buffer
         self.options = options or LoaderOptions()
         n_shards = len(split.urls)
@@ -283,7 +285,8 @@ class StreamLoader:
             for j, i in enumerate(i for i, y in enumerate(labels) if y == PADDING):
                 images[i], labels[i] = images[good[j % len(good)]], labels[good[j % len(good)]]
         keys = [key for key, _, _ in chunk]
-        return torch.stack(images), torch.tensor(labels, dtype=torch.long), keys, bad
+        images = self.prepare(torch.stack(images))
+        return images, torch.tensor(labels, dtype=torch.long), keys, bad
 
     # --- iteration --------------------------------------------------------------------------------
 
@@ -303,7 +306,7 @@ class StreamLoader:
             yield self.finish(images, labels)
         for _ in range(0 if self.train else len(self) - n):  # evaluation: padding batches
             x = self.per_image(torch.zeros(1, self.in_chans, 8, 8, dtype=torch.uint8))
-            yield self.finish(x, torch.full((1,), PADDING, dtype=torch.long))
+            yield self.finish(self.prepare(x), torch.full((1,), PADDING, dtype=torch.long))
 
     def __iter__(self) -> Iterator[Batch]:
         return self.iterate()
