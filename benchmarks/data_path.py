@@ -121,8 +121,8 @@ def compare_sources(args: argparse.Namespace) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = write_photos(Path(tmp) / "photos", args.photos)
-        # about 16 training shards (80% of the photos): vitlab deals whole shards to its workers,
-        # and a count that is a multiple of every worker count up to 8 deals evenly
+        # about 16 training shards (80% of the photos): vitlab deals whole shards to its streams
+        # (8 at most, served by the workers), and 16 deals evenly to 1, 2, 4 or 8 of them
         size = args.shard_size or sum(f.stat().st_size for f in root.glob("*/*.jpg")) // 21
         write_shards(f"imagefolder:{root}", Path(tmp) / "shards", size, progress=False)
         parquet = write_parquet(root, Path(tmp) / "photos.parquet")
@@ -179,7 +179,7 @@ def main() -> None:
         "--shard-size",
         type=int,
         default=0,
-        help="bytes per shard (--photos; default: the photos' size / 16)",
+        help="bytes per shard (--photos; default: the photos' size / 21, ~16 training shards)",
     )
     args = parser.parse_args()
     if not args.default_allocator:

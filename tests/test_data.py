@@ -269,7 +269,38 @@ def test_header_sizes_read_directly_agree_with_pil() -> None:
                 assert _header_size(out.getvalue()) == im.size == (w, h), (fmt, kw.keys())
     out = io.BytesIO()
     Image.new("RGB", (5, 4)).save(out, "WEBP")
-    assert _header_size(out.getvalue()) is None and _header_size(b"\xff\xd8\x00junk") is None
+    assert _header_size(out.getvalue()) is None
+
+
+def test_header_reader_leaves_what_it_does_not_follow_to_pil() -> None:
+    """Crafted JPEG headers: a stray FF 00 (which libjpeg skips byte by byte) in front of an APP
+    segment holding a small fake frame header, then the real one claiming 13500 x 13500: the
+    reader must not jump into the APP data and report the fake size; the guard still refuses the
+    image. Other oddities give None (PIL decides) rather than a size."""
+    from vitlab.data.decode import _header_size, decode_image
+
+    def sof(w: int, h: int) -> bytes:
+        return (
+            b"\xff\xc0\x00\x11\x08"
+            + h.to_bytes(2, "big")
+            + w.to_bytes(2, "big")
+            + b"\x03"
+            + b"\x01\x11\x00" * 3
+        )
+
+    fake = b"\xff\xe1\x00\x13" + sof(16, 16)  # APP1 whose data is a frame header
+    crafted = b"\xff\xd8\xff\x00\x00\x06" + fake + sof(13_500, 13_500) + b"\x00" * 64
+    assert _header_size(crafted) != (16, 16)
+    with pytest.raises(DatasetError, match="bomb|pixels"):
+        decode_image(crafted, 1, "crafted.jpg")
+    soi = b"\xff\xd8"
+    assert _header_size(soi + b"\xff\xff\xff" + sof(7, 5)) == (7, 5)  # fill bytes
+    assert _header_size(soi + b"\xff\xe0\x00\x04ab" + sof(7, 5)) == (7, 5)  # an APP0 segment
+    odd = [b"\xff\xd8\x00junk and more", soi + b"\xff\xd9" + sof(7, 5),  # EOI first
+           soi + b"\xff\xe0\x00\x01" + sof(7, 5), soi + b"\xff\xe0\x00\x00" + sof(7, 5),
+           soi + b"\xff\xe0\xff\xf0" + sof(7, 5), soi + sof(7, 5)[:7],
+           soi + b"\xff\x00" * 8]  # fmt: skip
+    assert [_header_size(x) for x in odd] == [None] * len(odd)
 
 
 def test_decode_ignores_only_torchvisions_deprecation_warning() -> None:
@@ -304,6 +335,42 @@ def test_close_ends_the_workers_and_the_default_count_is_capped(tmp_path: Path, 
     loader.close()
     assert not any(w.is_alive() for w in workers)
     assert len(list(loader.iterate(1))) == 3  # usable again: new workers
+
+
+def test_file_batches_are_the_same_wherever_they_are_normalised(tmp_path: Path) -> None:
+    """Training batches of an image folder with random erasing and mixup: normalised in two
+    workers, in this process (workers=0), or after the workers as for a GPU (uint8 across, then
+    normalised here): the same batches, and the trainer's RNG (which erasing and mixing draw
+    from) left in the same state. And normalisation happens exactly once: an evaluation batch
+    maps back to whole pixel values in 0..255."""
+    import warnings
+
+    make_folder(tmp_path / "imgs")
+    split = scan_image_folder(tmp_path / "imgs")
+    pre = Preprocessing((16, 16), 3, (0.5,) * 3, (0.25,) * 3)
+    cfg = DataConfig(random_resized_crop=True, hflip=0.5, random_erasing=0.5, mixup=0.8)
+    aug = BatchAugment(cfg, pre, 3)
+    runs = []
+    for kw in ({"workers": 0}, {"workers": 2}, {"workers": 2, "pin_memory": True}):
+        torch.manual_seed(5)
+        loader = make_loader(split, 4, pre, augment=aug, shuffle=True, seed=1, **kw)
+        with warnings.catch_warnings():  # pin_memory without a GPU: torch warns, pins nothing
+            warnings.simplefilter("ignore", UserWarning)
+            batches = list(loader.iterate(1))
+        loader.close()
+        runs.append((batches, torch.rand(3)))
+    first, after = runs[0]
+    assert len(first) == 3 and first[0][1].shape == (4, 3)  # soft labels: mixed
+    for batches, rng_after in runs[1:]:
+        assert torch.equal(rng_after, after)
+        for (x, y), (x0, y0) in zip(batches, first, strict=True):
+            assert torch.equal(x, x0) and torch.equal(y, y0)
+    loader = make_loader(split, 4, pre, workers=2)
+    x, _ = next(iter(loader))
+    loader.close()
+    pixels = (x * 0.25 + 0.5) * 255
+    assert pixels.min() >= -1e-3 and pixels.max() <= 255 + 1e-3
+    assert (pixels - pixels.round()).abs().max() < 1e-3
 
 
 def test_nested_trees_sort_as_paths_and_links_to_folders_are_not_followed(tmp_path: Path):

@@ -195,6 +195,21 @@ def test_writer_index_and_errors(tmp_path: Path, balanced: Path) -> None:
     for shard in splits["train"]["shards"] + splits["test"]["shards"]:
         name = shard["name"]
         assert (tmp_path / "again" / name).read_bytes() == (tmp_path / "shards" / name).read_bytes()
+    from vitlab.data import writer
+
+    def fails_at_12(*args):  # a worker error or a Ctrl-C mid-split
+        for n, sample in enumerate(real_samples(*args)):
+            if n == 12:
+                raise KeyboardInterrupt
+            yield sample
+
+    real_samples = writer.samples
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(writer, "samples", fails_at_12)
+        with pytest.raises(KeyboardInterrupt):
+            write_shards(f"imagefolder:{root}", tmp_path / "cut", 2000, progress=False, workers=0)
+    assert list((tmp_path / "cut").iterdir()) == []  # no shard, no .tmp: the folder is reusable
+    write_shards(f"imagefolder:{root}", tmp_path / "cut", 2000, progress=False, workers=0)
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / ".train-000000.tar.tmp").write_bytes(b"")  # a killed writer's remains
     with pytest.raises(DatasetError, match="interrupted"):

@@ -22,10 +22,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="write a dataset as WebDataset shards with a JSON index",
         description="Write dataset SRC's train and test splits as WebDataset shards under DST "
         "(an empty or new folder), with a progress bar. Every image is decoded once on the way (by "
-        "--workers processes); one that does not decode is skipped and named. Image files keep "
-        "their bytes; in-memory "
-        "datasets (CIFAR, Fashion-MNIST, digits) and formats other than JPEG / PNG / WebP are "
-        "stored as PNG.",
+        "--workers processes; wds: sources in this one); one that does not decode is skipped, "
+        "named and counted in the index. Image files keep their bytes; in-memory datasets "
+        "(CIFAR, Fashion-MNIST, digits) and formats other than JPEG / PNG / WebP are stored as "
+        "PNG. Shards are written under temporary names and renamed when whole, index.json last; "
+        "a failure or Ctrl-C removes what the run wrote.",
         epilog="Example: vitlab data shard imagefolder:/data/imagenet /data/in1k-shards "
         "--shard-size 1GB, then torchrun --nproc_per_node=8 -m vitlab train "
         "data.name=wds:/data/in1k-shards ...",
@@ -41,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--workers",
         type=int,
         default=None,
-        help="processes that read and check the images (default: one per core)",
+        help="processes that read and check the images (default: one per core, at most 8)",
     )
     shard.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)

@@ -103,7 +103,8 @@ def cli_logging(verbose: int, quiet: int) -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    tune_allocator()  # CPU work reuses freed memory instead of faulting fresh pages in
+    if argv is None:  # the command (not a caller's in-process call): reuse freed memory
+        tune_allocator()
     try:
         with cli_logging(args.verbose, args.quiet):
             return args.run(args) or 0

@@ -22,21 +22,11 @@ warnings.filterwarnings(
 # torchvision allocates what a header claims; refuse what PIL would refuse as a decompression bomb
 MAX_PIXELS = 2 * 89_478_485
 PNG = b"\x89PNG\r\n\x1a\n"
-SOF = {
-    0xC0,
-    0xC1,
-    0xC2,
-    0xC3,
-    0xC5,
-    0xC6,
-    0xC7,
-    0xC9,
-    0xCA,
-    0xCB,
-    0xCD,
-    0xCE,
-    0xCF,
-}  # frame markers
+SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # fmt: skip
+# the segments with a length that may come before the frame header: DHT, DAC, DQT, DRI, DNL,
+# APPn, COM (any other marker there, FF 00 included, sends the reading to PIL)
+SEGMENTS = {0xC4, 0xCC, 0xDB, 0xDD, 0xDC, 0xFE, *range(0xE0, 0xF0)}
+MAX_HEADER = 1 << 20  # bytes scanned for the frame header before PIL is asked instead
 
 
 def decode_image(data: bytes, in_chans: int, where: str) -> Tensor:
@@ -72,21 +62,26 @@ def _header_size(data: bytes) -> tuple[int, int] | None:
     if data[:2] != b"\xff\xd8":
         return None
     i = 2
-    while i + 9 <= len(data):
+    while i + 4 <= len(data) and i < MAX_HEADER:
         if data[i] != 0xFF:
-            return None
+            return None  # libjpeg would scan on for a marker: PIL's reading decides
         marker = data[i + 1]
         if marker == 0xFF:  # fill byte
             i += 1
-            continue
-        if 0xD0 <= marker <= 0xD9 or marker == 0x01:  # no length
+        elif 0xD0 <= marker <= 0xD7 or marker == 0x01:  # RSTn, TEM: no length
             i += 2
-            continue
-        if marker in SOF:
-            return int.from_bytes(data[i + 7 : i + 9], "big"), int.from_bytes(
-                data[i + 5 : i + 7], "big"
-            )
-        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+        elif marker in SOF:
+            if i + 9 > len(data):
+                return None
+            width, height = data[i + 7 : i + 9], data[i + 5 : i + 7]
+            return int.from_bytes(width, "big"), int.from_bytes(height, "big")
+        elif marker in SEGMENTS:
+            length = int.from_bytes(data[i + 2 : i + 4], "big")
+            if length < 2:
+                return None
+            i += 2 + length
+        else:  # FF 00, EOI, SOI again, anything unexpected before the frame header
+            return None
     return None
 
 

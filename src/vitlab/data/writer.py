@@ -25,6 +25,7 @@ from vitlab.data.decode import available_cores, decode_image
 from vitlab.data.download import DatasetError
 from vitlab.data.hf import HFSplit
 from vitlab.data.shards import INDEX, ShardSplit
+from vitlab.data.workers import MAX_WORKERS
 
 UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 FORMAT = "vitlab-shards/1"
@@ -139,6 +140,10 @@ class _Shard:
         self.size += self.tar.write(sample)
         self.count += 1
 
+    def discard(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
     def close(self) -> dict:
         self.tar.close()
         _commit(self.file, self.path)
@@ -151,22 +156,27 @@ def write_split(
 ) -> dict:  # fmt: skip
     """Write one split's shards; returns its entry of the index (skipped: the samples that did
     not decode, each named in a warning)."""
-    shards, shard, skipped = [], None, 0
-    for data, ext, label, why in samples(split, seed, in_chans, workers):
-        bar.update(1)
-        if why is not None:
-            log.warning("skipping an image that does not decode: %s", why)
-            skipped += 1
-            continue
-        if shard is None or shard.size >= shard_size:
-            if shard is not None:
-                shards.append(shard.close())
-            shard = _Shard(dst / f"{name}-{len(shards):06d}.tar")
-        n = sum(s["count"] for s in shards) + shard.count
-        shard.write({"__key__": f"{name}-{n:09d}", ext: data, "cls": str(label).encode()})
-    if shard is not None:
-        shards.append(shard.close())
-    return {"count": sum(s["count"] for s in shards), "skipped": skipped, "shards": shards}
+    shards, shard, skipped, n = [], None, 0, 0
+    try:
+        for data, ext, label, why in samples(split, seed, in_chans, workers):
+            bar.update(1)
+            if why is not None:
+                log.warning("skipping an image that does not decode: %s", why)
+                skipped += 1
+                continue
+            if shard is None or shard.size >= shard_size:
+                if shard is not None:
+                    shards.append(shard.close())
+                shard = _Shard(dst / f"{name}-{len(shards):06d}.tar")
+            shard.write({"__key__": f"{name}-{n:09d}", ext: data, "cls": str(label).encode()})
+            n += 1
+        if shard is not None:
+            shards.append(shard.close())
+            shard = None
+    finally:
+        if shard is not None:  # failed or interrupted: the shard being written is no use
+            shard.discard()
+    return {"count": n, "skipped": skipped, "shards": shards}
 
 
 def write_shards(
@@ -181,7 +191,9 @@ def write_shards(
 ) -> dict:
     """Write dataset `source`'s train and test splits as shards under dst; returns the index.
     Every image is decoded once on the way (by `workers` processes, default one per available
-    core): one that does not decode is skipped and named; the index counts the skipped."""
+    core up to MAX_WORKERS; shards being re-sharded are read and checked in this process): one
+    that does not decode is skipped and named; the index counts the skipped. A failure or an
+    interrupt removes the shards this call wrote."""
     from tqdm import tqdm
 
     dst.mkdir(parents=True, exist_ok=True)
@@ -202,16 +214,29 @@ def write_shards(
         "std": list(info.std),
         "splits": {},
     }
-    workers = available_cores() if workers is None else workers
+    workers = min(available_cores(), MAX_WORKERS) if workers is None else workers
+    if workers < 0:
+        raise ValueError(f"workers is a number of processes (0: this one), got {workers}")
     total = sum(len(s) for s in splits.values())
-    with tqdm(total=total, unit="img", desc=f"sharding {source}", disable=not progress) as bar:
-        for name, split in splits.items():
-            index["splits"][name] = write_split(
-                split, dst, name, shard_size, seed, info.in_chans, workers, bar
-            )
+    try:
+        with tqdm(total=total, unit="img", desc=f"sharding {source}", disable=not progress) as bar:
+            for name, split in splits.items():
+                index["splits"][name] = write_split(
+                    split, dst, name, shard_size, seed, info.in_chans, workers, bar
+                )
+    except BaseException:  # shards without their index train nothing: leave the folder empty
+        for name in splits:
+            for path in dst.glob(f"{name}-*.tar"):
+                path.unlink()
+        raise
     with open(dst / f".{INDEX}.tmp", "w") as f:  # last, atomically: then every shard is whole
         f.write(json.dumps(index, indent=1))
         _commit(f, dst / INDEX)
+    folder = os.open(dst, os.O_RDONLY)  # the renames themselves on disk
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
     return index
 
 
