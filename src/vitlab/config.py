@@ -188,7 +188,8 @@ class ModelSection:
 class DataConfig:
     """Dataset and augmentation. Every augmentation is off at 0 / False."""
 
-    name: str = "digits"  # digits | fashion-mnist | cifar10 | cifar100 | imagefolder:PATH
+    # digits | fashion-mnist | cifar10 | cifar100 | imagefolder:PATH | wds:SHARDS | hf:NAME
+    name: str = "digits"
     dir: str | None = None  # where the files are (searched first)
     val_fraction: float = 0.1  # carved from train, seeded by split_seed
     split_seed: int = 0
@@ -202,7 +203,14 @@ class DataConfig:
     mixup: float = 0.0  # mixup alpha (0: off)
     cutmix: float = 0.0  # cutmix alpha (0: off)
     normalize: bool = True  # subtract the dataset's mean, divide by its std
-    workers: int = 2  # DataLoader workers for streamed (image-folder) data
+    # DataLoader workers for streamed data (files, shards, HF rows); null: this process's share
+    # of the cores it may use
+    workers: int | None = None
+    prefetch: int = 2  # batches each worker prepares ahead
+    shuffle_buffer: int = 1000  # wds: samples a shard stream shuffles among
+    test: str | None = None  # the test split's dataset, for a source of one split (wds, hf)
+    image_key: str | None = None  # hf / wds: the image column or file extension (default: found)
+    label_key: str | None = None  # hf / wds: the label column or file extension (default: found)
     # train on this fraction of the training split only (after the validation carve-out; the
     # same share of every class, seeded by split_seed): the labelled part of a few-label run
     label_fraction: float = 1.0
@@ -216,8 +224,11 @@ class DataConfig:
         for name in ("hflip", "random_erasing"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"data.{name} is a probability, got {getattr(self, name)}")
-        if min(self.mixup, self.cutmix, self.crop_padding, self.randaugment_ops, self.workers) < 0:
+        counts = (self.mixup, self.cutmix, self.crop_padding, self.randaugment_ops, self.workers)
+        if min(c for c in counts if c is not None) < 0:
             raise ConfigError("data.mixup, cutmix, crop_padding, randaugment_ops, workers are >= 0")
+        if self.prefetch < 1 or self.shuffle_buffer < 1:
+            raise ConfigError("data.prefetch and data.shuffle_buffer are >= 1")
 
 
 @dataclass

@@ -10,11 +10,25 @@ from collections.abc import Iterator, Sequence
 
 from vitlab import __version__
 from vitlab.cli import analyze, convert, cost, export, fewshot, models, predict, probe, train
+from vitlab.cli import data as data_cmd
 from vitlab.cli import eval as eval_cmd
 from vitlab.config import ConfigError
 from vitlab.models.registry import UnknownModelError
+from vitlab.runtime import tune_allocator
 
-COMMANDS = (models, cost, train, eval_cmd, fewshot, probe, predict, analyze, convert, export)
+COMMANDS = (
+    models,
+    cost,
+    train,
+    eval_cmd,
+    fewshot,
+    probe,
+    predict,
+    analyze,
+    convert,
+    export,
+    data_cmd,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +103,8 @@ def cli_logging(verbose: int, quiet: int) -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:  # the command (not a caller's in-process call): reuse freed memory
+        tune_allocator()
     try:
         with cli_logging(args.verbose, args.quiet):
             return args.run(args) or 0

@@ -12,6 +12,7 @@ from vitlab.data.datasets import (
 )
 from vitlab.data.loader import make_loader
 from vitlab.data.transforms import BatchAugment, Preprocessing
+from vitlab.data.workers import loader_options
 
 __all__ = [
     "ArraySplit",
@@ -22,6 +23,7 @@ __all__ = [
     "Preprocessing",
     "dataset_info",
     "label_subset",
+    "loader_options",
     "load_split",
     "make_loader",
     "train_val_split",

@@ -1,32 +1,42 @@
 """Datasets by name. Small ones load into memory as uint8 tensors (N, C, H, W); image folders are
-listed, checked, and streamed from disk.
+listed (each file checked when first decoded) and streamed from disk.
 
     digits          scikit-learn's bundled 8x8 digits (1,797 images); test = a seeded 20%
     fashion-mnist   60k / 10k 28x28 greyscale, IDX gz files (located or downloaded, SHA-256 checked)
     cifar10/100     the python-version archive (tar.gz or extracted folder)
     imagefolder:P   one sub-folder per class; P/train + P/test (or P/val) when present
+    wds:SHARDS      WebDataset shards (vitlab.data.shards), streamed
+    hf:NAME         a Hugging Face dataset: hub name, save_to_disk folder, parquet files
+                    (vitlab.data.hf)
+
+A source of one split (a wds pattern, one parquet file) is the training split; data.test names
+the test split's source, loaded whole (split "all"), and then the training source is loaded whole
+too (no test split carved from it). load_run_split reads a run's splits as `vitlab train` does,
+for every command that evaluates a run.
 """
 
 from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import logging
 import math
 import os
-import pickle
 import struct
-import tarfile
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from vitlab.config import DataConfig
+from vitlab.data.cifar import read_cifar
 from vitlab.data.download import FASHION_SHA256, DatasetError, find_or_fetch_fashion_mnist
+from vitlab.data.hf import HFSplit, load_hf
+from vitlab.data.shards import ShardSplit, carve_shards, load_shards
+from vitlab.runtime import seeded_split
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +73,13 @@ class ArraySplit:
 
 @dataclass
 class FolderSplit:
-    """One split of an image folder: file paths and labels, read on demand."""
+    """One split of an image folder: file paths (strings: a Path each costs more to make than
+    listing the file) and labels, read on demand."""
 
-    files: list[Path]
+    files: list[str]
     labels: Tensor  # (N,) int64
     classes: list[str]
-    skipped: list[Path] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -78,8 +89,16 @@ class FolderSplit:
             [self.files[i] for i in index.tolist()], self.labels[index], self.classes
         )
 
+    def read(self, i: int) -> bytes:
+        """Image i's encoded bytes (an OSError when the file cannot be read)."""
+        with open(self.files[i], "rb") as f:
+            return f.read()
 
-Split = ArraySplit | FolderSplit
+    def where(self, i: int) -> str:
+        return self.files[i]
+
+
+Split = ArraySplit | FolderSplit | ShardSplit | HFSplit
 
 
 @dataclass
@@ -104,13 +123,6 @@ STATS = {
 }
 
 
-def _seeded_split(n: int, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
-    """(kept, carved) index tensors: a seeded `fraction` of range(n) carved out."""
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    k = int(round(n * fraction))
-    return perm[k:].sort().values, perm[:k].sort().values
-
-
 # --- digits ---------------------------------------------------------------------------------------
 
 
@@ -120,7 +132,7 @@ def load_digits_split(split: str) -> ArraySplit:
     data = load_digits()
     images = torch.from_numpy(np.rint(data.images * (255.0 / 16.0)).astype(np.uint8))[:, None]
     full = ArraySplit(images, torch.from_numpy(data.target).long(), [str(i) for i in range(10)])
-    train, test = _seeded_split(len(full), 0.2, seed=1797)  # fixed: test never moves
+    train, test = seeded_split(len(full), 0.2, seed=1797)  # fixed: test never moves
     return full.subset(test if split == "test" else train)
 
 
@@ -178,131 +190,13 @@ def load_fashion_mnist_split(split: str, data_dir: str | None) -> ArraySplit:
 # --- CIFAR ----------------------------------------------------------------------------------------
 
 
-class _ArrayUnpickler(pickle.Unpickler):
-    """CIFAR's python archive is pickles by definition; allow only what those hold (dicts, lists,
-    bytes and numpy arrays), never arbitrary callables."""
-
-    ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-    }
-
-    def find_class(self, module: str, name: str):
-        if (module, name) not in self.ALLOWED:
-            raise DatasetError(f"refusing to unpickle {module}.{name}: not part of a CIFAR batch")
-        found = super().find_class(module, name)
-        return _empty_array if name == "_reconstruct" else found
-
-
-def _empty_array(subtype: type, shape: tuple, dtype: object) -> np.ndarray:
-    """numpy's _reconstruct as numpy pickles it: an empty array that __setstate__ then fills with
-    the bytes the file holds. Any other shape would allocate what the file does not hold (a
-    hostile batch could claim terabytes, or a billion labels to check one by one)."""
-    if subtype is not np.ndarray or tuple(shape) != (0,):
-        raise DatasetError(f"refusing to unpickle an array of shape {shape!r} without its data")
-    return np.ndarray((0,), dtype=dtype)
-
-
-def _load_cifar_batch(raw: bytes, where: str) -> dict:
-    try:
-        batch = _ArrayUnpickler(io.BytesIO(raw), encoding="bytes").load()
-    except DatasetError:
-        raise
-    except Exception as e:  # truncated or damaged pickles fail in many ways, memory included
-        raise DatasetError(f"{where} is not a readable CIFAR batch: {e}") from None
-    if not isinstance(batch, dict):
-        raise DatasetError(f"{where} is not a CIFAR batch: a {type(batch).__name__}, not a dict")
-    return {k.decode("latin-1") if isinstance(k, bytes) else k: v for k, v in batch.items()}
-
-
-def _cifar_field(batch: dict, key: str, where: str) -> object:
-    if key not in batch:
-        raise DatasetError(f"CIFAR file {where} has no {key!r} entry")
-    return batch[key]
-
-
-def _cifar_names(meta: dict, key: str, where: str) -> list[str]:
-    names = _cifar_field(meta, key, where)
-    if not isinstance(names, list) or not all(isinstance(n, (bytes, str)) for n in names):
-        raise DatasetError(f"CIFAR file {where}: {key!r} is not a list of names")
-    return [n.decode("utf-8", "replace") if isinstance(n, bytes) else n for n in names]
-
-
-def _cifar_arrays(batch: dict, label_key: str, classes: int, where: str) -> tuple:
-    """(images (N, 3, 32, 32) uint8, labels (N,) int64) of one batch, checked."""
-    data = _cifar_field(batch, "data", where)
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape[1:] != (3072,):
-        shape = getattr(data, "shape", type(data).__name__)
-        raise DatasetError(f"CIFAR batch {where}: expected (N, 3072) bytes, got {shape}")
-    labels = _cifar_field(batch, label_key, where)
-    if isinstance(labels, (list, np.ndarray)) and len(labels) != len(data):
-        raise DatasetError(f"CIFAR batch {where}: {len(data)} images but {len(labels)} labels")
-    if not isinstance(labels, (list, np.ndarray)) or not all(
-        isinstance(y, (int, np.integer)) and not isinstance(y, bool) and 0 <= y < classes
-        for y in labels
-    ):
-        raise DatasetError(f"CIFAR batch {where}: {label_key!r} are not class indices < {classes}")
-    return data.reshape(-1, 3, 32, 32), np.array([int(y) for y in labels], dtype=np.int64)
-
-
-def _cifar_members(root: Path, names: list[str]) -> dict[str, bytes]:
-    """Read the named batch files from an extracted folder or a .tar.gz archive under root."""
-    for folder in (root, *sorted(p for p in root.glob("cifar-*") if p.is_dir())):
-        if all((folder / n).is_file() for n in names):
-            return {n: (folder / n).read_bytes() for n in names}
-    for archive in sorted(root.glob("cifar-*python.tar.gz")) + sorted(root.glob("*.tar.gz")):
-        try:
-            with tarfile.open(archive, "r:gz") as tar:
-                found = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
-                if all(n in found for n in names):
-                    return {n: tar.extractfile(found[n]).read() for n in names}
-        except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
-            raise DatasetError(f"cannot read archive {archive}: {e}") from None
-    raise DatasetError(
-        f"CIFAR files {names} not found under {root}: put the python-version archive "
-        f"(cifar-10-python.tar.gz or cifar-100-python.tar.gz) or its extracted folder there"
-    )
-
-
 def load_cifar_split(name: str, split: str, data_dir: str | None) -> ArraySplit:
     root = Path(data_dir or os.environ.get("VITLAB_DATA") or Path.home() / ".cache" / "vitlab")
-    if name == "cifar10":
-        names = ["test_batch"] if split == "test" else [f"data_batch_{i}" for i in range(1, 6)]
-        meta_name, names_key, label_key = "batches.meta", "label_names", "labels"
-    else:
-        names = ["test" if split == "test" else "train"]
-        meta_name, names_key, label_key = "meta", "fine_label_names", "fine_labels"
-    members = _cifar_members(root, [*names, meta_name])
-    classes = _cifar_names(_load_cifar_batch(members[meta_name], meta_name), names_key, meta_name)
-    images, labels = [], []
-    for n in names:
-        x, y = _cifar_arrays(_load_cifar_batch(members[n], n), label_key, len(classes), n)
-        images.append(x)
-        labels.append(y)
-    return ArraySplit(
-        torch.from_numpy(np.concatenate(images)),
-        torch.from_numpy(np.concatenate(labels)),
-        classes,
-    )
+    images, labels, classes = read_cifar(root, name, split)
+    return ArraySplit(torch.from_numpy(images), torch.from_numpy(labels), classes)
 
 
 # --- image folders --------------------------------------------------------------------------------
-
-
-def _check_image(path: Path) -> str | None:
-    """None when PIL reads the file's header and structure (`verify()`, which does not decode the
-    pixels), else why not. A file that passes and still fails to
-    decode (a truncated JPEG) is a DatasetError naming it when it is loaded (read_image)."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as im:
-            im.verify()
-        return None
-    except Exception as e:  # PIL raises many kinds for bad files
-        return f"{type(e).__name__}: {e}"
 
 
 def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
@@ -317,10 +211,27 @@ def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
         raise DatasetError(f"cannot read image {path}: {type(e).__name__}: {e}") from None
 
 
+def _list_files(folder: Path) -> list[str]:
+    """Every file under folder, sorted as Paths sort (by their parts), listed without opening or
+    stat-ing any (os.scandir's entries know their type): a tree of millions of files is indexed
+    in the time it takes to list its directories. Symbolic links to folders are not followed (a
+    link to a folder above would loop)."""
+    found, stack = [], [folder]
+    while stack:
+        with os.scandir(stack.pop()) as entries:
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(Path(e.path))
+                elif e.is_file():
+                    found.append(e.path)
+    return sorted(found, key=lambda p: p.split(os.sep))
+
+
 def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSplit:
-    """Files of root/CLASS/*; unreadable and non-image files are skipped with a warning each. A
-    folder without sub-folders is unlabelled: its images, no classes (for training without labels,
-    train.objective=mpp)."""
+    """Files of root/CLASS/* with an image suffix, listed only: a file is checked when it is first
+    decoded, and one that does not decode is then skipped and named once (see loader.py). Other
+    files are skipped with one warning naming a few. A folder without sub-folders is unlabelled:
+    its images, no classes (for training without labels, train.objective=mpp)."""
     if not root.is_dir():
         raise DatasetError(f"image folder {root} does not exist")
     found = sorted(p.name for p in root.iterdir() if p.is_dir())
@@ -331,28 +242,24 @@ def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSpl
         folder = root / cls
         if not folder.is_dir():
             continue
-        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-            why = (
-                "not an image file"
-                if path.suffix.lower() not in IMAGE_SUFFIXES
-                else _check_image(path)
-            )
-            if why:
-                log.warning("skipping %s: %s", path, why)
+        for path in _list_files(folder):
+            if os.path.splitext(path)[1].lower() in IMAGE_SUFFIXES:
+                files.append(path)
+                labels.append(label)
+            else:
                 skipped.append(path)
-                continue
-            files.append(path)
-            labels.append(label)
     if skipped:
-        log.warning("skipped %d unreadable or non-image files in %s", len(skipped), root)
+        names = ", ".join(str(p) for p in skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+        log.warning("skipped %d non-image files in %s: %s", len(skipped), root, names)
     if not files:
-        raise DatasetError(f"image folder {root} holds no readable images")
+        kinds = ", ".join(sorted(IMAGE_SUFFIXES))
+        raise DatasetError(f"image folder {root} holds no image files ({kinds})")
     if unlabelled:
         log.info("image folder %s has no class sub-folders: %d unlabelled images", root, len(files))
     return FolderSplit(files, torch.tensor(labels, dtype=torch.long), list(classes), skipped)
 
 
-def load_folder_split(root: Path, split: str, seed: int) -> FolderSplit:
+def load_folder_split(root: Path, split: str, seed: int, whole: bool = False) -> FolderSplit:
     train_dir = root / "train"
     if train_dir.is_dir():
         classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
@@ -363,19 +270,47 @@ def load_folder_split(root: Path, split: str, seed: int) -> FolderSplit:
                 return scan_image_folder(root / name, classes)
         raise DatasetError(f"{root} has train/ but neither test/ nor val/ for the test split")
     full = scan_image_folder(root)
-    train, test = _seeded_split(len(full), 0.2, seed)
+    if whole and split == "train":
+        return full
+    train, test = seeded_split(len(full), 0.2, seed)
     return full.subset(test if split == "test" else train)
 
 
 # --- by name --------------------------------------------------------------------------------------
 
-NAMES = ("digits", "fashion-mnist", "cifar10", "cifar100", "imagefolder:PATH")
+NAMES = (
+    "digits",
+    "fashion-mnist",
+    "cifar10",
+    "cifar100",
+    "imagefolder:PATH",
+    "wds:SHARDS",
+    "hf:NAME",
+)
 
 
-def load_split(name: str, split: str, data_dir: str | None = None, seed: int = 0) -> Split:
-    """The 'train' or 'test' split of a dataset by name."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+def load_split(
+    name: str,
+    split: str,
+    data_dir: str | None = None,
+    seed: int = 0,
+    keys: tuple[str | None, str | None] = (None, None),
+    whole: bool = False,
+) -> Split:
+    """The 'train' or 'test' split of a dataset by name, or 'all' of a folder, shards or HF
+    dataset (a test split named by data.test); keys = (data.image_key, data.label_key); whole:
+    'train' of a source of one split is all of it (its test split is another source's)."""
+    if split not in ("train", "test", "all"):
+        raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
+    if name.startswith("wds:"):
+        return load_shards(name[4:], split, keys)
+    if name.startswith("hf:"):
+        return load_hf(name[3:], split, keys, seed, whole)
+    if split == "all" and name.startswith("imagefolder:"):
+        return scan_image_folder(Path(name.split(":", 1)[1]).expanduser())
+    if split == "all":
+        raise DatasetError(f"data.test={name}: a test split of its own is an image folder, shards "
+                           f"or a Hugging Face dataset; {name} has its own test split")  # fmt: skip
     if name == "digits":
         return load_digits_split(split)
     if name == "fashion-mnist":
@@ -383,11 +318,50 @@ def load_split(name: str, split: str, data_dir: str | None = None, seed: int = 0
     if name in ("cifar10", "cifar100"):
         return load_cifar_split(name, split, data_dir)
     if name.startswith("imagefolder:"):
-        return load_folder_split(Path(name.split(":", 1)[1]).expanduser(), split, seed)
+        return load_folder_split(Path(name.split(":", 1)[1]).expanduser(), split, seed, whole)
     raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(NAMES)}")
 
 
+def _listed(names: list[str]) -> str:
+    return repr(names) if len(names) <= 12 else f"{names[:12]!r} ... ({len(names)} classes)"
+
+
+def match_classes(test: Split, classes: list[str], name: str) -> Split:
+    """`test` (data.test's source) labelled by the training split's classes: the same list, or
+    class indices (numbered classes, no more than training has); else a DatasetError naming both."""
+    if test.classes == classes:
+        return test
+    numbered = test.classes == [str(i) for i in range(len(test.classes))]
+    if numbered and len(test.classes) <= len(classes) and not isinstance(test, ArraySplit):
+        return replace(test, classes=list(classes))
+    raise DatasetError(f"data.test={name} has the classes {_listed(test.classes)}, the training "
+                       f"split {_listed(classes)}: a test split is labelled with the training "
+                       f"split's classes, in its order")  # fmt: skip
+
+
+def load_run_split(cfg: DataConfig, split: str, classes: list[str] | None = None) -> Split:
+    """Split 'train' (before the validation carve), 'val' or 'test' of a run's data as `vitlab
+    train` reads it: with data.test, the training source whole and the test split data.test's,
+    labelled by the training split's classes (`classes`, or read from the training split)."""
+    keys, seed = (cfg.image_key, cfg.label_key), cfg.split_seed
+    if split in ("train", "val"):
+        full = load_split(cfg.name, "train", cfg.dir, seed, keys, whole=bool(cfg.test))
+        if split == "train":
+            return full
+        _, val = train_val_split(full, cfg.val_fraction, seed)
+        if val is None:
+            raise DatasetError(f"{cfg.name} has no validation split (data.val_fraction=0)")
+        return val
+    if not cfg.test:
+        return load_split(cfg.name, "test", cfg.dir, seed, keys)
+    if classes is None:
+        classes = load_run_split(cfg, "train").classes
+    return match_classes(load_split(cfg.test, "all", cfg.dir, seed, keys), classes, cfg.test)
+
+
 def dataset_info(name: str, split: Split) -> DatasetInfo:
+    if isinstance(split, ShardSplit | HFSplit):
+        return DatasetInfo(name, split.classes, split.in_chans, None, *split.stats)
     key = "imagefolder" if name.startswith("imagefolder:") else name
     mean, std = STATS[key]
     if isinstance(split, ArraySplit):
@@ -402,6 +376,9 @@ def label_subset(train: Split, fraction: float, seed: int) -> Split:
     the split has no labels), in the split's order: the labelled part of a few-label run."""
     if fraction >= 1.0:
         return train
+    if isinstance(train, ShardSplit):
+        raise DatasetError("data.label_fraction < 1 picks images by label: shards are streamed, "
+                           "not indexed; write the subset's shards instead")  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     groups = [torch.arange(len(train))]
     if train.classes:
@@ -418,5 +395,7 @@ def train_val_split(train: Split, fraction: float, seed: int) -> tuple[Split, Sp
     """Carve a seeded validation set out of train (none when fraction is 0)."""
     if fraction <= 0:
         return train, None
-    kept, carved = _seeded_split(len(train), fraction, seed)
+    if isinstance(train, ShardSplit):
+        return carve_shards(train, fraction, seed)
+    kept, carved = seeded_split(len(train), fraction, seed)
     return train.subset(kept), train.subset(carved)

@@ -16,19 +16,20 @@ exact)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from vitlab.data.datasets import ArraySplit, FolderSplit, Split, read_image
+from vitlab.data.datasets import ArraySplit, DatasetError, ShardSplit, Split
+from vitlab.data.decode import decode_image
+from vitlab.data.stream import StreamLoader
 from vitlab.data.transforms import BatchAugment
+from vitlab.data.workers import PADDING, Batch, LoaderOptions, shut_down, warn_once
 from vitlab.preprocessing import Preprocessing
 from vitlab.runtime import derive_seed
 
-Batch = tuple[Tensor, Tensor]
-PADDING = -1  # the label of a padding sample: evaluated so ranks step together, never counted
+MAX_SUBSTITUTES = 100  # undecodable images in a row before a training batch gives up
 
 
 class BatchPlan:
@@ -93,50 +94,109 @@ class ArrayLoader:
     def __iter__(self) -> Iterator[Batch]:
         return self.iterate()
 
+    def close(self) -> None:
+        """Nothing to release: no workers."""
 
-class _FolderImages(Dataset):
-    """Decodes image files to uint8 (C, H, W), with the per-image random transforms in workers.
-    A DataLoader fetches whole batches, `(seed, indices)`, through __getitems__."""
 
-    def __init__(self, files: list[Path], labels: Tensor, per_image: Callable, in_chans: int):
-        self.files, self.labels, self.per_image, self.in_chans = files, labels, per_image, in_chans
+class _FileImages(Dataset):
+    """Decodes a split's images (files, or rows of a Hugging Face dataset: anything with read(i)
+    -> bytes and where(i) -> name) to uint8 (C, H, W), with the per-image random transforms, in
+    workers. A DataLoader fetches whole batches, `(seed, indices)`, through __getitems__.
+
+    An image that does not decode is skipped: in training the next readable one in the split
+    takes its place (the batch keeps its size), in evaluation a padding sample (never counted)."""
+
+    def __init__(
+        self, split: Split, per_image: Callable, prepare: Callable, in_chans: int, train: bool
+    ) -> None:
+        self.split, self.per_image, self.prepare = split, per_image, prepare
+        self.in_chans, self.train = in_chans, train
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len(self.split)
 
-    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
-        from torchvision.transforms.v2 import functional as TF
+    def _decode(self, i: int) -> Tensor:
+        try:
+            data = self.split.read(i)
+        except OSError as e:
+            raise DatasetError(f"cannot read image {self.split.where(i)}: {e}") from None
+        return decode_image(data, self.in_chans, self.split.where(i))  # or DatasetError
 
-        image = read_image(self.files[i], "L" if self.in_chans == 1 else "RGB")  # or DatasetError
-        x = TF.pil_to_tensor(image)
-        return self.per_image(x[None])[0], self.labels[i]
+    def _sample(self, i: int, bad: list[tuple[str, str]]) -> tuple[Tensor, Tensor]:
+        n = len(self.split)
+        for j in range(i, i + min(n, MAX_SUBSTITUTES)):
+            try:
+                x = self._decode(j % n)
+            except DatasetError as e:
+                bad.append((self.split.where(j % n), str(e)))
+                if not self.train:
+                    return self.per_image(torch.zeros(1, self.in_chans, 8, 8, dtype=torch.uint8))[
+                        0
+                    ], torch.tensor(PADDING)
+                continue
+            return self.per_image(x[None])[0], self.split.labels[j % n]
+        raise DatasetError(f"none of {min(n, MAX_SUBSTITUTES)} images from {self.split.where(i)} "
+                           f"on decodes: {bad[-1][1]}")  # fmt: skip
 
-    def __getitems__(self, batch: tuple[int, list[int]]) -> list[tuple[Tensor, Tensor]]:
-        """One batch, its random transforms drawn from its own seed (the process's RNG, in a worker
-        or with workers=0 the trainer's, is left as it was)."""
+    def __getitems__(self, batch: tuple[int, list[int]]) -> tuple[Tensor, Tensor, list]:
+        """One batch (images, labels, why each undecodable image was skipped), its random
+        transforms drawn from its own seed (the process's RNG, in a worker or with workers=0 the
+        trainer's, is left as it was)."""
         seed, indices = batch
+        bad: list[tuple[str, str]] = []
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return [self[i] for i in indices]
+            torch.default_generator.manual_seed(seed)  # the CPU's only: fork_rng keeps no other
+            samples = [self._sample(i, bad) for i in indices]
+        images = self.prepare(torch.stack([x for x, _ in samples]))
+        return images, torch.stack([y for _, y in samples]), bad
+
+
+def _as_is(batch: object) -> object:
+    """The DataLoader's collate function: __getitems__ returns the batch already stacked."""
+    return batch
+
+
+class _Batches:
+    """A batch sampler whose batches are replaced every epoch: one DataLoader, and with
+    persistent workers one set of worker processes, serves every epoch."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, list[int]]] = []
+
+    def __iter__(self) -> Iterator[tuple[int, list[int]]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
 
 
 class FolderLoader:
-    """Image files streamed through a DataLoader with workers."""
+    """Image files (or Hugging Face rows) decoded and augmented in DataLoader workers."""
 
     def __init__(
         self,
-        split: FolderSplit,
+        split: Split,
         plan: BatchPlan,
         per_image: Callable[[Tensor], Tensor],
+        prepare: Callable[[Tensor], Tensor],
         finish: Callable[..., Batch],
         in_chans: int,
-        workers: int,
+        options: LoaderOptions,
     ) -> None:
-        self.plan, self.finish, self.workers = plan, finish, workers
-        self.dataset = _FolderImages(split.files, split.labels, per_image, in_chans)
+        self.plan, self.finish, self.options = plan, finish, options
+        self.dataset = _FileImages(split, per_image, prepare, in_chans, train=plan.shuffle)
+        self.skipped: set[str] = set()  # the undecodable images, each named once
+        self._sampler, self._loader = _Batches(), None
 
     def __len__(self) -> int:
         return len(self.plan)
+
+    def _dataloader(self) -> DataLoader:
+        if self._loader is None:
+            self._loader = self.options.dataloader(
+                self.dataset, batch_sampler=self._sampler, collate_fn=_as_is
+            )
+        return self._loader
 
     def iterate(self, epoch: int = 0, start: int = 0) -> Iterator[Batch]:
         plan, batches, pads = self.plan, [], []
@@ -144,22 +204,23 @@ class FolderLoader:
             index, pad = _padded(index)
             batches.append((plan.batch_seed(epoch, b), index.tolist()))
             pads.append(pad)
-        loader = DataLoader(
-            self.dataset,
-            batch_sampler=batches,
-            num_workers=self.workers,
-            persistent_workers=False,
-            # the workers' base seed (unused: each batch has its own), not from the global RNG
-            generator=torch.Generator().manual_seed(plan.batch_seed(epoch, -1)),
-        )
-        for (images, labels), pad in zip(loader, pads, strict=True):
+        self._sampler.batches = batches
+        for (images, labels, bad), pad in zip(self._dataloader(), pads, strict=True):
+            warn_once(self.skipped, bad)
             yield self.finish(images, torch.full_like(labels, PADDING) if pad else labels)
 
     def __iter__(self) -> Iterator[Batch]:
         return self.iterate()
 
+    def close(self) -> None:
+        """End the worker processes (persistent ones live as long as the DataLoader does, which a
+        reference cycle can make as long as the process); the next iterate() starts new ones."""
+        if self._loader is not None:
+            shut_down(self._loader)
+            self._loader = None
 
-Loader = ArrayLoader | FolderLoader
+
+Loader = ArrayLoader | FolderLoader | StreamLoader  # iterate(epoch, start), len, close
 
 
 def make_loader(
@@ -173,17 +234,38 @@ def make_loader(
     rank: int = 0,
     world: int = 1,
     workers: int = 0,
+    pin_memory: bool = False,
+    prefetch: int = 2,
+    buffer: int = 1000,
 ) -> Loader:
-    """A training loader (augment given, shuffled) or an evaluation loader (plain preprocessing)."""
-    plan = BatchPlan(len(split), batch_size, shuffle, seed, rank, world)
+    """A training loader (augment given, shuffled) or an evaluation loader (plain preprocessing).
+    `workers`, `pin_memory` and `prefetch` apply to streamed data (files, shards, HF rows),
+    `buffer` (the shuffle buffer's size) to shards."""
+    # an evaluation pass is one a call: its workers end with it
+    options = LoaderOptions(workers, pin_memory, prefetch, persistent=augment is not None)
     if augment is None:
 
         def evaluate_batch(images: Tensor, labels: Tensor) -> Batch:  # resized by per_image
             return pre.normalize(images), labels
 
-        per_image, finish = pre.resize, evaluate_batch
+        per_image, finish, mix = pre.resize, evaluate_batch, _unmixed
     else:
-        per_image, finish = augment.per_image_only, augment.finish
+        per_image, finish, mix = augment.per_image_only, augment.finish, augment.mix_only
     if isinstance(split, ArraySplit):
+        plan = BatchPlan(len(split), batch_size, shuffle, seed, rank, world)
         return ArrayLoader(split, plan, lambda im, lab: finish(per_image(im), lab))
-    return FolderLoader(split, plan, per_image, finish, pre.in_chans, workers)
+    # streamed data: images decoded, transformed and normalised in the workers (the training
+    # process, which also runs the model, is left the batch-level random erasing and mixing);
+    # for a GPU the batches cross from the workers as uint8, a quarter of the bytes to pin and copy
+    prepare, last = (_as_is, finish) if pin_memory else (pre.normalize, mix)
+    if isinstance(split, ShardSplit):
+        return StreamLoader(
+            split, batch_size, per_image, prepare, last, in_chans=pre.in_chans,
+            train=shuffle, seed=seed, rank=rank, world=world, buffer=buffer, options=options,
+        )  # fmt: skip
+    plan = BatchPlan(len(split), batch_size, shuffle, seed, rank, world)
+    return FolderLoader(split, plan, per_image, prepare, last, pre.in_chans, options)
+
+
+def _unmixed(images: Tensor, labels: Tensor) -> Batch:
+    return images, labels

@@ -53,7 +53,10 @@ class BatchAugment:
 
     def finish(self, images: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """uint8 images after per-image transforms -> (float input, labels: (B,) or soft (B, K))."""
-        x = self.pre.batch(images)
+        return self.mix_only(self.pre.batch(images), labels)
+
+    def mix_only(self, x: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """Normalised float images -> random erasing and mixing (the trainer's RNG draws)."""
         if self.erase is not None:
             x = torch.stack([self.erase(img) for img in x])
         if self.mix is not None:

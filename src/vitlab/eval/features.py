@@ -31,9 +31,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vitlab.data import ArraySplit, DatasetError, load_split, make_loader
-from vitlab.data.datasets import Split
-from vitlab.eval.run import run_config_of, run_folder
+from vitlab.config import DataConfig
+from vitlab.data import ArraySplit, DatasetError, make_loader
+from vitlab.data.datasets import Split, load_run_split
+from vitlab.eval.run import data_config, run_config_of, run_folder
 from vitlab.formats.base import (
     CheckpointError,
     load_weights,
@@ -274,19 +275,18 @@ class Extractor:
             self._model = model
         return self._model
 
-    def dataset(self, data: str | None, data_dir: str | None) -> tuple[str, str | None, int]:
-        """(name, folder, split seed): the run's dataset when none is named, as `vitlab eval`."""
+    def dataset(self, data: str | None, data_dir: str | None) -> DataConfig:
+        """The run's data (its test source and columns too) when no other is named, as `vitlab
+        eval` reads it."""
         cfg = run_config_of(self.weights) if self.weights else None
-        name = data or (cfg.data.name if cfg else None)
-        if name is None:
+        if data is None and cfg is None:
             raise ValueError(f"--data is needed: {self.source} is not a vitlab run with a dataset")
-        folder = data_dir or (cfg.data.dir if cfg and name == cfg.data.name else None)
-        return name, folder, cfg.data.split_seed if cfg else 0
+        return data_config(cfg, data, data_dir)
 
-    def key(self, name: str, folder: str | None, split: str, seed: int) -> dict[str, Any]:
+    def key(self, cfg: DataConfig, split: str) -> dict[str, Any]:
         """What the features of one split depend on (an image folder: its absolute path and a
         digest of its files' names, sizes and times, so added or replaced images count)."""
-        files = None
+        name, folder, seed, files = cfg.name, cfg.dir, cfg.split_seed, None
         if name.startswith("imagefolder:"):
             root = Path(name.split(":", 1)[1]).expanduser().resolve()
             name, files = f"imagefolder:{root}", folder_digest(root)
@@ -298,6 +298,8 @@ class Extractor:
             "data_dir": str(Path(folder).expanduser().resolve()) if folder else None,
             "split": split,
             "split_seed": seed,
+            "test": cfg.test,
+            "keys": [cfg.image_key, cfg.label_key],
             "preprocessing": self.preprocessing.to_dict(),
             "features": self.kind,
         }
@@ -305,14 +307,14 @@ class Extractor:
     def features(self, data: str | None, data_dir: str | None, split: str) -> Features:
         """The features of `split` ('train' or 'test') of dataset `data`, from the cache when
         there is one for exactly this key."""
-        name, folder, seed = self.dataset(data, data_dir)
-        key = self.key(name, folder, split, seed)
+        cfg = self.dataset(data, data_dir)
+        name, key = cfg.name, self.key(cfg, split)
         path = cache_file(self.cache_dir, key) if self.cache_dir else None
         found = read_cache(path, key) if path else None
         if found is not None:
             log.info("%s %s features from %s", name, split, path)
             return found
-        part = match_channels(load_split(name, split, folder, seed), self.preprocessing, name)
+        part = match_channels(load_run_split(cfg, split), self.preprocessing, name)
         loader = make_loader(part, self.batch_size, self.preprocessing)
         self.forward_batches += len(loader)
         x, y = extract(
@@ -339,7 +341,8 @@ def train_and_test(
     extractor: Extractor, data: str | None, data_dir: str | None
 ) -> tuple[Features, Features, dict[str, Any]]:
     """The train and test features of a dataset and what a report says about them."""
-    name, folder, _ = extractor.dataset(data, data_dir)
+    cfg = extractor.dataset(data, data_dir)
+    name, folder = cfg.name, cfg.dir
     train = extractor.features(name, folder, "train")
     if not train.classes:
         raise DatasetError(

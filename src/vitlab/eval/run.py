@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 import yaml
 
-from vitlab.config import RunConfig
-from vitlab.data import load_split, make_loader, train_val_split
-from vitlab.data.datasets import DatasetError, read_image
+from vitlab.config import DataConfig, RunConfig
+from vitlab.data import make_loader
+from vitlab.data.datasets import DatasetError, load_run_split, read_image
 from vitlab.eval.classification import evaluate, format_confusion, save_confusion_png
 from vitlab.formats.vitlab import vitlab_weights
 from vitlab.models.checkpoint import load_checkpoint
@@ -29,6 +30,15 @@ def run_config_of(weights: Path) -> RunConfig | None:
         return None
     with open(run / "config.yaml") as f:
         return RunConfig.from_tree(yaml.safe_load(f))
+
+
+def data_config(run_cfg: RunConfig | None, data: str | None, data_dir: str | None) -> DataConfig:
+    """The data a command evaluating a checkpoint reads: its run's (test source, columns, split
+    seed and carve included) unless another dataset is named, then that one as it comes."""
+    cfg = run_cfg.data if run_cfg else DataConfig(name="digits", split_seed=0)
+    if data and data != cfg.name:
+        cfg = DataConfig(name=data, split_seed=cfg.split_seed, val_fraction=cfg.val_fraction)
+    return dataclasses.replace(cfg, dir=data_dir) if data_dir else cfg
 
 
 def evaluate_checkpoint(
@@ -53,17 +63,11 @@ def evaluate_checkpoint(
     weights = vitlab_weights(checkpoint)  # a vitlab run's folder holds the data config
     run = run_folder(weights) if weights else None
     run_cfg = run_config_of(weights) if weights else None
-    name = data or (run_cfg.data.name if run_cfg else "digits")
-    folder = data_dir or (run_cfg.data.dir if run_cfg and name == run_cfg.data.name else None)
-    if split == "val":
-        if run_cfg is None:
-            raise DatasetError("--split val needs a run folder (its config defines the split)")
-        full = load_split(name, "train", folder, run_cfg.data.split_seed)
-        _, part = train_val_split(full, run_cfg.data.val_fraction, run_cfg.data.split_seed)
-        if part is None:
-            raise DatasetError(f"run {run} has no validation split (data.val_fraction=0)")
-    else:
-        part = load_split(name, "test", folder, run_cfg.data.split_seed if run_cfg else 0)
+    if split == "val" and run_cfg is None:
+        raise DatasetError("--split val needs a run folder (its config defines the split)")
+    cfg = data_config(run_cfg, data, data_dir)
+    name = cfg.name
+    part = load_run_split(cfg, "val" if split == "val" else "test", meta.classes or None)
     if len(part.classes) != meta.config.num_classes:
         raise DatasetError(
             f"{name} has {len(part.classes)} classes, the checkpoint's model has "

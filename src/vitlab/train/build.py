@@ -3,17 +3,19 @@ fine-tuning source's weights."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from torch import nn
 
 from vitlab.config import ConfigError, RunConfig
-from vitlab.data import dataset_info, label_subset, load_split, train_val_split
-from vitlab.data.datasets import DatasetInfo, Split
+from vitlab.data import dataset_info, label_subset, train_val_split
+from vitlab.data.datasets import DatasetInfo, Split, load_run_split
 from vitlab.formats.base import Source
 from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
-from vitlab.models.registry import ModelConfig, config_of, family_of
+from vitlab.models.registry import ModelConfig, config_of, family_of, shape_of
+from vitlab.train import distill
 
 
 def resolve_model_config(
@@ -53,6 +55,16 @@ def resolve_model_config(
             f"model.in_chans={mc.in_chans} but dataset {info.name} has {info.in_chans} channels"
         )
     return mc
+
+
+def normalization(cfg: RunConfig, info: DatasetInfo, in_chans: int) -> tuple[tuple, tuple]:
+    """(mean, std) per channel: the data's (one value for every channel when it has one), or
+    none (0, 1) when data.normalize is off; a ConfigError when they fit neither."""
+    mean, std = (info.mean, info.std) if cfg.data.normalize else ((0.0,), (1.0,))
+    if len(mean) not in (1, in_chans) or len(std) != len(mean):
+        raise ConfigError(f"dataset {info.name}'s statistics have {len(mean)} channels, the model "
+                          f"{in_chans}")  # fmt: skip
+    return tuple(mean) * (in_chans // len(mean)), tuple(std) * (in_chans // len(std))
 
 
 def finetune_weights(model: nn.Module, source: Source) -> list[str]:
@@ -103,8 +115,8 @@ class Data:
 
 
 def load_data(cfg: RunConfig) -> Data:
-    train_full = load_split(cfg.data.name, "train", cfg.data.dir, cfg.data.split_seed)
-    test = load_split(cfg.data.name, "test", cfg.data.dir, cfg.data.split_seed)
+    train_full = load_run_split(cfg.data, "train")
+    test = load_run_split(cfg.data, "test", train_full.classes)
     train, val = train_val_split(train_full, cfg.data.val_fraction, cfg.data.split_seed)
     train = label_subset(train, cfg.data.label_fraction, cfg.data.split_seed)
     return Data(dataset_info(cfg.data.name, train_full), train, val, test)
@@ -114,3 +126,31 @@ def _standardised_root(cfg: ModelConfig) -> bool:
     """Whether the kernel that sees the image is a weight-standardised conv (StdConv2d): BiT's
     ResNet-v2 and the hybrids' ResNet stem."""
     return getattr(cfg, "bit", False) or getattr(cfg, "stem", None) == "resnet"
+
+
+def model_label(cfg: RunConfig, mc: ModelConfig) -> str:
+    """What is trained: the registered name with its overrides, or the fine-tuning source's
+    architecture, and the shape either way."""
+    shape = shape_of(mc)
+    if cfg.finetune.from_:
+        return f"the architecture of {cfg.finetune.from_} [{shape}]"
+    changes = ", ".join(f"{k}={v}" for k, v in cfg.model.overrides.items())
+    return f"{cfg.model.name}{f' with {changes}' if changes else ''} [{shape}]"
+
+
+def announce(run) -> None:  # a train.run.Run (which imports this module)
+    """The run's first line on stderr: model, precision, device, processes, data, run folder."""
+    data, d, cfg = run.data, run.d, run.cfg
+    params = sum(p.numel() for p in run.model.parameters())
+    print(
+        f"vitlab train: {model_label(cfg, run.model_cfg)} ({params:,} params, "
+        f"{'bf16' if run.bf16 else 'fp32'}, {run.device}, {d.world} process"
+        f"{'es' if d.world > 1 else ''}) on {cfg.data.name}: {len(data.train):,} train / "
+        f"{len(data.val) if data.val is not None else 0:,} val / {len(data.test):,} test; "
+        f"run folder {run.out}",
+        file=sys.stderr,
+    )
+    for note in run.notes:
+        print(f"fine-tune: {note}", file=sys.stderr)
+    if run.two_heads:
+        distill.announce(run.teacher, cfg.distill)

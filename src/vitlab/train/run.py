@@ -20,16 +20,17 @@ from pathlib import Path
 import torch
 
 from vitlab.config import ConfigError, RunConfig, to_dict
-from vitlab.data import BatchAugment, Preprocessing, make_loader
+from vitlab.data import BatchAugment, Preprocessing, loader_options, make_loader
 from vitlab.data.datasets import Split
+from vitlab.data.loader import Loader
 from vitlab.eval.classification import evaluate
 from vitlab.eval.mpp import evaluate_mpp
 from vitlab.models.checkpoint import infer_config, read_source
 from vitlab.models.mpp import MaskedPatchViT
-from vitlab.models.registry import build_model, config_of, family_of, shape_of
+from vitlab.models.registry import build_model, config_of, family_of
 from vitlab.runtime import Dist, derive_seed, pick_device, rng_state, set_rng_state, use_bf16
-from vitlab.train import distill, distributed, engine
-from vitlab.train.build import finetune_weights, load_data, resolve_model_config
+from vitlab.train import build, distill, distributed, engine
+from vitlab.train.build import finetune_weights, load_data, normalization, resolve_model_config
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
 from vitlab.train.folder import check_resume_length, claim_run_folder, default_run_folder
 from vitlab.train.log import RunLog
@@ -71,7 +72,7 @@ def train(
         torch.cuda.set_device(device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    failed = False
+    failed, run = False, None
     try:
         if resume is None and out is None:  # rank 0 names it, every rank uses that name
             out = distributed.broadcast(default_run_folder(cfg) if d.is_main else None, d)
@@ -91,6 +92,8 @@ def train(
             distributed.raise_if_rank_lost(d, e, out)
         raise
     finally:
+        if run is not None:  # its loaders' workers would outlive it (Run is in a cycle)
+            run.close()
         distributed.shutdown(d, failed)
 
 
@@ -138,9 +141,7 @@ class Run:
             )
         self.out = Path(out or default_run_folder(cfg))
         info = self.data.info
-        mean, std = (info.mean, info.std) if cfg.data.normalize else ((0.0,), (1.0,))
-        if len(mean) != mc.in_chans:
-            mean, std = mean * mc.in_chans, std * mc.in_chans
+        mean, std = normalization(cfg, info, mc.in_chans)
         self.pre = Preprocessing(mc.img_hw, mc.in_chans, mean, std)
         # the teacher is loaded before the seed: a student starts the same with or without one
         sharded = d.enabled and self.strategy == "fsdp"
@@ -171,8 +172,11 @@ class Run:
             seed=cfg.train.seed,
             rank=d.rank,
             world=d.world,
-            workers=cfg.data.workers,
+            **loader_options(cfg.data, device),
         )
+        # built now, so that what makes them fail does so before training
+        self.val_loader = self.eval_loader(self.data.val) if self.data.val is not None else None
+        self.test_loader = self.eval_loader(self.data.test)
         self.settings = self._step_settings()
         # FSDP shards self.model in place; the optimizer must be built after, to see the shards
         student = distill.TwoHeads(self.model) if self.two_heads else self.model
@@ -189,7 +193,8 @@ class Run:
             self.train_model = torch.compile(self.train_model)
         self.meta = CheckpointMeta(mc, self.pre, [] if self.mpp else info.classes, {})
         self.log = RunLog(self.out, cfg, d.is_main, self.pos.epoch if resume is not None else None)
-        self._announce()
+        if d.is_main:
+            build.announce(self)
 
     # --- building --------------------------------------------------------------------------------
 
@@ -277,52 +282,38 @@ class Run:
             file=sys.stderr,
         )
 
-    def _announce(self) -> None:
-        if not self.d.is_main:
-            return
-        data, d = self.data, self.d
-        params = sum(p.numel() for p in self.model.parameters())
-        print(
-            f"vitlab train: {self._model_label()} ({params:,} params, "
-            f"{'bf16' if self.bf16 else 'fp32'}, {self.device}, {d.world} process"
-            f"{'es' if d.world > 1 else ''}) on {self.cfg.data.name}: {len(data.train):,} train / "
-            f"{len(data.val) if data.val is not None else 0:,} val / {len(data.test):,} test; "
-            f"run folder {self.out}",
-            file=sys.stderr,
-        )
-        for note in self.notes:
-            print(f"fine-tune: {note}", file=sys.stderr)
-        if self.two_heads:
-            distill.announce(self.teacher, self.cfg.distill)
-
-    def _model_label(self) -> str:
-        """What is trained: the registered name with its overrides, or the fine-tuning source's
-        architecture, and the shape either way."""
-        c, cfg = self.model_cfg, self.cfg
-        shape = shape_of(c)
-        if cfg.finetune.from_:
-            return f"the architecture of {cfg.finetune.from_} [{shape}]"
-        changes = ", ".join(f"{k}={v}" for k, v in cfg.model.overrides.items())
-        return f"{cfg.model.name}{f' with {changes}' if changes else ''} [{shape}]"
-
     # --- phases ----------------------------------------------------------------------------------
 
-    def evaluate(self, split: Split, fp32: bool = False) -> dict:
-        """Metrics on `split`, under the run's precision, or in float32 (as `vitlab eval`)."""
-        batches = make_loader(
+    def eval_loader(self, split: Split) -> Loader:
+        """An evaluation loader of `split` (its workers end with each pass)."""
+        return make_loader(
             split,
             max(self.cfg.train.batch_size, 256),
             self.pre,
             rank=self.d.rank,
             world=self.d.world,
-            workers=self.cfg.data.workers,
+            **loader_options(self.cfg.data, self.device),
         )
+
+    def evaluate(self, data: Split | Loader, fp32: bool = False) -> dict:
+        """Metrics on a split (or its loader), under the run's precision, or in float32 (as
+        `vitlab eval`)."""
+        batches = self.eval_loader(data) if isinstance(data, Split) else data
         precision = nullcontext() if fp32 else self.autocast()
-        if self.mpp:  # the same corruption draws at every evaluation of a split
-            return evaluate_mpp(self.model, batches, self.device, precision, self.d, seed=0)
-        return evaluate(
-            self.model, batches, self.model_cfg.num_classes, self.device, precision, self.d
-        )
+        try:
+            if self.mpp:  # the same corruption draws at every evaluation of a split
+                return evaluate_mpp(self.model, batches, self.device, precision, self.d, seed=0)
+            return evaluate(
+                self.model, batches, self.model_cfg.num_classes, self.device, precision, self.d
+            )
+        finally:
+            batches.close()
+
+    def close(self) -> None:
+        """End every loader's worker processes."""
+        for loader in (self.loader, self.val_loader, self.test_loader):
+            if loader is not None:
+                loader.close()
 
     def save(self, folder: str, with_state: bool, weights: dict | None = None, info=None) -> None:
         """Write checkpoint `folder`; gathering sharded (FSDP) state is collective, so every rank
@@ -414,7 +405,7 @@ class Run:
         model, pos = self.model, self.pos
         distributed.sync_buffers(model, self.d, self.ema.shadow.values() if self.ema else ())
         raw = self.ema.apply_to(model) if self.ema else None
-        val = self.evaluate(self.data.val) if self.data.val is not None else None
+        val = self.evaluate(self.val_loader) if self.val_loader is not None else None
         evaluated = None
         if raw is not None:
             evaluated = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -441,7 +432,7 @@ class Run:
             distributed.load_full_state(self.model, None, state, None, self.d, self.strategy)
         else:
             self.model.load_state_dict(self.best_state)
-        result = self.evaluate(self.data.test, fp32=True)
+        result = self.evaluate(self.test_loader, fp32=True)
         if self.d.is_main:
             self.log.results(result, self.meta.classes)
         return result

@@ -1,0 +1,121 @@
+"""CIFAR-10 / -100's python-version batches (pickles by definition), read without ever running
+code: only dicts, lists, bytes and numpy arrays are unpickled."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import tarfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from vitlab.data.download import DatasetError
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """CIFAR's python archive is pickles by definition; allow only what those hold (dicts, lists,
+    bytes and numpy arrays), never arbitrary callables."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise DatasetError(f"refusing to unpickle {module}.{name}: not part of a CIFAR batch")
+        found = super().find_class(module, name)
+        return _empty_array if name == "_reconstruct" else found
+
+
+def _empty_array(subtype: type, shape: tuple, dtype: object) -> np.ndarray:
+    """numpy's _reconstruct as numpy pickles it: an empty array that __setstate__ then fills with
+    the bytes the file holds. Any other shape would allocate what the file does not hold (a
+    hostile batch could claim terabytes, or a billion labels to check one by one)."""
+    if subtype is not np.ndarray or tuple(shape) != (0,):
+        raise DatasetError(f"refusing to unpickle an array of shape {shape!r} without its data")
+    return np.ndarray((0,), dtype=dtype)
+
+
+def _load_cifar_batch(raw: bytes, where: str) -> dict:
+    try:
+        batch = _ArrayUnpickler(io.BytesIO(raw), encoding="bytes").load()
+    except DatasetError:
+        raise
+    except Exception as e:  # truncated or damaged pickles fail in many ways, memory included
+        raise DatasetError(f"{where} is not a readable CIFAR batch: {e}") from None
+    if not isinstance(batch, dict):
+        raise DatasetError(f"{where} is not a CIFAR batch: a {type(batch).__name__}, not a dict")
+    return {k.decode("latin-1") if isinstance(k, bytes) else k: v for k, v in batch.items()}
+
+
+def _cifar_field(batch: dict, key: str, where: str) -> object:
+    if key not in batch:
+        raise DatasetError(f"CIFAR file {where} has no {key!r} entry")
+    return batch[key]
+
+
+def _cifar_names(meta: dict, key: str, where: str) -> list[str]:
+    names = _cifar_field(meta, key, where)
+    if not isinstance(names, list) or not all(isinstance(n, (bytes, str)) for n in names):
+        raise DatasetError(f"CIFAR file {where}: {key!r} is not a list of names")
+    return [n.decode("utf-8", "replace") if isinstance(n, bytes) else n for n in names]
+
+
+def _cifar_arrays(batch: dict, label_key: str, classes: int, where: str) -> tuple:
+    """(images (N, 3, 32, 32) uint8, labels (N,) int64) of one batch, checked."""
+    data = _cifar_field(batch, "data", where)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape[1:] != (3072,):
+        shape = getattr(data, "shape", type(data).__name__)
+        raise DatasetError(f"CIFAR batch {where}: expected (N, 3072) bytes, got {shape}")
+    labels = _cifar_field(batch, label_key, where)
+    if isinstance(labels, (list, np.ndarray)) and len(labels) != len(data):
+        raise DatasetError(f"CIFAR batch {where}: {len(data)} images but {len(labels)} labels")
+    if not isinstance(labels, (list, np.ndarray)) or not all(
+        isinstance(y, (int, np.integer)) and not isinstance(y, bool) and 0 <= y < classes
+        for y in labels
+    ):
+        raise DatasetError(f"CIFAR batch {where}: {label_key!r} are not class indices < {classes}")
+    return data.reshape(-1, 3, 32, 32), np.array([int(y) for y in labels], dtype=np.int64)
+
+
+def _cifar_members(root: Path, names: list[str]) -> dict[str, bytes]:
+    """Read the named batch files from an extracted folder or a .tar.gz archive under root."""
+    for folder in (root, *sorted(p for p in root.glob("cifar-*") if p.is_dir())):
+        if all((folder / n).is_file() for n in names):
+            return {n: (folder / n).read_bytes() for n in names}
+    for archive in sorted(root.glob("cifar-*python.tar.gz")) + sorted(root.glob("*.tar.gz")):
+        try:
+            with tarfile.open(archive, "r:gz") as tar:
+                found = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
+                if all(n in found for n in names):
+                    return {n: tar.extractfile(found[n]).read() for n in names}
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+            raise DatasetError(f"cannot read archive {archive}: {e}") from None
+    raise DatasetError(
+        f"CIFAR files {names} not found under {root}: put the python-version archive "
+        f"(cifar-10-python.tar.gz or cifar-100-python.tar.gz) or its extracted folder there"
+    )
+
+
+def read_cifar(root: Path, name: str, split: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(images (N, 3, 32, 32) uint8, labels (N,) int64, class names) of split 'train' or 'test'
+    of `name` ('cifar10' or 'cifar100') from an extracted folder or archive under `root`."""
+    if name == "cifar10":
+        names = ["test_batch"] if split == "test" else [f"data_batch_{i}" for i in range(1, 6)]
+        meta_name, names_key, label_key = "batches.meta", "label_names", "labels"
+    else:
+        names = ["test" if split == "test" else "train"]
+        meta_name, names_key, label_key = "meta", "fine_label_names", "fine_labels"
+    members = _cifar_members(root, [*names, meta_name])
+    classes = _cifar_names(_load_cifar_batch(members[meta_name], meta_name), names_key, meta_name)
+    images, labels = [], []
+    for n in names:
+        x, y = _cifar_arrays(_load_cifar_batch(members[n], n), label_key, len(classes), n)
+        images.append(x)
+        labels.append(y)
+    return np.concatenate(images), np.concatenate(labels), classes

@@ -1,0 +1,127 @@
+"""Image bytes to uint8 tensors: torchvision's decoders (libjpeg-turbo, libpng, libwebp) first,
+PIL for the formats they do not read (BMP, TIFF, PPM, ...). One function for every source: image
+files, WebDataset shards and Hugging Face datasets."""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+
+import torch
+from torch import Tensor
+
+from vitlab.data.download import DatasetError
+
+# torchvision 0.29 warns on every first use that TorchCodec will take its decoders over; vitlab
+# pins torchvision, and the warning says nothing a user can act on (only torchvision's is ignored)
+warnings.filterwarnings(
+    "ignore", "The image decoding", DeprecationWarning, module=r"torchvision\.io\.image"
+)
+
+# torchvision allocates what a header claims; refuse what PIL would refuse as a decompression bomb
+MAX_PIXELS = 2 * 89_478_485
+PNG = b"\x89PNG\r\n\x1a\n"
+SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # fmt: skip
+# the segments with a length that may come before the frame header: DHT, DAC, DQT, DRI, DNL,
+# APPn, COM (any other marker there, FF 00 included, sends the reading to PIL)
+SEGMENTS = {0xC4, 0xCC, 0xDB, 0xDD, 0xDC, 0xFE, *range(0xE0, 0xF0)}
+MAX_HEADER = 1 << 20  # bytes scanned for the frame header before PIL is asked instead
+
+
+def decode_image(data: bytes, in_chans: int, where: str) -> Tensor:
+    """The image in `data` as uint8 (C, H, W), C = in_chans (1: greyscale, 3: RGB); a DatasetError
+    naming `where` when it cannot be decoded."""
+    from torchvision.io import ImageReadMode
+    from torchvision.io import decode_image as tv_decode
+
+    mode = ImageReadMode.GRAY if in_chans == 1 else ImageReadMode.RGB
+    if _torchvision_reads(data) and _size_ok(data, where):
+        try:
+            x = tv_decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode)
+        except Exception:  # damaged: PIL's view, and its error message, decide
+            pass
+        else:  # a 16-bit PNG decodes to uint16: its high bytes
+            return (x.to(torch.int32) >> 8).to(torch.uint8) if x.dtype == torch.uint16 else x
+    return _pil_decode(data, "L" if in_chans == 1 else "RGB", where)
+
+
+def _torchvision_reads(data: bytes) -> bool:
+    """JPEG, PNG or WebP: what torchvision decodes (its GIF decoder ignores PIL's size limit)."""
+    webp = data[:4] == b"RIFF" and data[8:12] == b"WEBP"
+    return data[:3] == b"\xff\xd8\xff" or data[:8] == PNG or webp
+
+
+def _header_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a PNG's IHDR or a JPEG's SOF segment, read directly (about 100x
+    faster than PIL opening the file); None for WebP and for a header this does not follow."""
+    if data[:8] == PNG:
+        if len(data) >= 24 and data[12:16] == b"IHDR":
+            return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        return None
+    if data[:2] != b"\xff\xd8":
+        return None
+    i = 2
+    while i + 4 <= len(data) and i < MAX_HEADER:
+        if data[i] != 0xFF:
+            return None  # libjpeg would scan on for a marker: PIL's reading decides
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+        elif 0xD0 <= marker <= 0xD7 or marker == 0x01:  # RSTn, TEM: no length
+            i += 2
+        elif marker in SOF:
+            if i + 9 > len(data):
+                return None
+            width, height = data[i + 7 : i + 9], data[i + 5 : i + 7]
+            return int.from_bytes(width, "big"), int.from_bytes(height, "big")
+        elif marker in SEGMENTS:
+            length = int.from_bytes(data[i + 2 : i + 4], "big")
+            if length < 2:
+                return None
+            i += 2 + length
+        else:  # FF 00, EOI, SOI again, anything unexpected before the frame header
+            return None
+    return None
+
+
+def _size_ok(data: bytes, where: str) -> bool:
+    """False when the header cannot be read (the decoder then names the fault); a DatasetError
+    when the header's dimensions pass MAX_PIXELS. Only the header is read (by PIL where
+    _header_size does not know the format): torchvision's decoders allocate what it claims
+    before they read the pixels."""
+    from PIL import Image
+
+    size = _header_size(data)
+    if size is None:
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                size = im.size
+        except Exception:
+            return False
+    w, h = size
+    if w * h > MAX_PIXELS:
+        raise DatasetError(f"cannot read image {where}: its header claims {w} x {h} pixels, "
+                           f"more than {MAX_PIXELS:,} (a decompression bomb?)")  # fmt: skip
+    return True
+
+
+def _pil_decode(data: bytes, mode: str, where: str) -> Tensor:
+    from PIL import Image
+    from torchvision.transforms.v2 import functional as TF
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return TF.pil_to_tensor(im.convert(mode))
+    except Exception as e:  # PIL raises many kinds for bad files
+        if "BytesIO" in str(e):  # "cannot identify image file <_io.BytesIO object at 0x...>"
+            e = type(e)("not an image file of a format PIL knows")
+        raise DatasetError(f"cannot read image {where}: {type(e).__name__}: {e}") from None
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

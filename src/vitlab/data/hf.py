@@ -1,0 +1,178 @@
+"""Hugging Face datasets (`data.name=hf:NAME`), through the `datasets` library.
+
+NAME is a folder `Dataset.save_to_disk` wrote, a parquet file, a folder of parquet files (splits
+named by their file names, as `datasets.load_dataset` reads them), or, online, a hub name
+(`hf:ILSVRC/imagenet-1k`, `hf:uoft-cs/cifar10`). The image column is the first of type Image
+(else one named image / img / jpg / png) unless data.image_key names it; the label column the first
+ClassLabel (else label / labels / cls / fine_label / target) unless data.label_key does. Class
+names come from the ClassLabel, else are the label values (class indices: integers >= 0). The test
+split is `test`, else `validation` / `val` (a split whose labels are all negative, such as
+imagenet-1k's unlabelled test, is passed over), else a seeded 20% of the only split (as an image
+folder's). `hf:NAME#SPLIT` reads split SPLIT alone, as a source of one split (`data.name=
+hf:ILSVRC/imagenet-1k#train data.test=hf:ILSVRC/imagenet-1k#validation`)."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from vitlab.data.download import DatasetError
+from vitlab.runtime import seeded_split
+
+IMAGE_NAMES = ("image", "img", "jpg", "png")
+LABEL_NAMES = ("label", "labels", "cls", "fine_label", "target")
+IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+GREY_STATS = ((0.449,), (0.226,))  # ImageNet's, averaged over the channels: for greyscale data
+
+
+@dataclass
+class HFSplit:
+    """Rows of a Hugging Face dataset (memory-mapped Arrow), images read on demand."""
+
+    table: object  # datasets.Dataset of the image column only, undecoded
+    name: str
+    rows: Tensor  # (N,) int64: the table's rows in this split
+    labels: Tensor  # (N,) int64
+    classes: list[str]
+    in_chans: int = 3
+    stats: tuple[tuple[float, ...], tuple[float, ...]] = IMAGENET_STATS
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def subset(self, index: Tensor) -> HFSplit:
+        return replace(self, rows=self.rows[index], labels=self.labels[index])
+
+    def read(self, i: int) -> bytes:
+        """Row i's encoded image (an OSError when its file cannot be read)."""
+        cell = self.table[int(self.rows[i])][self.table.column_names[0]]
+        if isinstance(cell, dict) and cell.get("bytes") is None and cell.get("path"):
+            with open(cell["path"], "rb") as f:
+                return f.read()
+        data = cell.get("bytes") if isinstance(cell, dict) else cell
+        if not isinstance(data, bytes):
+            raise OSError(f"an image cell holds {type(data).__name__}, not encoded bytes")
+        return data
+
+    def where(self, i: int) -> str:
+        return f"row {int(self.rows[i])} of {self.name}"
+
+
+def _open(spec: str) -> dict:
+    """{split name: datasets.Dataset} of hf:SPEC (SPEC = NAME or NAME#SPLIT: that split only)."""
+    import datasets
+
+    spec, _, chosen = spec.partition("#")
+    path = Path(spec).expanduser()
+    one = {"split": chosen} if chosen else {}
+    try:
+        if path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):
+            found = datasets.load_from_disk(str(path))
+        elif path.suffix == ".parquet":
+            found = datasets.load_dataset("parquet", data_files=str(path), **one)
+        else:  # a folder of data files, or a hub name
+            found = datasets.load_dataset(str(path) if path.exists() else spec, **one)
+    except Exception as e:  # missing, offline, unknown name or split: the library says which
+        raise DatasetError(f"cannot load the Hugging Face dataset {spec}"
+                           f"{f' (split {chosen})' if chosen else ''}: {type(e).__name__}: "
+                           f"{e}") from None  # fmt: skip
+    splits = dict(found) if isinstance(found, datasets.DatasetDict) else {chosen or "train": found}
+    if chosen and chosen not in splits:
+        raise DatasetError(f"hf:{spec} has no split {chosen!r}: it has {sorted(splits)}")
+    return {chosen: splits[chosen]} if chosen else splits
+
+
+def _labels(table, column: str, where: str) -> Tensor:
+    """The label column as class indices, or a DatasetError saying what it holds instead."""
+    values = list(table[column])
+    wrong = next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), None)
+    if values and wrong is not None:
+        raise DatasetError(f"{where}: label column {column!r} holds {type(wrong).__name__} "
+                           f"values (such as {wrong!r}), not class indices: name another with "
+                           f"data.label_key")  # fmt: skip
+    return torch.as_tensor(values, dtype=torch.long)
+
+
+def _labelled(table, key: str | None) -> bool:
+    """Whether a split has a label other than negative (unlabelled) ones."""
+    try:
+        column = _column(table, key, "ClassLabel", LABEL_NAMES, "label")
+    except DatasetError:
+        return False
+    return any(v is not None and v >= 0 for v in table[column])
+
+
+def _column(table, key: str | None, kind: str, names: tuple[str, ...], what: str) -> str:
+    if key is not None:
+        if key not in table.column_names:
+            raise DatasetError(
+                f"data.{what}_key={key}: no such column; it has {table.column_names}"
+            )
+        return key
+    typed = [c for c, f in table.features.items() if type(f).__name__ == kind]
+    named = [c for c in names if c in table.column_names]
+    if not typed + named:
+        raise DatasetError(f"no {what} column found (a {kind} feature, or one named "
+                           f"{' / '.join(names)}) among {table.column_names}: set "
+                           f"data.{what}_key")  # fmt: skip
+    return (typed + named)[0]
+
+
+def load_hf(
+    spec: str, split: str, keys: tuple[str | None, str | None], seed: int, whole: bool = False
+) -> HFSplit:
+    """Split 'train', 'test' or 'all' of hf:SPEC; keys = (data.image_key, data.label_key); whole:
+    the training split of a source of one split not carved (the test split is another's)."""
+    import datasets
+
+    splits = _open(spec)
+    named = [n for n in ("test", "validation", "val") if n in splits]
+    test = next((n for n in named if _labelled(splits[n], keys[1])), None)
+    train = "train" if "train" in splits else next(iter(splits))
+    if split == "all" and len(splits) > 1 and test is None:
+        raise DatasetError(f"hf:{spec} has splits {sorted(splits)}: which is the test split? "
+                           f"name it: hf:{spec}#SPLIT")  # fmt: skip
+    table = splits[test if split != "train" and test else train]
+    where = f"hf:{spec}"
+    image = _column(table, keys[0], "Image", IMAGE_NAMES, "image")
+    label = _column(table, keys[1], "ClassLabel", LABEL_NAMES, "label")
+    feature = table.features[label]
+    labels = _labels(table, label, where)
+    if isinstance(feature, datasets.ClassLabel):
+        classes = list(feature.names)
+    else:
+        classes = [str(i) for i in range(int(labels.max()) + 1 if len(labels) else 0)]
+    bad = ((labels < 0) | (labels >= len(classes))).nonzero().flatten()
+    if len(bad):
+        span = f" {0}..{len(classes) - 1}" if classes else ""
+        raise DatasetError(f"{where}: {len(bad)} labels are not class indices{span} (row "
+                           f"{int(bad[0])}: {int(labels[bad[0]])}; negative labels mark "
+                           f"unlabelled rows)")  # fmt: skip
+    images = table.select_columns([image])
+    if isinstance(images.features[image], datasets.Image):
+        images = images.cast_column(image, datasets.Image(decode=False))
+    full = HFSplit(images, where, torch.arange(len(labels)), labels, classes)
+    full.in_chans = _channels(full)
+    if full.in_chans == 1:
+        full.stats = GREY_STATS
+    if split == "all" or test is not None or (whole and split == "train"):
+        return full
+    kept, carved = seeded_split(len(full), 0.2, seed)
+    return full.subset(carved if split == "test" else kept)
+
+
+def _channels(split: HFSplit) -> int:
+    """1 when the first image is greyscale, else 3."""
+    from PIL import Image
+
+    if not len(split):
+        raise DatasetError(f"{split.name} has no rows")
+    try:
+        with Image.open(io.BytesIO(split.read(0))) as im:
+            return 1 if im.mode in ("1", "L", "I", "I;16", "F") else 3
+    except Exception as e:
+        raise DatasetError(f"cannot read image {split.where(0)}: {type(e).__name__}: {e}") from None

@@ -1,0 +1,76 @@
+"""DataLoader plumbing shared by the loaders of streamed data (image files, HF rows, shards): the
+worker settings, ending the workers, naming undecodable images once, and the padding label."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from vitlab.config import DataConfig
+from vitlab.data.decode import available_cores
+
+Batch = tuple[Tensor, Tensor]
+PADDING = -1  # the label of a padding sample: evaluated so ranks step together, never counted
+MAX_WORKERS = 8  # data.workers' default at most: more rarely helps and each holds memory
+log = logging.getLogger(__name__)
+
+
+def warn_once(seen: set[str], bad: list[tuple[str, str]]) -> None:
+    """Log each undecodable image, (name, why), the first time it comes."""
+    for where, why in bad:
+        if where not in seen:
+            seen.add(where)
+            log.warning("skipping an image that does not decode: %s", why)
+
+
+def shut_down(loader: DataLoader | Iterator | None) -> None:
+    """End the worker processes of a DataLoader (of its persistent iterator) or of one of its
+    iterators now."""
+    it = getattr(loader, "_iterator", None) if isinstance(loader, DataLoader) else loader
+    if it is not None and hasattr(it, "_shutdown_workers"):  # torch's multi-process iterator
+        it._shutdown_workers()
+    if isinstance(loader, DataLoader):
+        loader._iterator = None
+
+
+@dataclass
+class LoaderOptions:
+    """DataLoader settings for streamed data (files, shards, HF rows)."""
+
+    workers: int = 0
+    pin_memory: bool = False  # page-locked batches: faster, asynchronous copies to a GPU
+    prefetch: int = 2  # batches each worker prepares ahead
+    persistent: bool = True  # keep the workers from one epoch to the next
+
+    def dataloader(self, dataset: Dataset, **kw: object) -> DataLoader:
+        extra = {}
+        if self.workers:
+            extra = {"prefetch_factor": self.prefetch, "persistent_workers": self.persistent}
+        # the workers' base seed (unused: each batch has its own), not from the global RNG
+        gen = torch.Generator().manual_seed(0)
+        return DataLoader(
+            dataset, num_workers=self.workers, pin_memory=self.pin_memory, generator=gen,
+            **extra, **kw,
+        )  # fmt: skip
+
+
+def loader_options(cfg: DataConfig, device: torch.device) -> dict:
+    """make_loader's keyword arguments for a run: cfg's workers (default: this process's share
+    of the cores it may use, among torchrun's processes on this machine, at most MAX_WORKERS),
+    pinned memory when training on a GPU, cfg's prefetch depth."""
+    workers = cfg.workers
+    if workers is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        workers = max(1, min(MAX_WORKERS, available_cores() // max(local_world, 1)))
+    return {
+        "workers": workers,
+        "pin_memory": device.type == "cuda",
+        "prefetch": cfg.prefetch,
+        "buffer": cfg.shuffle_buffer,
+    }

@@ -1,0 +1,243 @@
+"""Any dataset vitlab reads, written as WebDataset shards (`vitlab data shard SRC DST`).
+
+DST/train-000000.tar, ... and DST/test-000000.tar, ... hold samples `KEY.jpg` / `.png` / `.webp`
+(an image file's bytes as they are; in-memory arrays and other formats as PNG, losslessly; every
+image decoded once on the way, one that does not decode skipped and named) and
+`KEY.cls` (the class index), in a seeded random order (so each shard mixes the classes and a
+shuffle buffer has something to shuffle); DST/index.json lists each split's shards with their
+sample counts and sizes, the class names, channels and normalisation statistics. Each shard is
+written under a temporary name and renamed when whole; index.json comes last."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from vitlab.data.datasets import ArraySplit, FolderSplit, Split, dataset_info, load_split
+from vitlab.data.decode import available_cores, decode_image
+from vitlab.data.download import DatasetError
+from vitlab.data.hf import HFSplit
+from vitlab.data.shards import INDEX, ShardSplit
+from vitlab.data.workers import MAX_WORKERS
+
+UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+FORMAT = "vitlab-shards/1"
+log = logging.getLogger(__name__)
+
+
+def parse_size(text: str) -> int:
+    """'1GB', '500MB', '2.5e8' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?B?)\s*", text.upper())
+    if not m or m.group(2) not in UNITS:
+        raise ValueError(
+            f"a shard size is a number of bytes with a unit (500MB, 1GB), got {text!r}"
+        )
+    return int(float(m.group(1)) * UNITS[m.group(2)])
+
+
+def _extension(data: bytes) -> str | None:
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return None
+
+
+def _checked(split: Split, i: int, in_chans: int) -> tuple[bytes, str]:
+    """(encoded image, extension) of sample i of an indexed split, decoded once to check it (the
+    same decoder training uses, size guard included); a DatasetError naming the sample when it
+    cannot be read or decoded."""
+    from torchvision.io import encode_png
+
+    if isinstance(split, ArraySplit):
+        return encode_png(split.images[i]).numpy().tobytes(), "png"
+    where = split.where(i)
+    try:
+        data = split.read(i)
+    except OSError as e:
+        raise DatasetError(f"cannot read image {where}: {e}") from None
+    pixels = decode_image(data, in_chans, where)
+    ext = _extension(data)
+    if ext is None:  # BMP, TIFF, ...: stored as the PNG of what training would decode
+        return encode_png(pixels).numpy().tobytes(), "png"
+    return data, ext
+
+
+class _Checked(Dataset):
+    """Sample i's (encoded image, extension, label, why it was skipped or None), in a worker."""
+
+    def __init__(self, split: Split, in_chans: int) -> None:
+        self.split, self.in_chans = split, in_chans
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, i: int) -> tuple[bytes, str, int, str | None]:
+        try:
+            data, ext = _checked(self.split, i, self.in_chans)
+        except DatasetError as e:
+            return b"", "", -1, str(e)
+        return data, ext, int(self.split.labels[i]), None
+
+
+def _as_is(sample: object) -> object:
+    return sample
+
+
+def samples(
+    split: Split, seed: int, in_chans: int, workers: int
+) -> Iterator[tuple[bytes, str, int, str | None]]:
+    """(encoded image, extension, label, None) of every sample, or (..., why) for one that does
+    not decode; indexed splits in a seeded order, checked by `workers` processes."""
+    if isinstance(split, ShardSplit):
+        for s in range(len(split.urls)):
+            for key, data, label in split.read(s):
+                try:
+                    decode_image(data, in_chans, f"{key} of {split.urls[s]}")
+                except DatasetError as e:
+                    yield b"", "", -1, str(e)
+                else:
+                    yield data, _extension(data) or "png", label, None
+        return
+    order = torch.randperm(len(split), generator=torch.Generator().manual_seed(seed)).tolist()
+    loader = DataLoader(
+        _Checked(split, in_chans), batch_size=None, sampler=order, num_workers=workers,
+        collate_fn=_as_is, prefetch_factor=64 if workers else None,
+    )  # fmt: skip
+    yield from loader
+
+
+def _commit(file, path: Path) -> None:
+    """Flush, fsync and close `file` (open on a temporary name), then rename it to `path`."""
+    file.flush()
+    os.fsync(file.fileno())
+    file.close()
+    os.replace(file.name, path)
+
+
+class _Shard:
+    """One shard written to a hidden temporary file, fsynced, then renamed into place: a kill
+    leaves whole shards and at most one .tmp file, never a truncated .tar."""
+
+    def __init__(self, path: Path) -> None:
+        import webdataset as wds
+
+        self.path, self.tmp = path, path.with_name(f".{path.name}.tmp")
+        self.file = open(self.tmp, "wb")  # noqa: SIM115  (closed by close())
+        self.tar = wds.TarWriter(self.file, mtime=0)  # fixed times: the same data, the same bytes
+        self.size = self.count = 0
+
+    def write(self, sample: dict) -> None:
+        self.size += self.tar.write(sample)
+        self.count += 1
+
+    def discard(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+    def close(self) -> dict:
+        self.tar.close()
+        _commit(self.file, self.path)
+        return {"name": self.path.name, "count": self.count, "bytes": self.size}
+
+
+def write_split(
+    split: Split, dst: Path, name: str, shard_size: int, seed: int, in_chans: int, workers: int,
+    bar,
+) -> dict:  # fmt: skip
+    """Write one split's shards; returns its entry of the index (skipped: the samples that did
+    not decode, each named in a warning)."""
+    shards, shard, skipped, n = [], None, 0, 0
+    try:
+        for data, ext, label, why in samples(split, seed, in_chans, workers):
+            bar.update(1)
+            if why is not None:
+                log.warning("skipping an image that does not decode: %s", why)
+                skipped += 1
+                continue
+            if shard is None or shard.size >= shard_size:
+                if shard is not None:
+                    shards.append(shard.close())
+                shard = _Shard(dst / f"{name}-{len(shards):06d}.tar")
+            shard.write({"__key__": f"{name}-{n:09d}", ext: data, "cls": str(label).encode()})
+            n += 1
+        if shard is not None:
+            shards.append(shard.close())
+            shard = None
+    finally:
+        if shard is not None:  # failed or interrupted: the shard being written is no use
+            shard.discard()
+    return {"count": n, "skipped": skipped, "shards": shards}
+
+
+def write_shards(
+    source: str,
+    dst: Path,
+    shard_size: int = 10**9,
+    data_dir: str | None = None,
+    keys: tuple[str | None, str | None] = (None, None),
+    seed: int = 0,
+    progress: bool = True,
+    workers: int | None = None,
+) -> dict:
+    """Write dataset `source`'s train and test splits as shards under dst; returns the index.
+    Every image is decoded once on the way (by `workers` processes, default one per available
+    core up to MAX_WORKERS; shards being re-sharded are read and checked in this process): one
+    that does not decode is skipped and named; the index counts the skipped. A failure or an
+    interrupt removes the shards this call wrote."""
+    from tqdm import tqdm
+
+    dst.mkdir(parents=True, exist_ok=True)
+    if (dst / INDEX).exists():
+        raise DatasetError(f"{dst} already holds shards: choose an empty folder")
+    if any(dst.glob("*.tar")) or any(dst.glob(".*.tar.tmp")):
+        raise DatasetError(f"{dst} holds .tar files but no {INDEX}: the remains of an "
+                           f"interrupted `vitlab data shard`? Remove them, or choose an empty "
+                           f"folder")  # fmt: skip
+    splits = {s: load_split(source, s, data_dir, seed, keys) for s in ("train", "test")}
+    info = dataset_info(source, splits["train"])
+    index = {
+        "format": FORMAT,
+        "source": source,
+        "classes": info.classes,
+        "in_chans": info.in_chans,
+        "mean": list(info.mean),
+        "std": list(info.std),
+        "splits": {},
+    }
+    workers = min(available_cores(), MAX_WORKERS) if workers is None else workers
+    if workers < 0:
+        raise ValueError(f"workers is a number of processes (0: this one), got {workers}")
+    total = sum(len(s) for s in splits.values())
+    try:
+        with tqdm(total=total, unit="img", desc=f"sharding {source}", disable=not progress) as bar:
+            for name, split in splits.items():
+                index["splits"][name] = write_split(
+                    split, dst, name, shard_size, seed, info.in_chans, workers, bar
+                )
+    except BaseException:  # shards without their index train nothing: leave the folder empty
+        for name in splits:
+            for path in dst.glob(f"{name}-*.tar"):
+                path.unlink()
+        raise
+    with open(dst / f".{INDEX}.tmp", "w") as f:  # last, atomically: then every shard is whole
+        f.write(json.dumps(index, indent=1))
+        _commit(f, dst / INDEX)
+    folder = os.open(dst, os.O_RDONLY)  # the renames themselves on disk
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+    return index
+
+
+__all__ = ["FolderSplit", "HFSplit", "parse_size", "write_shards"]

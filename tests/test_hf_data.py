@@ -1,0 +1,133 @@
+"""Hugging Face datasets offline: save_to_disk folders and parquet files the test writes, their
+columns found or named, and `vitlab train` from a parquet file end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.helpers import TINY_MODEL
+from vitlab.config import load_run_config
+from vitlab.data import load_split
+from vitlab.data.datasets import DatasetError
+from vitlab.train.run import train
+
+
+def table(n: int, image: str = "image", label: str = "label", class_label: bool = True):
+    """n 8x8 RGB images, 3 classes of noise around a colour."""
+    import datasets
+
+    rng = np.random.default_rng(n)
+    colours = [(200, 40, 40), (40, 200, 40), (40, 40, 200)]
+    labels = [i % 3 for i in range(n)]
+    images = [
+        Image.fromarray(np.clip(rng.normal(colours[y], 50, (8, 8, 3)), 0, 255).astype(np.uint8))
+        for y in labels
+    ]
+    kind = datasets.ClassLabel(names=["red", "green", "blue"]) if class_label else None
+    features = datasets.Features({image: datasets.Image(), label: kind or datasets.Value("int64")})
+    return datasets.Dataset.from_dict({image: images, label: labels}, features=features)
+
+
+def test_save_to_disk_and_parquet_columns_found_or_named(tmp_path: Path) -> None:
+    table(50).save_to_disk(str(tmp_path / "saved"))
+    train = load_split(f"hf:{tmp_path / 'saved'}", "train")
+    test = load_split(f"hf:{tmp_path / 'saved'}", "test")  # one split: a seeded 20% carved
+    assert (len(train), len(test)) == (40, 10) and train.classes == ["red", "green", "blue"]
+    assert set(train.rows.tolist()).isdisjoint(test.rows.tolist()) and train.in_chans == 3
+    assert train.read(0)[:8] == b"\x89PNG\r\n\x1a\n"
+    table(12, "picture", "y", class_label=False).to_parquet(str(tmp_path / "odd.parquet"))
+    with pytest.raises(DatasetError, match="no label column found .* set data.label_key"):
+        load_split(f"hf:{tmp_path / 'odd.parquet'}", "all")
+    odd = load_split(f"hf:{tmp_path / 'odd.parquet'}", "all", keys=(None, "y"))  # image: by type
+    assert len(odd) == 12 and odd.classes == ["0", "1", "2"]
+    with pytest.raises(DatasetError, match="data.image_key=photo: no such column"):
+        load_split(f"hf:{tmp_path / 'odd.parquet'}", "all", keys=("photo", "y"))
+    with pytest.raises(DatasetError, match="cannot load the Hugging Face dataset"):
+        load_split(f"hf:{tmp_path / 'missing.parquet'}", "train")
+
+
+def test_splits_chosen_labels_checked_greyscale_stats(tmp_path: Path) -> None:
+    """An unlabelled test split (labels -1, as imagenet-1k's) is passed over for validation;
+    hf:NAME#SPLIT reads one split; labels that are no class indices are named; greyscale data
+    has one channel's statistics, which the run repeats for no other channel."""
+    import datasets
+
+    from vitlab.config import load_run_config
+    from vitlab.data import dataset_info
+    from vitlab.train.build import normalization
+
+    unlabelled = table(6).cast_column("label", datasets.Value("int64")).map(lambda r: {"label": -1})
+    datasets.DatasetDict({"train": table(20), "test": unlabelled, "validation": table(9)}
+                         ).save_to_disk(str(tmp_path / "dd"))  # fmt: skip
+    assert len(load_split(f"hf:{tmp_path / 'dd'}", "test")) == 9
+    assert len(load_split(f"hf:{tmp_path / 'dd'}#validation", "all")) == 9
+    with pytest.raises(DatasetError, match="no split 'nope': it has \\['test', 'train'"):
+        load_split(f"hf:{tmp_path / 'dd'}#nope", "all")
+    with pytest.raises(DatasetError, match="6 labels are not class indices .row 0: -1; negative"):
+        load_split(f"hf:{tmp_path / 'dd'}#test", "all")
+    named = datasets.Dataset.from_dict({"image": table(2)["image"], "label": ["cat", "dog"]})
+    named.cast_column("image", datasets.Image()).to_parquet(str(tmp_path / "str.parquet"))
+    with pytest.raises(DatasetError, match="'label' holds str values .such as 'cat'"):
+        load_split(f"hf:{tmp_path / 'str.parquet'}", "all")
+    grey = table(4).map(lambda r: {"image": r["image"].convert("L")})
+    grey.to_parquet(str(tmp_path / "grey.parquet"))
+    split = load_split(f"hf:{tmp_path / 'grey.parquet'}", "all")
+    info = dataset_info("hf:grey", split)
+    assert info.in_chans == 1 and info.mean == (0.449,) and info.std == (0.226,)
+    cfg = load_run_config(None, [])
+    assert normalization(cfg, info, 1) == ((0.449,), (0.226,))
+
+
+def test_data_test_classes_must_be_the_training_splits(tmp_path: Path) -> None:
+    """data.test's classes are checked against the training split's: other names are an error
+    naming both lists (hf, and image folders whose sub-folders differ)."""
+    import datasets
+
+    from tests.test_trainer_state import write_image_folder
+    from vitlab.config import DataConfig
+    from vitlab.data.datasets import load_run_split
+
+    table(12).to_parquet(str(tmp_path / "train.parquet"))
+    other = table(6).cast_column("label", datasets.ClassLabel(names=["r", "g", "b"]))
+    other.to_parquet(str(tmp_path / "other.parquet"))
+    cfg = DataConfig(
+        name=f"hf:{tmp_path / 'train.parquet'}", test=f"hf:{tmp_path / 'other.parquet'}"
+    )
+    assert len(load_run_split(cfg, "train")) == 12  # whole: the test split is another source
+    with pytest.raises(DatasetError, match="classes \\['r', 'g', 'b'\\], the training split "
+                                           "\\['red', 'green', 'blue'\\]"):  # fmt: skip
+        load_run_split(cfg, "test")
+    images, test = write_image_folder(tmp_path / "a", 2), write_image_folder(tmp_path / "b", 1)
+    (test / "class2").rename(test / "class9")
+    folders = DataConfig(name=f"imagefolder:{images}", test=f"imagefolder:{test}")
+    assert len(load_run_split(folders, "train")) == 6
+    with pytest.raises(DatasetError, match="class9.*the training split .*class2"):
+        load_run_split(folders, "test")
+
+
+def test_train_from_parquet_files(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Trains from a parquet file with data.test another; every loader's workers are ended
+    (train's after training, validation's after each evaluation, test's after testing)."""
+    from vitlab.data.loader import FolderLoader
+
+    closed, close = [], FolderLoader.close
+    monkeypatch.setattr(FolderLoader, "close", lambda self: closed.append(self) or close(self))
+    table(90).to_parquet(str(tmp_path / "train.parquet"))
+    table(30).to_parquet(str(tmp_path / "test.parquet"))
+    cfg = load_run_config(None, [*TINY_MODEL, f"data.name=hf:{tmp_path / 'train.parquet'}",
+                                 f"data.test=hf:{tmp_path / 'test.parquet'}", "data.workers=1",
+                                 "train.batch_size=16", "train.epochs=1"])  # fmt: skip
+    run = train(cfg, out=tmp_path / "run")
+    assert "81 train / 9 val / 30 test" in capsys.readouterr().err  # train.parquet whole
+    result = json.loads((run / "results.json").read_text())
+    assert result["top1"] is not None and result["num_images"] == 30
+    assert len({id(x) for x in closed}) == 3 and all(x._loader is None for x in closed)
+    from vitlab.eval.run import evaluate_checkpoint  # the run's data.test, as train reported
+
+    again = evaluate_checkpoint(str(run / "checkpoints" / "best"), device="cpu")
+    assert again["num_images"] == 30 and again["top1"] == result["top1"]

@@ -1,0 +1,301 @@
+"""WebDataset shards: the writer and its index, distinct shards for every rank and worker, a fixed
+epoch, seeded reshuffles, exact mid-epoch resume, and `vitlab train` from shards end to end."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.helpers import TINY_MODEL, weights_of
+from tests.test_trainer_state import CtrlCAtCheck, write_image_folder
+from vitlab.cli.main import main
+from vitlab.config import DataConfig, load_run_config
+from vitlab.data import BatchAugment, Preprocessing, load_split, make_loader
+from vitlab.data.datasets import DatasetError, train_val_split
+from vitlab.data.stream import _replay, _shuffled
+from vitlab.data.writer import write_shards
+from vitlab.train import run as run_mod
+from vitlab.train.run import TrainingStopped, train
+
+SHARDS, PER_SHARD = 8, 16
+PRE = Preprocessing((8, 8), 3, (0.5,) * 3, (0.5,) * 3)
+AUG = BatchAugment(DataConfig(crop_padding=1, hflip=0.5), PRE, 3)
+
+
+def png(rng: np.random.Generator, label: int) -> bytes:
+    colour = [(200, 40, 40), (40, 200, 40), (40, 40, 200)][label]
+    pixels = np.clip(rng.normal(colour, 50, size=(8, 8, 3)), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def balanced(tmp_path_factory) -> Path:
+    """SHARDS shards of PER_SHARD samples each, keys s{shard}-{i}, with no index (counted)."""
+    import webdataset as wds
+
+    root = tmp_path_factory.mktemp("balanced")
+    rng = np.random.default_rng(0)
+    for s in range(SHARDS):
+        with wds.TarWriter(str(root / f"part-{s:02d}.tar")) as w:
+            for i in range(PER_SHARD):
+                label = (s + i) % 3
+                w.write({"__key__": f"s{s}-{i:02d}", "png": png(rng, label), "cls": b"%d" % label})
+    return root
+
+
+def epoch_keys(
+    split, epoch: int, start: int = 0, rank: int = 0, world: int = 1, workers: int = 2
+) -> tuple[list[str], list[torch.Tensor]]:
+    """The sample keys and images of an epoch's batches from `start`: batches of 16, buffer 10."""
+    batch, buffer = 16, 10
+    loader = make_loader(split, batch, PRE, augment=AUG, shuffle=True, seed=3, rank=rank,
+                         world=world, workers=workers, buffer=buffer)  # fmt: skip
+    loader.record = []
+    images = [x for x, _ in loader.iterate(epoch, start)]
+    return loader.record, images
+
+
+def test_replay_reaches_the_shuffles_state() -> None:
+    """The resume replay, on positions alone, leaves the generator, buffer and read position where
+    the shuffle itself is after that many samples, at any point (mid-buffer, in the final flush,
+    in a second pass)."""
+    import random
+
+    for emitted in (0, 1, 9, 25, 30, 31, 45):
+        rng = random.Random(5)
+        out = []
+        for _ in range(2):
+            out += list(_shuffled(rng, 8, iter(range(30)), []))
+        rng2 = random.Random(5)
+        p, buf, c = _replay(rng2, 8, 30, emitted)
+        rest = list(_shuffled(rng2, 8, iter(range(c, 30)), list(buf)))
+        if p == 0:
+            rest += list(_shuffled(rng2, 8, iter(range(30)), []))
+        assert out[emitted:] == rest, emitted
+
+
+def test_ranks_and_workers_read_distinct_shards_and_cover_the_epoch(balanced: Path) -> None:
+    split = load_split(f"wds:{balanced}/part-{{00..07}}.tar", "train")
+    assert len(split) == SHARDS * PER_SHARD and split.classes == ["0", "1", "2"]
+    everything = {f"s{s}-{i:02d}" for s in range(SHARDS) for i in range(PER_SHARD)}
+    orders = []
+    for epoch in (0, 1):
+        ranks = [epoch_keys(split, epoch, rank=r, world=2, workers=2)[0] for r in range(2)]
+        assert len(ranks[0]) == len(ranks[1]) == 64  # 8 global batches of 16, 8 a rank
+        assert set(ranks[0]).isdisjoint(ranks[1]) and set(ranks[0]) | set(ranks[1]) == everything
+        shards = [{k.split("-")[0] for k in keys} for keys in ranks]
+        assert shards[0].isdisjoint(shards[1]) and len(shards[0]) == 4
+        orders.append((ranks[0], shards[0]))
+    assert orders[0][0] != orders[1][0]  # reshuffled: samples, and which rank reads which shard
+    # one process with in-process reading: the same epoch, every sample once
+    keys, _ = epoch_keys(split, 0, workers=0)
+    assert sorted(keys) == sorted(everything)
+
+
+def test_mid_epoch_resume_is_exact(balanced: Path) -> None:
+    """Resumed at batch 3 (with 2 workers: a stream mid-buffer), the batches are an uninterrupted
+    epoch's from batch 3 on, samples and augmentation alike: none repeated, none skipped."""
+    split = load_split(f"wds:{balanced}/part-{{00..07}}.tar", "train")
+    keys, images = epoch_keys(split, 1)
+    for start in (3, 6):
+        rest, rest_images = epoch_keys(split, 1, start=start)
+        assert rest == keys[start * 16 :]
+        assert all(torch.equal(a, b) for a, b in zip(images[start:], rest_images, strict=True))
+    assert len(set(keys)) == len(keys) == 128
+
+
+def test_the_order_does_not_depend_on_the_worker_count(balanced: Path) -> None:
+    """Streams are a function of shards and ranks alone: workers=0 and 2 deliver the same samples
+    in the same order with the same augmentation, and a resume with another worker count (1) is
+    an uninterrupted epoch's remainder."""
+    split = load_split(f"wds:{balanced}/part-{{00..07}}.tar", "train")
+    keys, images = epoch_keys(split, 1, workers=0)
+    keys2, images2 = epoch_keys(split, 1, workers=2)
+    assert keys2 == keys and len(set(keys)) == 128
+    assert all(torch.equal(a, b) for a, b in zip(images, images2, strict=True))
+    rest, rest_images = epoch_keys(split, 1, start=3, workers=1)
+    assert rest == keys[3 * 16 :]
+    assert all(torch.equal(a, b) for a, b in zip(images[3:], rest_images, strict=True))
+
+
+def test_evaluation_with_fewer_shards_than_ranks_pads(balanced: Path) -> None:
+    """A validation split of 1 shard on 2 ranks: rank 1 reads nothing and yields padding batches
+    (labels PADDING), as many as rank 0's real ones; training still refuses it."""
+    from vitlab.data.loader import PADDING
+
+    split = load_split(f"wds:{balanced}/part-00.tar", "train")
+    ranks = [list(make_loader(split, 5, PRE, rank=r, world=2, workers=1)) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == 4  # 16 samples in batches of 5
+    assert sum(len(y) for _, y in ranks[0]) == 16 and all((y >= 0).all() for _, y in ranks[0])
+    assert all((y == PADDING).all() for _, y in ranks[1])
+    with pytest.raises(DatasetError, match="1 training shards for 2 processes"):
+        make_loader(split, 4, PRE, shuffle=True, augment=AUG, world=2)
+
+
+def test_empty_shards_and_uneven_deals_are_named(balanced: Path, caplog) -> None:
+    """A training shard of no samples is refused (a stream of them would wait forever); 12 equal
+    shards for 8 streams (1 or 2 each, 24 samples an epoch per stream) and a carve of 1 shard in
+    2 for val_fraction=0.1 are warned about; 8 shards for 8 streams are not."""
+    import logging
+
+    from vitlab.data.shards import ShardSplit
+
+    urls = [f"{balanced}/part-{s:02d}.tar" for s in range(8)]
+    with pytest.raises(DatasetError, match="part-03.tar holds no samples"):
+        make_loader(ShardSplit(urls, [16, 16, 16, 0, 16, 16, 16, 16], ["0"]), 16, PRE,
+                    shuffle=True, augment=AUG)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        make_loader(ShardSplit(urls, [16] * 8, ["0"]), 16, PRE, shuffle=True, augment=AUG)
+        assert not caplog.records
+        make_loader(ShardSplit(urls + urls[:4], [16] * 12, ["0"]), 16, PRE, shuffle=True,
+                    augment=AUG)  # fmt: skip
+        assert "holds 16 to 32 samples for 24" in caplog.text
+        train_val_split(ShardSplit(urls[:2], [16, 16], ["0"]), 0.1, 0)
+        assert "carves 50% of the samples for data.val_fraction=0.1" in caplog.text
+
+
+def test_in_process_batches_seed_no_cuda_generator(balanced: Path, tmp_path, monkeypatch) -> None:
+    """workers=0: each batch's draws are seeded on the CPU generator alone (fork_rng(devices=[])
+    restores only that one), for shards and image files alike."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(seed))
+    split = load_split(f"wds:{balanced}/part-{{00..01}}.tar", "train")
+    epoch_keys(split, 0, workers=0)
+    files = load_split(f"imagefolder:{write_image_folder(tmp_path / 'im', 3)}", "all")
+    assert calls == [] and len(list(make_loader(files, 8, PRE, workers=0))) == 2  # 9 images
+
+
+def test_writer_index_and_errors(tmp_path: Path, balanced: Path) -> None:
+    root = write_image_folder(tmp_path / "images", per_class=10)
+    (root / "class1" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    jpeg = io.BytesIO()
+    Image.new("RGB", (32, 32), (9, 99, 199)).save(jpeg, format="JPEG")
+    (root / "class2" / "cut.jpg").write_bytes(jpeg.getvalue()[:200])  # a truncated JPEG
+    assert main(["data", "shard", f"imagefolder:{root}", str(tmp_path / "shards"),
+                 "--shard-size", "2KB", "--no-progress", "--workers", "2"]) == 0  # fmt: skip
+    index = json.loads((tmp_path / "shards" / "index.json").read_text())
+    assert index["classes"] == ["class0", "class1", "class2"] and index["in_chans"] == 3
+    splits = index["splits"]
+    counts = {n: s["count"] for n, s in splits.items()}
+    # 30 good images and 2 that do not decode, carved 80/20 before the writer checks them
+    assert (
+        sum(counts.values()) == 30 and splits["train"]["skipped"] + splits["test"]["skipped"] == 2
+    )
+    assert len(splits["train"]["shards"]) > 2 and not list((tmp_path / "shards").glob(".*"))
+    # the same data, the same bytes: checked in this process or by two workers
+    write_shards(f"imagefolder:{root}", tmp_path / "again", 2000, progress=False, workers=0)
+    for shard in splits["train"]["shards"] + splits["test"]["shards"]:
+        name = shard["name"]
+        assert (tmp_path / "again" / name).read_bytes() == (tmp_path / "shards" / name).read_bytes()
+    from vitlab.data import writer
+
+    def fails_at_12(*args):  # a worker error or a Ctrl-C mid-split
+        for n, sample in enumerate(real_samples(*args)):
+            if n == 12:
+                raise KeyboardInterrupt
+            yield sample
+
+    real_samples = writer.samples
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(writer, "samples", fails_at_12)
+        with pytest.raises(KeyboardInterrupt):
+            write_shards(f"imagefolder:{root}", tmp_path / "cut", 2000, progress=False, workers=0)
+    assert list((tmp_path / "cut").iterdir()) == []  # no shard, no .tmp: the folder is reusable
+    write_shards(f"imagefolder:{root}", tmp_path / "cut", 2000, progress=False, workers=0)
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / ".train-000000.tar.tmp").write_bytes(b"")  # a killed writer's remains
+    with pytest.raises(DatasetError, match="interrupted"):
+        write_shards(f"imagefolder:{root}", tmp_path / "half", progress=False, workers=0)
+    with pytest.raises(DatasetError, match="already holds shards"):
+        write_shards(f"imagefolder:{root}", tmp_path / "again", progress=False, workers=0)
+    train = load_split(f"wds:{tmp_path / 'shards'}", "train")
+    assert len(train) == 25 and train.classes == index["classes"]
+    kept, val = train_val_split(train, 0.2, 0)
+    assert set(kept.urls).isdisjoint(val.urls) and len(kept) + len(val) == 25
+    with pytest.raises(DatasetError, match="data.test"):
+        load_split(f"wds:{balanced}/part-{{00..07}}.tar", "test")
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_split(f"wds:{balanced}/nope-{{0..1}}.tar", "train")
+    with pytest.raises(DatasetError, match="URL patterns are not supported"):
+        load_split(f"wds:file://{balanced}/part-{{00..07}}.tar", "train")
+
+
+def test_train_from_shards_interrupted_mid_epoch_resumes_exactly(tmp_path, monkeypatch) -> None:
+    """`vitlab train` from shards the writer made, workers reading them, Ctrl-C mid-epoch 2 and
+    --resume: the weights equal an uninterrupted run's bit for bit."""
+    root = write_image_folder(tmp_path / "images", per_class=40)
+    write_shards(f"imagefolder:{root}", tmp_path / "shards", shard_size=3000, progress=False)
+    common = [*TINY_MODEL, f"data.name=wds:{tmp_path / 'shards'}", "data.workers=2",
+              "data.hflip=0.5", "data.shuffle_buffer=20", "train.batch_size=16",
+              "train.epochs=2", "train.precision=fp32", "data.val_fraction=0.2"]  # fmt: skip
+    cfg = load_run_config(None, common)
+    straight = train(cfg, out=tmp_path / "straight")
+    assert json.loads((straight / "results.json").read_text())["top1"] is not None
+    monkeypatch.setattr(run_mod, "StopFlag", CtrlCAtCheck)
+    with pytest.raises(TrainingStopped, match="stopped at epoch 2"):
+        train(cfg, out=tmp_path / "stopped")
+    monkeypatch.undo()
+    resumed = train(
+        load_run_config(str(tmp_path / "stopped" / "config.yaml")), resume=tmp_path / "stopped"
+    )
+    for which in ("last", "best"):
+        a, b = weights_of(straight, which), weights_of(resumed, which)
+        assert all(torch.equal(a[k], b[k]) for k in a), which
+
+
+def test_two_rank_ddp_reads_distinct_shards_and_trains(tmp_path: Path, balanced: Path) -> None:
+    """Under torchrun (2 ranks, gloo): each rank's DataLoader workers read shards no other rank
+    reads, together every sample of the epoch once; and `vitlab train` trains from them."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import kill_tree
+
+    root = Path(__file__).resolve().parents[1]
+    spec = {"shards": f"{balanced}/part-{{00..07}}.tar", "out": str(tmp_path)}
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "tests.test_shards", json.dumps(spec)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = kill_tree(proc)
+        pytest.fail(f"torchrun hung: {stderr[-3000:]}")
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"keys{r}.json").read_text()) for r in range(2)]
+    everything = {f"s{s}-{i:02d}" for s in range(SHARDS) for i in range(PER_SHARD)}
+    assert set(ranks[0]).isdisjoint(ranks[1]) and set(ranks[0]) | set(ranks[1]) == everything
+    assert {k.split("-")[0] for k in ranks[0]}.isdisjoint(k.split("-")[0] for k in ranks[1])
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["top1"] is not None
+
+
+def rank_worker(spec: dict) -> None:
+    """One torchrun rank: its epoch-0 sample keys (2 DataLoader workers), then a short DDP run."""
+    import os
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    split = load_split(f"wds:{spec['shards']}", "train")
+    keys, _ = epoch_keys(split, 0, rank=rank, world=world, workers=2)
+    (Path(spec["out"]) / f"keys{rank}.json").write_text(json.dumps(keys))
+    cfg = load_run_config(None, [*TINY_MODEL, f"data.name=wds:{spec['shards']}",
+                                 f"data.test=wds:{spec['shards']}", "data.workers=2",
+                                 "data.val_fraction=0", "train.batch_size=16",
+                                 "train.epochs=1", "train.precision=fp32"])  # fmt: skip
+    train(cfg, out=Path(spec["out"]) / "run")
+
+
+if __name__ == "__main__":
+    import sys
+
+    rank_worker(json.loads(sys.argv[1]))
