@@ -206,13 +206,17 @@ class DataConfig:
     # train on this fraction of the training split only (after the validation carve-out; the
     # same share of every class, seeded by split_seed): the labelled part of a few-label run
     label_fraction: float = 1.0
+    # the run's own test evaluation on this seeded share of every class of the test split (quick
+    # experiments: vitlab reproduce's short budgets); vitlab eval always takes the whole split
+    test_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         validate(self)
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
-        if not 0.0 < self.label_fraction <= 1.0:
-            raise ConfigError(f"data.label_fraction must be in (0, 1], got {self.label_fraction}")
+        for name in ("label_fraction", "test_fraction"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ConfigError(f"data.{name} must be in (0, 1], got {getattr(self, name)}")
         for name in ("hflip", "random_erasing"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"data.{name} is a probability, got {getattr(self, name)}")
