@@ -9,12 +9,35 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from vitlab import __version__
-from vitlab.cli import analyze, convert, cost, export, fewshot, models, predict, probe, train
+from vitlab.cli import (
+    analyze,
+    convert,
+    cost,
+    export,
+    fewshot,
+    models,
+    predict,
+    probe,
+    reproduce,
+    train,
+)
 from vitlab.cli import eval as eval_cmd
 from vitlab.config import ConfigError
 from vitlab.models.registry import UnknownModelError
 
-COMMANDS = (models, cost, train, eval_cmd, fewshot, probe, predict, analyze, convert, export)
+COMMANDS = (
+    models,
+    cost,
+    train,
+    eval_cmd,
+    fewshot,
+    probe,
+    predict,
+    analyze,
+    convert,
+    export,
+    reproduce,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

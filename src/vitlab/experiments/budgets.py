@@ -1,0 +1,132 @@
+"""The budgets `vitlab reproduce` runs at, and how they were sized.
+
+Every arm trains a fixed number of optimizer steps of a fixed batch (so arms of one experiment see
+the same number of images, whatever their dataset size), then is tested on `test_images` test
+images (a seeded per-class share; all of them at `full`). The step counts were sized from the
+throughput of the training step measured on the project's 2-core CPU and taken with margin, so
+that the limits hold on a machine computing in float32 without native bf16 (AVX2 only), where the
+same models train about half as fast as with AMX bf16:
+
+    model (28x28 grey)            measured, fp32 / bf16     assumed here (TRAIN_IMG_S)
+    ViT nano, patch 4             906 / 1,080 img/s         450
+    ViT nano, patch 2             184 / 173                 100
+    ViT nano, patch 7             2,483 / 2,170             1,200
+    ViT nano, patch 14            (4 tokens)                2,000
+    hybrid (vit_nano_r_s4_28)     774 / 761                 350
+    ResNet-18, small stem         ~160 (BENCHMARKS.md), 36-65 under load   60
+
+Evaluation runs at 3x the training rate (a forward pass, no backward). estimate_seconds() turns
+an experiment's arms into seconds with these rates and a fixed start-up and per-epoch cost;
+tests/test_reproduce.py checks that every experiment's `fast` estimate is at most 15 minutes,
+`full` at most 90, and `all --budget fast` at most 75.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BUDGETS = ("smoke", "fast", "full")
+LIMIT_S = {"smoke": 60.0, "fast": 15 * 60.0, "full": 90 * 60.0}
+ALL_FAST_LIMIT_S = 75 * 60.0
+
+# training images per second of one step, float32 on 2 AVX2 cores, with margin (see above)
+TRAIN_IMG_S = {
+    "vit_p2": 100.0,
+    "vit_p4": 450.0,
+    "vit_p7": 1200.0,
+    "vit_p14": 2000.0,
+    "hybrid": 350.0,
+    "resnet18": 60.0,
+}
+EVAL_SPEEDUP = 3.0  # a forward pass against a training step
+START_S = 5.0  # per arm: data, model, the final curves.png and results
+EPOCH_S = {"resnet18": 0.8}  # per epoch: checkpoint writes (ResNet-18: ~180 MB), else 0.05
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one experiment does at one budget."""
+
+    steps: int  # optimizer steps of every arm (fine-tuning, for mpp)
+    batch: int
+    seeds: int  # default --seeds
+    pretrain_steps: int = 0  # mpp: the pre-training runs'
+    sizes: tuple[int, ...] = ()  # data-scale: training images per arm
+    model: tuple[str, ...] = ()  # overrides every ViT arm takes (smoke: one layer)
+
+
+@dataclass(frozen=True)
+class Budget:
+    name: str
+    test_images: int | None  # None: the whole test split
+    fewshot_seeds: int  # draws of the 5-shot subset
+    analysis_images: int  # inside: images for attention distance and rollout
+    plans: dict[str, Plan]  # `inside` has none: it analyses pos-embed's runs
+
+
+TINY = ("model.depth=1",)
+SIZES = (1_000, 3_000, 10_000, 30_000, 60_000)
+
+BUDGET = {
+    # every experiment end to end in seconds: tiny models, a few steps, small subsets
+    "smoke": Budget(
+        "smoke",
+        test_images=50,
+        fewshot_seeds=1,
+        analysis_images=2,
+        plans={
+            "pos-embed": Plan(steps=3, batch=16, seeds=1, model=TINY),
+            "data-scale": Plan(steps=2, batch=16, seeds=1, sizes=(100, 400), model=TINY),
+            "patch-size": Plan(steps=2, batch=16, seeds=1, model=TINY),
+            "mpp": Plan(steps=2, batch=16, seeds=1, pretrain_steps=3, model=TINY),
+        },
+    ),
+    # each experiment <= 15 min on 2 AVX2 cores in fp32 (estimate_seconds), all five <= 75
+    "fast": Budget(
+        "fast",
+        test_images=2_000,
+        fewshot_seeds=3,
+        analysis_images=16,
+        plans={
+            # 10 arms x 25,600 images at 450 img/s: ~570 s
+            "pos-embed": Plan(steps=200, batch=128, seeds=2),
+            # 15 arms x 5,120 images, the ResNet's 5 at 60 img/s: ~430 s of them; sizes above
+            # 5,120 images cannot be seen whole in 80 steps (the report marks them)
+            "data-scale": Plan(steps=80, batch=64, seeds=1, sizes=SIZES),
+            # 6 arms x 15,360 images: the ResNet ~256 s, patch 2 ~154 s
+            "patch-size": Plan(steps=120, batch=128, seeds=1),
+            # per seed 2 x 51,200 pre-training + 3 x 12,800 fine-tuning images at 450 img/s
+            "mpp": Plan(steps=100, batch=128, seeds=2, pretrain_steps=400),
+        },
+    ),
+    # each experiment <= 90 min
+    "full": Budget(
+        "full",
+        test_images=None,
+        fewshot_seeds=5,
+        analysis_images=32,
+        plans={
+            "pos-embed": Plan(steps=750, batch=128, seeds=3),
+            "data-scale": Plan(steps=300, batch=64, seeds=2, sizes=SIZES),
+            "patch-size": Plan(steps=400, batch=128, seeds=2),
+            "mpp": Plan(steps=200, batch=128, seeds=3, pretrain_steps=1_000),
+        },
+    ),
+}
+
+
+def get_budget(name: str) -> Budget:
+    if name not in BUDGET:
+        raise ValueError(f"unknown budget {name!r}: choose one of {', '.join(BUDGETS)}")
+    return BUDGET[name]
+
+
+def arm_seconds(kind: str, images_seen: int, epochs: int, eval_images: int) -> float:
+    """Estimated wall-clock seconds of one arm on 2 AVX2 cores in float32."""
+    rate = TRAIN_IMG_S[kind]
+    return (
+        START_S
+        + images_seen / rate
+        + eval_images / (EVAL_SPEEDUP * rate)
+        + epochs * EPOCH_S.get(kind, 0.05)
+    )
