@@ -3,11 +3,10 @@ vitlab.train.run.train (what `vitlab train` calls) with the overrides the arm ne
 that holds a finished run (results.json) is reused, one that holds a checkpoint is resumed, so an
 interrupted experiment continues where it stopped.
 
-Every arm trains a fixed number of optimizer steps: a training set of n images at batch B is
-trained for round(steps / floor(n / B)) epochs. A set larger than the steps can see (n > steps x
-B) is trained as a seeded per-class subset of steps x B images for one epoch, which is what
-`steps` steps of one epoch over the whole set would draw (up to class balance); such arms are
-marked `capped`."""
+Every arm trains exactly `steps` optimizer steps (train.max_steps; train.epochs is the epochs
+they need, the last one cut short), so arms of one experiment see the same number of images
+whatever the size of their training set: a small set is passed over many times, a set larger than
+steps x batch images less than once."""
 
 from __future__ import annotations
 
@@ -52,14 +51,18 @@ class Arm:
     overrides: list[str]  # the whole run config, as `vitlab train` key=value overrides
     images: int  # training images of the run
     steps: int
-    epochs: int
-    capped: bool = False  # the wanted set was larger than the steps can see
+    epochs: int  # train.epochs: ceil(steps / steps per epoch)
     fewshot: bool = True  # a classifier whose 5-shot accuracy is measured
     info: dict = field(default_factory=dict)  # what the experiment groups by (size, patch, ...)
 
     @property
     def images_seen(self) -> int:
         return self.steps * self.batch
+
+    @property
+    def passes(self) -> float:
+        """Passes over the training set (below 1: part of it is never seen)."""
+        return self.images_seen / self.images
 
     @property
     def batch(self) -> int:
@@ -120,16 +123,11 @@ class Context:
         steps = steps or plan.steps
         labels = self.train_split.labels
         total = len(labels)
-        want = min(size or total, total)
-        capped = want > steps * plan.batch
-        if capped:
-            want = steps * plan.batch
-        fraction = want / total
+        fraction = min(size or total, total) / total
         images = _subset_size(labels, fraction)
         if images < plan.batch:
             raise ValueError(f"{images} training images are fewer than one batch ({plan.batch})")
-        per_epoch = images // plan.batch
-        epochs = 1 if capped else max(1, round(steps / per_epoch))
+        epochs = -(-steps // (images // plan.batch))
         config = [
             *RECIPE,
             f"data.name={self.data}",
@@ -137,13 +135,14 @@ class Context:
             f"data.test_fraction={self.test_fraction!r}",
             f"train.batch_size={plan.batch}",
             f"train.epochs={epochs}",
+            f"train.max_steps={steps}",
             f"train.seed={seed}",
             f"optim.warmup_epochs={0.05 * epochs:.4g}",
             *overrides,
         ]
         return Arm(
-            f"{experiment}/{slug}-seed{seed}", group, seed, kind, config, images,
-            epochs * per_epoch, epochs, capped, fewshot, dict(info or {}, requested=size),
+            f"{experiment}/{slug}-seed{seed}", group, seed, kind, config, images, steps, epochs,
+            fewshot, dict(info or {}),
         )  # fmt: skip
 
 
@@ -229,7 +228,7 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
         "epochs": arm.epochs,
         "batch": arm.batch,
         "images_seen": arm.images_seen,
-        "capped": arm.capped,
+        "passes": round(arm.passes, 3),
         "train_seconds": round(state.get("train_seconds", 0.0), 1),
         **arm.info,
     }

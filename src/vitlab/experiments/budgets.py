@@ -53,6 +53,7 @@ class Plan:
     pretrain_steps: int = 0  # mpp: the pre-training runs'
     sizes: tuple[int, ...] = ()  # data-scale: training images per arm
     model: tuple[str, ...] = ()  # overrides every ViT arm takes (smoke: one layer)
+    cnn: tuple[str, ...] = ()  # overrides every ResNet arm takes (smoke: 8x8 inputs)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Budget:
 
 
 TINY = ("model.depth=1",)
+TINY_CNN = ("model.img_size=8",)  # a ResNet-18 step on 28x28 takes ~0.5 s at batch 16
 SIZES = (1_000, 3_000, 10_000, 30_000, 60_000)
 
 BUDGET = {
@@ -76,8 +78,10 @@ BUDGET = {
         analysis_images=2,
         plans={
             "pos-embed": Plan(steps=3, batch=16, seeds=1, model=TINY),
-            "data-scale": Plan(steps=2, batch=16, seeds=1, sizes=(100, 400), model=TINY),
-            "patch-size": Plan(steps=2, batch=16, seeds=1, model=TINY),
+            "data-scale": Plan(
+                steps=2, batch=16, seeds=1, sizes=(100, 400), model=TINY, cnn=TINY_CNN
+            ),
+            "patch-size": Plan(steps=2, batch=16, seeds=1, model=TINY, cnn=TINY_CNN),
             "mpp": Plan(steps=2, batch=16, seeds=1, pretrain_steps=3, model=TINY),
         },
     ),
@@ -107,7 +111,7 @@ BUDGET = {
         analysis_images=32,
         plans={
             "pos-embed": Plan(steps=750, batch=128, seeds=3),
-            "data-scale": Plan(steps=300, batch=64, seeds=2, sizes=SIZES),
+            "data-scale": Plan(steps=240, batch=64, seeds=2, sizes=SIZES),
             "patch-size": Plan(steps=400, batch=128, seeds=2),
             "mpp": Plan(steps=200, batch=128, seeds=3, pretrain_steps=1_000),
         },

@@ -29,7 +29,7 @@ def arms(ctx: Context) -> list[Arm]:
     for seed in ctx.seed_list(NAME):
         for size in sizes:
             for label, (slug, kind, overrides, vit) in MODELS.items():
-                extra = list(plan.model) if vit else []
+                extra = plan.model if vit else plan.cnn
                 out.append(ctx.arm(NAME, f"{slug}-n{size}", f"{label} @ {size:,}", seed, kind,
                                    [*overrides, *extra], size=size,
                                    info={"model": label, "size": size}))  # fmt: skip
@@ -52,9 +52,9 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
     for label in MODELS:
         for size, s in sorted(top1[label].items()):
             r = first[(label, size)]
-            table.append([label, f"{size:,}", f"{r['images']:,}" + (" (capped)" if r["capped"]
-                          else ""), f"{r['steps']} x {r['batch']}", s.text(),
-                          few[label][size].text(), str(s.n)])  # fmt: skip
+            table.append([label, f"{r['images']:,}", f"{r['steps']} x {r['batch']}",
+                          f"{r['passes']:.3g}", s.text(), few[label][size].text(),
+                          str(s.n)])  # fmt: skip
     plots.curves(top1, out / "top1.png", "test top-1 (%)", "accuracy against training set size",
                  "training images (log)")  # fmt: skip
     plots.curves(
@@ -69,18 +69,18 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
         "is seen for many epochs and a large one for fewer; all arms share one optimiser recipe "
         "(AdamW, lr 0.002, cosine, label smoothing 0.1, no augmentation)."
     ]
-    if any(r["capped"] for r in rows):
+    if any(r["passes"] < 1 for r in rows):
         notes.append(
-            "Capped: a set larger than steps x batch images cannot be seen whole in the budget's "
-            "steps; it was trained as a seeded per-class subset of steps x batch images (what the "
-            "steps would have drawn from it), so the largest sizes differ only in that draw."
+            "Passes below 1: the budget's steps cannot show such a set whole; the run sees "
+            "steps x batch of its images, drawn without replacement, so the largest sizes differ "
+            "only in which images are drawn."
         )
     return Summary(
         [
             "model",
             "training set",
-            "trained on",
             "steps x batch",
+            "passes over the set",
             "test top-1 (%)",
             f"{SHOTS}-shot (%)",
             "seeds",

@@ -36,7 +36,7 @@ def arms(ctx: Context) -> list[Arm]:
             label,
             seed,
             kind,
-            [*overrides, *(plan.model if vit else ())],
+            [*overrides, *(plan.model if vit else plan.cnn)],
             info={"model": label},
         )  # fmt: skip
         for seed in ctx.seed_list(NAME)
