@@ -61,8 +61,9 @@ def frontier(points: dict[str, tuple[float, Stat]], path: Path, title: str) -> l
     for name, (_, s) in sorted(points.items(), key=lambda kv: kv[1][0]):
         if s.mean > best:
             best, front = s.mean, [*front, name]
-    xs = [points[n][0] for n in front]
+    xs = [points[n][0] for n in front] + [max(f for f, _ in points.values())]
     ys = [100 * points[n][1].mean for n in front]
+    ys.append(ys[-1])  # the best accuracy reached stays reachable at any larger compute
     ax.step(xs, ys, where="post", color="black", alpha=0.5, label="frontier")
     ax.set_xscale("log")
     ax.set(xlabel="training compute (FLOPs)", ylabel="test top-1 (%)", title=title)

@@ -88,6 +88,10 @@ def write_report(
         f"{len(rows)} run(s). Wall time of this invocation: {run['wall_seconds']:.0f} s; "
         f"training time of the arms (summed over the invocations that trained them): "
         f"{seconds:.0f} s.",
+        f"Every arm trains a fixed number of optimizer steps (train.max_steps; see the table or "
+        f"results.json) and is tested on {run['test_images']:,} test images (a seeded share of "
+        f"every class); 5-shot accuracy: the paper's linear few-shot protocol on the pre-logits "
+        f"features, averaged over {run['fewshot_seeds']} draws of the 5 images per class.",
         f"Machine: {_machine_text(run['machine'])}.",
     ]
     md = [

@@ -74,6 +74,7 @@ def run_experiment(name: str, ctx: Context) -> dict[str, Path]:
         "data": ctx.data,
         "seeds": seeds,
         "test_images": ctx.test_images,
+        "fewshot_seeds": ctx.budget.fewshot_seeds,
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "machine": machine(),
     }
