@@ -20,6 +20,7 @@ from vitlab.experiments.verdict import (
     FAILS,
     HOLDS,
     INCONCLUSIVE,
+    accuracy_floor,
     combine,
     data_scale_verdict,
     greater_verdict,
@@ -36,6 +37,14 @@ def s(*values: float):
 
 
 # --- the rules ---------------------------------------------------------------------------------
+
+
+def test_accuracy_floor_is_twice_the_binomial_error_at_least_a_point() -> None:
+    assert accuracy_floor(100, [s(0.5), s(0.5)]) == pytest.approx(0.1)  # 2 sqrt(.25 / 100)
+    p = 0.85  # the compared arms' mean accuracy
+    floor = accuracy_floor(1_000, [s(0.8, 0.8), s(0.9)])
+    assert floor == pytest.approx(2 * (p * (1 - p) / 1_000) ** 0.5)
+    assert accuracy_floor(1_000_000, [s(0.9)]) == 0.01
 
 
 def test_margin_is_twice_the_largest_spread_or_the_floor_with_one_seed() -> None:
@@ -171,7 +180,8 @@ def test_arms_train_the_same_steps_whatever_the_set_size(fashion_sized: None, tm
     assert {a.steps for a in arms} == {plan.steps}
     assert all(f"train.max_steps={plan.steps}" in a.overrides for a in arms)
     small = next(a for a in arms if a.info["size"] == 1_000)
-    assert (small.images, small.epochs) == (1_000, 6)  # 15 steps an epoch, the 6th cut short
+    per_epoch = 1_000 // plan.batch  # the last epoch is cut short
+    assert (small.images, small.epochs) == (1_000, -(-plan.steps // per_epoch))
     large = next(a for a in arms if a.info["size"] == 60_000)
     assert large.images == 60_000 and large.epochs == 1 and large.passes < 1
 
@@ -181,15 +191,17 @@ def test_max_steps_ends_the_run_mid_epoch(tmp_path: Path) -> None:
     from vitlab.train.run import train
     from vitlab.train.state import load_train_state
 
-    cfg = load_run_config(None, ["model.depth=1", "train.epochs=3", "train.batch_size=64",
-                                 "train.max_steps=25", "optim.schedule=linear",
-                                 "optim.warmup_epochs=0.5"])  # fmt: skip
-    run = train(cfg, out=tmp_path / "run")  # digits: 1,293 training images, 20 steps an epoch
+    cfg = load_run_config(None, ["model.depth=1", "train.epochs=3", "train.batch_size=16",
+                                 "data.label_fraction=0.1", "data.val_fraction=0",
+                                 "data.test_fraction=0.1", "train.max_steps=13",
+                                 "optim.schedule=linear", "optim.warmup_epochs=0.5"])  # fmt: skip
+    run = train(cfg, out=tmp_path / "run")  # digits: 144 training images, 9 steps an epoch
     state = load_train_state(run / "checkpoints" / "last")
-    assert (state["step"], state["epoch"]) == (25, 2)
+    assert (state["step"], state["epoch"]) == (13, 2)
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    # warm-up to step 10, then linear decay to 0 at step 25: step 24's rate is 1/15 of the peak
-    assert len(lines) == 2 and lines[-1]["lr"] == pytest.approx(0.002 / 15)
+    # warm-up to step 4 (half an epoch), then linear decay to 0 at step 13: step 12's rate is
+    # 1/9 of the peak
+    assert len(lines) == 2 and lines[-1]["lr"] == pytest.approx(0.002 / 9)
 
 
 # --- the command ---------------------------------------------------------------------------------
@@ -212,7 +224,9 @@ def test_unknown_experiment_names_the_valid_ones(capsys) -> None:
 SMOKE = ["--budget", "smoke", "--data", "digits"]
 
 
-def test_smoke_budget_end_to_end(tmp_path: Path, capsys) -> None:
+def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
+    # each run's curves.png (the training code's, tested with it) is a third of this test's time
+    monkeypatch.setattr("vitlab.train.log.save_curves", lambda records, path: None)
     out = tmp_path / "repro"
     assert main(["-q", "reproduce", "all", *SMOKE, "--out", str(out)]) == 0
     capsys.readouterr()

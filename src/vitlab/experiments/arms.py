@@ -28,6 +28,7 @@ from vitlab.eval.fewshot import fit_ridge, kshot_indices
 from vitlab.experiments.budgets import Budget, Plan, arm_seconds
 from vitlab.formats.vitlab import read_metadata, resolve_checkpoint
 from vitlab.models.checkpoint import load_checkpoint
+from vitlab.models.registry import ModelConfig
 from vitlab.train.folder import resume_config
 from vitlab.train.run import train
 
@@ -50,8 +51,11 @@ class Arm:
     kind: str  # throughput class, budgets.TRAIN_IMG_S
     overrides: list[str]  # the whole run config, as `vitlab train` key=value overrides
     images: int  # training images of the run
+    batch: int
     steps: int
     epochs: int  # train.epochs: ceil(steps / steps per epoch)
+    test_fraction: float  # data.test_fraction
+    test_images: int  # what that leaves
     fewshot: bool = True  # a classifier whose 5-shot accuracy is measured
     info: dict = field(default_factory=dict)  # what the experiment groups by (size, patch, ...)
 
@@ -64,14 +68,8 @@ class Arm:
         """Passes over the training set (below 1: part of it is never seen)."""
         return self.images_seen / self.images
 
-    @property
-    def batch(self) -> int:
-        return int(
-            next(o for o in self.overrides if o.startswith("train.batch_size=")).split("=")[1]
-        )
-
-    def estimate_s(self, test_images: int) -> float:
-        extra = test_images * (2 if self.fewshot else 1)
+    def estimate_s(self) -> float:
+        extra = self.test_images * (2 if self.fewshot else 1)
         return arm_seconds(self.kind, self.images_seen, self.epochs, extra)
 
 
@@ -94,14 +92,15 @@ class Context:
     def train_split(self) -> ArraySplit:
         return _split(self.data, "train")
 
-    @property
-    def test_fraction(self) -> float:
-        n = len(_split(self.data, "test"))
-        return 1.0 if self.budget.test_images is None else min(1.0, self.budget.test_images / n)
+    def test_fraction(self, experiment: str) -> float:
+        """data.test_fraction of the experiment's arms (its plan's test images, or the budget's;
+        None: all)."""
+        plan = self.budget.plans.get(experiment)
+        want = (plan.test_images if plan else None) or self.budget.test_images
+        return 1.0 if want is None else min(1.0, want / len(_split(self.data, "test")))
 
-    @property
-    def test_images(self) -> int:
-        return len(label_subset(_split(self.data, "test"), self.test_fraction, 0))
+    def test_images(self, experiment: str) -> int:
+        return len(test_share(self.data, self.test_fraction(experiment)))
 
     def arm(
         self,
@@ -132,7 +131,7 @@ class Context:
             *RECIPE,
             f"data.name={self.data}",
             f"data.label_fraction={fraction!r}",
-            f"data.test_fraction={self.test_fraction!r}",
+            f"data.test_fraction={self.test_fraction(experiment)!r}",
             f"train.batch_size={plan.batch}",
             f"train.epochs={epochs}",
             f"train.max_steps={steps}",
@@ -141,8 +140,9 @@ class Context:
             *overrides,
         ]
         return Arm(
-            f"{experiment}/{slug}-seed{seed}", group, seed, kind, config, images, steps, epochs,
-            fewshot, dict(info or {}),
+            f"{experiment}/{slug}-seed{seed}", group, seed, kind, config, images, plan.batch, steps,
+            epochs, self.test_fraction(experiment), self.test_images(experiment), fewshot,
+            dict(info or {}),
         )  # fmt: skip
 
 
@@ -153,6 +153,11 @@ def _split(data: str, split: str) -> ArraySplit:
         raise DatasetError(f"vitlab reproduce takes in-memory datasets (digits, fashion-mnist, "
                            f"cifar10), not {data}")  # fmt: skip
     return s
+
+
+def test_share(data: str, fraction: float) -> ArraySplit:
+    """The test images a run with data.test_fraction=fraction is tested on."""
+    return label_subset(_split(data, "test"), fraction, 0)
 
 
 def _subset_size(labels: torch.Tensor, fraction: float) -> int:
@@ -203,19 +208,22 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
         print(f"{tag}: finished run found, reusing it", file=sys.stderr, flush=True)
     else:
         t0 = time.perf_counter()
-        if (folder / "checkpoints" / "last").exists():
-            _same_config(folder, arm.overrides)
-            print(f"{tag}: resuming its run", file=sys.stderr, flush=True)
-            train(resume_config(folder, []), resume=folder)
-        else:
-            print(f"{tag}: training {arm.steps} steps of {arm.batch} on {arm.images:,} images",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            train(load_run_config(None, arm.overrides), out=folder, overwrite=True)
-        state["train_seconds"] = state.get("train_seconds", 0.0) + time.perf_counter() - t0
-        _save_state(folder, state)
+        try:
+            if (folder / "checkpoints" / "last").exists():
+                _same_config(folder, arm.overrides)
+                print(f"{tag}: resuming its run", file=sys.stderr, flush=True)
+                train(resume_config(folder, []), resume=folder)
+            else:
+                print(f"{tag}: training {arm.steps} steps of {arm.batch} on {arm.images:,} "
+                      f"images", file=sys.stderr, flush=True)  # fmt: skip
+                train(load_run_config(None, arm.overrides), out=folder, overwrite=True)
+        finally:  # stopped (Ctrl-C) or not, the time spent counts
+            if (folder / "config.yaml").is_file():
+                state["train_seconds"] = state.get("train_seconds", 0.0) + time.perf_counter() - t0
+                _save_state(folder, state)
     results = json.loads((folder / "results.json").read_text())
     if arm.fewshot and f"fewshot{SHOTS}" not in state:
-        state[f"fewshot{SHOTS}"] = fewshot_accuracy(folder, ctx)
+        state[f"fewshot{SHOTS}"] = fewshot_accuracy(folder, ctx, arm.test_fraction)
         _save_state(folder, state)
     return {
         "arm": arm.folder,
@@ -229,13 +237,14 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
         "batch": arm.batch,
         "images_seen": arm.images_seen,
         "passes": round(arm.passes, 3),
+        "test_images": arm.test_images,
         "train_seconds": round(state.get("train_seconds", 0.0), 1),
         **arm.info,
     }
 
 
 @torch.no_grad()
-def fewshot_accuracy(folder: Path, ctx: Context) -> float:
+def fewshot_accuracy(folder: Path, ctx: Context, test_fraction: float) -> float:
     """Mean test top-1 of the paper's 5-shot linear classifier (vitlab.eval.fewshot's protocol:
     prelogits features, closed-form ridge, l2 2^10) over the budget's seeds of the 5-shot draw,
     on the run's own test share. Only the drawn training images are run through the model."""
@@ -243,9 +252,7 @@ def fewshot_accuracy(folder: Path, ctx: Context) -> float:
     model.eval()
     pre = meta.preprocessing
     train_split = match_channels(ctx.train_split, pre, ctx.data)
-    test = match_channels(
-        label_subset(_split(ctx.data, "test"), ctx.test_fraction, 0), pre, ctx.data
-    )
+    test = match_channels(test_share(ctx.data, test_fraction), pre, ctx.data)
 
     def features(images: torch.Tensor) -> np.ndarray:
         chunks = [represent(model, pre.batch(b), "prelogits") for b in images.split(256)]
@@ -262,6 +269,6 @@ def fewshot_accuracy(folder: Path, ctx: Context) -> float:
     return float(np.mean(accs))
 
 
-def model_config(folder: Path):
+def model_config(folder: Path) -> ModelConfig:
     """The model config a run trained (from its best checkpoint's metadata)."""
     return read_metadata(resolve_checkpoint(folder / "checkpoints" / "best")).config

@@ -9,7 +9,7 @@ from pathlib import Path
 from vitlab.experiments import plots
 from vitlab.experiments.arms import SHOTS, Arm, Context
 from vitlab.experiments.base import Experiment, Summary, by_group
-from vitlab.experiments.verdict import Stat, data_scale_verdict
+from vitlab.experiments.verdict import FLOOR_TEXT, Stat, accuracy_floor, data_scale_verdict
 
 NAME = "data-scale"
 VIT, HYBRID, CNN = "ViT (patch 4)", "hybrid (ResNet stem)", "ResNet-18"
@@ -64,10 +64,12 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
         f"{SHOTS}-shot accuracy against training set size",
         "training images (log)",
     )
+    floor = accuracy_floor(rows[0]["test_images"], [*top1[CNN].values(), *top1[VIT].values()])
     notes = [
         "Every arm trains the same number of optimizer steps of the same batch, so a small set "
         "is seen for many epochs and a large one for fewer; all arms share one optimiser recipe "
-        "(AdamW, lr 0.002, cosine, label smoothing 0.1, no augmentation)."
+        "(AdamW, lr 0.002, cosine, label smoothing 0.1, no augmentation).",
+        FLOOR_TEXT,
     ]
     if any(r["passes"] < 1 for r in rows):
         notes.append(
@@ -86,7 +88,7 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
             "seeds",
         ],  # fmt: skip
         table,
-        data_scale_verdict(top1[CNN], top1[VIT]),
+        data_scale_verdict(top1[CNN], top1[VIT], floor),
         [
             ("top1.png", "test top-1 against training set size"),
             ("fewshot.png", f"{SHOTS}-shot linear accuracy against training set size"),

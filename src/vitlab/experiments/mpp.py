@@ -9,7 +9,7 @@ from pathlib import Path
 from vitlab.experiments import plots
 from vitlab.experiments.arms import SHOTS, Arm, Context
 from vitlab.experiments.base import Experiment, Summary, by_group
-from vitlab.experiments.verdict import mpp_verdict
+from vitlab.experiments.verdict import FLOOR_TEXT, accuracy_floor, mpp_verdict
 
 NAME = "mpp"
 LABELLED = 0.1  # the fine-tuning share of the training split
@@ -66,12 +66,13 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
             "seeds",
         ],  # fmt: skip
         table,
-        mpp_verdict(top1[SCRATCH], top1[MPP], top1[SUPERVISED]),
+        mpp_verdict(*compared.values(), accuracy_floor(rows[0]["test_images"], compared.values())),
         [("top1.png", "test top-1 after fine-tuning on 10% of the labels")],
         [
             f"Pre-training (masked patch prediction without labels, or supervised) uses every "
             f"training image; fine-tuning and the scratch arm use a seeded {LABELLED:.0%} of every "
-            f"class, for the same steps. The paper pre-trains on JFT-300M and compares on ImageNet."
+            f"class, for the same steps. The paper pre-trains on JFT-300M, compares on ImageNet.",
+            FLOOR_TEXT,
         ],
     )
 

@@ -12,8 +12,8 @@ from vitlab.analysis.cost import forward_macs
 from vitlab.experiments import plots
 from vitlab.experiments.arms import SHOTS, Arm, Context, model_config
 from vitlab.experiments.base import Experiment, Summary, by_group
-from vitlab.experiments.verdict import patch_size_verdict
-from vitlab.models.registry import family_of
+from vitlab.experiments.verdict import FLOOR_TEXT, accuracy_floor, patch_size_verdict
+from vitlab.models.registry import ModelConfig, family_of
 
 NAME = "patch-size"
 CNN = "ResNet-18"
@@ -44,7 +44,7 @@ def arms(ctx: Context) -> list[Arm]:
     ]
 
 
-def model_macs(cfg) -> int:
+def model_macs(cfg: ModelConfig) -> int:
     """Forward multiply-accumulates of one image, as `vitlab cost` counts them."""
     if family_of(cfg) == "cnn":
         _, stem = stem_cost(cfg)
@@ -71,7 +71,8 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
         ]  # fmt: skip
         for g in top1
     ]
-    verdict = patch_size_verdict({g: p for g, p in points.items() if g != CNN}, points[CNN])
+    floor = accuracy_floor(rows[0]["test_images"], top1.values())
+    verdict = patch_size_verdict({g: p for g, p in points.items() if g != CNN}, points[CNN], floor)
     return Summary(
         [
             "model",
@@ -93,7 +94,8 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
         ],  # fmt: skip
         [
             "Every arm trains the same steps of the same batch (the same images seen); its "
-            "training FLOPs = 3 (forward + backward) x 2 x forward MACs x images seen."
+            "training FLOPs = 3 (forward + backward) x 2 x forward MACs x images seen.",
+            FLOOR_TEXT,
         ],
         {"training_flops": flops, "forward_macs": macs, "frontier": front},
     )

@@ -51,7 +51,7 @@ def estimate_seconds(arms: list[Arm], ctx: Context, done: set[str] | None = None
     for arm in arms:
         if arm.folder not in done:
             done.add(arm.folder)
-            total += arm.estimate_s(ctx.test_images)
+            total += arm.estimate_s()
     return total
 
 
@@ -73,7 +73,7 @@ def run_experiment(name: str, ctx: Context) -> dict[str, Path]:
         "budget": ctx.budget.name,
         "data": ctx.data,
         "seeds": seeds,
-        "test_images": ctx.test_images,
+        "test_images": rows[0]["test_images"],
         "fewshot_seeds": ctx.budget.fewshot_seeds,
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "machine": machine(),

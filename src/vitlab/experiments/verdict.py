@@ -69,6 +69,22 @@ class Verdict:
         }
 
 
+def accuracy_floor(test_images: int, accuracies: Iterable[Stat]) -> float:
+    """The floor for accuracies measured on `test_images` images: twice the binomial standard
+    error of one accuracy at the compared arms' mean accuracy p, 2 sqrt(p (1 - p) / n), and at
+    least ACC_FLOOR. Every seed is tested on the same images, so the seed spread does not hold
+    this noise."""
+    p = statistics.fmean(s.mean for s in accuracies)
+    return max(ACC_FLOOR, 2 * math.sqrt(max(p * (1 - p), 0.0) / max(test_images, 1)))
+
+
+FLOOR_TEXT = (
+    "The accuracy floor is twice the binomial standard error of one accuracy on the test images "
+    "used, 2 sqrt(p (1 - p) / n) at the compared arms' mean accuracy p, and at least 1 pp: every "
+    "seed is tested on the same images, so the seed spread does not hold that noise."
+)
+
+
 def margin(stats: Sequence[Stat], floor: float) -> tuple[float, str]:
     """(m, how it was set): 2 x the largest seed spread among `stats`, at least `floor`; the floor
     alone when any of them has one seed."""
@@ -102,7 +118,7 @@ def pos_embed_verdict(none: Stat, positional: dict[str, Stat], floor: float = AC
     lo, hi = min(means, key=means.get), max(means, key=means.get)
     gap, tie = means[lo] - none.mean, means[hi] - means[lo]
     rule = (
-        f"With m = max(2 x the largest seed spread, {100 * floor:.0f} pp) (the floor alone with "
+        f"With m = max(2 x the largest seed spread, {100 * floor:.2f} pp) (the floor alone with "
         f"one seed): holds if the worst arm with positions ({', '.join(positional)}) is above "
         f"the no-position arm by more than m and the arms with positions lie within m of each "
         f"other; does not hold if the no-position arm is above the worst arm with positions by "
@@ -132,7 +148,7 @@ def data_scale_verdict(
     lead_large = cnn[large].mean - vit[large].mean
     rule = (
         f"lead = CNN - ViT test top-1 at a size; m = max(2 x the largest seed spread of the four "
-        f"arms compared, {100 * floor:.0f} pp) (the floor alone with one seed). Holds if the "
+        f"arms compared, {100 * floor:.2f} pp) (the floor alone with one seed). Holds if the "
         f"lead at the smallest size is above m and shrinks by more than m at the largest size "
         f"(narrowing or flipping); does not hold if the ViT leads by more than m at the smallest "
         f"size, or the lead grows by more than m; else inconclusive."
@@ -158,7 +174,7 @@ def patch_size_verdict(
     rule = (
         f"Among the ViT arms (patch sizes, hybrid) that used no more training FLOPs than the "
         f"ResNet, take the most accurate; d = its test top-1 - the ResNet's; m = max(2 x the "
-        f"larger seed spread of the two, {100 * floor:.0f} pp) (the floor alone with one seed). "
+        f"larger seed spread of the two, {100 * floor:.2f} pp) (the floor alone with one seed). "
         f"Holds if d > m; does not hold if d < -m (or no ViT arm was that cheap); else "
         f"inconclusive."
     )
@@ -179,7 +195,7 @@ def mpp_verdict(scratch: Stat, mpp: Stat, supervised: Stat, floor: float = ACC_F
     m, how = margin([scratch, mpp, supervised], floor)
     up, down = mpp.mean - scratch.mean, supervised.mean - mpp.mean
     rule = (
-        f"m = max(2 x the largest seed spread of the three arms, {100 * floor:.0f} pp) (the "
+        f"m = max(2 x the largest seed spread of the three arms, {100 * floor:.2f} pp) (the "
         f"floor alone with one seed). Holds if MPP - scratch > m and supervised - MPP > m; does "
         f"not hold if MPP - scratch < -m or supervised - MPP < -m; else inconclusive."
     )
