@@ -182,6 +182,8 @@ def test_arms_train_the_same_steps_whatever_the_set_size(fashion_sized: None, tm
     small = next(a for a in arms if a.info["size"] == 1_000)
     per_epoch = 1_000 // plan.batch  # the last epoch is cut short
     assert (small.images, small.epochs) == (1_000, -(-plan.steps // per_epoch))
+    warmup = float(next(o for o in small.overrides if "warmup_epochs" in o).split("=")[1])
+    assert round(warmup * per_epoch) == round(0.05 * plan.steps)  # 5% of the steps
     large = next(a for a in arms if a.info["size"] == 60_000)
     assert large.images == 60_000 and large.epochs == 1 and large.passes < 1
 

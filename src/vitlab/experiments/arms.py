@@ -33,10 +33,11 @@ from vitlab.train.folder import resume_config
 from vitlab.train.run import train
 
 # the quick preset's optimiser (configs/fashion-mnist-quick.yaml) without its epoch-based warm-up:
-# warm-up is 5% of each arm's epochs; no validation split, so every image trains and the best
+# warm-up is WARMUP of each arm's steps; no validation split, so every image trains and the best
 # checkpoint is the one of lowest training loss
 RECIPE = ("optim.name=adamw", "optim.lr=0.002", "optim.weight_decay=0.05", "optim.schedule=cosine",
           "optim.label_smoothing=0.1", "data.val_fraction=0")  # fmt: skip
+WARMUP = 0.05
 SHOTS = 5
 STATE = "reproduce.json"  # what `vitlab reproduce` adds to a run folder: wall time, 5-shot
 
@@ -126,7 +127,8 @@ class Context:
         images = _subset_size(labels, fraction)
         if images < plan.batch:
             raise ValueError(f"{images} training images are fewer than one batch ({plan.batch})")
-        epochs = -(-steps // (images // plan.batch))
+        per_epoch = images // plan.batch
+        epochs = -(-steps // per_epoch)
         config = [
             *RECIPE,
             f"data.name={self.data}",
@@ -136,7 +138,7 @@ class Context:
             f"train.epochs={epochs}",
             f"train.max_steps={steps}",
             f"train.seed={seed}",
-            f"optim.warmup_epochs={0.05 * epochs:.4g}",
+            f"optim.warmup_epochs={WARMUP * steps / per_epoch!r}",
             *overrides,
         ]
         return Arm(

@@ -68,7 +68,8 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
     notes = [
         "Every arm trains the same number of optimizer steps of the same batch, so a small set "
         "is seen for many epochs and a large one for fewer; all arms share one optimiser recipe "
-        "(AdamW, lr 0.002, cosine, label smoothing 0.1, no augmentation).",
+        "(AdamW, lr 0.002, cosine, label smoothing 0.1, no augmentation). The hybrid is "
+        "reported beside them; the rule compares the ResNet and the plain ViT.",
         FLOOR_TEXT,
     ]
     if any(r["passes"] < 1 for r in rows):
