@@ -162,7 +162,7 @@ def _html(exp: Experiment, summary: Summary, facts: list[str]) -> str:
         f"<h2>Verdict: {e(v.outcome)}</h2>",
         _html_verdict(v),
         "<ul>" + "".join(f"<li>{e(n)}</li>" for n in summary.notes) + "</ul>",
-        *[f"<p>{e(f)}</p>" for f in facts],
+        *[f"<p>{e(f.replace('`', ''))}</p>" for f in facts],
         *[
             f'<figure><img src="{e(f)}" alt="{e(c)}"><figcaption>{e(c)}</figcaption></figure>'
             for f, c in summary.plots
