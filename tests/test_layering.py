@@ -14,11 +14,16 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_LINES = 450
-HIGH = ("vitlab.train", "vitlab.eval", "vitlab.cli")
+HIGH = ("vitlab.train", "vitlab.eval", "vitlab.experiments", "vitlab.cli")
 # module (or package) -> layers it must not import, directly or through other modules
 FORBIDDEN = {
     "vitlab.data": ("vitlab.models", *HIGH),
     "vitlab.models": HIGH,
+    # the experiments run training and evaluation; only the command line runs them
+    "vitlab.train": ("vitlab.experiments", "vitlab.cli"),
+    "vitlab.eval": ("vitlab.experiments", "vitlab.cli"),
+    "vitlab.analysis": ("vitlab.experiments", "vitlab.cli"),
+    "vitlab.experiments": ("vitlab.cli",),
     "vitlab.config": ("vitlab.models", "vitlab.data", *HIGH),
     # formats know models' configs, not how loading is orchestrated, data, analysis or above
     "vitlab.formats": ("vitlab.models.checkpoint", "vitlab.data", "vitlab.analysis", *HIGH),

@@ -214,13 +214,17 @@ class DataConfig:
     # train on this fraction of the training split only (after the validation carve-out; the
     # same share of every class, seeded by split_seed): the labelled part of a few-label run
     label_fraction: float = 1.0
+    # the run's own test evaluation on this seeded share of every class of the test split (quick
+    # experiments: vitlab reproduce's short budgets); vitlab eval always takes the whole split
+    test_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         validate(self)
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
-        if not 0.0 < self.label_fraction <= 1.0:
-            raise ConfigError(f"data.label_fraction must be in (0, 1], got {self.label_fraction}")
+        for name in ("label_fraction", "test_fraction"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ConfigError(f"data.{name} must be in (0, 1], got {getattr(self, name)}")
         for name in ("hflip", "random_erasing"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"data.{name} is a probability, got {getattr(self, name)}")
@@ -273,13 +277,16 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # CPU threads (default: torch's)
     stop_at_epoch: int | None = None  # stop resumably after this epoch (split a run into jobs)
+    # end after this many optimizer steps (mid-epoch if need be), the schedule spanning them;
+    # train.epochs is then the most epochs the run may take (same-steps comparisons)
+    max_steps: int | None = None
     # classify: labels and cross-entropy; mpp: masked patch prediction, no labels (section mpp)
     objective: typing.Literal["classify", "mpp"] = "classify"
 
     def __post_init__(self) -> None:
         validate(self)
-        if self.epochs < 1 or self.batch_size < 1 or self.accum_steps < 1:
-            raise ConfigError("train.epochs, batch_size and accum_steps must be >= 1")
+        if min(self.epochs, self.batch_size, self.accum_steps, self.max_steps or 1) < 1:
+            raise ConfigError("train.epochs, batch_size, accum_steps and max_steps must be >= 1")
         if self.ema is not None and not 0.0 < self.ema < 1.0:
             raise ConfigError(f"train.ema is a decay in (0, 1), got {self.ema}")
 

@@ -9,7 +9,18 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from vitlab import __version__
-from vitlab.cli import analyze, convert, cost, export, fewshot, models, predict, probe, train
+from vitlab.cli import (
+    analyze,
+    convert,
+    cost,
+    export,
+    fewshot,
+    models,
+    predict,
+    probe,
+    reproduce,
+    train,
+)
 from vitlab.cli import data as data_cmd
 from vitlab.cli import eval as eval_cmd
 from vitlab.config import ConfigError
@@ -28,6 +39,7 @@ COMMANDS = (
     convert,
     export,
     data_cmd,
+    reproduce,
 )
 
 

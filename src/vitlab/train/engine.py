@@ -88,6 +88,7 @@ class StepSettings:
     lr_at: Callable[[int], float]  # optimizer step -> learning rate
     autocast: Callable[[], AbstractContextManager]
     objective: Objective = field(default_factory=classification)
+    max_steps: int | None = None  # the run ends at this optimizer step (train.max_steps)
 
 
 def train_epoch(
@@ -107,6 +108,8 @@ def train_epoch(
     model.train()
     accum = settings.accum_steps
     usable = len(loader) - len(loader) % accum  # whole accumulation windows only
+    if settings.max_steps is not None:  # pos.batch starts a window: stop at the last step's end
+        usable = min(usable, pos.batch + (settings.max_steps - pos.step) * accum)
     sums = [0.0, 0.0, 0.0, 0.0]  # loss sum, right, predictions, images (this rank)
     scored = True  # the objective's predictions are right or wrong (not a regression)
     start_time, start_images = time.perf_counter(), 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import nullcontext
+from math import inf
 from pathlib import Path
 
 import torch
@@ -216,6 +217,7 @@ class Run:
             lr_at=lambda step: learning_rate(cfg.optim, step, total, warmup),
             autocast=self.autocast,
             objective=self._objective(),
+            max_steps=cfg.train.max_steps,
         )
 
     def _objective(self) -> engine.Objective:
@@ -227,7 +229,8 @@ class Run:
         return engine.classification(smoothing)
 
     def _total_steps(self) -> int:
-        return len(self.loader) // self.cfg.train.accum_steps * self.cfg.train.epochs
+        total = len(self.loader) // self.cfg.train.accum_steps * self.cfg.train.epochs
+        return min(total, self.cfg.train.max_steps or total)
 
     def _warmup_steps(self) -> int:
         steps_per_epoch = len(self.loader) // self.cfg.train.accum_steps
@@ -350,7 +353,7 @@ class Run:
         """Train to the last epoch (True), or to train.stop_at_epoch (False)."""
         cfg, pos = self.cfg, self.pos
         with StopFlag(self.d.enabled) as stop:
-            while pos.epoch < cfg.train.epochs:
+            while pos.epoch < cfg.train.epochs and pos.step < (cfg.train.max_steps or inf):
                 stats = self._epoch(stop)
                 self._end_of_epoch(stats)
                 if cfg.train.stop_at_epoch == pos.epoch and pos.epoch < cfg.train.epochs:

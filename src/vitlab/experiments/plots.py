@@ -1,0 +1,75 @@
+"""The experiments' figures: bars with seed spreads, curves against dataset size, and accuracy
+against training compute with its frontier. PNG, matplotlib without a display."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vitlab.analysis.page import pyplot
+from vitlab.experiments.verdict import Stat
+
+
+def _err(s: Stat) -> float:
+    return 0.0 if s.spread is None else 100 * s.spread
+
+
+def bars(groups: dict[str, Stat], path: Path, ylabel: str, title: str) -> None:
+    """One bar per group: mean over seeds, the seed spread as an error bar (percent)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    names = list(groups)
+    means = [100 * groups[n].mean for n in names]
+    ax.bar(range(len(names)), means, yerr=[_err(groups[n]) for n in names], capsize=4,
+           color="#4c78a8")  # fmt: skip
+    ax.set_xticks(range(len(names)), names, rotation=15, ha="right", fontsize=8)
+    lo = min(m - _err(groups[n]) for m, n in zip(means, names))
+    ax.set_ylim(max(0.0, lo - 5), min(100.0, max(means) + 3))
+    ax.set(ylabel=ylabel, title=title)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def curves(
+    series: dict[str, dict[int, Stat]], path: Path, ylabel: str, title: str, xlabel: str
+) -> None:
+    """One line per series over a log x axis (dataset size), seed spreads as error bars."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, points in series.items():
+        xs = sorted(points)
+        ax.errorbar(xs, [100 * points[x].mean for x in xs], yerr=[_err(points[x]) for x in xs],
+                    marker="o", capsize=3, label=name)  # fmt: skip
+    ax.set_xscale("log")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def frontier(points: dict[str, tuple[float, Stat]], path: Path, title: str) -> list[str]:
+    """Accuracy against training FLOPs (log x), each arm a point, the compute-accuracy frontier
+    (arms no cheaper arm beats) as a step line. Returns the frontier's arms, cheapest first."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name, (flops, s) in points.items():
+        ax.errorbar([flops], [100 * s.mean], yerr=[_err(s)], marker="o", capsize=3, label=name)
+    best, front = float("-inf"), []
+    for name, (_, s) in sorted(points.items(), key=lambda kv: kv[1][0]):
+        if s.mean > best:
+            best, front = s.mean, [*front, name]
+    xs = [points[n][0] for n in front] + [max(f for f, _ in points.values())]
+    ys = [100 * points[n][1].mean for n in front]
+    ys.append(ys[-1])  # the best accuracy reached stays reachable at any larger compute
+    ax.step(xs, ys, where="post", color="black", alpha=0.5, label="frontier")
+    ax.set_xscale("log")
+    ax.set(xlabel="training compute (FLOPs)", ylabel="test top-1 (%)", title=title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return front

@@ -1,0 +1,98 @@
+"""The experiments by name, and running one (or all): train or reuse every arm, summarise,
+write the report."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from vitlab.experiments import data_scale, inside, mpp, patch_size, pos_embed
+from vitlab.experiments.arms import Arm, Context, run_arm
+from vitlab.experiments.base import Experiment
+from vitlab.experiments.report import machine, write_report
+
+EXPERIMENTS: dict[str, Experiment] = {
+    e.name: e
+    for e in (
+        pos_embed.EXPERIMENT,
+        data_scale.EXPERIMENT,
+        patch_size.EXPERIMENT,
+        inside.EXPERIMENT,
+        mpp.EXPERIMENT,
+    )
+}
+
+
+class UnknownExperimentError(ValueError):
+    """An experiment name that is not registered."""
+
+
+def get_experiment(name: str) -> Experiment:
+    if name not in EXPERIMENTS:
+        raise UnknownExperimentError(
+            f"unknown experiment {name!r}: choose one of {', '.join(EXPERIMENTS)} (or all); "
+            f"`vitlab reproduce --list` describes them"
+        )
+    return EXPERIMENTS[name]
+
+
+def format_list() -> str:
+    lines = []
+    for e in EXPERIMENTS.values():
+        lines += [f"{e.name:<11} {e.title}", f"{'':<11} claim: {e.claim}", ""]
+    return "\n".join(lines).rstrip()
+
+
+def estimate_seconds(arms: list[Arm], ctx: Context, done: set[str] | None = None) -> float:
+    """The budget's estimate of these arms on 2 AVX2 cores (budgets.py), each folder once."""
+    done = set() if done is None else done
+    total = 0.0
+    for arm in arms:
+        if arm.folder not in done:
+            done.add(arm.folder)
+            total += arm.estimate_s()
+    return total
+
+
+def run_experiment(name: str, ctx: Context) -> dict[str, Path]:
+    """Every arm of experiment `name` (trained, resumed or reused), then its report in
+    OUT/NAME/. Returns the report's paths."""
+    exp = get_experiment(name)
+    t0 = time.perf_counter()
+    arms = exp.arms(ctx)
+    folder = ctx.out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"vitlab reproduce {name}: {len(arms)} arm(s), budget {ctx.budget.name} on {ctx.data} "
+          f"(estimated {estimate_seconds(arms, ctx) / 60:.1f} min on 2 AVX2 cores from scratch)",
+          file=sys.stderr, flush=True)  # fmt: skip
+    rows = [run_arm(arm, ctx.out, i + 1, len(arms), ctx) for i, arm in enumerate(arms)]
+    summary = exp.summarize(ctx, rows, folder)
+    seeds = len({r["seed"] for r in rows})
+    run = {
+        "budget": ctx.budget.name,
+        "data": ctx.data,
+        "seeds": seeds,
+        "test_images": rows[0]["test_images"],
+        "fewshot_seeds": ctx.budget.fewshot_seeds,
+        "wall_seconds": round(time.perf_counter() - t0, 1),
+        "machine": machine(),
+    }
+    paths = write_report(exp, summary, rows, folder, run)
+    print(f"vitlab reproduce {name}: {summary.verdict.outcome} ({summary.verdict.reason})",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return paths
+
+
+def run_all(ctx: Context) -> dict[str, dict[str, Path]]:
+    """Every experiment in order (inside after pos-embed, whose runs it analyses), then an
+    index OUT/README.md with each verdict."""
+    reports = {name: run_experiment(name, ctx) for name in EXPERIMENTS}
+    lines = [f"# vitlab reproduce all: budget {ctx.budget.name} on {ctx.data}", "",
+             "| experiment | verdict | report |", "|---|---|---|"]  # fmt: skip
+    for name, paths in reports.items():
+        outcome = paths["report.md"].read_text().splitlines()[0].rsplit(": ", 1)[-1]
+        lines.append(f"| {EXPERIMENTS[name].title} | {outcome} | [{name}/report.md]"
+                     f"({name}/report.md) |")  # fmt: skip
+    (ctx.out / "README.md").write_text("\n".join(lines) + "\n")
+    return reports

@@ -1,0 +1,232 @@
+"""Verdicts computed from measurements: every rule is a pure function of per-seed numbers that
+returns the outcome and the rule it applied, stated in words for the report.
+
+One vocabulary for every claim of a difference d between two quantities (a mean over seeds each):
+the margin m is twice the largest seed spread (sample standard deviation, ddof 1) among the arms
+the rule compares, and never less than a floor stated by the rule (the smallest difference worth
+a verdict at these budgets). d > m: the difference is there; d < -m: the opposite is there;
+otherwise it is within noise. With one seed there is no spread, and the margin is the floor alone
+(the report says so): a single seed can still decide, but only on a difference above the floor.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
+ACC_FLOOR = 0.01  # one percentage point of accuracy
+DISTANCE_FLOOR = 1.0  # pixels of mean attention distance
+SIMILARITY_FLOOR = 0.05  # cosine similarity
+
+
+@dataclass(frozen=True)
+class Stat:
+    """One quantity over seeds: mean and spread (sample std, None with one seed)."""
+
+    values: tuple[float, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.values)
+
+    @property
+    def spread(self) -> float | None:
+        return statistics.stdev(self.values) if self.n > 1 else None
+
+    def text(self, scale: float = 100.0, digits: int = 2) -> str:
+        """'87.31 ± 0.42' (× scale: percent by default); one seed: '87.31'."""
+        mean = f"{self.mean * scale:.{digits}f}"
+        return mean if self.spread is None else f"{mean} ± {self.spread * scale:.{digits}f}"
+
+
+def stat(values: Iterable[float]) -> Stat:
+    values = tuple(float(v) for v in values)
+    if not values or not all(math.isfinite(v) for v in values):
+        raise ValueError(f"a statistic needs finite values, got {values}")
+    return Stat(values)
+
+
+@dataclass
+class Verdict:
+    outcome: str  # HOLDS | FAILS | INCONCLUSIVE
+    rule: str  # the rule, in words, with its margin
+    reason: str  # the numbers that decided it
+    parts: list[Verdict] = field(default_factory=list)  # a combined verdict's sub-claims
+
+    def to_dict(self) -> dict:
+        return {
+            "outcome": self.outcome,
+            "rule": self.rule,
+            "reason": self.reason,
+            "parts": [p.to_dict() for p in self.parts],
+        }
+
+
+def accuracy_floor(test_images: int, accuracies: Iterable[Stat]) -> float:
+    """The floor for accuracies measured on `test_images` images: twice the binomial standard
+    error of one accuracy at the compared arms' mean accuracy p, 2 sqrt(p (1 - p) / n), and at
+    least ACC_FLOOR. Every seed is tested on the same images, so the seed spread does not hold
+    this noise."""
+    p = statistics.fmean(s.mean for s in accuracies)
+    return max(ACC_FLOOR, 2 * math.sqrt(max(p * (1 - p), 0.0) / max(test_images, 1)))
+
+
+FLOOR_TEXT = (
+    "The accuracy floor is twice the binomial standard error of one accuracy on the test images "
+    "used, 2 sqrt(p (1 - p) / n) at the compared arms' mean accuracy p, and at least 1 pp: every "
+    "seed is tested on the same images, so the seed spread does not hold that noise."
+)
+
+
+def margin(stats: Sequence[Stat], floor: float) -> tuple[float, str]:
+    """(m, how it was set): 2 x the largest seed spread among `stats`, at least `floor`; the floor
+    alone when any of them has one seed."""
+    spreads = [s.spread for s in stats]
+    if any(s is None for s in spreads):
+        return floor, "the floor (one seed: no spread to measure)"
+    top = max(spreads)
+    if 2 * top >= floor:
+        return 2 * top, "2 x the largest seed spread"
+    return floor, "the floor (2 x the largest seed spread is below it)"
+
+
+def compare(d: float, m: float) -> int:
+    """+1: d > m; -1: d < -m; 0: within noise."""
+    return 1 if d > m else -1 if d < -m else 0
+
+
+def _pp(x: float) -> str:
+    return f"{100 * x:+.2f} pp"
+
+
+def _m(m: float, how: str, unit: str = "pp") -> str:
+    value = f"{100 * m:.2f} pp" if unit == "pp" else f"{m:.3g} {unit}"
+    return f"m = {value}, {how}"
+
+
+def pos_embed_verdict(none: Stat, positional: dict[str, Stat], floor: float = ACC_FLOOR) -> Verdict:
+    """Table 8: the model without positions is clearly worst; the kinds with positions tie."""
+    m, how = margin([none, *positional.values()], floor)
+    means = {k: s.mean for k, s in positional.items()}
+    lo, hi = min(means, key=means.get), max(means, key=means.get)
+    gap, tie = means[lo] - none.mean, means[hi] - means[lo]
+    rule = (
+        f"With m = max(2 x the largest seed spread, {100 * floor:.2f} pp) (the floor alone with "
+        f"one seed): holds if the worst arm with positions ({', '.join(positional)}) is above "
+        f"the no-position arm by more than m and the arms with positions lie within m of each "
+        f"other; does not hold if the no-position arm is above the worst arm with positions by "
+        f"more than m, or the arms with positions differ by more than 2m; else inconclusive."
+    )
+    reason = (
+        f"worst with positions ({lo}) - none = {_pp(gap)}; best ({hi}) - worst ({lo}) = "
+        f"{_pp(tie)}; {_m(m, how)}"
+    )
+    if gap < -m or tie > 2 * m:
+        return Verdict(FAILS, rule, reason)
+    if gap > m and tie <= m:
+        return Verdict(HOLDS, rule, reason)
+    return Verdict(INCONCLUSIVE, rule, reason)
+
+
+def data_scale_verdict(
+    cnn: dict[int, Stat], vit: dict[int, Stat], floor: float = ACC_FLOOR
+) -> Verdict:
+    """§4.3: the CNN is ahead on the smallest set; its lead shrinks (or flips) on the largest."""
+    sizes = sorted(set(cnn) & set(vit))
+    if len(sizes) < 2:
+        raise ValueError(f"the data-scale verdict needs two sizes or more, got {sizes}")
+    small, large = sizes[0], sizes[-1]
+    m, how = margin([cnn[small], vit[small], cnn[large], vit[large]], floor)
+    lead_small = cnn[small].mean - vit[small].mean
+    lead_large = cnn[large].mean - vit[large].mean
+    rule = (
+        f"lead = CNN - ViT test top-1 at a size; m = max(2 x the largest seed spread of the four "
+        f"arms compared, {100 * floor:.2f} pp) (the floor alone with one seed). Holds if the "
+        f"lead at the smallest size is above m and shrinks by more than m at the largest size "
+        f"(narrowing or flipping); does not hold if the ViT leads by more than m at the smallest "
+        f"size, or the lead grows by more than m; else inconclusive."
+    )
+    reason = (
+        f"lead at {small:,} images {_pp(lead_small)}, at {large:,} images {_pp(lead_large)}; "
+        f"{_m(m, how)}"
+    )
+    if lead_small < -m or lead_large - lead_small > m:
+        return Verdict(FAILS, rule, reason)
+    if lead_small > m and lead_small - lead_large > m:
+        return Verdict(HOLDS, rule, reason)
+    return Verdict(INCONCLUSIVE, rule, reason)
+
+
+def patch_size_verdict(
+    vits: dict[str, tuple[float, Stat]], cnn: tuple[float, Stat], floor: float = ACC_FLOOR
+) -> Verdict:
+    """Fig. 5: at the same training compute the ViT beats the ResNet (it dominates the frontier).
+    `vits`: label -> (training FLOPs, accuracy), `cnn`: (training FLOPs, accuracy)."""
+    cnn_flops, cnn_acc = cnn
+    cheaper = {k: v for k, v in vits.items() if v[0] <= cnn_flops}
+    rule = (
+        f"Among the ViT arms (patch sizes, hybrid) that used no more training FLOPs than the "
+        f"ResNet, take the most accurate; d = its test top-1 - the ResNet's; m = max(2 x the "
+        f"larger seed spread of the two, {100 * floor:.2f} pp) (the floor alone with one seed). "
+        f"Holds if d > m; does not hold if d < -m (or no ViT arm was that cheap); else "
+        f"inconclusive."
+    )
+    if not cheaper:
+        return Verdict(FAILS, rule, "no ViT arm used less training compute than the ResNet")
+    best = max(cheaper, key=lambda k: cheaper[k][1].mean)
+    flops, acc = cheaper[best]
+    m, how = margin([acc, cnn_acc], floor)
+    d = acc.mean - cnn_acc.mean
+    reason = f"{best} ({flops:.3g} FLOPs) - ResNet ({cnn_flops:.3g} FLOPs) = {_pp(d)}; {_m(m, how)}"
+    outcome = {1: HOLDS, -1: FAILS, 0: INCONCLUSIVE}[compare(d, m)]
+    return Verdict(outcome, rule, reason)
+
+
+def mpp_verdict(scratch: Stat, mpp: Stat, supervised: Stat, floor: float = ACC_FLOOR) -> Verdict:
+    """§4.6: masked-patch pre-training beats training from scratch and falls short of supervised
+    pre-training on more labelled data."""
+    m, how = margin([scratch, mpp, supervised], floor)
+    up, down = mpp.mean - scratch.mean, supervised.mean - mpp.mean
+    rule = (
+        f"m = max(2 x the largest seed spread of the three arms, {100 * floor:.2f} pp) (the "
+        f"floor alone with one seed). Holds if MPP - scratch > m and supervised - MPP > m; does "
+        f"not hold if MPP - scratch < -m or supervised - MPP < -m; else inconclusive."
+    )
+    reason = f"MPP - scratch = {_pp(up)}; supervised - MPP = {_pp(down)}; {_m(m, how)}"
+    a, b = compare(up, m), compare(down, m)
+    if a < 0 or b < 0:
+        return Verdict(FAILS, rule, reason)
+    if a > 0 and b > 0:
+        return Verdict(HOLDS, rule, reason)
+    return Verdict(INCONCLUSIVE, rule, reason)
+
+
+def greater_verdict(name: str, d: Stat, floor: float, unit: str, claim: str) -> Verdict:
+    """One sub-claim 'd > 0' (d measured per seed): holds if mean d > m, does not hold if
+    mean d < -m, m = max(2 x d's seed spread, floor)."""
+    m, how = margin([d], floor)
+    rule = (
+        f"{claim}: d = {name}; m = max(2 x the seed spread of d, {floor:g} {unit}) (the floor "
+        f"alone with one seed); holds if d > m, does not hold if d < -m, else inconclusive."
+    )
+    reason = f"d = {d.mean:+.3g} {unit}; {_m(m, how, unit)}"
+    return Verdict({1: HOLDS, -1: FAILS, 0: INCONCLUSIVE}[compare(d.mean, m)], rule, reason)
+
+
+def combine(parts: list[Verdict]) -> Verdict:
+    """All sub-claims hold: holds; any does not hold: does not hold; else inconclusive."""
+    outcomes = [p.outcome for p in parts]
+    outcome = FAILS if FAILS in outcomes else HOLDS if set(outcomes) == {HOLDS} else INCONCLUSIVE
+    rule = (
+        "The claim holds if every part below holds, does not hold if any part does not hold, and "
+        "is inconclusive otherwise."
+    )
+    reason = "; ".join(f"part {i + 1}: {o}" for i, o in enumerate(outcomes))
+    return Verdict(outcome, rule, reason, parts)

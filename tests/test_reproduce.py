@@ -1,0 +1,267 @@
+"""`vitlab reproduce`: the verdict rules against hand-made numbers (every outcome of every rule),
+the budgets' estimates against their limits, and the smoke budget end to end: reports with their
+verdicts and rules, finished runs reused, interrupted ones resumed, a changed config refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from vitlab.cli.main import main
+from vitlab.data.datasets import ArraySplit
+from vitlab.experiments import arms as arms_module
+from vitlab.experiments.arms import Context
+from vitlab.experiments.budgets import ALL_FAST_LIMIT_S, LIMIT_S, get_budget
+from vitlab.experiments.runner import EXPERIMENTS, estimate_seconds
+from vitlab.experiments.verdict import (
+    FAILS,
+    HOLDS,
+    INCONCLUSIVE,
+    accuracy_floor,
+    combine,
+    data_scale_verdict,
+    greater_verdict,
+    margin,
+    mpp_verdict,
+    patch_size_verdict,
+    pos_embed_verdict,
+    stat,
+)
+
+
+def s(*values: float):
+    return stat(values)
+
+
+# --- the rules ---------------------------------------------------------------------------------
+
+
+def test_accuracy_floor_is_twice_the_binomial_error_at_least_a_point() -> None:
+    assert accuracy_floor(100, [s(0.5), s(0.5)]) == pytest.approx(0.1)  # 2 sqrt(.25 / 100)
+    p = 0.85  # the compared arms' mean accuracy
+    floor = accuracy_floor(1_000, [s(0.8, 0.8), s(0.9)])
+    assert floor == pytest.approx(2 * (p * (1 - p) / 1_000) ** 0.5)
+    assert accuracy_floor(1_000_000, [s(0.9)]) == 0.01
+
+
+def test_margin_is_twice_the_largest_spread_or_the_floor_with_one_seed() -> None:
+    m, how = margin([s(0.80, 0.82), s(0.70, 0.71)], 0.01)
+    assert m == pytest.approx(2 * s(0.80, 0.82).spread) and "2 x" in how
+    m, how = margin([s(0.80, 0.82), s(0.70)], 0.01)
+    assert m == 0.01 and "one seed" in how
+    assert margin([s(0.80, 0.8001), s(0.7, 0.7001)], 0.01)[0] == 0.01  # never below the floor
+
+
+@pytest.mark.parametrize(
+    "none, positional, outcome",
+    [
+        # positions clearly help and tie
+        ((0.60, 0.601), (0.65, 0.651, 0.652, 0.651, 0.650, 0.652), HOLDS),
+        # none is as good as the worst with positions (beyond the margin: above it)
+        ((0.68, 0.681), (0.65, 0.651, 0.652, 0.651, 0.650, 0.652), FAILS),
+        # the kinds with positions differ by far more than 2m
+        ((0.60, 0.601), (0.65, 0.651, 0.75, 0.751, 0.70, 0.701), FAILS),
+        # none is lower, but within noise of the worst with positions
+        ((0.645, 0.646), (0.65, 0.651, 0.652, 0.651, 0.650, 0.652), INCONCLUSIVE),
+    ],
+)
+def test_pos_embed_rule(none, positional, outcome) -> None:
+    kinds = {k: s(*positional[2 * i : 2 * i + 2]) for i, k in enumerate(("1d", "2d", "rel"))}
+    v = pos_embed_verdict(s(*none), kinds)
+    assert v.outcome == outcome, v.reason
+    assert "holds if" in v.rule and "does not hold if" in v.rule
+
+
+@pytest.mark.parametrize(
+    "cnn, vit, outcome",
+    [
+        ({1: (0.80,), 60: (0.90,)}, {1: (0.70,), 60: (0.91,)}, HOLDS),  # gap closes and flips
+        (
+            {1: (0.70,), 60: (0.90,)},
+            {1: (0.80,), 60: (0.91,)},
+            FAILS,
+        ),  # the ViT leads on little data
+        ({1: (0.80,), 60: (0.95,)}, {1: (0.75,), 60: (0.80,)}, FAILS),  # the lead grows
+        ({1: (0.80,), 60: (0.90,)}, {1: (0.75,), 60: (0.85,)}, INCONCLUSIVE),  # lead unchanged
+    ],
+)
+def test_data_scale_rule(cnn, vit, outcome) -> None:
+    v = data_scale_verdict({k: s(*x) for k, x in cnn.items()}, {k: s(*x) for k, x in vit.items()})
+    assert v.outcome == outcome, v.reason
+    assert "one seed" in v.reason  # one seed per arm: the floor decided
+
+
+def test_data_scale_rule_with_seed_spread() -> None:
+    # the same means as HOLDS above, but seeds spread so wide that nothing is clear
+    cnn = {1: s(0.70, 0.90), 60: s(0.85, 0.95)}
+    vit = {1: s(0.60, 0.80), 60: s(0.86, 0.96)}
+    assert data_scale_verdict(cnn, vit).outcome == INCONCLUSIVE
+
+
+@pytest.mark.parametrize(
+    "vit_acc, outcome",
+    [((0.90, 0.905), HOLDS), ((0.80, 0.805), FAILS), ((0.85, 0.852), INCONCLUSIVE)],
+)
+def test_patch_size_rule(vit_acc, outcome) -> None:
+    vits = {
+        "patch 4": (1e12, s(*vit_acc)),
+        "patch 2 (costlier than the CNN)": (1e15, s(0.99, 0.99)),
+    }
+    v = patch_size_verdict(vits, (1e14, s(0.85, 0.851)))
+    assert v.outcome == outcome, v.reason
+    assert "patch 4" in v.reason  # only arms no costlier than the ResNet count
+
+
+def test_patch_size_rule_without_a_cheaper_vit() -> None:
+    v = patch_size_verdict({"p2": (1e15, s(0.99))}, (1e14, s(0.85)))
+    assert v.outcome == FAILS
+
+
+@pytest.mark.parametrize(
+    "scratch, mpp, sup, outcome",
+    [
+        ((0.80, 0.801), (0.82, 0.821), (0.86, 0.861), HOLDS),
+        ((0.80, 0.801), (0.78, 0.781), (0.86, 0.861), FAILS),  # pre-training hurt
+        ((0.80, 0.801), (0.88, 0.881), (0.86, 0.861), FAILS),  # above supervised
+        ((0.80, 0.801), (0.805, 0.806), (0.86, 0.861), INCONCLUSIVE),  # no clear gain
+    ],
+)
+def test_mpp_rule(scratch, mpp, sup, outcome) -> None:
+    v = mpp_verdict(s(*scratch), s(*mpp), s(*sup))
+    assert v.outcome == outcome, v.reason
+
+
+def test_greater_and_combined_rules() -> None:
+    up = greater_verdict("d", s(3.0, 3.2), 1.0, "px", "grows")
+    down = greater_verdict("d", s(-3.0, -3.2), 1.0, "px", "grows")
+    flat = greater_verdict("d", s(0.5), 1.0, "px", "grows")
+    assert (up.outcome, down.outcome, flat.outcome) == (HOLDS, FAILS, INCONCLUSIVE)
+    assert combine([up, up]).outcome == HOLDS
+    assert combine([up, flat]).outcome == INCONCLUSIVE
+    assert combine([up, flat, down]).outcome == FAILS
+    assert len(combine([up, down]).to_dict()["parts"]) == 2
+
+
+# --- the budgets -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fashion_sized(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fashion-MNIST's split sizes (60,000 / 10,000, 10 classes) without reading it."""
+
+    def split(data: str, name: str) -> ArraySplit:
+        n = 60_000 if name == "train" else 10_000
+        labels = torch.arange(n) % 10
+        return ArraySplit(torch.zeros(n, 1, 1, 1, dtype=torch.uint8), labels, list("abcdefghij"))
+
+    monkeypatch.setattr(arms_module, "_split", split)
+
+
+@pytest.mark.parametrize("budget", ["fast", "full"])
+def test_budgets_fit_their_limits(budget: str, fashion_sized: None, tmp_path: Path) -> None:
+    ctx = Context("fashion-mnist", get_budget(budget), tmp_path)
+    done: set[str] = set()
+    total = 0.0
+    for name, exp in EXPERIMENTS.items():
+        alone = estimate_seconds(exp.arms(ctx), ctx)
+        assert alone <= LIMIT_S[budget], f"{name} at {budget}: {alone / 60:.1f} min"
+        total += estimate_seconds(exp.arms(ctx), ctx, done)  # `all` trains each folder once
+    if budget == "fast":
+        assert total <= ALL_FAST_LIMIT_S, f"all --budget fast: {total / 60:.1f} min"
+
+
+def test_arms_train_the_same_steps_whatever_the_set_size(fashion_sized: None, tmp_path) -> None:
+    ctx = Context("fashion-mnist", get_budget("fast"), tmp_path)
+    arms = EXPERIMENTS["data-scale"].arms(ctx)
+    plan = ctx.plan("data-scale")
+    assert {a.steps for a in arms} == {plan.steps}
+    assert all(f"train.max_steps={plan.steps}" in a.overrides for a in arms)
+    small = next(a for a in arms if a.info["size"] == 1_000)
+    per_epoch = 1_000 // plan.batch  # the last epoch is cut short
+    assert (small.images, small.epochs) == (1_000, -(-plan.steps // per_epoch))
+    warmup = float(next(o for o in small.overrides if "warmup_epochs" in o).split("=")[1])
+    assert round(warmup * per_epoch) == round(0.05 * plan.steps)  # 5% of the steps
+    large = next(a for a in arms if a.info["size"] == 60_000)
+    assert large.images == 60_000 and large.epochs == 1 and large.passes < 1
+
+
+def test_max_steps_ends_the_run_mid_epoch(tmp_path: Path) -> None:
+    from vitlab.config import load_run_config
+    from vitlab.train.run import train
+    from vitlab.train.state import load_train_state
+
+    cfg = load_run_config(None, ["model.depth=1", "train.epochs=3", "train.batch_size=16",
+                                 "data.label_fraction=0.1", "data.val_fraction=0",
+                                 "data.test_fraction=0.1", "train.max_steps=13",
+                                 "optim.schedule=linear", "optim.warmup_epochs=0.5"])  # fmt: skip
+    run = train(cfg, out=tmp_path / "run")  # digits: 144 training images, 9 steps an epoch
+    state = load_train_state(run / "checkpoints" / "last")
+    assert (state["step"], state["epoch"]) == (13, 2)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    # warm-up to step 4 (half an epoch), then linear decay to 0 at step 13: step 12's rate is
+    # 1/9 of the peak
+    assert len(lines) == 2 and lines[-1]["lr"] == pytest.approx(0.002 / 9)
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+def test_list_names_every_experiment(capsys) -> None:
+    assert main(["reproduce", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("pos-embed", "data-scale", "patch-size", "inside", "mpp"):
+        assert name in out
+
+
+def test_unknown_experiment_names_the_valid_ones(capsys) -> None:
+    assert main(["reproduce", "pos-embedding", "--out", "/nonexistent/x"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown experiment 'pos-embedding'" in err
+    assert "pos-embed, data-scale, patch-size, inside, mpp" in err
+
+
+SMOKE = ["--budget", "smoke", "--data", "digits"]
+
+
+def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
+    # each run's curves.png (the training code's, tested with it) is a third of this test's time
+    monkeypatch.setattr("vitlab.train.log.save_curves", lambda records, path: None)
+    out = tmp_path / "repro"
+    assert main(["-q", "reproduce", "all", *SMOKE, "--out", str(out)]) == 0
+    capsys.readouterr()
+    for name in EXPERIMENTS:
+        record = json.loads((out / name / "results.json").read_text())
+        outcome = record["verdict"]["outcome"]
+        assert outcome in (HOLDS, FAILS, INCONCLUSIVE)
+        for report in ("report.md", "report.html"):
+            text = (out / name / report).read_text()
+            assert f"Verdict: {outcome}" in text and "rule" in text.lower()
+            assert record["verdict"]["rule"].split(";")[0][:40] in text.replace("&#x27;", "'")
+        for png in record["plots"]:
+            assert (out / name / png).read_bytes()[:4] == b"\x89PNG"
+    assert "| Position embeddings (Table 8) |" in (out / "README.md").read_text()
+
+    # a second invocation reuses every finished run: nothing is trained again
+    weights = out / "pos-embed" / "learned-seed0" / "checkpoints" / "last" / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("finished run found, reusing it") == 5 and "training" not in err
+    assert weights.stat().st_mtime_ns == before
+
+    # an interrupted run (a checkpoint, no results yet) is resumed, not restarted
+    (out / "pos-embed" / "none-seed0" / "results.json").unlink()
+    assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "pos-embed/none-seed0: resuming its run" in err
+    assert (out / "pos-embed" / "none-seed0" / "results.json").is_file()
+
+    # a folder holding a run of another configuration is refused, naming it
+    config = out / "pos-embed" / "none-seed0" / "config.yaml"
+    config.write_text(config.read_text().replace("seed: 0", "seed: 7"))
+    assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "none-seed0 holds a run of another configuration" in err and "train.seed" in err
