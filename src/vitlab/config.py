@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from vitlab.duration import parse_duration
+
 T = TypeVar("T")
 
 
@@ -264,9 +266,17 @@ class TrainConfig:
     stop_at_epoch: int | None = None  # stop resumably after this epoch (split a run into jobs)
     # classify: labels and cross-entropy; mpp: masked patch prediction, no labels (section mpp)
     objective: typing.Literal["classify", "mpp"] = "classify"
+    # a duration (3m, 90s, 1h30m, seconds) for the whole command: the steps are then planned to
+    # fit it and train.epochs is not used (vitlab.train.budget)
+    time_budget: str | float | None = None
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.time_budget is not None:
+            try:
+                parse_duration(self.time_budget, "train.time_budget")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.epochs < 1 or self.batch_size < 1 or self.accum_steps < 1:
             raise ConfigError("train.epochs, batch_size and accum_steps must be >= 1")
         if self.ema is not None and not 0.0 < self.ema < 1.0:
