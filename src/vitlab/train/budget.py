@@ -6,9 +6,10 @@ How: after SKIP_STEPS steps (allocation, compilation, caches) the next TIMED_STE
 then the number of optimizer steps N is planned (plan_steps) from the time the process has been
 running, the time per step, an estimate of each epoch's end (validation + checkpoints) and of the
 test split, less a safety margin. At the first epoch end after that, whose cost is then measured,
-N is planned once more, and is fixed from there, unless the machine slows down: every CHECK_EVERY
-steps the latest steps' pace is compared with the plan's, and when it is SLOWER times slower N is
-planned again at that pace, shortened only (a shared machine's neighbours can halve the speed).
+N is planned once more. Then every CHECK_EVERY steps the latest steps' pace is compared with the
+plan's, and when it differs by more than DRIFT (a shared machine's neighbours come and go) N is
+planned again at that pace: longer or shorter in the first half of the plan, only shorter after it
+(so the decay, once well under way, is not undone).
 The schedule (warm-up as configured, at most a fifth of N, then the configured decay) is rebuilt
 over N whenever N is planned, counting the steps already taken; train.epochs is not used: the run
 trains ceil(N / steps per epoch) epochs, the last one possibly partial. The decision points depend
@@ -45,8 +46,9 @@ TIMED_STEPS = 20  # timed before the first plan
 MARGIN = 0.05  # share of the budget left free for the machine's noise, plus MARGIN_S
 MARGIN_S = 1.0
 TAIL_S = 2.0  # after the test split: curves.png, results.json, exit
-CHECK_EVERY = 50  # once fixed, the plan is checked every this many steps against their pace
-SLOWER = 1.05  # and shortened when the latest steps are this much slower than planned
+CHECK_EVERY = 50  # the plan is checked every this many steps against their pace
+DRIFT = 0.05  # and made again when the latest steps are this much slower or faster
+FORWARD = 1 / 3  # an evaluation image costs about this share of a training image (no backward)
 PLAN_FILE = "time_budget.json"
 _IMPORTED = time.time()
 
@@ -138,6 +140,12 @@ class TimeBudget:
         self.watch = not (resumed and self.file.is_file())
         if not self.watch:  # a resumed run keeps its plan
             self._fix(int(json.loads(self.file.read_text())["steps"]), final=True)
+            if d.is_main:
+                print(
+                    f"time budget {self.text}: resumed, keeping the run's plan of "
+                    f"{self.total:,} steps ({self.total / self.spe:.1f} epochs)",
+                    file=sys.stderr,
+                )
         else:  # reach the planning step, whatever train.epochs says
             reach = math.ceil((SKIP_STEPS + TIMED_STEPS + 2) / self.spe)
             cfg.train.epochs = max(cfg.train.epochs, reach)
@@ -169,12 +177,13 @@ class TimeBudget:
         elif self.total is not None and not self.final and self.ends:  # the first epoch end
             self._plan(step, self._costs, final=True, note=" (planned again after an epoch end)")
         elif self.final and step % CHECK_EVERY == 0:
-            note = " (shortened: the steps are slower than planned)"
-            self._plan(step, self._slower, final=True, note=note, shorten_only=True)
+            late = step >= self.total / 2  # in the second half a plan only shortens
+            note = " (planned again: the steps' pace changed)"
+            self._plan(step, self._paced, final=True, note=note, shorten_only=late)
 
     def _costs(self) -> Costs:
         step = sum(self.steps) / len(self.steps)
-        per_image = step / self.batch / 2  # a forward pass is about a third of a step
+        per_image = step / self.batch * FORWARD
         if self.ends:
             end = sum(self.ends) / len(self.ends)
             per_image = end / self.val_images if self.val_images else per_image
@@ -182,11 +191,11 @@ class TimeBudget:
             end = self.val_images * per_image + 0.2
         return Costs(step, end, self.test_images * per_image * self.test_factor + TAIL_S)
 
-    def _slower(self) -> Costs | None:
-        """The plan's costs scaled to the latest steps' pace when that is SLOWER times slower
-        (None: on plan, or faster; a plan is never lengthened)."""
+    def _paced(self) -> Costs | None:
+        """The plan's costs scaled to the latest steps' pace when that differs by more than
+        DRIFT (None: on plan)."""
         now, was = sum(self.recent) / max(len(self.recent), 1), self.planned
-        if was is None or len(self.recent) < CHECK_EVERY // 2 or now <= was.step * SLOWER:
+        if was is None or len(self.recent) < CHECK_EVERY // 2 or abs(now / was.step - 1) <= DRIFT:
             return None
         k = now / was.step
         return Costs(now, was.epoch_end * k, (was.final - TAIL_S) * k + TAIL_S)
@@ -205,7 +214,8 @@ class TimeBudget:
         costs = costing() if self.d.is_main else None
         if costs is not None:
             n = plan_steps(self.seconds, process_age(), step, self.spe, costs)
-            plan = None if shorten_only and n >= (self.total or 0) else (n, costs)
+            same = n == self.total or (shorten_only and n > (self.total or 0))
+            plan = None if same else (n, costs)
         plan = distributed.broadcast(plan, self.d)
         if plan is None:
             return
