@@ -95,8 +95,10 @@ def test_the_budget_plans_from_timed_steps(tmp_path, monkeypatch) -> None:
     assert settings.lr_at(153) < 0.001 * 0.001 and settings.lr_at(154) == 0.0
 
 
-def run_on_a_fake_clock(monkeypatch, tmp_path, seconds: int, pace) -> tuple[list[int], float]:
-    """A TimeBudget of `seconds` driven step by step, 40 steps an epoch, the process 5 s old at
+def run_on_a_fake_clock(
+    monkeypatch, tmp_path, seconds: int, pace, spe: int = 40
+) -> tuple[list[int], float]:
+    """A TimeBudget of `seconds` driven step by step, `spe` steps an epoch, the process 5 s old at
     step 0, step s taking pace(s) * 0.1 s and an epoch end pace(s) * 1.0 s. Returns the plans
     made and the simulated command's length (with the last epoch's end and the test split)."""
     cfg = load_run_config(None, [f"train.time_budget={seconds}s", "optim.lr=0.001"])
@@ -104,13 +106,13 @@ def run_on_a_fake_clock(monkeypatch, tmp_path, seconds: int, pace) -> tuple[list
     clock = [0.0]
     monkeypatch.setattr(budget.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(budget, "process_age", lambda: 5.0 + clock[0])
-    TimeBudget(cfg, settings, 40, 4, (64, 100, 200), tmp_path, Dist(), bf16=False)
+    TimeBudget(cfg, settings, spe, 4, (64, 100, 200), tmp_path, Dist(), bf16=False)
     step, plans = 0, []
     while settings.max_steps is None or step < settings.max_steps:
         settings.lr_at(step)
         if settings.max_steps is not None and settings.max_steps not in plans:
             plans.append(settings.max_steps)
-        clock[0] += pace(step) * (0.1 + (1.0 if (step + 1) % 40 == 0 else 0.0))
+        clock[0] += pace(step) * (0.1 + (1.0 if (step + 1) % spe == 0 else 0.0))
         step += 1
     assert settings.lr_at(step - 1) < 0.001 * 0.001 and settings.lr_at(step) == 0.0
     # after the last step: the last epoch's end, and the test split (200 images at the epoch
@@ -120,19 +122,21 @@ def run_on_a_fake_clock(monkeypatch, tmp_path, seconds: int, pace) -> tuple[list
 
 def test_a_plan_follows_the_steps_pace(tmp_path, monkeypatch) -> None:
     """Twice as slow from step 60 (past half of the plan): shortened, and still in time. Twice
-    as fast from step 40 (before half of it): lengthened, and the budget used."""
-    plans, length = run_on_a_fake_clock(
-        monkeypatch, tmp_path, 31, lambda s: 2.0 if s >= 60 else 1.0
-    )
+    as fast from step 40 (before half of it): lengthened, and the budget used. Twice as slow
+    from step 30 in an epoch longer than the run: shortened before any epoch end."""
+    slower, faster = (lambda s: 2.0 if s >= 60 else 1.0), (lambda s: 0.5 if s >= 40 else 1.0)
+    plans, length = run_on_a_fake_clock(monkeypatch, tmp_path, 31, slower)
     assert plans[1] == 154 and len(plans) == 3 and plans[2] < 154  # as above, then shortened
     assert length <= 31.0
-    plans, length = run_on_a_fake_clock(
-        monkeypatch, tmp_path, 61, lambda s: 0.5 if s >= 40 else 1.0
-    )
-    print("PLANS", plans, length)
-    # 61 s at 0.1 s a step as above (379 steps), then lengthened twice, to 739 steps (56.95 s)
+    plans, length = run_on_a_fake_clock(monkeypatch, tmp_path, 61, faster)
+    # 61 s at 0.1 s a step as above (379 steps), then lengthened
     assert plans[1] == 379 and plans[-1] > 379
     assert 61.0 * 0.9 <= length <= 61.0
+    plans, length = run_on_a_fake_clock(monkeypatch, tmp_path, 61, slower, spe=1000)
+    assert len(plans) >= 2 and plans[-1] < plans[0]
+    # no epoch end measured, so validation and test are estimated (at a third of a training
+    # image each: 2.35 s here, against the simulation's 6 s); the steps end in time for them
+    assert length - 6.0 - 2.0 <= 61 * 0.95 - 1 - 2.35
 
 
 def spent_at_start(steps: int, wall: float | None) -> None:

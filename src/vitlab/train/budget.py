@@ -48,6 +48,7 @@ MARGIN_S = 1.0
 TAIL_S = 2.0  # after the test split: curves.png, results.json, exit
 CHECK_EVERY = 50  # the plan is checked every this many steps against their pace
 DRIFT = 0.05  # and made again when the latest steps are this much slower or faster
+STUB = 0.05  # a last epoch shorter than this share of one is dropped
 FORWARD = 1 / 3  # an evaluation image costs about this share of a training image (no backward)
 PLAN_FILE = "time_budget.json"
 _IMPORTED = time.time()
@@ -80,8 +81,9 @@ def plan_steps(
 ) -> int:
     """The most optimizer steps N (at least steps_done + 1: the step under way is taken) for which
     elapsed + (N - steps_done) step + (ceil(N / steps_per_epoch) - epochs ended) epoch_end
-    + final <= budget (1 - MARGIN) - MARGIN_S. `steps_done` steps are taken, so
-    steps_done // steps_per_epoch epochs have ended."""
+    + final <= budget (1 - MARGIN) - MARGIN_S, less a last epoch of at most STUB of one (not
+    worth its validation). `steps_done` steps are taken, so steps_done // steps_per_epoch epochs
+    have ended."""
     usable = budget * (1 - MARGIN) - MARGIN_S - elapsed - costs.final
     ended = steps_done // steps_per_epoch
 
@@ -96,7 +98,8 @@ def plan_steps(
     while lo < hi:  # cost grows with n: the last n that fits
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if cost(mid) <= usable else (lo, mid - 1)
-    return lo
+    stub = lo % steps_per_epoch  # a last epoch of a few steps is not worth its validation
+    return lo - stub if 0 < stub <= STUB * steps_per_epoch and lo - stub > steps_done else lo
 
 
 def budget_schedule(cfg: RunConfig, total: int, warmup: int) -> Callable[[int], float]:
@@ -176,7 +179,8 @@ class TimeBudget:
             self._plan(step, self._costs, final=bool(self.ends))  # final: an epoch end measured
         elif self.total is not None and not self.final and self.ends:  # the first epoch end
             self._plan(step, self._costs, final=True, note=" (planned again after an epoch end)")
-        elif self.final and step % CHECK_EVERY == 0:
+            self.recent.clear()  # the new plan's pace is these steps' mean: compare afresh
+        elif self.total is not None and step % CHECK_EVERY == 0:
             late = step >= self.total / 2  # in the second half a plan only shortens
             note = " (planned again: the steps' pace changed)"
             self._plan(step, self._paced, final=True, note=note, shorten_only=late)
