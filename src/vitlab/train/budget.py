@@ -238,6 +238,7 @@ class TimeBudget:
             "epochs": round(epochs, 2),
             "images_per_s": round(speed, 1),
             "final": final,
+            "estimates_s": {k: round(v, 3) for k, v in vars(costs).items()},  # Costs' fields
         }
         self.file.write_text(json.dumps(plan) + "\n")
         print(
