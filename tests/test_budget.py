@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import subprocess
 import sys
 import time
@@ -139,6 +140,12 @@ def test_a_plan_follows_the_steps_pace(tmp_path, monkeypatch) -> None:
     assert length - 6.0 - 2.0 <= 61 * 0.95 - 1 - 2.35
 
 
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) the finished child processes of this one have used."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def spent_at_start(steps: int, wall: float | None) -> None:
     """Skip when the planned steps are the fewest possible: start-up alone took the budget (a
     machine so loaded that nothing here can be measured)."""
@@ -148,18 +155,18 @@ def spent_at_start(steps: int, wall: float | None) -> None:
 
 def test_a_budgeted_run_ends_in_time_and_says_what_it_bought(tmp_path: Path) -> None:
     out, seconds = tmp_path / "run", 20
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), cpu_seconds()
     r = subprocess.run(
         [sys.executable, "-m", "vitlab", "train", "--out", str(out),
          f"train.time_budget={seconds}s", "train.threads=1"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    wall = time.perf_counter() - t
+    wall, cpu = time.perf_counter() - t, cpu_seconds() - cpu
     assert r.returncode == 0, r.stderr[-2000:]
     plan = json.loads((out / "time_budget.json").read_text())
     steps = plan["steps"]
-    if wall > seconds + 3:
-        spent_at_start(steps, wall)
+    if wall > seconds + 3 and cpu < wall / 2:  # it ran less than half the time: starved
+        pytest.skip(f"the machine is too busy to time a run: {cpu:.0f} s of CPU in {wall:.0f} s")
     assert wall <= seconds + 3, wall
     assert f"time budget {seconds}s: {steps:,} steps (" in r.stderr
     assert load_train_state(out / "checkpoints" / "last")["step"] == steps
