@@ -38,7 +38,7 @@ def test_preset_parses_and_states_its_commands(path: Path) -> None:
 
 def test_digits_preset_smoke(tmp_path: Path) -> None:
     assert main(["train", "--config", "configs/digits.yaml", "--out", str(tmp_path / "r"),
-                 "train.epochs=1"]) == 0  # fmt: skip
+                 "train.time_budget=null", "train.epochs=1"]) == 0  # fmt: skip
     assert (tmp_path / "r" / "results.json").is_file()
 
 
@@ -57,9 +57,12 @@ def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "command,words",
     [
-        ("train", ["--config", "--out", "--resume", "key=value", "finetune.from", "fsdp"]),
-        ("eval", ["--data", "--split", "--json", "--out"]),
-        ("predict", ["--topk", "--json", "IMAGE"]),
+        (
+            "train",
+            ["--config", "--out", "--resume", "key=value", "finetune.from", "fsdp", "time_budget"],
+        ),
+        ("eval", ["--data", "--split", "--json", "--out", "--backend", "onnxruntime", "--int8"]),
+        ("predict", ["--topk", "--json", "IMAGE", "--backend", "onnxruntime", "--int8"]),
     ],
 )
 def test_help_explains_the_options(command: str, words: list[str]) -> None:

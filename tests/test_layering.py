@@ -29,7 +29,7 @@ FORBIDDEN = {
     "vitlab.formats": ("vitlab.models.checkpoint", "vitlab.data", "vitlab.analysis", *HIGH),
     "vitlab.hub": ("vitlab.models.checkpoint", "vitlab.data", "vitlab.analysis", *HIGH),
 }
-LEAVES = ("vitlab.runtime", "vitlab.preprocessing")  # import no vitlab module at all
+LEAVES = ("vitlab.runtime", "vitlab.preprocessing", "vitlab.duration")  # import no vitlab module
 
 Edge = tuple[str, str]  # (importer, imported)
 

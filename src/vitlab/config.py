@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from vitlab.duration import parse_duration
+
 T = TypeVar("T")
 
 
@@ -277,14 +279,22 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # CPU threads (default: torch's)
     stop_at_epoch: int | None = None  # stop resumably after this epoch (split a run into jobs)
-    # end after this many optimizer steps (mid-epoch if need be), the schedule spanning them;
-    # train.epochs is then the most epochs the run may take (same-steps comparisons)
+    # end after exactly this many optimizer steps, the schedule spanning them (epochs: the most)
     max_steps: int | None = None
     # classify: labels and cross-entropy; mpp: masked patch prediction, no labels (section mpp)
     objective: typing.Literal["classify", "mpp"] = "classify"
+    # a duration (3m, 90s, 1h30m, seconds) the whole command fits in (vitlab.train.budget)
+    time_budget: str | float | None = None
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.time_budget is not None:
+            if self.max_steps is not None:
+                raise ConfigError("train.time_budget plans the steps: leave train.max_steps unset")
+            try:
+                parse_duration(self.time_budget, "train.time_budget")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if min(self.epochs, self.batch_size, self.accum_steps, self.max_steps or 1) < 1:
             raise ConfigError("train.epochs, batch_size, accum_steps and max_steps must be >= 1")
         if self.ema is not None and not 0.0 < self.ema < 1.0:
@@ -369,13 +379,9 @@ class RunConfig:
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
 
     SECTIONS: typing.ClassVar[dict[str, type]] = {
-        "data": DataConfig,
-        "optim": OptimConfig,
-        "train": TrainConfig,
-        "finetune": FinetuneConfig,
-        "mpp": MPPConfig,
-        "distill": DistillConfig,
-    }
+        "data": DataConfig, "optim": OptimConfig, "train": TrainConfig, "finetune": FinetuneConfig,
+        "mpp": MPPConfig, "distill": DistillConfig,
+    }  # fmt: skip
 
     @classmethod
     def from_tree(cls, tree: Mapping[str, Any]) -> RunConfig:

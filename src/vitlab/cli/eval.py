@@ -34,6 +34,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=Path,
         help="where to save confusion_matrix.png (default: the run folder, else the current one)",
     )
+    p.add_argument(
+        "--backend",
+        choices=["torch", "onnxruntime"],
+        default="torch",
+        help="torch: eager PyTorch (default); onnxruntime: the model exported to ONNX (checked "
+        "against PyTorch within 1e-4) and run by an onnxruntime CPU session (needs pip install "
+        "'vitlab[export]')",
+    )
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="int8 dynamic quantisation of the linear layers' weights (torch: torch.ao "
+        "quantize_dynamic; onnxruntime: its quantize_dynamic of the exported MatMul/Gemm "
+        "weights); CPU only, not for CNNs",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -49,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         device=args.device,
         out=args.out,
+        backend=args.backend,
+        int8=args.int8,
     )
     if args.json:
         print(json.dumps(report, indent=2))

@@ -11,6 +11,7 @@ import yaml
 from vitlab.config import DataConfig, RunConfig
 from vitlab.data import make_loader
 from vitlab.data.datasets import DatasetError, load_run_split, read_image
+from vitlab.eval.backends import backend_device, describe, prepare
 from vitlab.eval.classification import evaluate, format_confusion, save_confusion_png
 from vitlab.formats.vitlab import vitlab_weights
 from vitlab.models.checkpoint import load_checkpoint
@@ -49,10 +50,13 @@ def evaluate_checkpoint(
     batch_size: int = 256,
     device: str = "auto",
     out: Path | None = None,
+    backend: str = "torch",
+    int8: bool = False,
 ) -> dict:
-    """Metrics of a checkpoint on a split; saves confusion_matrix.png. The dataset and its
-    validation carve-out default to the checkpoint's run config."""
-    dev = pick_device(device, "--device")
+    """Metrics of a checkpoint on a split, run by `backend` (vitlab.eval.backends); saves
+    confusion_matrix.png. The dataset and its validation carve-out default to the checkpoint's
+    run config."""
+    dev = _device(device, backend, int8)
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:
         raise ValueError(
@@ -74,7 +78,8 @@ def evaluate_checkpoint(
             f"{meta.config.num_classes}"
         )
     loader = make_loader(part, batch_size, meta.preprocessing)
-    metrics = evaluate(model, loader, meta.config.num_classes, dev)
+    runner = prepare(model, meta, backend, int8)
+    metrics = evaluate(runner, loader, meta.config.num_classes, dev)
     target = Path(out) if out else (run or Path("."))
     target.mkdir(parents=True, exist_ok=True)
     png = target / f"confusion_matrix_{split}.png"
@@ -88,6 +93,7 @@ def evaluate_checkpoint(
         "checkpoint": str(weights or checkpoint),
         "data": name,
         "split": split,
+        "backend": describe(backend, int8),
         **metrics,
         "classes": meta.classes,
         "confusion_png": str(png),
@@ -96,7 +102,8 @@ def evaluate_checkpoint(
 
 def format_report(r: dict) -> str:
     lines = [
-        f"{r['checkpoint']} on {r['data']} ({r['split']}, {r['num_images']:,} images)",
+        f"{r['checkpoint']} on {r['data']} ({r['split']}, {r['num_images']:,} images), "
+        f"backend {r.get('backend', 'torch')}",
         f"top-1 {100 * r['top1']:.2f}%   top-5 {100 * r['top5']:.2f}%   loss {r['loss']:.4f}",
     ]
     if "top1_cls" in r:  # a distilled model (DeiT): top-1 is its two heads' average
@@ -113,12 +120,28 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def predict_files(checkpoint: str, images: list[str], topk: int = 5, device: str = "auto") -> list:
-    """Top-k classes with probabilities for each image file; unreadable files are reported."""
-    dev = pick_device(device, "--device")
+def _device(device: str, backend: str, int8: bool) -> torch.device:
+    """--device for a backend: `auto` is the CPU for onnxruntime and int8."""
+    on_cpu = backend != "torch" or int8
+    dev = pick_device("cpu" if on_cpu and device == "auto" else device, "--device")
+    return backend_device(dev, backend, int8)
+
+
+def predict_files(
+    checkpoint: str,
+    images: list[str],
+    topk: int = 5,
+    device: str = "auto",
+    backend: str = "torch",
+    int8: bool = False,
+) -> list:
+    """Top-k classes with probabilities for each image file, run by `backend`
+    (vitlab.eval.backends); unreadable files are reported."""
+    dev = _device(device, backend, int8)
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:
         raise ValueError(f"{checkpoint} has no classifier (num_classes=0): nothing to predict")
+    model = prepare(model, meta, backend, int8)
     k = min(topk, meta.config.num_classes)
     results = []
     for path in images:

@@ -88,7 +88,7 @@ class StepSettings:
     lr_at: Callable[[int], float]  # optimizer step -> learning rate
     autocast: Callable[[], AbstractContextManager]
     objective: Objective = field(default_factory=classification)
-    max_steps: int | None = None  # the run ends at this optimizer step (train.max_steps)
+    max_steps: int | None = None  # the run ends at this step (train.max_steps or time_budget)
 
 
 def train_epoch(
@@ -119,6 +119,8 @@ def train_epoch(
         if i >= usable:
             break
         first, last = (i % accum == 0), ((i + 1) % accum == 0)
+        if first and settings.max_steps is not None and pos.step >= settings.max_steps:
+            break  # the run's last step (train.time_budget): the epoch ends here
         if first and any_rank(stop_requested(), d, device):
             return _stats(sums, scored, start_time, start_images, d, device), True
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)

@@ -30,7 +30,7 @@ from vitlab.models.checkpoint import infer_config, read_source
 from vitlab.models.mpp import MaskedPatchViT
 from vitlab.models.registry import build_model, config_of, family_of
 from vitlab.runtime import Dist, derive_seed, pick_device, rng_state, set_rng_state, use_bf16
-from vitlab.train import build, distill, distributed, engine
+from vitlab.train import budget, build, distill, distributed, engine
 from vitlab.train.build import finetune_weights, load_data, normalization, resolve_model_config
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
 from vitlab.train.folder import check_resume_length, claim_run_folder, default_run_folder
@@ -190,6 +190,8 @@ class Run:
             self._restore(Path(resume))
             if planned is not None and planned != cfg.train.epochs:
                 self._extend(planned)
+        self.budget = budget.attach(cfg, self.settings, len(self.loader), self.data, self.out, d,
+                                    self.bf16, resume is not None)  # fmt: skip
         if cfg.train.compile:
             self.train_model = torch.compile(self.train_model)
         self.meta = CheckpointMeta(mc, self.pre, [] if self.mpp else info.classes, {})

@@ -1,0 +1,275 @@
+"""`train.time_budget`: fit the whole `vitlab train` command (start-up, training, validation after
+every epoch, the test split) into a duration, with the learning-rate schedule spanning the steps
+actually taken (budget-aware schedules: Li et al. 2020, "Budgeted Training").
+
+How: after SKIP_STEPS steps (allocation, compilation, caches) the next TIMED_STEPS steps are timed;
+then the number of optimizer steps N is planned (plan_steps) from the time the process has been
+running, the time per step, an estimate of each epoch's end (validation + checkpoints) and of the
+test split, less a safety margin. At the first epoch end after that, whose cost is then measured,
+N is planned once more. Then every CHECK_EVERY steps the latest steps' pace is compared with the
+plan's, and when it differs by more than DRIFT (a shared machine's neighbours come and go) N is
+planned again at that pace: longer or shorter in the first half of the plan, only shorter after it
+(so the decay, once well under way, is not undone).
+The schedule (warm-up as configured, at most a fifth of N, then the configured decay) is rebuilt
+over N whenever N is planned, counting the steps already taken; train.epochs is not used: the run
+trains ceil(N / steps per epoch) epochs, the last one possibly partial. The decision points depend
+on step numbers only, so every rank plans at the same step; rank 0's plan is broadcast.
+
+The plan is written to RUN/time_budget.json. `--resume` keeps it: a resumed run finishes the steps
+the first command's budget bought, on the same schedule, however long the break (the budget counts
+the run as first planned, not the resumed command); a run stopped before it planned plans afresh,
+counting this command's time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from vitlab.config import RunConfig
+from vitlab.duration import parse_duration
+from vitlab.runtime import Dist
+from vitlab.train import distributed
+from vitlab.train.build import Data
+from vitlab.train.engine import StepSettings
+from vitlab.train.optim import learning_rate
+
+SKIP_STEPS = 3  # not timed: the first steps allocate, compile and warm caches
+TIMED_STEPS = 20  # timed before the first plan
+MARGIN = 0.05  # share of the budget left free for the machine's noise, plus MARGIN_S
+MARGIN_S = 1.0
+TAIL_S = 2.0  # after the test split: curves.png, results.json, exit
+CHECK_EVERY = 50  # the plan is checked every this many steps against their pace
+DRIFT = 0.05  # and made again when the latest steps are this much slower or faster
+STUB = 0.05  # a last epoch shorter than this share of one is dropped
+FORWARD = 1 / 3  # an evaluation image costs about this share of a training image (no backward)
+PLAN_FILE = "time_budget.json"
+_IMPORTED = time.time()
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: from /proc; elsewhere since this module was
+    imported, which misses the interpreter's start-up)."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, ticks
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time() - _IMPORTED
+
+
+@dataclass
+class Costs:
+    """Seconds that the rest of a run will cost."""
+
+    step: float  # one optimizer step (forward, backward, update, data)
+    epoch_end: float  # after each epoch: validation, checkpoints, log
+    final: float  # after the last epoch: the test split and the last files
+
+
+def plan_steps(
+    budget: float, elapsed: float, steps_done: int, steps_per_epoch: int, costs: Costs
+) -> int:
+    """The most optimizer steps N (at least steps_done + 1: the step under way is taken) for which
+    elapsed + (N - steps_done) step + (ceil(N / steps_per_epoch) - epochs ended) epoch_end
+    + final <= budget (1 - MARGIN) - MARGIN_S, less a last epoch of at most STUB of one (not
+    worth its validation). `steps_done` steps are taken, so steps_done // steps_per_epoch epochs
+    have ended."""
+    usable = budget * (1 - MARGIN) - MARGIN_S - elapsed - costs.final
+    ended = steps_done // steps_per_epoch
+
+    def cost(n: int) -> float:
+        return (n - steps_done) * costs.step + (math.ceil(n / steps_per_epoch) - ended) * (
+            costs.epoch_end
+        )
+
+    lo, hi = steps_done + 1, steps_done + 1 + max(0, int(usable / max(costs.step, 1e-9)))
+    if cost(lo) > usable:
+        return lo
+    while lo < hi:  # cost grows with n: the last n that fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= usable else (lo, mid - 1)
+    stub = lo % steps_per_epoch  # a last epoch of a few steps is not worth its validation
+    return lo - stub if 0 < stub <= STUB * steps_per_epoch and lo - stub > steps_done else lo
+
+
+def budget_schedule(cfg: RunConfig, total: int, warmup: int) -> Callable[[int], float]:
+    """The run's learning rate at each step when it takes `total` steps: warm-up (at most a
+    fifth of them), then the configured decay ending at step `total`."""
+    warm = min(warmup, total // 5)
+    return lambda step: learning_rate(cfg.optim, step, total, warm)
+
+
+class TimeBudget:
+    """Watches the steps through StepSettings.lr_at, plans N and stops training there
+    (StepSettings.max_steps); sets cfg.train.epochs to the epochs N covers."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        settings: StepSettings,
+        steps_per_epoch: int,
+        warmup: int,
+        images: tuple[int, int, int],
+        out: Path,
+        d: Dist,
+        bf16: bool = False,
+        resumed: bool = False,
+    ) -> None:
+        self.cfg, self.settings, self.d = cfg, settings, d
+        self.spe, self.warmup = steps_per_epoch, warmup
+        self.batch, self.val_images, self.test_images = images
+        self.test_factor = 2.0 if bf16 else 1.0  # the test split runs in fp32
+        self.text = str(cfg.train.time_budget)
+        self.seconds = parse_duration(cfg.train.time_budget, "train.time_budget")
+        self.file = Path(out) / PLAN_FILE
+        self.first: int | None = None  # the first step this process takes
+        self.last: tuple[int, float] | None = None  # (step, time) at the previous lr_at
+        self.steps: list[float] = []  # seconds of timed steps
+        self.recent: deque[float] = deque(maxlen=CHECK_EVERY)  # the latest of them
+        self.ends: list[float] = []  # seconds of measured epoch ends
+        self.total: int | None = None
+        self.planned: Costs | None = None  # what the plan in force assumed
+        self.final = False
+        self.watch = not (resumed and self.file.is_file())
+        if not self.watch:  # a resumed run keeps its plan
+            self._fix(int(json.loads(self.file.read_text())["steps"]), final=True)
+            if d.is_main:
+                print(
+                    f"time budget {self.text}: resumed, keeping the run's plan of "
+                    f"{self.total:,} steps ({self.total / self.spe:.1f} epochs)",
+                    file=sys.stderr,
+                )
+        else:  # reach the planning step, whatever train.epochs says
+            reach = math.ceil((SKIP_STEPS + TIMED_STEPS + 2) / self.spe)
+            cfg.train.epochs = max(cfg.train.epochs, reach)
+        self.provisional = settings.lr_at
+        settings.lr_at = self.lr_at
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step `step` (`step` steps taken); times the steps and plans."""
+        if self.watch:
+            self._observe(step, time.perf_counter())
+        if self.total is None:
+            return self.provisional(step)
+        return self.schedule(step)
+
+    def _observe(self, step: int, now: float) -> None:
+        if self.first is None:
+            self.first = step
+        last = self.last
+        if last is not None and last[0] == step - 1 and last[0] >= self.first + SKIP_STEPS:
+            gap = now - last[1]
+            if step % self.spe == 0 and self.steps:  # an epoch ended between the two steps
+                self.ends.append(max(0.0, gap - sum(self.steps) / len(self.steps)))
+            else:
+                self.steps.append(gap)
+                self.recent.append(gap)
+        self.last = (step, now)
+        if self.total is None and step == self.first + SKIP_STEPS + TIMED_STEPS:
+            self._plan(step, self._costs, final=bool(self.ends))  # final: an epoch end measured
+        elif self.total is not None and not self.final and self.ends:  # the first epoch end
+            self._plan(step, self._costs, final=True, note=" (planned again after an epoch end)")
+            self.recent.clear()  # the new plan's pace is these steps' mean: compare afresh
+        elif self.total is not None and step % CHECK_EVERY == 0:
+            late = step >= self.total / 2  # in the second half a plan only shortens
+            note = " (planned again: the steps' pace changed)"
+            self._plan(step, self._paced, final=True, note=note, shorten_only=late)
+
+    def _costs(self) -> Costs:
+        step = sum(self.steps) / len(self.steps)
+        per_image = step / self.batch * FORWARD
+        if self.ends:
+            end = sum(self.ends) / len(self.ends)
+            per_image = end / self.val_images if self.val_images else per_image
+        else:
+            end = self.val_images * per_image + 0.2
+        return Costs(step, end, self.test_images * per_image * self.test_factor + TAIL_S)
+
+    def _paced(self) -> Costs | None:
+        """The plan's costs scaled to the latest steps' pace when that differs by more than
+        DRIFT (None: on plan)."""
+        now, was = sum(self.recent) / max(len(self.recent), 1), self.planned
+        if was is None or len(self.recent) < CHECK_EVERY // 2 or abs(now / was.step - 1) <= DRIFT:
+            return None
+        k = now / was.step
+        return Costs(now, was.epoch_end * k, (was.final - TAIL_S) * k + TAIL_S)
+
+    def _plan(
+        self,
+        step: int,
+        costing: Callable[[], Costs | None],
+        final: bool,
+        note: str = "",
+        shorten_only: bool = False,
+    ) -> None:
+        """Plan on rank 0 with `costing`'s costs (None: keep the plan), the same on every
+        rank."""
+        plan = None
+        costs = costing() if self.d.is_main else None
+        if costs is not None:
+            n = plan_steps(self.seconds, process_age(), step, self.spe, costs)
+            same = n == self.total or (shorten_only and n > (self.total or 0))
+            plan = None if same else (n, costs)
+        plan = distributed.broadcast(plan, self.d)
+        if plan is None:
+            return
+        (total, costs), self.planned = plan, plan[1]
+        self._fix(total, final)
+        if self.d.is_main:
+            self._tell(total, costs, final, note)
+
+    def _tell(self, total: int, costs: Costs, final: bool, note: str) -> None:
+        """Log the plan and write it to RUN/time_budget.json."""
+        epochs, speed = total / self.spe, self.batch / costs.step
+        plan = {
+            "budget": self.text,
+            "seconds": self.seconds,
+            "steps": total,
+            "epochs": round(epochs, 2),
+            "images_per_s": round(speed, 1),
+            "final": final,
+            "estimates_s": {k: round(v, 3) for k, v in vars(costs).items()},  # Costs' fields
+        }
+        self.file.write_text(json.dumps(plan) + "\n")
+        print(
+            f"time budget {self.text}: {total:,} steps ({epochs:.1f} epochs) at "
+            f"{speed:,.0f} img/s{note}",
+            file=sys.stderr,
+        )
+
+    def _fix(self, total: int, final: bool) -> None:
+        self.total, self.final = total, final
+        self.schedule = budget_schedule(self.cfg, total, self.warmup)
+        self.settings.max_steps = total
+        self.cfg.train.epochs = math.ceil(total / self.spe)
+
+
+def attach(
+    cfg: RunConfig,
+    settings: StepSettings,
+    batches_per_epoch: int,
+    data: Data,
+    out: Path,
+    d: Dist,
+    bf16: bool,
+    resumed: bool,
+) -> TimeBudget | None:
+    """A TimeBudget driving `settings` when cfg.train.time_budget is set. `bf16`: the training
+    precision (the test split runs in fp32); `resumed`: keep the run's plan."""
+    if cfg.train.time_budget is None:
+        return None
+    spe = batches_per_epoch // cfg.train.accum_steps
+    warmup = int(round(cfg.optim.warmup_epochs * spe))  # as Run._warmup_steps
+    val = len(data.val) if data.val is not None else 0
+    images = (cfg.train.batch_size, val, len(data.test))
+    return TimeBudget(cfg, settings, spe, warmup, images, out, d, bf16, resumed)

@@ -1,0 +1,196 @@
+"""train.time_budget: durations parse, the step plan is the arithmetic it states, the schedule
+spans the planned steps, and a budgeted `vitlab train` ends within its budget."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import TINY_MODEL
+from vitlab.cli.main import main
+from vitlab.config import ConfigError, load_run_config
+from vitlab.duration import parse_duration
+from vitlab.runtime import Dist
+from vitlab.train import budget
+from vitlab.train.budget import Costs, TimeBudget, budget_schedule, plan_steps
+from vitlab.train.engine import StepSettings
+from vitlab.train.state import load_train_state
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90s", 90), ("3m", 180), ("1h", 3600), ("1h30m", 5400), ("2m30s", 150), ("1.5m", 90),
+     (" 45 ", 45), (45, 45), (7.5, 7.5), ("1H2M3S", 3723), ("0.5h", 1800)],
+)  # fmt: skip
+def test_durations(text, seconds) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["3x", "", "m", "-5", "0s", 0, -1, "1m1h", "3 minutes", True,
+                                 "1h1h", "inf", "nan", None])  # fmt: skip
+def test_bad_durations_are_refused(bad) -> None:
+    with pytest.raises(ValueError, match="expected a duration above 0 such as 90s, 3m"):
+        parse_duration(bad)
+
+
+def test_the_config_checks_the_budget() -> None:
+    assert load_run_config(None, ["train.time_budget=3m"]).train.time_budget == "3m"
+    assert load_run_config(None, ["train.time_budget=90"]).train.time_budget == 90.0
+    with pytest.raises(ConfigError, match="train.time_budget: expected a duration.*'3x'"):
+        load_run_config(None, ["train.time_budget=3x"])
+
+
+def test_plan_steps_by_hand() -> None:
+    # 100 s, 20 s gone, 30 steps done (one epoch of 25 ended); 0.5 s a step, 2 s an epoch end,
+    # 5 s for the test split. Usable: 100 * 0.95 - 1 - 20 - 5 = 69 s. N steps cost
+    # (N - 30) * 0.5 + (ceil(N / 25) - 1) * 2: N = 148 costs 59 + 10 = 69; N = 149 costs 69.5
+    costs = Costs(step=0.5, epoch_end=2.0, final=5.0)
+    assert plan_steps(100, 20, 30, 25, costs) == 148
+    # no epoch ends: (N - 30) * 0.5 <= 69 -> N = 168
+    assert plan_steps(100, 20, 30, 25, Costs(0.5, 0.0, 5.0)) == 168
+    # the budget is spent already: the step under way is the last
+    assert plan_steps(100, 99, 30, 25, costs) == 31
+    assert plan_steps(100, 20, 30, 25, Costs(100.0, 0.0, 5.0)) == 31
+
+
+def test_the_schedule_spans_the_planned_steps() -> None:
+    cfg = load_run_config(None, ["optim.lr=0.002", "optim.min_lr=0.0001"])
+    lr = budget_schedule(cfg, total=148, warmup=50)  # warm-up capped at 148 // 5 = 29 steps
+    assert lr(0) == pytest.approx(0.002 / 29) and lr(28) == pytest.approx(0.002)
+    # the last step taken, 147: cosine at (147 - 29) / (148 - 29) of the way from 2e-3 to 1e-4
+    last = 0.0001 + (0.002 - 0.0001) * 0.5 * (1 + math.cos(math.pi * 118 / 119))
+    assert lr(147) == pytest.approx(last) and lr(147) < 0.0001 * 1.01
+    assert lr(148) == pytest.approx(0.0001)
+
+
+def test_the_budget_plans_from_timed_steps(tmp_path, monkeypatch) -> None:
+    """Steps of 0.1 s on a fake clock, 5 s since the process started: planned after 3 + 20
+    steps, planned again at the first epoch end (validation 1 s), then fixed."""
+    cfg = load_run_config(None, ["train.time_budget=31s", "train.epochs=2", "optim.lr=0.001"])
+    settings = StepSettings(1, None, lambda step: 0.5, nullcontext)
+    clock = [0.0]
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(budget, "process_age", lambda: 5.0 + clock[0])
+    b = TimeBudget(cfg, settings, 40, 4, (64, 100, 200), tmp_path, Dist(), bf16=False)
+    assert cfg.train.epochs == 2 and settings.max_steps is None
+    step = 0
+    while settings.max_steps is None or step < settings.max_steps:
+        settings.lr_at(step)
+        clock[0] += 0.1 + (1.0 if (step + 1) % 40 == 0 else 0.0)  # an epoch end after step 39
+        step += 1
+        assert step < 1000
+    plan = json.loads((tmp_path / "time_budget.json").read_text())
+    assert plan["final"] and plan["steps"] == step == b.total
+    # by hand, at step 40: 5 + 5.0 s gone (40 steps and an epoch end); a step 0.1 s, an epoch end
+    # 1.0 s, so 0.01 s an image, the test 200 * 0.01 + 2 s. Usable: 31 * 0.95 - 1 - 10 - 4 =
+    # 14.45 s; (N - 40) * 0.1 + (ceil(N / 40) - 1) * 1.0 <= 14.45 -> N = 154 (11.4 + 3)
+    assert step == 154 and cfg.train.epochs == 4
+    assert settings.lr_at(153) < 0.001 * 0.001 and settings.lr_at(154) == 0.0
+
+
+def run_on_a_fake_clock(
+    monkeypatch, tmp_path, seconds: int, pace, spe: int = 40
+) -> tuple[list[int], float]:
+    """A TimeBudget of `seconds` driven step by step, `spe` steps an epoch, the process 5 s old at
+    step 0, step s taking pace(s) * 0.1 s and an epoch end pace(s) * 1.0 s. Returns the plans
+    made and the simulated command's length (with the last epoch's end and the test split)."""
+    cfg = load_run_config(None, [f"train.time_budget={seconds}s", "optim.lr=0.001"])
+    settings = StepSettings(1, None, lambda step: 0.5, nullcontext)
+    clock = [0.0]
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(budget, "process_age", lambda: 5.0 + clock[0])
+    TimeBudget(cfg, settings, spe, 4, (64, 100, 200), tmp_path, Dist(), bf16=False)
+    step, plans = 0, []
+    while settings.max_steps is None or step < settings.max_steps:
+        settings.lr_at(step)
+        if settings.max_steps is not None and settings.max_steps not in plans:
+            plans.append(settings.max_steps)
+        clock[0] += pace(step) * (0.1 + (1.0 if (step + 1) % spe == 0 else 0.0))
+        step += 1
+    assert settings.lr_at(step - 1) < 0.001 * 0.001 and settings.lr_at(step) == 0.0
+    # after the last step: the last epoch's end, and the test split (200 images at the epoch
+    # end's 100 images a pace(s) * 1.0 s) and 2 s of files
+    return plans, 5.0 + clock[0] + pace(step) * (1.0 + 2.0) + 2.0
+
+
+def test_a_plan_follows_the_steps_pace(tmp_path, monkeypatch) -> None:
+    """Twice as slow from step 60 (past half of the plan): shortened, and still in time. Twice
+    as fast from step 40 (before half of it): lengthened, and the budget used. Twice as slow
+    from step 30 in an epoch longer than the run: shortened before any epoch end."""
+    slower, faster = (lambda s: 2.0 if s >= 60 else 1.0), (lambda s: 0.5 if s >= 40 else 1.0)
+    plans, length = run_on_a_fake_clock(monkeypatch, tmp_path, 31, slower)
+    assert plans[1] == 154 and len(plans) == 3 and plans[2] < 154  # as above, then shortened
+    assert length <= 31.0
+    plans, length = run_on_a_fake_clock(monkeypatch, tmp_path, 61, faster)
+    # 61 s at 0.1 s a step as above (379 steps), then lengthened
+    assert plans[1] == 379 and plans[-1] > 379
+    assert 61.0 * 0.9 <= length <= 61.0
+    plans, length = run_on_a_fake_clock(monkeypatch, tmp_path, 61, slower, spe=1000)
+    assert len(plans) >= 2 and plans[-1] < plans[0]
+    # no epoch end measured, so validation and test are estimated (at a third of a training
+    # image each: 2.35 s here, against the simulation's 6 s); the steps end in time for them
+    assert length - 6.0 - 2.0 <= 61 * 0.95 - 1 - 2.35
+
+
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) the finished child processes of this one have used."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def spent_at_start(steps: int, wall: float | None) -> None:
+    """Skip when the planned steps are the fewest possible: start-up alone took the budget (a
+    machine so loaded that nothing here can be measured)."""
+    if steps <= budget.SKIP_STEPS + budget.TIMED_STEPS + 1:
+        pytest.skip(f"start-up took the whole budget on this machine (wall {wall} s)")
+
+
+def test_a_budgeted_run_ends_in_time_and_says_what_it_bought(tmp_path: Path) -> None:
+    out, seconds = tmp_path / "run", 20
+    t, cpu = time.perf_counter(), cpu_seconds()
+    r = subprocess.run(
+        [sys.executable, "-m", "vitlab", "train", "--out", str(out),
+         f"train.time_budget={seconds}s", "train.threads=1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    wall, cpu = time.perf_counter() - t, cpu_seconds() - cpu
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads((out / "time_budget.json").read_text())
+    steps = plan["steps"]
+    if wall > seconds + 3 and cpu < wall / 2:  # it ran less than half the time: starved
+        pytest.skip(f"the machine is too busy to time a run: {cpu:.0f} s of CPU in {wall:.0f} s")
+    assert wall <= seconds + 3, wall
+    assert f"time budget {seconds}s: {steps:,} steps (" in r.stderr
+    assert load_train_state(out / "checkpoints" / "last")["step"] == steps
+    epochs = len((out / "metrics.jsonl").read_text().splitlines())
+    assert epochs == math.ceil(steps / 20)  # digits: 1,294 training images, 20 batches of 64
+    assert json.loads((out / "results.json").read_text())["top1"] > 0.3
+
+
+def test_a_resumed_run_keeps_its_plan(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Stopped after epoch 2 of a 60 s plan, resumed for one more epoch: the plan is kept, not
+    made again. In this process, whose age is counted from the test's start."""
+    t0 = time.perf_counter()
+    monkeypatch.setattr(budget, "process_age", lambda: time.perf_counter() - t0)
+    out = tmp_path / "run"
+    first = ["train", "--out", str(out), *TINY_MODEL, "train.time_budget=60s",
+             "train.stop_at_epoch=2"]  # fmt: skip
+    assert main(first) == 0
+    plan = (out / "time_budget.json").read_text()
+    steps = json.loads(plan)["steps"]
+    spent_at_start(steps, None)
+    assert steps > 60 and load_train_state(out / "checkpoints" / "last")["step"] == 40
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "train.stop_at_epoch=3"]) == 0
+    err = capsys.readouterr().err
+    assert f"time budget 60s: resumed, keeping the run's plan of {steps:,} steps" in err
+    assert "img/s (planned" not in err and (out / "time_budget.json").read_text() == plan
+    assert load_train_state(out / "checkpoints" / "last")["step"] == 60
