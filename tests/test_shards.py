@@ -224,8 +224,41 @@ def test_writer_index_and_errors(tmp_path: Path, balanced: Path) -> None:
         load_split(f"wds:{balanced}/part-{{00..07}}.tar", "test")
     with pytest.raises(DatasetError, match="does not exist"):
         load_split(f"wds:{balanced}/nope-{{0..1}}.tar", "train")
-    with pytest.raises(DatasetError, match="URL patterns are not supported"):
-        load_split(f"wds:file://{balanced}/part-{{00..07}}.tar", "train")
+
+
+def test_shards_by_url_over_http_and_file(tmp_path: Path, balanced: Path) -> None:
+    """Shards a local HTTP server serves (webdataset's gopen: curl): the index's URL, and a
+    pattern of URLs counted from the index beside them; file:// patterns without an index are
+    counted by reading them. Each reads the same samples as the local files."""
+    import functools
+    import http.server
+    import shutil
+    import threading
+
+    root = write_image_folder(tmp_path / "images", per_class=8)
+    write_shards(f"imagefolder:{root}", tmp_path / "served", 1500, progress=False, workers=0)
+    local = load_split(f"wds:{tmp_path / 'served'}", "train")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}/served"
+    try:
+        if shutil.which("curl") is None:
+            pytest.skip("webdataset opens http:// URLs with curl, which is not installed")
+        by_index = load_split(f"wds:{base}/index.json", "train")
+        assert by_index.urls == [f"{base}/{Path(u).name}" for u in local.urls]
+        assert by_index.counts == local.counts and by_index.classes == local.classes
+        n = len(local.urls)
+        pattern = load_split(f"wds:{base}/train-{{000000..{n - 1:06d}}}.tar", "train")
+        assert pattern.counts == local.counts and pattern.classes == local.classes
+        assert [list(pattern.read(i)) for i in range(n)] == [list(local.read(i)) for i in range(n)]
+        with pytest.raises(DatasetError, match="cannot read shard index"):
+            load_split(f"wds:{base}/nothing/index.json", "train")
+    finally:
+        server.shutdown()
+    counted = load_split(f"wds:file://{balanced}/part-{{00..07}}.tar", "train")
+    assert counted.counts == [PER_SHARD] * SHARDS and counted.classes == ["0", "1", "2"]
 
 
 def test_train_from_shards_interrupted_mid_epoch_resumes_exactly(tmp_path, monkeypatch) -> None:

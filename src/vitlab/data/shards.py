@@ -2,12 +2,13 @@
 and `KEY.cls` (the class index as text), read with the `webdataset` library.
 
 SHARDS is a folder that `vitlab data shard` wrote (its index.json lists each split's shards, their
-sample counts, the class names and the image statistics), or a brace pattern of local paths
-(`/data/in1k/train-{000000..001023}.tar`): the training shards, the test split then named by
-data.test. Shards are read from local (or mounted network) file systems; URL patterns are not
-supported, as no index is fetched for them. A pattern's sample counts come from an index.json
-beside its shards when there is one, else every shard is read once to count it, by every rank at
-every start: write an index (`vitlab data shard`) for large datasets."""
+sample counts, the class names and the image statistics), the URL of such a folder's index.json,
+or a brace pattern of paths or of URLs webdataset's gopen opens (`/data/in1k/train-{000000..001023}
+.tar`, `https://host/in1k/train-{000000..001023}.tar`, `pipe:aws s3 cp s3://b/train-{0..9}.tar -`):
+the training shards, the test split then named by data.test. A pattern's sample counts come from
+an index.json beside its shards (fetched, for URLs) when there is one, else every shard is read
+once to count it, by every rank at every start: write an index (`vitlab data shard`) for large
+datasets."""
 
 from __future__ import annotations
 
@@ -88,24 +89,40 @@ def _pick(sample: dict, key: str | None, defaults: tuple[str, ...], what: str) -
                        f"the sample has {have}")  # fmt: skip
 
 
-def _read_index(path: Path) -> dict:
+def remote(spec: str) -> bool:
+    """Whether wds:SPEC names URLs (http(s)://, file://, pipe:, ...) rather than local paths."""
+    return "://" in spec or spec.startswith("pipe:")
+
+
+def _fetch(url: str) -> bytes:
+    import webdataset as wds
+
+    with wds.gopen(url, "rb") as f:
+        return f.read()
+
+
+def _read_index(path: Path | str) -> dict:
     try:
-        index = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise DatasetError(f"cannot read shard index {path}: {e}") from None
+        text = _fetch(path) if isinstance(path, str) else path.read_bytes()
+        index = json.loads(text)
+    except Exception as e:  # a missing file, the network, curl's exit, bad JSON
+        raise DatasetError(f"cannot read shard index {path}: {type(e).__name__}: {e}") from None
     if not isinstance(index, dict) or not isinstance(index.get("splits"), dict):
         raise DatasetError(f"{path} is not a vitlab shard index (no 'splits' table)")
     return index
 
 
-def _split_of(index: dict, root: Path, split: str, keys: tuple, where: Path) -> ShardSplit:
+def _split_of(
+    index: dict, root: Path | str, split: str, keys: tuple, where: Path | str
+) -> ShardSplit:
+    """`split` of an index whose shard names are relative to `root` (a folder or a base URL)."""
     names = [split] if split != "test" else ["test", "val", "validation"]
     found = next((index["splits"][n] for n in names if n in index["splits"]), None)
     if found is None:
         raise DatasetError(f"{where} has no {' or '.join(names)} split: it has "
                            f"{sorted(index['splits'])}")  # fmt: skip
     shards = found.get("shards", [])
-    urls = [s["name"] if "://" in s["name"] else str(root / s["name"]) for s in shards]
+    urls = [s["name"] if remote(s["name"]) else _join(root, s["name"]) for s in shards]
     stats = index.get("mean"), index.get("std")
     return ShardSplit(
         urls,
@@ -120,8 +137,12 @@ def _split_of(index: dict, root: Path, split: str, keys: tuple, where: Path) -> 
 def load_shards(spec: str, split: str, keys: tuple[str | None, str | None]) -> ShardSplit:
     """Split `split` ('train', 'test', or 'all': a pattern's every shard) of `wds:SPEC`;
     keys = (data.image_key, data.label_key)."""
+    if remote(spec) and (spec.endswith("/") or spec.endswith(INDEX)):  # an index's URL
+        url = spec if spec.endswith(INDEX) else spec + INDEX
+        return _split_of(_read_index(url), url[: -len(INDEX)], "test" if split == "all" else split,
+                         keys, url)  # fmt: skip
     path = Path(spec).expanduser()
-    if path.is_dir() or path.name == INDEX:
+    if not remote(spec) and (path.is_dir() or path.name == INDEX):
         index_path = path / INDEX if path.is_dir() else path
         if not index_path.is_file():
             raise DatasetError(
@@ -141,36 +162,48 @@ def load_shards(spec: str, split: str, keys: tuple[str | None, str | None]) -> S
 def _pattern_split(pattern: str, keys: tuple) -> ShardSplit:
     from braceexpand import braceexpand
 
-    if "://" in pattern:
-        raise DatasetError(f"wds:{pattern}: URL patterns are not supported (no index is fetched "
-                           f"for them): copy or mount the shards and name their paths")  # fmt: skip
     urls = list(braceexpand(pattern))
-    beside = Path(urls[0]).parent / INDEX
     counts: dict[str, int] = {}
     classes: list[str] = []
     in_chans, stats = 3, IMAGENET_STATS
-    if beside.is_file():
-        index = _read_index(beside)
+    index = None
+    if remote(pattern):  # an index beside the shards, if the server has one
+        try:
+            index = _read_index(_join(urls[0].rsplit("/", 1)[0], INDEX))
+        except DatasetError as e:
+            log.info("no index beside %s (%s): counting the shards", pattern, e)
+    elif (Path(urls[0]).parent / INDEX).is_file():
+        index = _read_index(Path(urls[0]).parent / INDEX)
+    if index is not None:
         for table in index["splits"].values():
             for s in table.get("shards", []):
-                counts[Path(s["name"]).name] = int(s["count"])
+                counts[_name(s["name"])] = int(s["count"])
         classes = [str(c) for c in index.get("classes", [])]
         in_chans = int(index.get("in_chans", 3))
         if index.get("mean") and index.get("std"):
             stats = (tuple(index["mean"]), tuple(index["std"]))
-    missing = [u for u in urls if Path(u).name not in counts]
+    missing = [u for u in urls if _name(u) not in counts]
     top = -1
     for u in missing:
-        if not Path(u).is_file():
+        if not remote(u) and not Path(u).is_file():
             raise DatasetError(f"shard {u} (from the pattern {pattern}) does not exist")
-        counts[Path(u).name], top = _count(u, keys, top)
+        counts[_name(u)], top = _count(u, keys, top)
     if missing:
         log.warning("counted the samples of %d shards without an index (reading them once)",
                     len(missing))  # fmt: skip
     if not classes:
         classes = [str(i) for i in range(top + 1)]
-    split = ShardSplit(urls, [counts[Path(u).name] for u in urls], classes, in_chans, stats, *keys)
+    split = ShardSplit(urls, [counts[_name(u)] for u in urls], classes, in_chans, stats, *keys)
     return split
+
+
+def _name(url: str) -> str:
+    """A shard's file name, of a path or a URL."""
+    return url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _join(root: Path | str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}" if isinstance(root, str) else str(root / name)
 
 
 def _count(url: str, keys: tuple, top: int) -> tuple[int, int]:

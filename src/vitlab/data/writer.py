@@ -141,8 +141,11 @@ class _Shard:
         self.count += 1
 
     def discard(self) -> None:
-        self.file.close()
-        self.tmp.unlink(missing_ok=True)
+        try:
+            self.tar.close()  # else its stream would write to the closed file when collected
+        finally:
+            self.file.close()
+            self.tmp.unlink(missing_ok=True)
 
     def close(self) -> dict:
         self.tar.close()
