@@ -34,21 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=Path,
         help="where to save confusion_matrix.png (default: the run folder, else the current one)",
     )
-    p.add_argument(
-        "--backend",
-        choices=["torch", "onnxruntime"],
-        default="torch",
-        help="torch: eager PyTorch (default); onnxruntime: the model exported to ONNX (checked "
-        "against PyTorch within 1e-4) and run by an onnxruntime CPU session (needs pip install "
-        "'vitlab[export]')",
-    )
-    p.add_argument(
-        "--int8",
-        action="store_true",
-        help="int8 dynamic quantisation of the linear layers' weights (torch: torch.ao "
-        "quantize_dynamic; onnxruntime: its quantize_dynamic of the exported MatMul/Gemm "
-        "weights); CPU only, not for CNNs",
-    )
+    add_backend_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -74,3 +60,22 @@ def run(args: argparse.Namespace) -> int:
 
         print(format_report(report))
     return 0
+
+
+def add_backend_arguments(p: argparse.ArgumentParser) -> None:
+    """--backend and --int8, as `vitlab eval` and `vitlab predict` take them."""
+    p.add_argument(
+        "--backend",
+        choices=["torch", "onnxruntime"],
+        default="torch",
+        help="torch: eager PyTorch (default); onnxruntime: the model exported to ONNX (checked "
+        "against PyTorch within 1e-4) and run by an onnxruntime CPU session (needs pip install "
+        "'vitlab[export]')",
+    )
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="int8 dynamic quantisation of the linear layers' weights (torch: torch.ao "
+        "quantize_dynamic; onnxruntime: its quantize_dynamic of the exported MatMul/Gemm "
+        "weights); CPU only, not for CNNs",
+    )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from vitlab.cli.eval import add_backend_arguments
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -19,21 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("images", nargs="+", metavar="IMAGE")
     p.add_argument("--topk", type=int, default=5, help="classes to show per image (default 5)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument(
-        "--backend",
-        choices=["torch", "onnxruntime"],
-        default="torch",
-        help="torch: eager PyTorch (default); onnxruntime: the model exported to ONNX (checked "
-        "against PyTorch within 1e-4) and run by an onnxruntime CPU session (needs pip install "
-        "'vitlab[export]')",
-    )
-    p.add_argument(
-        "--int8",
-        action="store_true",
-        help="int8 dynamic quantisation of the linear layers' weights (torch: torch.ao "
-        "quantize_dynamic; onnxruntime: its quantize_dynamic of the exported MatMul/Gemm "
-        "weights); CPU only, not for CNNs",
-    )
+    add_backend_arguments(p)
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per image")
     p.set_defaults(run=run)
 
