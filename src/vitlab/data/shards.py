@@ -167,7 +167,9 @@ def _pattern_split(pattern: str, keys: tuple) -> ShardSplit:
     classes: list[str] = []
     in_chans, stats = 3, IMAGENET_STATS
     index = None
-    if remote(pattern):  # an index beside the shards, if the server has one
+    if pattern.startswith("pipe:"):  # a command per shard: nothing beside them to fetch
+        pass
+    elif remote(pattern):  # an index beside the shards, if the server has one
         try:
             index = _read_index(_join(urls[0].rsplit("/", 1)[0], INDEX))
         except DatasetError as e:
