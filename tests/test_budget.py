@@ -176,12 +176,14 @@ def test_a_budgeted_run_ends_in_time_and_says_what_it_bought(tmp_path: Path) -> 
 
 
 def test_a_resumed_run_keeps_its_plan(tmp_path: Path, monkeypatch, capsys) -> None:
-    """Stopped after epoch 2 of a 60 s plan, resumed for one more epoch: the plan is kept, not
-    made again. In this process, whose age is counted from the test's start."""
+    """Stopped after epoch 2 of a 10-minute plan, resumed for one more epoch: the plan is kept,
+    not made again. In this process, whose age is counted from the test's start. (10 minutes, of
+    which the test trains 3 short epochs: a plan of more than 3 epochs however loaded the
+    machine.)"""
     t0 = time.perf_counter()
     monkeypatch.setattr(budget, "process_age", lambda: time.perf_counter() - t0)
     out = tmp_path / "run"
-    first = ["train", "--out", str(out), *TINY_MODEL, "train.time_budget=60s",
+    first = ["train", "--out", str(out), *TINY_MODEL, "train.time_budget=10m",
              "train.stop_at_epoch=2"]  # fmt: skip
     assert main(first) == 0
     plan = (out / "time_budget.json").read_text()
@@ -191,6 +193,6 @@ def test_a_resumed_run_keeps_its_plan(tmp_path: Path, monkeypatch, capsys) -> No
     capsys.readouterr()
     assert main(["train", "--resume", str(out), "train.stop_at_epoch=3"]) == 0
     err = capsys.readouterr().err
-    assert f"time budget 60s: resumed, keeping the run's plan of {steps:,} steps" in err
+    assert f"time budget 10m: resumed, keeping the run's plan of {steps:,} steps" in err
     assert "img/s (planned" not in err and (out / "time_budget.json").read_text() == plan
     assert load_train_state(out / "checkpoints" / "last")["step"] == 60

@@ -221,7 +221,8 @@ class TimeBudget:
             same = n == self.total or (shorten_only and n > (self.total or 0))
             plan = None if same else (n, costs)
         plan = distributed.broadcast(plan, self.d)
-        if plan is None:
+        if plan is None:  # the plan stands (and, once final, the epoch-end re-plan is done)
+            self.final = self.final or final
             return
         (total, costs), self.planned = plan, plan[1]
         self._fix(total, final)
@@ -271,5 +272,5 @@ def attach(
     spe = batches_per_epoch // cfg.train.accum_steps
     warmup = int(round(cfg.optim.warmup_epochs * spe))  # as Run._warmup_steps
     val = len(data.val) if data.val is not None else 0
-    images = (cfg.train.batch_size, val, len(data.test))
+    images = (cfg.train.batch_size * cfg.train.accum_steps, val, len(data.test))  # one step's
     return TimeBudget(cfg, settings, spe, warmup, images, out, d, bf16, resumed)

@@ -108,8 +108,6 @@ def train_epoch(
     model.train()
     accum = settings.accum_steps
     usable = len(loader) - len(loader) % accum  # whole accumulation windows only
-    if settings.max_steps is not None:  # pos.batch starts a window: stop at the last step's end
-        usable = min(usable, pos.batch + (settings.max_steps - pos.step) * accum)
     sums = [0.0, 0.0, 0.0, 0.0]  # loss sum, right, predictions, images (this rank)
     scored = True  # the objective's predictions are right or wrong (not a regression)
     start_time, start_images = time.perf_counter(), 0
@@ -120,7 +118,8 @@ def train_epoch(
             break
         first, last = (i % accum == 0), ((i + 1) % accum == 0)
         if first and settings.max_steps is not None and pos.step >= settings.max_steps:
-            break  # the run's last step (train.time_budget): the epoch ends here
+            break  # the run's last step (train.max_steps, or time_budget's plan, which may move
+            # while the epoch runs): the epoch ends here
         if first and any_rank(stop_requested(), d, device):
             return _stats(sums, scored, start_time, start_images, d, device), True
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
