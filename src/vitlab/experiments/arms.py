@@ -205,13 +205,18 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
     folder = out / arm.folder
     tag = f"vitlab reproduce: arm {index}/{total} ({total - index} after it): {arm.folder}"
     state = _state(folder)
-    if (folder / "results.json").is_file():
+    finished = (folder / "results.json").is_file()
+    if finished and not (folder / "checkpoints" / "best").exists():  # its weights deleted
+        print(f"{tag}: finished run without checkpoints/best, training it again", file=sys.stderr)
+        finished, state = False, {}
+    if finished:
         _same_config(folder, arm.overrides)
         print(f"{tag}: finished run found, reusing it", file=sys.stderr, flush=True)
     else:
         t0 = time.perf_counter()
         try:
-            if (folder / "checkpoints" / "last").exists():
+            resumable = not (folder / "results.json").is_file()  # else: a finished run, redone
+            if resumable and (folder / "checkpoints" / "last").exists():
                 _same_config(folder, arm.overrides)
                 print(f"{tag}: resuming its run", file=sys.stderr, flush=True)
                 train(resume_config(folder, []), resume=folder)

@@ -175,11 +175,11 @@ def patch_size_verdict(
         f"Among the ViT arms (patch sizes, hybrid) that used no more training FLOPs than the "
         f"ResNet, take the most accurate; d = its test top-1 - the ResNet's; m = max(2 x the "
         f"larger seed spread of the two, {100 * floor:.2f} pp) (the floor alone with one seed). "
-        f"Holds if d > m; does not hold if d < -m (or no ViT arm was that cheap); else "
-        f"inconclusive."
+        f"Holds if d > m; does not hold if d < -m; else inconclusive (also when no ViT arm was "
+        f"that cheap: nothing to compare at equal compute)."
     )
     if not cheaper:
-        return Verdict(FAILS, rule, "no ViT arm used less training compute than the ResNet")
+        return Verdict(INCONCLUSIVE, rule, "no ViT arm used less training compute than the ResNet")
     best = max(cheaper, key=lambda k: cheaper[k][1].mean)
     flops, acc = cheaper[best]
     m, how = margin([acc, cnn_acc], floor)
