@@ -36,7 +36,7 @@ def decode_image(data: bytes, in_chans: int, where: str) -> Tensor:
     from torchvision.io import decode_image as tv_decode
 
     mode = ImageReadMode.GRAY if in_chans == 1 else ImageReadMode.RGB
-    if _torchvision_reads(data) and _size_ok(data, where):
+    if image_format(data) is not None and _size_ok(data, where):
         try:
             x = tv_decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode)
         except Exception:  # damaged: PIL's view, and its error message, decide
@@ -46,10 +46,14 @@ def decode_image(data: bytes, in_chans: int, where: str) -> Tensor:
     return _pil_decode(data, "L" if in_chans == 1 else "RGB", where)
 
 
-def _torchvision_reads(data: bytes) -> bool:
-    """JPEG, PNG or WebP: what torchvision decodes (its GIF decoder ignores PIL's size limit)."""
-    webp = data[:4] == b"RIFF" and data[8:12] == b"WEBP"
-    return data[:3] == b"\xff\xd8\xff" or data[:8] == PNG or webp
+def image_format(data: bytes) -> str | None:
+    """'jpg', 'png' or 'webp' from the leading bytes: what torchvision decodes (its GIF decoder
+    ignores PIL's size limit); None for anything else."""
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpg"
+    if data[:8] == PNG:
+        return "png"
+    return "webp" if data[:4] == b"RIFF" and data[8:12] == b"WEBP" else None
 
 
 def _header_size(data: bytes) -> tuple[int, int] | None:

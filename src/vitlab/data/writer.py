@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from vitlab.data.datasets import ArraySplit, FolderSplit, Split, dataset_info, load_split
-from vitlab.data.decode import available_cores, decode_image
+from vitlab.data.decode import available_cores, decode_image, image_format
 from vitlab.data.download import DatasetError
 from vitlab.data.hf import HFSplit
 from vitlab.data.shards import INDEX, ShardSplit
@@ -42,16 +42,6 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * UNITS[m.group(2)])
 
 
-def _extension(data: bytes) -> str | None:
-    if data[:3] == b"\xff\xd8\xff":
-        return "jpg"
-    if data[:8] == b"\x89PNG\r\n\x1a\n":
-        return "png"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "webp"
-    return None
-
-
 def _checked(split: Split, i: int, in_chans: int) -> tuple[bytes, str]:
     """(encoded image, extension) of sample i of an indexed split, decoded once to check it (the
     same decoder training uses, size guard included); a DatasetError naming the sample when it
@@ -66,7 +56,7 @@ def _checked(split: Split, i: int, in_chans: int) -> tuple[bytes, str]:
     except OSError as e:
         raise DatasetError(f"cannot read image {where}: {e}") from None
     pixels = decode_image(data, in_chans, where)
-    ext = _extension(data)
+    ext = image_format(data)
     if ext is None:  # BMP, TIFF, ...: stored as the PNG of what training would decode
         return encode_png(pixels).numpy().tobytes(), "png"
     return data, ext
@@ -106,7 +96,7 @@ def samples(
                 except DatasetError as e:
                     yield b"", "", -1, str(e)
                 else:
-                    yield data, _extension(data) or "png", label, None
+                    yield data, image_format(data) or "png", label, None
         return
     order = torch.randperm(len(split), generator=torch.Generator().manual_seed(seed)).tolist()
     loader = DataLoader(
