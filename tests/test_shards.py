@@ -258,6 +258,20 @@ def test_shards_by_url_over_http_and_file(tmp_path: Path, balanced: Path) -> Non
     finally:
         server.shutdown()
     counted = load_split(f"wds:file://{balanced}/part-{{00..07}}.tar", "train")
+    # re-sharded, a sample whose bytes are another format (a BMP under .png) is stored as PNG
+    import webdataset as wds
+
+    bmp = io.BytesIO()
+    Image.new("RGB", (6, 5), (10, 200, 30)).save(bmp, format="BMP")
+    with wds.TarWriter(str(tmp_path / "odd-0.tar")) as w:
+        for i in range(4):
+            w.write({"__key__": f"k{i}", "png": bmp.getvalue(), "cls": b"0"})
+    from vitlab.data.writer import samples
+
+    odd = load_split(f"wds:{tmp_path}/odd-{{0..0}}.tar", "train")
+    stored = list(samples(odd, 0, 3, workers=0))
+    assert [(ext, why) for _, ext, _, why in stored] == [("png", None)] * 4
+    assert all(data.startswith(b"\x89PNG") for data, *_ in stored)
     assert counted.counts == [PER_SHARD] * SHARDS and counted.classes == ["0", "1", "2"]
 
 

@@ -55,11 +55,16 @@ def _checked(split: Split, i: int, in_chans: int) -> tuple[bytes, str]:
         data = split.read(i)
     except OSError as e:
         raise DatasetError(f"cannot read image {where}: {e}") from None
-    pixels = decode_image(data, in_chans, where)
+    return _stored(data, decode_image(data, in_chans, where))
+
+
+def _stored(data: bytes, pixels: torch.Tensor) -> tuple[bytes, str]:
+    """(bytes, extension) a checked image is stored as: its own bytes when they are JPEG, PNG or
+    WebP, else (BMP, TIFF, ...) the PNG of what training decodes (`pixels`)."""
+    from torchvision.io import encode_png
+
     ext = image_format(data)
-    if ext is None:  # BMP, TIFF, ...: stored as the PNG of what training would decode
-        return encode_png(pixels).numpy().tobytes(), "png"
-    return data, ext
+    return (data, ext) if ext else (encode_png(pixels).numpy().tobytes(), "png")
 
 
 class _Checked(Dataset):
@@ -92,11 +97,11 @@ def samples(
         for s in range(len(split.urls)):
             for key, data, label in split.read(s):
                 try:
-                    decode_image(data, in_chans, f"{key} of {split.urls[s]}")
+                    pixels = decode_image(data, in_chans, f"{key} of {split.urls[s]}")
                 except DatasetError as e:
                     yield b"", "", -1, str(e)
                 else:
-                    yield data, image_format(data) or "png", label, None
+                    yield *_stored(data, pixels), label, None
         return
     order = torch.randperm(len(split), generator=torch.Generator().manual_seed(seed)).tolist()
     loader = DataLoader(
