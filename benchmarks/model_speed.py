@@ -9,15 +9,29 @@ fp32 and bf16 autocast.
 A model is a registered name or alias, optionally with `:field=value,...` config overrides. Both
 models get identical weights (the test suite checks that they then agree to 1e-4), so the
 comparison is of implementations only. A distilled model's forward averages its two heads in both
-libraries (timm's default); the training step is cross-entropy on that output. Results go in
-BENCHMARKS.md.
+libraries (timm's default); the training step is cross-entropy on that output, then each
+library's own AdamW as its training script builds it: vitlab's fused kernel (`vitlab train`'s
+`build_optimizer`), timm's `create_optimizer_v2("adamw")` (PyTorch's per-tensor loop on CPU);
+`--optimizer plain` gives both the same `torch.optim.AdamW`. timm has no conv stem: for
+`stem=conv` its ViT is built around a copy of vitlab's stem, so the encoder is what differs.
+
+MFU: each row's FLOP/s against the same run's measured peak, a 2048x2048 matrix product in the
+row's precision. A ViT's FLOPs are 2 x `vitlab cost`'s forward MACs (attention products included),
+other models' PyTorch's FlopCounterMode count of the forward; a training step is 3x a forward.
+
+`--isa avx2` re-runs the script with PyTorch's kernels (ATEN_CPU_CAPABILITY), oneDNN and MKL held
+to AVX2: the float32 path of an AVX2-only CPU (no AVX-512, no bf16) on any newer x86 machine. bf16
+rows are then left out (such CPUs have no bf16 arithmetic). Results go in BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -27,9 +41,19 @@ import torch
 import yaml
 
 import vitlab
+from vitlab.analysis.cost import forward_macs
+from vitlab.config import OptimConfig
 from vitlab.formats.timm import timm_model_args, vitlab_to_timm
 from vitlab.models.registry import family_of
 from vitlab.runtime import use_bf16
+from vitlab.train.optim import build_optimizer
+
+# an AVX2-only CPU's kernels on a newer one: ATen's dispatch, oneDNN and MKL held to AVX2
+AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 
 DEFAULT = [
     ("vit_nano_patch4_28", 256),
@@ -81,6 +105,15 @@ def timm_twin(model: torch.nn.Module) -> torch.nn.Module:
             twin.maxpool = torch.nn.Identity()
         twin.load_state_dict(model.state_dict())
         return twin
+    if cfg.stem == "conv":  # timm has no conv stem: its ViT around a copy of vitlab's stem
+        arch, args = timm_model_args(cfg.replace(stem="patch"))
+        stem = copy.deepcopy(model.patch_embed)
+        stem.num_patches = stem.grid[0] * stem.grid[1]  # what timm's ViT reads of its embed_layer
+        twin = timm.create_model(arch, **args, embed_layer=lambda **_: stem)
+        state = model.state_dict()
+        encoder = {k: v for k, v in state.items() if not k.startswith("patch_embed.")}
+        twin.load_state_dict({**vitlab_to_timm(encoder), **stem.state_dict(prefix="patch_embed.")})
+        return twin
     arch, args = timm_model_args(cfg)
     twin = timm.create_model(arch, **args)
     twin.load_state_dict(vitlab_to_timm(model.state_dict()))
@@ -110,10 +143,40 @@ def median_seconds(fns: dict[str, Callable[[], None]], steps: int, warmup: int =
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
-def step_fns(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool):
-    """(inference call, training step) for model on batch (x, y)."""
+def matmul_peak(dtype: torch.dtype, n: int = 2048, calls: int = 10) -> float:
+    """FLOP/s of an n x n matrix product in `dtype` on this machine now (median of `calls`)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    secs = median_seconds({"mm": lambda: a @ b}, calls)["mm"]
+    return 2 * n**3 / secs
+
+
+def forward_flops(model: torch.nn.Module, x: torch.Tensor) -> float:
+    """FLOPs of one forward pass over batch x: a ViT's from the cost model (PyTorch's counter
+    misses the CPU attention kernel), other models' from PyTorch's FlopCounterMode."""
+    if family_of(model.config) == "vit":
+        return 2.0 * forward_macs(model.config) * len(x)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model.eval()(x)
+    return float(counter.get_total_flops())
+
+
+def optimizer(model: torch.nn.Module, lib: str, kind: str) -> torch.optim.Optimizer:
+    """AdamW for `lib`'s model: as its training script builds it (kind "own") or PyTorch's plain
+    default for both ("plain")."""
+    if kind == "plain":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if lib == "vitlab":
+        return build_optimizer(model, OptimConfig(name="adamw", lr=1e-4))
+    from timm.optim import create_optimizer_v2
+
+    return create_optimizer_v2(model, "adamw", lr=1e-4, weight_decay=0.05)
+
+
+def step_fns(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool, opt):
+    """(inference call, training step) for model on batch (x, y), stepping `opt`."""
     ctx = (lambda: torch.autocast("cpu", torch.bfloat16)) if bf16 else nullcontext
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def infer() -> None:
         model.eval()
@@ -141,14 +204,38 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="batch size for every model")
     parser.add_argument("--steps", type=int, default=5, help="timed calls per measurement")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument(
+        "--optimizer",
+        choices=("own", "plain"),
+        default="own",
+        help="own: each library's AdamW as its training script builds it (default); plain: "
+        "torch.optim.AdamW for both",
+    )
+    parser.add_argument(
+        "--isa",
+        choices=("native", "avx2"),
+        default="native",
+        help="avx2: hold PyTorch, oneDNN and MKL to AVX2 (an AVX2-only CPU's fp32 path)",
+    )
     args = parser.parse_args()
+    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
+    native = args.isa == "native"
     batches = dict(DEFAULT)  # a model of the default set keeps its batch
     runs = [(m, batches.get(m, 16)) for m in args.models] if args.models else DEFAULT
     if args.batch:
         runs = [(m, args.batch) for m, _ in runs]
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor()}")
-    results = []
+    isa = torch.backends.cpu.get_cpu_capability()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor()}, "
+          f"kernels {isa}, optimizer {args.optimizer}")  # fmt: skip
+    precisions = (False, True) if native else (False,)
+    peaks = {bf16: matmul_peak(torch.bfloat16 if bf16 else torch.float32) for bf16 in precisions}
+    print(json.dumps({"matmul_2048_gflop_s": {("bf16" if k else "fp32"): round(v / 1e9, 1)
+                                              for k, v in peaks.items()}}))  # fmt: skip
+    results = [{"kernels": isa, "optimizer": args.optimizer, "threads": torch.get_num_threads(),
+                "matmul_2048_gflop_s": {("bf16" if k else "fp32"): round(v / 1e9, 1)
+                                        for k, v in peaks.items()}}]  # fmt: skip
     for name, batch in runs:
         base, overrides = parse_model(name)
         ours = vitlab.create_model(base, **overrides)
@@ -162,20 +249,26 @@ def main() -> None:
         if diff > 1e-3:
             raise SystemExit(f"{name}: vitlab's and timm's logits differ by {diff:.2e}")
         by_precision = {}
-        for bf16 in (False, True):
+        flops = {"infer": forward_flops(ours, x)}
+        flops["train"] = 3 * flops["infer"]
+        pair = (("vitlab", ours), ("timm", theirs))
+        opts = {lib: optimizer(m, lib, args.optimizer) for lib, m in pair}
+        for bf16 in precisions:
             row = {"model": name, "batch": batch, "precision": "bf16" if bf16 else "fp32",
-                   "fp32_max_abs_logit_diff": float(f"{diff:.1e}")}  # fmt: skip
-            fns = {lib: step_fns(m, x, y, bf16) for lib, m in (("vitlab", ours), ("timm", theirs))}
+                   "fp32_max_abs_logit_diff": float(f"{diff:.1e}"),
+                   "train_gflop_per_step": round(flops["train"] / 1e9, 3)}  # fmt: skip
+            fns = {lib: step_fns(m, x, y, bf16, opts[lib]) for lib, m in pair}
             for i, kind in enumerate(("infer", "train")):
                 secs = median_seconds({lib: f[i] for lib, f in fns.items()}, args.steps)
                 for lib, s in secs.items():
                     row[f"{lib}_{kind}_img_s"] = round(batch / s, 1)
+                    row[f"{lib}_{kind}_mfu"] = round(flops[kind] / s / peaks[bf16], 3)
                 row[f"{kind}_ratio"] = round(secs["timm"] / secs["vitlab"], 3)
             results.append(row)
             by_precision[row["precision"]] = row
             print(json.dumps(row), flush=True)
         # vitlab's default path (train.precision=auto) against timm's eager fp32
-        default = "bf16" if use_bf16("auto", x.device) else "fp32"
+        default = "bf16" if native and use_bf16("auto", x.device) else "fp32"
         summary = {
             "model": name,
             "default_precision": default,
