@@ -5,6 +5,7 @@ verdicts and rules, finished runs reused, interrupted ones resumed, a changed co
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -227,24 +228,46 @@ def test_unknown_experiment_names_the_valid_ones(capsys) -> None:
 SMOKE = ["--budget", "smoke", "--data", "digits"]
 
 
+def _accuracy_of(checkpoint: Path) -> float:
+    """Test top-1 of a checkpoint on the test share its run's config names (the seed's share),
+    computed here from the model's logits."""
+    from vitlab.config import load_run_config
+    from vitlab.data import label_subset, load_split
+    from vitlab.models.checkpoint import load_checkpoint
+
+    cfg = load_run_config(str(checkpoint.parent.parent / "config.yaml"), [])
+    test = label_subset(load_split(cfg.data.name, "test"), cfg.data.test_fraction,
+                        cfg.data.split_seed)  # fmt: skip
+    model, meta = load_checkpoint(str(checkpoint))
+    with torch.no_grad():
+        logits = model.eval()(meta.preprocessing.batch(test.images))
+    return float((logits.argmax(dim=1) == test.labels).float().mean())
+
+
 def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     # each run's curves.png (the training code's, tested with it) is a third of this test's time
     monkeypatch.setattr("vitlab.train.log.save_curves", lambda records, path: None)
     out = tmp_path / "repro"
     assert main(["-q", "reproduce", "all", *SMOKE, "--out", str(out)]) == 0
     capsys.readouterr()
+    index = (out / "README.md").read_text()
     for name in EXPERIMENTS:
         record = json.loads((out / name / "results.json").read_text())
         outcome = record["verdict"]["outcome"]
         assert outcome in (HOLDS, FAILS, INCONCLUSIVE)
+        assert f"| {EXPERIMENTS[name].title} | {outcome} |" in index
         for report in ("report.md", "report.html"):
             text = (out / name / report).read_text()
             assert f"Verdict: {outcome}" in text and "rule" in text.lower()
             assert record["verdict"]["rule"].split(";")[0][:40] in text.replace("&#x27;", "'")
         for png in record["plots"]:
             assert (out / name / png).read_bytes()[:4] == b"\x89PNG"
-    assert "| Position embeddings (Table 8) |" in (out / "README.md").read_text()
 
+    # an arm is measured at its last checkpoint: without its best (and its measurements), the
+    # finished run is reused and measured again from `last`
+    arm = out / "pos-embed" / "sincos2d-seed0"
+    shutil.rmtree(arm / "checkpoints" / "best")
+    (arm / "reproduce.json").write_text("{}")
     # a second invocation reuses every finished run: nothing is trained again
     weights = out / "pos-embed" / "learned-seed0" / "checkpoints" / "last" / "model.safetensors"
     before = weights.stat().st_mtime_ns
@@ -252,6 +275,10 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     err = capsys.readouterr().err
     assert err.count("finished run found, reusing it") == 5 and "training" not in err
     assert weights.stat().st_mtime_ns == before
+    rows = json.loads((out / "pos-embed" / "results.json").read_text())["arms"]
+    row = next(r for r in rows if r["arm"] == "pos-embed/sincos2d-seed0")
+    assert row["checkpoint"] == "last"
+    assert row["top1"] == pytest.approx(_accuracy_of(arm / "checkpoints" / "last"), abs=1e-6)
 
     # an interrupted run (a checkpoint, no results yet) is resumed, not restarted
     (out / "pos-embed" / "none-seed0" / "results.json").unlink()
@@ -261,13 +288,11 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert (out / "pos-embed" / "none-seed0" / "results.json").is_file()
 
     # a finished run whose weights were deleted (to save space) is trained again, not reused
-    import shutil
-
-    shutil.rmtree(out / "pos-embed" / "relative-seed0" / "checkpoints" / "best")
+    shutil.rmtree(out / "pos-embed" / "relative-seed0" / "checkpoints" / "last")
     assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 0
     err = capsys.readouterr().err
-    assert "relative-seed0: finished run without checkpoints/best, training it again" in err
-    assert (out / "pos-embed" / "relative-seed0" / "checkpoints" / "best").exists()
+    assert "relative-seed0: finished run without checkpoints/last, training it again" in err
+    assert (out / "pos-embed" / "relative-seed0" / "checkpoints" / "last").exists()
 
     # a folder holding a run of another configuration is refused, naming it
     config = out / "pos-embed" / "none-seed0" / "config.yaml"
@@ -275,3 +300,29 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "none-seed0 holds a run of another configuration" in err and "train.seed" in err
+
+    # a moved output folder is reused whole, the fine-tuning arms' sources included
+    moved = tmp_path / "elsewhere" / "repro"
+    shutil.move(out, moved)
+    assert main(["reproduce", "mpp", *SMOKE, "--out", str(moved)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("finished run found, reusing it") == 5 and "training" not in err
+
+
+def test_each_seed_draws_its_own_subsets(tmp_path: Path) -> None:
+    """data.split_seed follows the seed: the training subset and the test share differ between
+    seeds (and not between two arms of one seed); an arm counts the images its run trains on."""
+    from vitlab.config import load_run_config
+    from vitlab.train.build import load_data
+
+    ctx = Context("digits", get_budget("smoke"), tmp_path, seeds=2)
+    arms = [a for a in EXPERIMENTS["data-scale"].arms(ctx) if a.info["size"] == 50]
+    data = {}
+    for a in arms:
+        d = load_data(load_run_config(None, a.config(tmp_path)))
+        assert len(d.train) == a.images and len(d.test) == a.test_images
+        data.setdefault(a.seed, []).append(d)
+    (a0, b0), (a1, _) = data[0][:2], data[1][:2]
+    assert torch.equal(a0.train.images, b0.train.images)  # two models, one seed: one subset
+    assert not torch.equal(a0.train.images, a1.train.images)
+    assert not torch.equal(a0.test.images, a1.test.images)

@@ -89,9 +89,11 @@ def write_report(
         f"training time of the arms (summed over the invocations that trained them): "
         f"{seconds:.0f} s.",
         f"Every arm trains a fixed number of optimizer steps (train.max_steps; see the table or "
-        f"results.json) and is tested on {run['test_images']:,} test images (a seeded share of "
-        f"every class); 5-shot accuracy: the paper's linear few-shot protocol on the pre-logits "
-        f"features, averaged over {run['fewshot_seeds']} draws of the 5 images per class.",
+        f"results.json) and is measured at its last checkpoint on {run['test_images']:,} test "
+        f"images (a share of every class drawn by the seed, or all of them); 5-shot accuracy: "
+        f"the paper's linear few-shot protocol on the pre-logits features, averaged over "
+        f"{run['fewshot_seeds']} draws of the 5 images per class. Each seed also draws its own "
+        f"training subsets (data.split_seed = the seed).",
         f"Machine: {_machine_text(run['machine'])}.",
     ]
     md = [

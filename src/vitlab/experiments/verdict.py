@@ -72,16 +72,18 @@ class Verdict:
 def accuracy_floor(test_images: int, accuracies: Iterable[Stat]) -> float:
     """The floor for accuracies measured on `test_images` images: twice the binomial standard
     error of one accuracy at the compared arms' mean accuracy p, 2 sqrt(p (1 - p) / n), and at
-    least ACC_FLOOR. Every seed is tested on the same images, so the seed spread does not hold
-    this noise."""
+    least ACC_FLOOR. The arms of one seed are tested on the same images (all of the test split,
+    or the seed's share of it), so the differences the rules compare carry this noise even where
+    the seed spread does not show it."""
     p = statistics.fmean(s.mean for s in accuracies)
     return max(ACC_FLOOR, 2 * math.sqrt(max(p * (1 - p), 0.0) / max(test_images, 1)))
 
 
 FLOOR_TEXT = (
     "The accuracy floor is twice the binomial standard error of one accuracy on the test images "
-    "used, 2 sqrt(p (1 - p) / n) at the compared arms' mean accuracy p, and at least 1 pp: every "
-    "seed is tested on the same images, so the seed spread does not hold that noise."
+    "used, 2 sqrt(p (1 - p) / n) at the compared arms' mean accuracy p, and at least 1 pp: the "
+    "arms of a seed share their test images, and with the whole test split so do all seeds, so "
+    "the seed spread need not hold that noise."
 )
 
 
