@@ -5,6 +5,7 @@ verdicts and rules, finished runs reused, interrupted ones resumed, a changed co
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from vitlab.cli.main import main
 from vitlab.data.datasets import ArraySplit
 from vitlab.experiments import arms as arms_module
+from vitlab.experiments import data_scale
 from vitlab.experiments.arms import Context
 from vitlab.experiments.budgets import ALL_FAST_LIMIT_S, LIMIT_S, get_budget
 from vitlab.experiments.runner import EXPERIMENTS, estimate_seconds
@@ -29,6 +31,7 @@ from vitlab.experiments.verdict import (
     mpp_verdict,
     patch_size_verdict,
     pos_embed_verdict,
+    slope,
     stat,
 )
 
@@ -102,24 +105,69 @@ def test_data_scale_rule_with_seed_spread() -> None:
     assert data_scale_verdict(cnn, vit).outcome == INCONCLUSIVE
 
 
+def test_data_scale_rule_names_its_metric() -> None:
+    v = data_scale_verdict({1: s(0.8), 9: s(0.9)}, {1: s(0.7), 9: s(0.91)}, metric="5-shot")
+    assert v.rule.startswith("5-shot") and v.reason.startswith("5-shot")
+
+
+def test_data_scale_judges_the_sizes_seen_whole_on_top1_and_fewshot() -> None:
+    """Only sizes every arm saw whole count; both metrics must hold."""
+    rows = [{"size": n, "passes": p} for n, p in ((1, 4.0), (3, 1.0), (9, 0.99), (3, 1.2))]
+    assert data_scale.sizes_seen_whole(rows) == [1, 3]
+    cnn, vit = "ResNet-18", "ViT (patch 4)"
+    closes = {cnn: {1: s(0.80), 3: s(0.85), 9: s(0.99)}, vit: {1: s(0.70), 3: s(0.85), 9: s(0.7)}}
+    grows = {cnn: {1: s(0.80), 3: s(0.90), 9: s(0.99)}, vit: {1: s(0.78), 3: s(0.78), 9: s(0.6)}}
+    flat = {cnn: {1: s(0.80), 3: s(0.90), 9: s(0.9)}, vit: {1: s(0.75), 3: s(0.85), 9: s(0.9)}}
+    whole = [1, 3]  # size 9, seen in part, is left out: with it `closes` would not hold
+    assert data_scale.verdict(closes, closes, whole, 10**6).outcome == HOLDS
+    assert data_scale.verdict(closes, grows, whole, 10**6).outcome == FAILS  # 5-shot fails
+    assert data_scale.verdict(closes, flat, whole, 10**6).outcome == INCONCLUSIVE
+    assert data_scale.verdict(closes, closes, [1], 10**6).outcome == INCONCLUSIVE
+
+
+def test_slope_is_least_squares() -> None:
+    assert slope([0, 1, 2], [1, 3, 5]) == pytest.approx(2.0)
+    assert slope([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)  # 4 / 5
+
+
+def _patch_numbers(low: dict, high: dict, cnn: tuple, spread: float = 0.002):
+    """Two seeds a value (v, v + spread) at compute levels C1 and C2."""
+    vits = {p: {"C1": s(low[p], low[p] + spread), "C2": s(high[p], high[p] + spread)}
+            for p in (2, 4, 7, 14)}  # fmt: skip
+    return vits, {lv: s(a, a + spread) for lv, a in zip(("C1", "C2"), cnn)}
+
+
+# accuracy = a + b log2(P): at C1 larger patches are better (+2 pp a doubling), at C2 smaller ones
+GAIN = ({p: 0.80 + 0.02 * math.log2(p) for p in (2, 4, 7, 14)},
+        {p: 0.90 - 0.02 * math.log2(p) for p in (2, 4, 7, 14)})  # fmt: skip
+LOSS = (GAIN[1], GAIN[0])  # the other way round: smaller patches lose ground with compute
+
+
 @pytest.mark.parametrize(
-    "vit_acc, outcome",
-    [((0.90, 0.905), HOLDS), ((0.80, 0.805), FAILS), ((0.85, 0.852), INCONCLUSIVE)],
+    "curves, cnn, outcome, parts",
+    [
+        (GAIN, (0.70, 0.80), HOLDS, [HOLDS, HOLDS]),
+        (GAIN, (0.70, 0.95), FAILS, [FAILS, HOLDS]),  # the ResNet ahead at C2
+        (LOSS, (0.70, 0.80), FAILS, [HOLDS, FAILS]),  # smaller patches lose with compute
+        # the ResNet 0.4 pp above patch 2 at C2: within noise
+        (GAIN, (0.70, 0.884), INCONCLUSIVE, [INCONCLUSIVE, HOLDS]),
+    ],
 )
-def test_patch_size_rule(vit_acc, outcome) -> None:
-    vits = {
-        "patch 4": (1e12, s(*vit_acc)),
-        "patch 2 (costlier than the CNN)": (1e15, s(0.99, 0.99)),
-    }
-    v = patch_size_verdict(vits, (1e14, s(0.85, 0.851)))
-    assert v.outcome == outcome, v.reason
-    assert "patch 4" in v.reason  # only arms no costlier than the ResNet count
+def test_patch_size_rule(curves, cnn, outcome, parts) -> None:
+    v = patch_size_verdict(*_patch_numbers(*curves, cnn))
+    assert (v.outcome, [p.outcome for p in v.parts]) == (outcome, parts), v.reason
+    # d = s(C1) - s(C2) = +2 - (-2) = +4 pp a doubling for GAIN
+    assert f"d = {'+' if curves is GAIN else '-'}4.00 pp" in v.parts[1].reason
 
 
-def test_patch_size_rule_without_a_cheaper_vit() -> None:
-    """No ViT as cheap as the ResNet: nothing to compare at equal compute, however accurate."""
-    v = patch_size_verdict({"p2": (1e15, s(0.99))}, (1e14, s(0.85)))
-    assert v.outcome == INCONCLUSIVE and "no ViT arm" in v.reason
+def test_patch_size_rule_with_one_seed_and_wide_spread() -> None:
+    one = patch_size_verdict({p: {lv: s(x[p]) for lv, x in zip(("C1", "C2"), GAIN)}
+                              for p in (2, 4, 7, 14)}, {"C1": s(0.7), "C2": s(0.8)})  # fmt: skip
+    assert one.outcome == HOLDS and "one seed" in one.parts[1].reason
+    # seeds that disagree on the slope: d's spread covers it
+    vits, cnn = _patch_numbers(*GAIN, (0.70, 0.80))
+    vits[2]["C2"] = s(0.90, 0.70)
+    assert patch_size_verdict(vits, cnn).parts[1].outcome == INCONCLUSIVE
 
 
 @pytest.mark.parametrize(
@@ -188,6 +236,36 @@ def test_arms_train_the_same_steps_whatever_the_set_size(fashion_sized: None, tm
     assert round(warmup * per_epoch) == round(0.05 * plan.steps)  # 5% of the steps
     large = next(a for a in arms if a.info["size"] == 60_000)
     assert large.images == 60_000 and large.epochs == 1 and large.passes < 1
+
+
+def test_patch_size_arms_spend_their_compute_level(fashion_sized: None, tmp_path) -> None:
+    """steps = level / (training FLOPs per image x batch), FLOPs per image = 3 x 2 x forward
+    MACs, here counted by hand for the patch-4 ViT (D 64, MLP 128, 4 layers, 49 patches + the
+    class token, 10 classes)."""
+    ctx = Context("fashion-mnist", get_budget("full"), tmp_path)
+    plan = ctx.plan("patch-size")
+    arms = EXPERIMENTS["patch-size"].arms(ctx)
+    layer = 2 * 50**2 * 64 + 4 * 50 * 64**2 + 2 * 50 * 64 * 128  # QK^T + AV, projections, MLP
+    macs = 4 * layer + 49 * 4 * 4 * 64 + 64 * 10  # blocks, patch embedding, head
+    p4 = [a for a in arms if a.info["model"] == "ViT patch 4" and a.seed == 0]
+    assert [a.steps for a in p4] == [round(lv / (6 * macs * 64)) for lv in plan.levels]
+    assert p4[-1].steps == 1784  # 5.4e12 / (6 x 7,884,416 x 64)
+    assert all(f"train.max_steps={a.steps}" in a.overrides for a in arms)
+    for a in arms:  # every arm spends its level, up to half a step's rounding
+        step = a.info["flops_per_image"] * a.batch
+        assert abs(a.info["training_flops"] - a.info["compute"]) <= step / 2
+        assert a.info["training_flops"] == a.steps * step
+    cnn = [a for a in arms if a.info["model"] == "ResNet-18" and a.seed == 0]
+    assert [a.steps for a in cnn] == [3, 9, 31]  # 2.7 GFLOPs an image: a few steps only
+    assert len({a.folder for a in arms}) == len(arms) == 6 * len(plan.levels) * plan.seeds
+
+
+def test_data_scale_full_sees_the_sets_to_10k_whole(fashion_sized: None, tmp_path) -> None:
+    ctx = Context("fashion-mnist", get_budget("full"), tmp_path)
+    arms = EXPERIMENTS["data-scale"].arms(ctx)
+    rows = [{"size": a.info["size"], "passes": a.passes} for a in arms]
+    assert data_scale.sizes_seen_whole(rows) == [1_000, 3_000, 10_000]
+    assert len({a.seed for a in arms}) == 2
 
 
 def test_max_steps_ends_the_run_mid_epoch(tmp_path: Path) -> None:
@@ -263,36 +341,33 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
         for png in record["plots"]:
             assert (out / name / png).read_bytes()[:4] == b"\x89PNG"
 
-    # an arm is measured at its last checkpoint: without its best (and its measurements), the
-    # finished run is reused and measured again from `last`
-    arm = out / "pos-embed" / "sincos2d-seed0"
-    shutil.rmtree(arm / "checkpoints" / "best")
-    (arm / "reproduce.json").write_text("{}")
-    # a second invocation reuses every finished run: nothing is trained again
-    weights = out / "pos-embed" / "learned-seed0" / "checkpoints" / "last" / "model.safetensors"
+    # a second invocation reuses every finished run, trains nothing again, and continues what
+    # is unfinished, all at once:
+    pos = out / "pos-embed"
+    weights = pos / "learned-seed0" / "checkpoints" / "last" / "model.safetensors"
     before = weights.stat().st_mtime_ns
+    # - an arm is measured at its last checkpoint: without its best (nor its measurements), a
+    #   finished run is reused and measured again from `last`
+    shutil.rmtree(pos / "sincos2d-seed0" / "checkpoints" / "best")
+    (pos / "sincos2d-seed0" / "reproduce.json").write_text("{}")
+    # - an interrupted run (a checkpoint, no results yet) is resumed, not restarted
+    (pos / "none-seed0" / "results.json").unlink()
+    # - a finished run whose weights were deleted (to save space) is trained again, not reused
+    shutil.rmtree(pos / "relative-seed0" / "checkpoints" / "last")
     assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 0
     err = capsys.readouterr().err
-    assert err.count("finished run found, reusing it") == 5 and "training" not in err
+    assert err.count("finished run found, reusing it") == 3
+    assert "pos-embed/none-seed0: resuming its run" in err
+    assert "relative-seed0: finished run without checkpoints/last, training it again" in err
+    assert all("relative-seed0" in line for line in err.splitlines() if "training" in line)
     assert weights.stat().st_mtime_ns == before
-    rows = json.loads((out / "pos-embed" / "results.json").read_text())["arms"]
+    assert (pos / "none-seed0" / "results.json").is_file()
+    assert (pos / "relative-seed0" / "checkpoints" / "last").exists()
+    rows = json.loads((pos / "results.json").read_text())["arms"]
     row = next(r for r in rows if r["arm"] == "pos-embed/sincos2d-seed0")
     assert row["checkpoint"] == "last"
-    assert row["top1"] == pytest.approx(_accuracy_of(arm / "checkpoints" / "last"), abs=1e-6)
-
-    # an interrupted run (a checkpoint, no results yet) is resumed, not restarted
-    (out / "pos-embed" / "none-seed0" / "results.json").unlink()
-    assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 0
-    err = capsys.readouterr().err
-    assert "pos-embed/none-seed0: resuming its run" in err
-    assert (out / "pos-embed" / "none-seed0" / "results.json").is_file()
-
-    # a finished run whose weights were deleted (to save space) is trained again, not reused
-    shutil.rmtree(out / "pos-embed" / "relative-seed0" / "checkpoints" / "last")
-    assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 0
-    err = capsys.readouterr().err
-    assert "relative-seed0: finished run without checkpoints/last, training it again" in err
-    assert (out / "pos-embed" / "relative-seed0" / "checkpoints" / "last").exists()
+    last = pos / "sincos2d-seed0" / "checkpoints" / "last"
+    assert row["top1"] == pytest.approx(_accuracy_of(last), abs=1e-6)
 
     # a folder holding a run of another configuration is refused, naming it
     config = out / "pos-embed" / "none-seed0" / "config.yaml"
@@ -302,8 +377,8 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert "none-seed0 holds a run of another configuration" in err and "train.seed" in err
 
     # a moved output folder is reused whole, the fine-tuning arms' sources included
-    moved = tmp_path / "elsewhere" / "repro"
-    shutil.move(out, moved)
+    moved = tmp_path / "moved"
+    out.rename(moved)
     assert main(["reproduce", "mpp", *SMOKE, "--out", str(moved)]) == 0
     err = capsys.readouterr().err
     assert err.count("finished run found, reusing it") == 5 and "training" not in err
@@ -316,7 +391,7 @@ def test_each_seed_draws_its_own_subsets(tmp_path: Path) -> None:
     from vitlab.train.build import load_data
 
     ctx = Context("digits", get_budget("smoke"), tmp_path, seeds=2)
-    arms = [a for a in EXPERIMENTS["data-scale"].arms(ctx) if a.info["size"] == 50]
+    arms = [a for a in EXPERIMENTS["data-scale"].arms(ctx) if a.info["size"] == 48]
     data = {}
     for a in arms:
         d = load_data(load_run_config(None, a.config(tmp_path)))

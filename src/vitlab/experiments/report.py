@@ -82,10 +82,11 @@ def write_report(
         **run,
     }
     (folder / "results.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    seconds = sum(r.get("train_seconds") or 0.0 for r in rows)
+    seconds = sum({r["arm"]: r.get("train_seconds") or 0.0 for r in rows}.values())
     facts = [
         f"Budget `{run['budget']}` on `{run['data']}`, {run['seeds']} seed(s) per arm, "
-        f"{len(rows)} run(s). Wall time of this invocation: {run['wall_seconds']:.0f} s; "
+        f"{len(rows)} arm(s) in {len({r['arm'] for r in rows})} run folder(s). Wall time of this "
+        f"invocation: {run['wall_seconds']:.0f} s; "
         f"training time of the arms (summed over the invocations that trained them): "
         f"{seconds:.0f} s.",
         f"Every arm trains a fixed number of optimizer steps (train.max_steps; see the table or "
