@@ -26,7 +26,6 @@ from vitlab.data.datasets import ArraySplit, DatasetError
 from vitlab.eval.features import match_channels
 from vitlab.eval.fewshot import fit_ridge, kshot_indices
 from vitlab.experiments.budgets import Budget, Plan, arm_seconds
-from vitlab.formats.vitlab import read_metadata, resolve_checkpoint
 from vitlab.models.checkpoint import load_checkpoint
 from vitlab.models.registry import ModelConfig
 from vitlab.train.build import resolve_model_config
@@ -317,8 +316,3 @@ def measure_last(folder: Path, ctx: Context, seed: int, test_fraction: float) ->
         accs.append(float((fit.predict(x_test) == y_test).mean()))
     top1 = float((logits.argmax(dim=1) == test.labels).float().mean())
     return {"top1": top1, f"fewshot{SHOTS}": float(np.mean(accs))}
-
-
-def model_config(folder: Path) -> ModelConfig:
-    """The model config a run trained (from its last checkpoint's metadata)."""
-    return read_metadata(resolve_checkpoint(folder / "checkpoints" / LAST)).config
