@@ -5,26 +5,32 @@ the same steps for every arm of an experiment; patch-size: the steps that spend 
 compute levels, training FLOPs = 3 x 2 x forward MACs x images seen), then is tested on
 `test_images` test images (a seeded per-class share; all of them where None).
 
-The time estimates (arm_seconds) assume float32 on 2 AVX2-only CPU cores, where these models train
-about half as fast as on the project's 2-core Xeon with AMX bf16. The rates are half the lowest
-training throughput the arms reached in the `fast` run of 2026-11-30 on that Xeon (bf16, shared
-with other jobs; BENCHMARKS.md, "The paper in miniature (issue 15)", from each arm's
-metrics.jsonl), rounded down:
+The time estimates (arm_seconds) assume float32 on 2 AVX2-only CPU cores. The rates were
+measured on 2026-11-30 on the project's 2-core Xeon with PyTorch, oneDNN and MKL held to AVX2 (the
+float32 path of an AVX2-only CPU), 2 threads, the whole `vitlab train` loop with its data, nothing
+else running; then multiplied by 0.37, the slowdown measured under load (patch 4 trained at 300
+img/s in arms sharing the machine with other jobs, against 818 alone), and rounded down. So the
+estimates are what a machine as loaded as that one takes; an idle one is about 2.7x faster.
 
-    model (28x28 grey)          measured bf16 (img/s)     assumed fp32 AVX2 (TRAIN_IMG_S)
-    ViT nano, patch 2           309                       150
-    ViT nano, patch 4           1,050-1,910               520
-    ViT nano, patch 7           3,220                     1,600
-    ViT nano, patch 14          5,810                     2,900
-    hybrid (vit_nano_r_s4_28)   670-1,140                 330
-    ResNet-18, small stem       89-152                    45
+    model (28x28 grey)          measured fp32 AVX2 alone (img/s)        assumed (TRAIN_IMG_S)
+    ViT nano, patch 2           not measured: ~0.3x patch 4 (~245)      90
+    ViT nano, patch 4           818 (digits, batch 64); model step 856   300 (measured under load)
+    ViT nano, patch 7           2,861 (digits, batch 64)                 1,000
+    ViT nano, patch 14          not measured: at most 2x patch 7        1,500 (1.5x patch 7)
+    hybrid (vit_nano_r_s4_28)   1,049 (Fashion-MNIST, batch 128)         380
+    ResNet-18, small stem       not measured: ~45-50 (80, model step,   16
+                                fp32 on AVX-512)
 
-Against the measured run they are 2-4x slow, a margin for other load. Evaluation (the run's test
-split in float32, then the last checkpoint's test top-1 and 5-shot features in one more pass)
-runs at EVAL_SPEEDUP x the training rate (2.4x measured for the ResNet); a fixed start-up per arm
-and a per-epoch cost (checkpoint writes) are added. tests/test_reproduce.py checks that every
-experiment's `fast` estimate is at most 15 minutes, `full` at most 90, and `all --budget fast` at
-most 75.
+Earlier figures, kept for comparison: the `fast` run of 2026-11-30 (bf16 on the Xeon's AMX, shared
+with other jobs; BENCHMARKS.md, "The paper in miniature (issue 15)") trained patch 2 at 309
+img/s, patch 4 at 1,050-1,910, patch 7 at 3,220, patch 14 at 5,810, the hybrid at 670-1,140 and
+the ResNet at 89-152; budgets.py assumed 80 / 400 / 1,000 / 1,600 / 300 / 45 at commit aa2e882.
+
+Evaluation (the run's test split in float32, then the last checkpoint's test top-1 and 5-shot
+features in one more pass) runs at EVAL_SPEEDUP x the training rate (2.4x measured for the
+ResNet); a fixed start-up per arm and a per-epoch cost (checkpoint writes) are added.
+tests/test_reproduce.py checks that every experiment's `fast` estimate is at most 15 minutes,
+`full` at most 90, and `all --budget fast` at most 75.
 """
 
 from __future__ import annotations
@@ -35,14 +41,14 @@ BUDGETS = ("smoke", "fast", "full")
 LIMIT_S = {"smoke": 60.0, "fast": 15 * 60.0, "full": 90 * 60.0}
 ALL_FAST_LIMIT_S = 75 * 60.0
 
-# training images per second, float32 on 2 AVX2 cores: half the lowest bf16 rate measured (above)
+# training images per second, float32 on 2 AVX2 cores under load (above)
 TRAIN_IMG_S = {
-    "vit_p2": 150.0,
-    "vit_p4": 520.0,
-    "vit_p7": 1600.0,
-    "vit_p14": 2900.0,
-    "hybrid": 330.0,
-    "resnet18": 45.0,
+    "vit_p2": 90.0,
+    "vit_p4": 300.0,
+    "vit_p7": 1000.0,
+    "vit_p14": 1500.0,
+    "hybrid": 380.0,
+    "resnet18": 16.0,
 }
 EVAL_SPEEDUP = 2.0  # a float32 forward pass against a training step (measured 2.4x, ResNet-18)
 START_S = 5.0  # per arm: data, model, the final curves.png and results
@@ -62,6 +68,12 @@ class Plan:
     model: tuple[str, ...] = ()  # overrides every ViT arm takes (smoke: one layer)
     cnn: tuple[str, ...] = ()  # overrides every ResNet arm takes (smoke: 8x8 inputs)
     test_images: int | None = None  # instead of the budget's
+
+    def __post_init__(self) -> None:
+        # the rules and reports read the first level (size) as the cheapest (smallest)
+        for name, values in (("levels", self.levels), ("sizes", self.sizes)):
+            if list(values) != sorted(set(values)):
+                raise ValueError(f"a plan's {name} must increase, got {values}")
 
 
 @dataclass(frozen=True)
@@ -90,8 +102,8 @@ BUDGET = {
             "data-scale": Plan(
                 steps=6, batch=16, seeds=1, sizes=(48, 96), model=TINY, cnn=TINY_CNN
             ),
-            # 1-10 steps: patch 2 and 4, the hybrid and the ResNet take one step at both levels
-            # (more compute than either), one run each
+            # 1-10 steps of 16; the costlier models take one step at both levels, one run each
+            # (their training FLOPs then differ from the level: the report flags those)
             "patch-size": Plan(
                 steps=0, batch=16, seeds=1, levels=(1e8, 2e8), model=TINY, cnn=TINY_CNN
             ),
@@ -99,43 +111,45 @@ BUDGET = {
         },
     ),
     # each experiment <= 15 min on 2 AVX2 cores in fp32 (arm_seconds, with the rates above), all
-    # five <= 75 (inside reuses pos-embed's runs): estimated 8.9, 10.6, 12.1, 1.8 alone and 9.1
-    # min, 40.7 in all
+    # five <= 75 (inside reuses pos-embed's runs): estimated 14.0, 13.5, 11.7, 2.8 alone and
+    # 14.1 min, 53 in all
     "fast": Budget(
         "fast",
         test_images=2_000,
         fewshot_seeds=3,
         analysis_images=16,
         plans={
-            # 10 arms x 23,040 images at 520 img/s
-            "pos-embed": Plan(steps=180, batch=128, seeds=2),
-            # 15 arms x 3,072 images; the ResNet's five (at 45 img/s, ~70 s of training and ~45 s
-            # of evaluation each on 1,000 test images) are most of it: sets of more than 3,072
-            # images are not seen whole, which the report says
-            "data-scale": Plan(steps=48, batch=64, seeds=1, sizes=SIZES, test_images=1_000),
-            # 6 models x 2 levels; the ResNet takes 3 and 9 steps of 64 there (its 2.7 training
-            # GFLOPs an image are 58x the patch-4 ViT's), patch 14 1,920 and 5,795 (the costliest)
-            "patch-size": Plan(steps=0, batch=64, seeds=1, levels=(5.3e11, 1.6e12)),
-            # per seed 2 x 40,960 pre-training + 3 x 12,800 fine-tuning images at 520 img/s
-            "mpp": Plan(steps=100, batch=128, seeds=2, pretrain_steps=320),
+            # 10 arms x 21,760 images at 300 img/s
+            "pos-embed": Plan(steps=170, batch=128, seeds=2),
+            # 15 arms x 1,536 images; the ResNet's five (at 16 img/s, ~100 s of training and
+            # ~40 s of evaluation each on 600 test images) are most of it: only the 1k set is
+            # seen whole, so the verdict is inconclusive here (it needs two sizes)
+            "data-scale": Plan(steps=24, batch=64, seeds=1, sizes=SIZES, test_images=600),
+            # 6 models x 2 levels; the ResNet takes 2 and 5 steps of 64 there (its 2.7 training
+            # GFLOPs an image are 58x the patch-4 ViT's), too few for the ViT-against-ResNet part
+            # of the verdict (inconclusive); patch 14 takes 1,087 and 3,260 (the costliest)
+            "patch-size": Plan(steps=0, batch=64, seeds=1, levels=(3e11, 9e11), test_images=1_000),
+            # per seed 2 x 35,840 pre-training + 3 x 12,800 fine-tuning images at 300 img/s
+            "mpp": Plan(steps=100, batch=128, seeds=2, pretrain_steps=280),
         },
     ),
-    # each experiment <= 90 min: estimated 55.3, 83.8, 82.0, 11.1 alone and 37.6 min
+    # each experiment <= 90 min: estimated 84.3, 71.4, 71.3, 16.9 alone and 64.3 min
     "full": Budget(
         "full",
         test_images=None,
         fewshot_seeds=5,
         analysis_images=32,
         plans={
-            "pos-embed": Plan(steps=800, batch=128, seeds=3),
-            # 12,800 images an arm: the sets of 1k-10k seen whole, 30k and 60k not (one pass over
-            # 60k, ~940 steps, would take the ResNet's arms alone ~3.7 h at 45 img/s), so the
-            # verdict compares 1k-10k; the ResNet's ten arms are most of the time
-            "data-scale": Plan(steps=200, batch=64, seeds=2, sizes=SIZES, test_images=5_000),
-            # 6 models x 3 levels (ratio ~3); at the largest the ResNet sees 1,984 images (31
-            # steps), patch 4 ~114,000, patch 14 1.25M (~440 s, the costliest arm)
+            "pos-embed": Plan(steps=700, batch=128, seeds=3),
+            # 10,240 images an arm, one seed: the sets of 1k-10k seen whole, 30k and 60k not (one
+            # pass over 60k, ~940 steps, would take the ResNet's arms alone ~17 h at 16 img/s), so
+            # the verdict compares 1k-10k; the ResNet's five arms are most of the time (~64 min)
+            "data-scale": Plan(steps=160, batch=64, seeds=1, sizes=SIZES, test_images=2_000),
+            # 6 models x 3 levels (ratio 3); at the largest the ResNet takes 15 steps (960
+            # images), too few for the ViT-against-ResNet part of the verdict; patch 4 ~57,000
+            # images, patch 14 ~626,000 (~420 s, the costliest arm)
             "patch-size": Plan(
-                steps=0, batch=64, seeds=2, levels=(5.3e11, 1.6e12, 5.4e12), test_images=5_000
+                steps=0, batch=64, seeds=2, levels=(3e11, 9e11, 2.7e12), test_images=2_000
             ),
             "mpp": Plan(steps=200, batch=128, seeds=3, pretrain_steps=1_000),
         },
