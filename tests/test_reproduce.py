@@ -15,9 +15,9 @@ import torch
 from vitlab.cli.main import main
 from vitlab.data.datasets import ArraySplit
 from vitlab.experiments import arms as arms_module
-from vitlab.experiments import data_scale
+from vitlab.experiments import data_scale, plots
 from vitlab.experiments.arms import Context
-from vitlab.experiments.budgets import ALL_FAST_LIMIT_S, LIMIT_S, get_budget
+from vitlab.experiments.budgets import ALL_FAST_LIMIT_S, LIMIT_S, Plan, get_budget
 from vitlab.experiments.runner import EXPERIMENTS, estimate_seconds
 from vitlab.experiments.verdict import (
     FAILS,
@@ -168,6 +168,45 @@ def test_patch_size_rule_with_one_seed_and_wide_spread() -> None:
     vits, cnn = _patch_numbers(*GAIN, (0.70, 0.80))
     vits[2]["C2"] = s(0.90, 0.70)
     assert patch_size_verdict(vits, cnn).parts[1].outcome == INCONCLUSIVE
+
+
+def test_patch_size_rule_judges_only_levels_both_arms_trained_at() -> None:
+    """Part 1 (best ViT against the ResNet) skips a level where either compared arm took fewer
+    than 100 optimizer steps; with no level left it is inconclusive, whatever the numbers."""
+    vits, cnn = _patch_numbers(*GAIN, (0.70, 0.95))  # the ResNet ahead at C2: FAILS if judged
+    many = {p: {"C1": 500, "C2": 1_500} for p in (2, 4, 7, 14)}
+    judged = patch_size_verdict(vits, cnn, steps={**many, "cnn": {"C1": 100, "C2": 300}})
+    assert judged.parts[0].outcome == FAILS
+    few = patch_size_verdict(vits, cnn, steps={**many, "cnn": {"C1": 30, "C2": 99}}).parts[0]
+    assert few.outcome == INCONCLUSIVE and few.reason.count("not judged") == 2
+    assert "steps: patch 2 1,500, ResNet 99: not judged" in few.reason
+    # C2 untrained, C1 judged: the ViTs' clear lead at C1 alone holds
+    vits, cnn = _patch_numbers(*GAIN, (0.70, 0.95))
+    one = patch_size_verdict(vits, cnn, steps={**many, "cnn": {"C1": 120, "C2": 40}}).parts[0]
+    assert one.outcome == HOLDS and one.reason.count("not judged") == 1
+    # an undertrained best ViT (patch 2 at C2: 90 steps) also leaves its level unjudged
+    slow = {**many, 2: {"C1": 500, "C2": 90}, "cnn": {"C1": 120, "C2": 400}}
+    assert patch_size_verdict(vits, cnn, steps=slow).parts[0].outcome == HOLDS
+
+
+def test_plan_levels_and_sizes_must_increase() -> None:
+    with pytest.raises(ValueError, match="levels must increase"):
+        Plan(steps=0, batch=8, seeds=1, levels=(2e8, 1e8))
+    with pytest.raises(ValueError, match="sizes must increase"):
+        Plan(steps=1, batch=8, seeds=1, sizes=(96, 48))
+
+
+def test_frontier_keeps_only_strict_improvements_cheapest_first(tmp_path: Path) -> None:
+    """A point is on the frontier if no point of less or equal compute is as accurate: of two at
+    equal compute the more accurate one; a later point only when it beats every cheaper one."""
+    curves = {
+        "a": [(1.0, s(0.50)), (4.0, s(0.70)), (16.0, s(0.72))],
+        "b": [(1.0, s(0.60)), (4.0, s(0.55)), (8.0, s(0.70)), (16.0, s(0.80))],
+    }
+    front = plots.compute_curves(curves, tmp_path / "f.png", "t", [1.0, 4.0, 16.0])
+    # b@1 beats a@1 at equal compute; a@4 improves; b@8 only ties a@4; a@16 < b@16 at equal
+    assert front == [("b", 0), ("a", 1), ("b", 3)]
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize(

@@ -14,12 +14,18 @@ from vitlab.analysis.cost import forward_macs
 from vitlab.experiments import plots
 from vitlab.experiments.arms import SHOTS, Arm, Context
 from vitlab.experiments.base import Experiment, Summary, by_group
-from vitlab.experiments.verdict import FLOOR_TEXT, accuracy_floor, patch_size_verdict
+from vitlab.experiments.verdict import (
+    FLOOR_TEXT,
+    MIN_STEPS,
+    accuracy_floor,
+    patch_size_verdict,
+)
 from vitlab.models.registry import ModelConfig, family_of
 
 NAME = "patch-size"
 CNN, HYBRID = "ResNet-18", "hybrid (ResNet stem)"
 PATCHES = (2, 4, 7, 14)
+OFF_LEVEL = 0.1  # an arm whose training FLOPs miss its level by more is flagged in the report
 # label -> (slug, throughput class, overrides, is a ViT, patch side of a plain ViT)
 MODELS = {
     **{f"ViT patch {p}": (f"vit-p{p}", f"vit_p{p}", ["model.name=vit_nano_patch4_28",
@@ -94,6 +100,10 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
     vits = {p: {lv: top1[at[label, lv]] for lv in levels}
             for label, (*_, p) in MODELS.items() if p is not None}  # fmt: skip
     cnn = {lv: top1[at[CNN, lv]] for lv in levels}
+    steps = {(p if p is not None else "cnn"): {lv: first[at[label, lv]]["steps"] for lv in levels}
+             for label, (*_, vit, p) in MODELS.items() if p is not None or not vit}  # fmt: skip
+    off = [f"{g} ({r['training_flops'] / r['compute'] - 1:+.0%})" for g, r in first.items()
+           if abs(r["training_flops"] / r["compute"] - 1) > OFF_LEVEL]  # fmt: skip
     best_vit = {lv: max(s[lv].mean for s in vits.values()) for lv in levels}
     hybrid = [f"{lv} {100 * (top1[at[HYBRID, lv]].mean - best_vit[lv]):+.2f}" for lv in levels]
     named = ", ".join(f"{lv} = {c:.3g} FLOPs" for lv, c in zip(levels, compute))
@@ -111,7 +121,7 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
             "seeds",
         ],  # fmt: skip
         table,
-        patch_size_verdict(vits, cnn, floor),
+        patch_size_verdict(vits, cnn, floor, steps),
         [
             (
                 "frontier.png",
@@ -124,7 +134,12 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
             f"Compute levels (dotted in the plot): {named}. Each arm trains the steps that "
             f"spend its level, steps = level / (training FLOPs per image x batch), rounded (at "
             f"least one step: the training FLOPs column gives what each spent); training FLOPs "
-            f"per image = 3 (forward + backward) x 2 x `vitlab cost`'s forward MACs.",
+            f"per image = 3 (forward + backward) x 2 x `vitlab cost`'s forward MACs. The ResNet "
+            f"took {', '.join(str(n) for n in steps['cnn'].values())} steps at "
+            f"{', '.join(levels)}: too few to train it, so the rule's first part judges only the "
+            f"levels where both compared arms took at least {MIN_STEPS} steps.",
+            f"Arms whose training FLOPs differ from their level by more than {OFF_LEVEL:.0%} (a "
+            f"whole number of steps, at least one): {', '.join(off) or 'none'}.",
             "The rule compares the plain ViTs (patches 2-14) and the ResNet. The hybrid is "
             "reported, not judged: the paper finds hybrids slightly ahead of ViTs at small "
             "compute. Hybrid - best plain ViT test top-1 (pp): " + ", ".join(hybrid) + ".",

@@ -20,6 +20,9 @@ HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
 ACC_FLOOR = 0.01  # one percentage point of accuracy
 DISTANCE_FLOOR = 1.0  # pixels of mean attention distance
 SIMILARITY_FLOOR = 0.05  # cosine similarity
+# patch-size: the fewest optimizer steps an arm must take for its accuracy to speak for its model
+# (fewer: warm-up and cosine decay squeezed into a handful of steps leave it barely trained)
+MIN_STEPS = 100
 
 
 @dataclass(frozen=True)
@@ -174,26 +177,39 @@ def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 
 def patch_size_verdict(
-    vits: dict[int, dict[str, Stat]], cnn: dict[str, Stat], floor: float = ACC_FLOOR
+    vits: dict[int, dict[str, Stat]],
+    cnn: dict[str, Stat],
+    floor: float = ACC_FLOOR,
+    steps: dict[int | str, dict[str, int]] | None = None,
 ) -> Verdict:
     """Fig. 5 and Table 6 at matched compute. `vits`: patch side -> compute level -> test top-1
     of the plain ViT; `cnn`: compute level -> the ResNet's; levels cheapest first, the same in
-    both, each Stat's values in seed order. Two parts: at every level the best ViT beats the
-    ResNet; smaller patches gain on larger ones as the compute grows."""
+    both, each Stat's values in seed order; `steps`: patch side (or "cnn") -> level -> the
+    optimizer steps that arm took (None: every arm counts as trained). Two parts: at every level
+    where both arms trained at least MIN_STEPS steps the best ViT beats the ResNet; smaller
+    patches gain on larger ones as the compute grows."""
     levels = list(cnn)
     if len(levels) < 2 or any(list(v) != levels for v in vits.values()) or len(vits) < 2:
         raise ValueError(f"the patch-size verdict needs two or more patch sizes at the same two or "
                          f"more compute levels, got {levels} and {vits}")  # fmt: skip
-    return combine([_vit_beats_cnn(vits, cnn, floor), _smaller_patches_gain(vits, floor)])
+    return combine([_vit_beats_cnn(vits, cnn, floor, steps), _smaller_patches_gain(vits, floor)])
 
 
-def _vit_beats_cnn(vits: dict[int, dict[str, Stat]], cnn: dict[str, Stat], floor: float) -> Verdict:
+def _vit_beats_cnn(
+    vits: dict[int, dict[str, Stat]],
+    cnn: dict[str, Stat],
+    floor: float,
+    steps: dict[int | str, dict[str, int]] | None,
+) -> Verdict:
     rule = (
         f"At each compute level, take the plain ViT (patch sizes {', '.join(map(str, vits))}) of "
         f"the highest mean test top-1; d = its top-1 - the ResNet's at that level; m = max(2 x "
         f"the larger seed spread of the two, {100 * floor:.2f} pp) (the floor alone with one "
-        f"seed). Holds if d > m at every level; does not hold if d < -m at any level; else "
-        f"inconclusive."
+        f"seed). A level is judged only if both arms took at least {MIN_STEPS} optimizer steps: "
+        f"at matched compute the ResNet-18 (about 58x the patch-4 ViT's FLOPs an image) takes "
+        f"only a few steps at affordable levels, and a model trained for a handful of steps says "
+        f"nothing about its architecture. Holds if d > m at every judged level; does not hold if "
+        f"d < -m at any judged level; else (or with no level judged) inconclusive."
     )
     signs, reasons = [], []
     for level, c in cnn.items():
@@ -201,9 +217,16 @@ def _vit_beats_cnn(vits: dict[int, dict[str, Stat]], cnn: dict[str, Stat], floor
         acc = vits[best][level]
         m, how = margin([acc, c], floor)
         d = acc.mean - c.mean
+        text = f"{level}: patch {best} - ResNet = {_pp(d)} ({_m(m, how)})"
+        if steps is not None:
+            took = {f"patch {best}": steps[best][level], "ResNet": steps["cnn"][level]}
+            text += ", steps: " + ", ".join(f"{k} {n:,}" for k, n in took.items())
+            if min(took.values()) < MIN_STEPS:
+                reasons.append(f"{text}: not judged (fewer than {MIN_STEPS} steps)")
+                continue
         signs.append(compare(d, m))
-        reasons.append(f"{level}: patch {best} - ResNet = {_pp(d)} ({_m(m, how)})")
-    outcome = FAILS if -1 in signs else HOLDS if set(signs) == {1} else INCONCLUSIVE
+        reasons.append(text)
+    outcome = FAILS if -1 in signs else HOLDS if signs and set(signs) == {1} else INCONCLUSIVE
     return Verdict(outcome, rule, "; ".join(reasons))
 
 
