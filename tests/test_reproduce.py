@@ -410,19 +410,41 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     last = pos / "sincos2d-seed0" / "checkpoints" / "last"
     assert row["top1"] == pytest.approx(_accuracy_of(last), abs=1e-6)
 
-    # a folder holding a run of another configuration is refused, naming it
+    # a folder holding a run of another configuration is refused, naming it, even a finished
+    # one without its weights (which would otherwise be trained again, overwriting it)
     config = out / "pos-embed" / "none-seed0" / "config.yaml"
     config.write_text(config.read_text().replace("seed: 0", "seed: 7"))
+    shutil.rmtree(pos / "none-seed0" / "checkpoints" / "last")
     assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "none-seed0 holds a run of another configuration" in err and "train.seed" in err
+    assert "earlier vitlab reproduce" in err
+    assert "seed: 7" in config.read_text() and (pos / "none-seed0" / "results.json").is_file()
 
-    # a moved output folder is reused whole, the fine-tuning arms' sources included
+    # a moved output folder is reused, the fine-tuning arms' sources included; but a fine-tuning
+    # arm rests on its source's weights: when the source is trained again (its checkpoint
+    # deleted), the arm is trained again too, while the other source's arm is reused
     moved = tmp_path / "moved"
     out.rename(moved)
+    mpp = moved / "mpp"
+    shutil.rmtree(mpp / "sup-pretrain-seed0" / "checkpoints" / "last")
     assert main(["reproduce", "mpp", *SMOKE, "--out", str(moved)]) == 0
     err = capsys.readouterr().err
-    assert err.count("finished run found, reusing it") == 5 and "training" not in err
+    assert err.count("finished run found, reusing it") == 3  # mpp-pretrain, scratch, mpp-finetune
+    assert "sup-pretrain-seed0: finished run without checkpoints/last, training it again" in err
+    assert ("sup-finetune-seed0: its source mpp/sup-pretrain-seed0/checkpoints/last changed "
+            "since it was trained, training it again") in err  # fmt: skip
+    assert all("sup-" in line for line in err.splitlines() if "training" in line)
+
+    # a fine-tuning folder made from another source (by its record) is refused
+    record = mpp / "mpp-finetune-seed0" / "reproduce.json"
+    state = json.loads(record.read_text())
+    state["source"]["path"] = "mpp/sup-pretrain-seed0/checkpoints/last"
+    record.write_text(json.dumps(state))
+    assert main(["reproduce", "mpp", *SMOKE, "--out", str(moved)]) == 2
+    err = capsys.readouterr().err
+    assert "mpp-finetune-seed0 holds a run of another configuration" in err
+    assert "finetune.from" in err
 
 
 def test_each_seed_draws_its_own_subsets(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ steps x batch images less than once."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import sys
 import time
@@ -199,7 +200,8 @@ def _save_state(folder: Path, state: dict) -> None:
 
 def _same_config(folder: Path, arm: Arm, out: Path) -> None:
     """Refuse a folder whose run was made with another config (another budget, data, ...). A
-    fine-tuning source is compared by its place in the output folder, wherever that now is."""
+    fine-tuning source is compared by its place in the output folder (as reproduce.json keeps
+    it), wherever that folder now is."""
     saved = load_run_config(str(folder / "config.yaml"), []).to_tree()
     wanted = load_run_config(None, arm.config(out)).to_tree()
     diff = [
@@ -207,49 +209,60 @@ def _same_config(folder: Path, arm: Arm, out: Path) -> None:
         for s, body in wanted.items()
         for k, v in body.items()
         if saved.get(s, {}).get(k) != v
-        and not ((s, k) == ("finetune", "from") and _same_source(saved[s][k], arm.source))
+        and not ((s, k) == ("finetune", "from") and _same_source(folder, arm.source))
     ]
     if diff:
         raise ConfigError(
-            f"{folder} holds a run of another configuration ({'; '.join(diff[:4])}): use another "
-            f"--out for another budget or dataset, or delete that folder"
+            f"{folder} holds a run of another configuration ({'; '.join(diff[:4])}): it was made "
+            f"with another budget or dataset, or by an earlier vitlab reproduce; use another --out "
+            f"or delete that folder"
         )
 
 
-def _same_source(saved: str | None, source: str | None) -> bool:
-    """Whether a saved finetune.from is OLD_OUT/source: the same arm's checkpoint, moved."""
-    if not saved or not source:
-        return False
-    parts = Path(source).parts
-    return Path(saved).parts[-len(parts) :] == parts
+def _same_source(folder: Path, source: str | None) -> bool:
+    """Whether the run in `folder` was fine-tuned from `source` (relative to its --out)."""
+    return source is not None and _state(folder).get("source", {}).get("path") == source
+
+
+def source_id(out: Path, source: str) -> dict:
+    """What identifies a fine-tuning source: its place in --out and a digest of its weights."""
+    weights = out / source / "model.safetensors"
+    return {"path": source, "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
 
 
 def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
     """Train (or reuse, or resume) one arm and measure what its experiment needs: its last
-    checkpoint's test top-1 and 5-shot accuracy (a classifier's), wall time. Progress lines go
-    to stderr."""
+    checkpoint's test top-1 and 5-shot accuracy (a classifier's), wall time. A fine-tuning arm
+    whose source checkpoint changed since it was trained (the source retrained) is trained
+    again. Progress lines go to stderr."""
     folder = out / arm.folder
     tag = f"vitlab reproduce: arm {index}/{total} ({total - index} after it): {arm.folder}"
-    state = _state(folder)
-    finished = (folder / "results.json").is_file()
-    if finished and not (folder / "checkpoints" / LAST).exists():  # its weights deleted
-        print(f"{tag}: finished run without checkpoints/{LAST}, training it again",
-              file=sys.stderr)  # fmt: skip
-        finished, state = False, {}
-    if finished:
+    if (folder / "config.yaml").is_file():  # before anything in it is reused or overwritten
         _same_config(folder, arm, out)
+    state = _state(folder)
+    source = source_id(out, arm.source) if arm.source else None
+    has_last = (folder / "checkpoints" / LAST).exists()
+    finished = (folder / "results.json").is_file()
+    redo = None
+    if finished and not has_last:  # its weights deleted
+        redo = f"finished run without checkpoints/{LAST}"
+    elif source and (finished or has_last) and state.get("source") != source:
+        redo = f"its source {arm.source} changed since it was trained"
+    if redo:
+        print(f"{tag}: {redo}, training it again", file=sys.stderr, flush=True)
+        finished, has_last, state = False, False, {}
+    if finished:
         print(f"{tag}: finished run found, reusing it", file=sys.stderr, flush=True)
     else:
         t0 = time.perf_counter()
         try:
-            resumable = not (folder / "results.json").is_file()  # else: a finished run, redone
-            if resumable and (folder / "checkpoints" / LAST).exists():
-                _same_config(folder, arm, out)
+            if has_last and not redo:
                 print(f"{tag}: resuming its run", file=sys.stderr, flush=True)
                 train(resume_config(folder, []), resume=folder)
             else:
                 print(f"{tag}: training {arm.steps} steps of {arm.batch} on {arm.images:,} "
                       f"images", file=sys.stderr, flush=True)  # fmt: skip
+                state = {"source": source} if source else {}
                 train(load_run_config(None, arm.config(out)), out=folder, overwrite=True)
         finally:  # stopped (Ctrl-C) or not, the time spent counts
             if (folder / "config.yaml").is_file():

@@ -94,7 +94,9 @@ def write_report(
         f"images (a share of every class drawn by the seed, or all of them); 5-shot accuracy: "
         f"the paper's linear few-shot protocol on the pre-logits features, averaged over "
         f"{run['fewshot_seeds']} draws of the 5 images per class. Each seed also draws its own "
-        f"training subsets (data.split_seed = the seed).",
+        f"training subsets (data.split_seed = the seed). Each run folder's own results.json "
+        f"holds its best checkpoint's test score (the one of lowest training loss), not the "
+        f"last checkpoint's reported here (kept in its reproduce.json).",
         f"Machine: {_machine_text(run['machine'])}.",
     ]
     md = [
