@@ -136,8 +136,8 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
             f"least one step: the training FLOPs column gives what each spent); training FLOPs "
             f"per image = 3 (forward + backward) x 2 x `vitlab cost`'s forward MACs. The ResNet "
             f"took {', '.join(str(n) for n in steps['cnn'].values())} steps at "
-            f"{', '.join(levels)}: too few to train it, so the rule's first part judges only the "
-            f"levels where both compared arms took at least {MIN_STEPS} steps.",
+            f"{', '.join(levels)}; the rule's first part judges only the levels where both "
+            f"compared arms took at least {MIN_STEPS} steps (fewer leave a model barely trained).",
             f"Arms whose training FLOPs differ from their level by more than {OFF_LEVEL:.0%} (a "
             f"whole number of steps, at least one): {', '.join(off) or 'none'}.",
             "The rule compares the plain ViTs (patches 2-14) and the ResNet. The hybrid is "
