@@ -5,6 +5,8 @@ verdicts and rules, finished runs reused, interrupted ones resumed, a changed co
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,9 @@ import torch
 from vitlab.cli.main import main
 from vitlab.data.datasets import ArraySplit
 from vitlab.experiments import arms as arms_module
+from vitlab.experiments import data_scale, plots
 from vitlab.experiments.arms import Context
-from vitlab.experiments.budgets import ALL_FAST_LIMIT_S, LIMIT_S, get_budget
+from vitlab.experiments.budgets import ALL_FAST_LIMIT_S, LIMIT_S, Plan, get_budget
 from vitlab.experiments.runner import EXPERIMENTS, estimate_seconds
 from vitlab.experiments.verdict import (
     FAILS,
@@ -28,6 +31,7 @@ from vitlab.experiments.verdict import (
     mpp_verdict,
     patch_size_verdict,
     pos_embed_verdict,
+    slope,
     stat,
 )
 
@@ -101,24 +105,108 @@ def test_data_scale_rule_with_seed_spread() -> None:
     assert data_scale_verdict(cnn, vit).outcome == INCONCLUSIVE
 
 
+def test_data_scale_rule_names_its_metric() -> None:
+    v = data_scale_verdict({1: s(0.8), 9: s(0.9)}, {1: s(0.7), 9: s(0.91)}, metric="5-shot")
+    assert v.rule.startswith("5-shot") and v.reason.startswith("5-shot")
+
+
+def test_data_scale_judges_the_sizes_seen_whole_on_top1_and_fewshot() -> None:
+    """Only sizes every arm saw whole count; both metrics must hold."""
+    rows = [{"size": n, "passes": p} for n, p in ((1, 4.0), (3, 1.0), (9, 0.99), (3, 1.2))]
+    assert data_scale.sizes_seen_whole(rows) == [1, 3]
+    cnn, vit = "ResNet-18", "ViT (patch 4)"
+    closes = {cnn: {1: s(0.80), 3: s(0.85), 9: s(0.99)}, vit: {1: s(0.70), 3: s(0.85), 9: s(0.7)}}
+    grows = {cnn: {1: s(0.80), 3: s(0.90), 9: s(0.99)}, vit: {1: s(0.78), 3: s(0.78), 9: s(0.6)}}
+    flat = {cnn: {1: s(0.80), 3: s(0.90), 9: s(0.9)}, vit: {1: s(0.75), 3: s(0.85), 9: s(0.9)}}
+    whole = [1, 3]  # size 9, seen in part, is left out: with it `closes` would not hold
+    assert data_scale.verdict(closes, closes, whole, 10**6).outcome == HOLDS
+    assert data_scale.verdict(closes, grows, whole, 10**6).outcome == FAILS  # 5-shot fails
+    assert data_scale.verdict(closes, flat, whole, 10**6).outcome == INCONCLUSIVE
+    assert data_scale.verdict(closes, closes, [1], 10**6).outcome == INCONCLUSIVE
+
+
+def test_slope_is_least_squares() -> None:
+    assert slope([0, 1, 2], [1, 3, 5]) == pytest.approx(2.0)
+    assert slope([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)  # 4 / 5
+
+
+def _patch_numbers(low: dict, high: dict, cnn: tuple, spread: float = 0.002):
+    """Two seeds a value (v, v + spread) at compute levels C1 and C2."""
+    vits = {p: {"C1": s(low[p], low[p] + spread), "C2": s(high[p], high[p] + spread)}
+            for p in (2, 4, 7, 14)}  # fmt: skip
+    return vits, {lv: s(a, a + spread) for lv, a in zip(("C1", "C2"), cnn)}
+
+
+# accuracy = a + b log2(P): at C1 larger patches are better (+2 pp a doubling), at C2 smaller ones
+GAIN = ({p: 0.80 + 0.02 * math.log2(p) for p in (2, 4, 7, 14)},
+        {p: 0.90 - 0.02 * math.log2(p) for p in (2, 4, 7, 14)})  # fmt: skip
+LOSS = (GAIN[1], GAIN[0])  # the other way round: smaller patches lose ground with compute
+
+
 @pytest.mark.parametrize(
-    "vit_acc, outcome",
-    [((0.90, 0.905), HOLDS), ((0.80, 0.805), FAILS), ((0.85, 0.852), INCONCLUSIVE)],
+    "curves, cnn, outcome, parts",
+    [
+        (GAIN, (0.70, 0.80), HOLDS, [HOLDS, HOLDS]),
+        (GAIN, (0.70, 0.95), FAILS, [FAILS, HOLDS]),  # the ResNet ahead at C2
+        (LOSS, (0.70, 0.80), FAILS, [HOLDS, FAILS]),  # smaller patches lose with compute
+        # the ResNet 0.4 pp above patch 2 at C2: within noise
+        (GAIN, (0.70, 0.884), INCONCLUSIVE, [INCONCLUSIVE, HOLDS]),
+    ],
 )
-def test_patch_size_rule(vit_acc, outcome) -> None:
-    vits = {
-        "patch 4": (1e12, s(*vit_acc)),
-        "patch 2 (costlier than the CNN)": (1e15, s(0.99, 0.99)),
+def test_patch_size_rule(curves, cnn, outcome, parts) -> None:
+    v = patch_size_verdict(*_patch_numbers(*curves, cnn))
+    assert (v.outcome, [p.outcome for p in v.parts]) == (outcome, parts), v.reason
+    # d = s(C1) - s(C2) = +2 - (-2) = +4 pp a doubling for GAIN
+    assert f"d = {'+' if curves is GAIN else '-'}4.00 pp" in v.parts[1].reason
+
+
+def test_patch_size_rule_with_one_seed_and_wide_spread() -> None:
+    one = patch_size_verdict({p: {lv: s(x[p]) for lv, x in zip(("C1", "C2"), GAIN)}
+                              for p in (2, 4, 7, 14)}, {"C1": s(0.7), "C2": s(0.8)})  # fmt: skip
+    assert one.outcome == HOLDS and "one seed" in one.parts[1].reason
+    # seeds that disagree on the slope: d's spread covers it
+    vits, cnn = _patch_numbers(*GAIN, (0.70, 0.80))
+    vits[2]["C2"] = s(0.90, 0.70)
+    assert patch_size_verdict(vits, cnn).parts[1].outcome == INCONCLUSIVE
+
+
+def test_patch_size_rule_judges_only_levels_both_arms_trained_at() -> None:
+    """Part 1 (best ViT against the ResNet) skips a level where either compared arm took fewer
+    than 100 optimizer steps; with no level left it is inconclusive, whatever the numbers."""
+    vits, cnn = _patch_numbers(*GAIN, (0.70, 0.95))  # the ResNet ahead at C2: FAILS if judged
+    many = {p: {"C1": 500, "C2": 1_500} for p in (2, 4, 7, 14)}
+    judged = patch_size_verdict(vits, cnn, steps={**many, "cnn": {"C1": 100, "C2": 300}})
+    assert judged.parts[0].outcome == FAILS
+    few = patch_size_verdict(vits, cnn, steps={**many, "cnn": {"C1": 30, "C2": 99}}).parts[0]
+    assert few.outcome == INCONCLUSIVE and few.reason.count("not judged") == 2
+    assert "steps: patch 2 1,500, ResNet 99: not judged" in few.reason
+    # C2 untrained, C1 judged: the ViTs' clear lead at C1 alone holds
+    vits, cnn = _patch_numbers(*GAIN, (0.70, 0.95))
+    one = patch_size_verdict(vits, cnn, steps={**many, "cnn": {"C1": 120, "C2": 40}}).parts[0]
+    assert one.outcome == HOLDS and one.reason.count("not judged") == 1
+    # an undertrained best ViT (patch 2 at C2: 90 steps) also leaves its level unjudged
+    slow = {**many, 2: {"C1": 500, "C2": 90}, "cnn": {"C1": 120, "C2": 400}}
+    assert patch_size_verdict(vits, cnn, steps=slow).parts[0].outcome == HOLDS
+
+
+def test_plan_levels_and_sizes_must_increase() -> None:
+    with pytest.raises(ValueError, match="levels must increase"):
+        Plan(steps=0, batch=8, seeds=1, levels=(2e8, 1e8))
+    with pytest.raises(ValueError, match="sizes must increase"):
+        Plan(steps=1, batch=8, seeds=1, sizes=(96, 48))
+
+
+def test_frontier_keeps_only_strict_improvements_cheapest_first(tmp_path: Path) -> None:
+    """A point is on the frontier if no point of less or equal compute is as accurate: of two at
+    equal compute the more accurate one; a later point only when it beats every cheaper one."""
+    curves = {
+        "a": [(1.0, s(0.50)), (4.0, s(0.70)), (16.0, s(0.72))],
+        "b": [(1.0, s(0.60)), (4.0, s(0.55)), (8.0, s(0.70)), (16.0, s(0.80))],
     }
-    v = patch_size_verdict(vits, (1e14, s(0.85, 0.851)))
-    assert v.outcome == outcome, v.reason
-    assert "patch 4" in v.reason  # only arms no costlier than the ResNet count
-
-
-def test_patch_size_rule_without_a_cheaper_vit() -> None:
-    """No ViT as cheap as the ResNet: nothing to compare at equal compute, however accurate."""
-    v = patch_size_verdict({"p2": (1e15, s(0.99))}, (1e14, s(0.85)))
-    assert v.outcome == INCONCLUSIVE and "no ViT arm" in v.reason
+    front = plots.compute_curves(curves, tmp_path / "f.png", "t", [1.0, 4.0, 16.0])
+    # b@1 beats a@1 at equal compute; a@4 improves; b@8 only ties a@4; a@16 < b@16 at equal
+    assert front == [("b", 0), ("a", 1), ("b", 3)]
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize(
@@ -150,7 +238,7 @@ def test_greater_and_combined_rules() -> None:
 
 
 @pytest.fixture
-def fashion_sized(monkeypatch: pytest.MonkeyPatch) -> None:
+def fashion_sized(monkeypatch: pytest.MonkeyPatch):
     """Fashion-MNIST's split sizes (60,000 / 10,000, 10 classes) without reading it."""
 
     def split(data: str, name: str) -> ArraySplit:
@@ -159,6 +247,9 @@ def fashion_sized(monkeypatch: pytest.MonkeyPatch) -> None:
         return ArraySplit(torch.zeros(n, 1, 1, 1, dtype=torch.uint8), labels, list("abcdefghij"))
 
     monkeypatch.setattr(arms_module, "_split", split)
+    arms_module.subset_size.cache_clear()  # its counts depend on _split
+    yield
+    arms_module.subset_size.cache_clear()
 
 
 @pytest.mark.parametrize("budget", ["fast", "full"])
@@ -187,6 +278,35 @@ def test_arms_train_the_same_steps_whatever_the_set_size(fashion_sized: None, tm
     assert round(warmup * per_epoch) == round(0.05 * plan.steps)  # 5% of the steps
     large = next(a for a in arms if a.info["size"] == 60_000)
     assert large.images == 60_000 and large.epochs == 1 and large.passes < 1
+
+
+def test_patch_size_arms_spend_their_compute_level(fashion_sized: None, tmp_path) -> None:
+    """steps = level / (training FLOPs per image x batch), FLOPs per image = 3 x 2 x forward
+    MACs, here counted by hand for the patch-4 ViT (D 64, MLP 128, 4 layers, 49 patches + the
+    class token, 10 classes)."""
+    ctx = Context("fashion-mnist", get_budget("full"), tmp_path)
+    plan = ctx.plan("patch-size")
+    arms = EXPERIMENTS["patch-size"].arms(ctx)
+    layer = 2 * 50**2 * 64 + 4 * 50 * 64**2 + 2 * 50 * 64 * 128  # QK^T + AV, projections, MLP
+    macs = 4 * layer + 49 * 4 * 4 * 64 + 64 * 10  # blocks, patch embedding, head
+    p4 = [a for a in arms if a.info["model"] == "ViT patch 4" and a.seed == 0]
+    assert [a.steps for a in p4] == [round(lv / (6 * macs * 64)) for lv in plan.levels]
+    assert p4[-1].steps == 892  # 2.7e12 / (6 x 7,884,416 x 64)
+    assert all(f"train.max_steps={a.steps}" in a.overrides for a in arms)
+    for a in arms:  # every arm spends its level, up to half a step's rounding
+        step = a.info["flops_per_image"] * a.batch
+        assert abs(a.info["training_flops"] - a.info["compute"]) <= step / 2
+        assert a.info["training_flops"] == a.steps * step
+    cnn = [a for a in arms if a.info["model"] == "ResNet-18" and a.seed == 0]
+    assert [a.steps for a in cnn] == [2, 5, 15]  # 2.7 GFLOPs an image: a few steps only
+    assert len({a.folder for a in arms}) == len(arms) == 6 * len(plan.levels) * plan.seeds
+
+
+def test_data_scale_full_sees_the_sets_to_10k_whole(fashion_sized: None, tmp_path) -> None:
+    ctx = Context("fashion-mnist", get_budget("full"), tmp_path)
+    arms = EXPERIMENTS["data-scale"].arms(ctx)
+    rows = [{"size": a.info["size"], "passes": a.passes} for a in arms]
+    assert data_scale.sizes_seen_whole(rows) == [1_000, 3_000, 10_000]
 
 
 def test_max_steps_ends_the_run_mid_epoch(tmp_path: Path) -> None:
@@ -227,51 +347,120 @@ def test_unknown_experiment_names_the_valid_ones(capsys) -> None:
 SMOKE = ["--budget", "smoke", "--data", "digits"]
 
 
+def _accuracy_of(checkpoint: Path) -> float:
+    """Test top-1 of a checkpoint on the test share its run's config names (the seed's share),
+    computed here from the model's logits."""
+    from vitlab.config import load_run_config
+    from vitlab.data import label_subset, load_split
+    from vitlab.models.checkpoint import load_checkpoint
+
+    cfg = load_run_config(str(checkpoint.parent.parent / "config.yaml"), [])
+    test = label_subset(load_split(cfg.data.name, "test"), cfg.data.test_fraction,
+                        cfg.data.split_seed)  # fmt: skip
+    model, meta = load_checkpoint(str(checkpoint))
+    with torch.no_grad():
+        logits = model.eval()(meta.preprocessing.batch(test.images))
+    return float((logits.argmax(dim=1) == test.labels).float().mean())
+
+
 def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     # each run's curves.png (the training code's, tested with it) is a third of this test's time
     monkeypatch.setattr("vitlab.train.log.save_curves", lambda records, path: None)
     out = tmp_path / "repro"
     assert main(["-q", "reproduce", "all", *SMOKE, "--out", str(out)]) == 0
     capsys.readouterr()
+    index = (out / "README.md").read_text()
     for name in EXPERIMENTS:
         record = json.loads((out / name / "results.json").read_text())
         outcome = record["verdict"]["outcome"]
         assert outcome in (HOLDS, FAILS, INCONCLUSIVE)
+        assert f"| {EXPERIMENTS[name].title} | {outcome} |" in index
         for report in ("report.md", "report.html"):
             text = (out / name / report).read_text()
             assert f"Verdict: {outcome}" in text and "rule" in text.lower()
             assert record["verdict"]["rule"].split(";")[0][:40] in text.replace("&#x27;", "'")
         for png in record["plots"]:
             assert (out / name / png).read_bytes()[:4] == b"\x89PNG"
-    assert "| Position embeddings (Table 8) |" in (out / "README.md").read_text()
 
-    # a second invocation reuses every finished run: nothing is trained again
-    weights = out / "pos-embed" / "learned-seed0" / "checkpoints" / "last" / "model.safetensors"
+    # a second invocation reuses every finished run, trains nothing again, and continues what
+    # is unfinished, all at once:
+    pos = out / "pos-embed"
+    weights = pos / "learned-seed0" / "checkpoints" / "last" / "model.safetensors"
     before = weights.stat().st_mtime_ns
+    # - an arm is measured at its last checkpoint: without its best (nor its measurements), a
+    #   finished run is reused and measured again from `last`
+    shutil.rmtree(pos / "sincos2d-seed0" / "checkpoints" / "best")
+    (pos / "sincos2d-seed0" / "reproduce.json").write_text("{}")
+    # - an interrupted run (a checkpoint, no results yet) is resumed, not restarted
+    (pos / "none-seed0" / "results.json").unlink()
+    # - a finished run whose weights were deleted (to save space) is trained again, not reused
+    shutil.rmtree(pos / "relative-seed0" / "checkpoints" / "last")
     assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 0
     err = capsys.readouterr().err
-    assert err.count("finished run found, reusing it") == 5 and "training" not in err
-    assert weights.stat().st_mtime_ns == before
-
-    # an interrupted run (a checkpoint, no results yet) is resumed, not restarted
-    (out / "pos-embed" / "none-seed0" / "results.json").unlink()
-    assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 0
-    err = capsys.readouterr().err
+    assert err.count("finished run found, reusing it") == 3
     assert "pos-embed/none-seed0: resuming its run" in err
-    assert (out / "pos-embed" / "none-seed0" / "results.json").is_file()
+    assert "relative-seed0: finished run without checkpoints/last, training it again" in err
+    assert all("relative-seed0" in line for line in err.splitlines() if "training" in line)
+    assert weights.stat().st_mtime_ns == before
+    assert (pos / "none-seed0" / "results.json").is_file()
+    assert (pos / "relative-seed0" / "checkpoints" / "last").exists()
+    rows = json.loads((pos / "results.json").read_text())["arms"]
+    row = next(r for r in rows if r["arm"] == "pos-embed/sincos2d-seed0")
+    assert row["checkpoint"] == "last"
+    last = pos / "sincos2d-seed0" / "checkpoints" / "last"
+    assert row["top1"] == pytest.approx(_accuracy_of(last), abs=1e-6)
 
-    # a finished run whose weights were deleted (to save space) is trained again, not reused
-    import shutil
-
-    shutil.rmtree(out / "pos-embed" / "relative-seed0" / "checkpoints" / "best")
-    assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 0
-    err = capsys.readouterr().err
-    assert "relative-seed0: finished run without checkpoints/best, training it again" in err
-    assert (out / "pos-embed" / "relative-seed0" / "checkpoints" / "best").exists()
-
-    # a folder holding a run of another configuration is refused, naming it
+    # a folder holding a run of another configuration is refused, naming it, even a finished
+    # one without its weights (which would otherwise be trained again, overwriting it)
     config = out / "pos-embed" / "none-seed0" / "config.yaml"
     config.write_text(config.read_text().replace("seed: 0", "seed: 7"))
+    shutil.rmtree(pos / "none-seed0" / "checkpoints" / "last")
     assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "none-seed0 holds a run of another configuration" in err and "train.seed" in err
+    assert "earlier vitlab reproduce" in err
+    assert "seed: 7" in config.read_text() and (pos / "none-seed0" / "results.json").is_file()
+
+    # a moved output folder is reused, the fine-tuning arms' sources included; but a fine-tuning
+    # arm rests on its source's weights: when the source is trained again (its checkpoint
+    # deleted), the arm is trained again too, while the other source's arm is reused
+    moved = tmp_path / "moved"
+    out.rename(moved)
+    mpp = moved / "mpp"
+    shutil.rmtree(mpp / "sup-pretrain-seed0" / "checkpoints" / "last")
+    assert main(["reproduce", "mpp", *SMOKE, "--out", str(moved)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("finished run found, reusing it") == 3  # mpp-pretrain, scratch, mpp-finetune
+    assert "sup-pretrain-seed0: finished run without checkpoints/last, training it again" in err
+    assert ("sup-finetune-seed0: its source mpp/sup-pretrain-seed0/checkpoints/last changed "
+            "since it was trained, training it again") in err  # fmt: skip
+    assert all("sup-" in line for line in err.splitlines() if "training" in line)
+
+    # a fine-tuning folder made from another source (by its record) is refused
+    record = mpp / "mpp-finetune-seed0" / "reproduce.json"
+    state = json.loads(record.read_text())
+    state["source"]["path"] = "mpp/sup-pretrain-seed0/checkpoints/last"
+    record.write_text(json.dumps(state))
+    assert main(["reproduce", "mpp", *SMOKE, "--out", str(moved)]) == 2
+    err = capsys.readouterr().err
+    assert "mpp-finetune-seed0 holds a run of another configuration" in err
+    assert "finetune.from" in err
+
+
+def test_each_seed_draws_its_own_subsets(tmp_path: Path) -> None:
+    """data.split_seed follows the seed: the training subset and the test share differ between
+    seeds (and not between two arms of one seed); an arm counts the images its run trains on."""
+    from vitlab.config import load_run_config
+    from vitlab.train.build import load_data
+
+    ctx = Context("digits", get_budget("smoke"), tmp_path, seeds=2)
+    arms = [a for a in EXPERIMENTS["data-scale"].arms(ctx) if a.info["size"] == 48]
+    data = {}
+    for a in arms:
+        d = load_data(load_run_config(None, a.config(tmp_path)))
+        assert len(d.train) == a.images and len(d.test) == a.test_images
+        data.setdefault(a.seed, []).append(d)
+    (a0, b0), (a1, _) = data[0][:2], data[1][:2]
+    assert torch.equal(a0.train.images, b0.train.images)  # two models, one seed: one subset
+    assert not torch.equal(a0.train.images, a1.train.images)
+    assert not torch.equal(a0.test.images, a1.test.images)

@@ -11,6 +11,7 @@ steps x batch images less than once."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import sys
 import time
@@ -21,25 +22,26 @@ import numpy as np
 import torch
 
 from vitlab.config import ConfigError, load_run_config
-from vitlab.data import label_subset, load_split
+from vitlab.data import dataset_info, label_subset, load_split
 from vitlab.data.datasets import ArraySplit, DatasetError
-from vitlab.eval.features import match_channels, represent
+from vitlab.eval.features import match_channels
 from vitlab.eval.fewshot import fit_ridge, kshot_indices
 from vitlab.experiments.budgets import Budget, Plan, arm_seconds
-from vitlab.formats.vitlab import read_metadata, resolve_checkpoint
 from vitlab.models.checkpoint import load_checkpoint
 from vitlab.models.registry import ModelConfig
+from vitlab.train.build import resolve_model_config
 from vitlab.train.folder import resume_config
 from vitlab.train.run import train
 
 # the quick preset's optimiser (configs/fashion-mnist-quick.yaml) without its epoch-based warm-up:
-# warm-up is WARMUP of each arm's steps; no validation split, so every image trains and the best
-# checkpoint is the one of lowest training loss
+# warm-up is WARMUP of each arm's steps; no validation split, so every image trains (and the run's
+# best checkpoint is merely the one of lowest training loss: the arms are measured at their last)
 RECIPE = ("optim.name=adamw", "optim.lr=0.002", "optim.weight_decay=0.05", "optim.schedule=cosine",
           "optim.label_smoothing=0.1", "data.val_fraction=0")  # fmt: skip
 WARMUP = 0.05
 SHOTS = 5
-STATE = "reproduce.json"  # what `vitlab reproduce` adds to a run folder: wall time, 5-shot
+STATE = "reproduce.json"  # what `vitlab reproduce` adds to a run folder: wall time, measurements
+LAST = "last"  # the checkpoint every arm is measured (and fine-tuned) from
 
 
 @dataclass
@@ -50,14 +52,17 @@ class Arm:
     group: str  # the arms pooled over seeds share it, e.g. "learned 1-D"
     seed: int
     kind: str  # throughput class, budgets.TRAIN_IMG_S
-    overrides: list[str]  # the whole run config, as `vitlab train` key=value overrides
+    overrides: list[str]  # the run config, as `vitlab train` key=value overrides (but `source`)
     images: int  # training images of the run
     batch: int
     steps: int
     epochs: int  # train.epochs: ceil(steps / steps per epoch)
     test_fraction: float  # data.test_fraction
     test_images: int  # what that leaves
-    fewshot: bool = True  # a classifier whose 5-shot accuracy is measured
+    classifier: bool = True  # its last checkpoint's test top-1 and 5-shot accuracy are measured
+    # fine-tuning: the checkpoint to start from, relative to the --out folder (finetune.from is
+    # resolved against the --out of each invocation, so a moved output folder is still reused)
+    source: str | None = None
     info: dict = field(default_factory=dict)  # what the experiment groups by (size, patch, ...)
 
     @property
@@ -70,8 +75,14 @@ class Arm:
         return self.images_seen / self.images
 
     def estimate_s(self) -> float:
-        extra = self.test_images * (2 if self.fewshot else 1)
+        extra = self.test_images * (2 if self.classifier else 1)  # the run's test, then ours
         return arm_seconds(self.kind, self.images_seen, self.epochs, extra)
+
+    def config(self, out: Path) -> list[str]:
+        """The run's overrides, with the fine-tuning source inside `out` (the --out folder)."""
+        if self.source is None:
+            return list(self.overrides)
+        return [*self.overrides, f"finetune.from={(out / self.source).resolve()}"]
 
 
 @dataclass
@@ -92,6 +103,11 @@ class Context:
     @property
     def train_split(self) -> ArraySplit:
         return _split(self.data, "train")
+
+    def model_config(self, overrides: list[str]) -> ModelConfig:
+        """The model a run of these overrides on this dataset builds (before training)."""
+        cfg = load_run_config(None, [f"data.name={self.data}", *overrides])
+        return resolve_model_config(cfg, dataset_info(self.data, self.train_split))
 
     def test_fraction(self, experiment: str) -> float:
         """data.test_fraction of the experiment's arms (its plan's test images, or the budget's;
@@ -114,17 +130,18 @@ class Context:
         *,
         size: int | None = None,
         steps: int | None = None,
-        fewshot: bool = True,
+        classifier: bool = True,
+        source: str | None = None,
         info: dict | None = None,
     ) -> Arm:
         """An arm of `steps` (default: the plan's) steps on `size` training images (None:
-        all), its config the recipe, the data, the budget's test share, then `overrides`."""
+        all), its config the recipe, the data, the budget's test share, the seed (of the
+        weights, the order, the subsets), then `overrides`; `source`: see Arm."""
         plan = self.plan(experiment)
         steps = steps or plan.steps
-        labels = self.train_split.labels
-        total = len(labels)
+        total = len(self.train_split)
         fraction = min(size or total, total) / total
-        images = _subset_size(labels, fraction)
+        images = subset_size(self.data, fraction, seed)
         if images < plan.batch:
             raise ValueError(f"{images} training images are fewer than one batch ({plan.batch})")
         per_epoch = images // plan.batch
@@ -138,13 +155,14 @@ class Context:
             f"train.epochs={epochs}",
             f"train.max_steps={steps}",
             f"train.seed={seed}",
+            f"data.split_seed={seed}",
             f"optim.warmup_epochs={WARMUP * steps / per_epoch!r}",
             *overrides,
         ]
         return Arm(
             f"{experiment}/{slug}-seed{seed}", group, seed, kind, config, images, plan.batch, steps,
-            epochs, self.test_fraction(experiment), self.test_images(experiment), fewshot,
-            dict(info or {}),
+            epochs, self.test_fraction(experiment), self.test_images(experiment), classifier,
+            source, dict(info or {}),
         )  # fmt: skip
 
 
@@ -157,17 +175,15 @@ def _split(data: str, split: str) -> ArraySplit:
     return s
 
 
-def test_share(data: str, fraction: float) -> ArraySplit:
-    """The test images a run with data.test_fraction=fraction is tested on."""
-    return label_subset(_split(data, "test"), fraction, 0)
+def test_share(data: str, fraction: float, seed: int = 0) -> ArraySplit:
+    """The test images a run with data.test_fraction=fraction, data.split_seed=seed is tested on."""
+    return label_subset(_split(data, "test"), fraction, seed)
 
 
-def _subset_size(labels: torch.Tensor, fraction: float) -> int:
-    """How many images data.label_fraction keeps (vitlab.data.label_subset's rounding)."""
-    if fraction >= 1.0:
-        return len(labels)
-    counts = torch.bincount(labels).tolist()
-    return sum(max(1, int(round(c * fraction))) for c in counts if c)
+@functools.cache
+def subset_size(data: str, fraction: float, seed: int) -> int:
+    """How many training images data.label_fraction=fraction keeps (vitlab.data.label_subset)."""
+    return len(label_subset(_split(data, "train"), fraction, seed))
 
 
 # --- running -------------------------------------------------------------------------------------
@@ -182,62 +198,88 @@ def _save_state(folder: Path, state: dict) -> None:
     (folder / STATE).write_text(json.dumps(state, indent=2) + "\n")
 
 
-def _same_config(folder: Path, overrides: list[str]) -> None:
-    """Refuse a folder whose run was made with another config (another budget, data, ...)."""
+def _same_config(folder: Path, arm: Arm, out: Path) -> None:
+    """Refuse a folder whose run was made with another config (another budget, data, ...). A
+    fine-tuning source is compared by its place in the output folder (as reproduce.json keeps
+    it), wherever that folder now is."""
     saved = load_run_config(str(folder / "config.yaml"), []).to_tree()
-    wanted = load_run_config(None, overrides).to_tree()
+    wanted = load_run_config(None, arm.config(out)).to_tree()
     diff = [
         f"{s}.{k}: {saved.get(s, {}).get(k)!r} there, {v!r} here"
         for s, body in wanted.items()
         for k, v in body.items()
         if saved.get(s, {}).get(k) != v
+        and not ((s, k) == ("finetune", "from") and _same_source(folder, arm.source))
     ]
     if diff:
         raise ConfigError(
-            f"{folder} holds a run of another configuration ({'; '.join(diff[:4])}): use another "
-            f"--out for another budget or dataset, or delete that folder"
+            f"{folder} holds a run of another configuration ({'; '.join(diff[:4])}): it was made "
+            f"with another budget or dataset, or by an earlier vitlab reproduce; use another --out "
+            f"or delete that folder"
         )
 
 
+def _same_source(folder: Path, source: str | None) -> bool:
+    """Whether the run in `folder` was fine-tuned from `source` (relative to its --out)."""
+    return source is not None and _state(folder).get("source", {}).get("path") == source
+
+
+def source_id(out: Path, source: str) -> dict:
+    """What identifies a fine-tuning source: its place in --out and a digest of its weights."""
+    weights = out / source / "model.safetensors"
+    return {"path": source, "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
+
+
 def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
-    """Train (or reuse, or resume) one arm and measure what its experiment needs: its results,
-    5-shot accuracy, wall time. Progress lines go to stderr."""
+    """Train (or reuse, or resume) one arm and measure what its experiment needs: its last
+    checkpoint's test top-1 and 5-shot accuracy (a classifier's), wall time. A fine-tuning arm
+    whose source checkpoint changed since it was trained (the source retrained) is trained
+    again. Progress lines go to stderr."""
     folder = out / arm.folder
     tag = f"vitlab reproduce: arm {index}/{total} ({total - index} after it): {arm.folder}"
+    if (folder / "config.yaml").is_file():  # before anything in it is reused or overwritten
+        _same_config(folder, arm, out)
     state = _state(folder)
+    source = source_id(out, arm.source) if arm.source else None
+    has_last = (folder / "checkpoints" / LAST).exists()
     finished = (folder / "results.json").is_file()
-    if finished and not (folder / "checkpoints" / "best").exists():  # its weights deleted
-        print(f"{tag}: finished run without checkpoints/best, training it again", file=sys.stderr)
-        finished, state = False, {}
+    redo = None
+    if finished and not has_last:  # its weights deleted
+        redo = f"finished run without checkpoints/{LAST}"
+    elif source and (finished or has_last) and state.get("source") != source:
+        redo = f"its source {arm.source} changed since it was trained"
+    if redo:
+        print(f"{tag}: {redo}, training it again", file=sys.stderr, flush=True)
+        finished, has_last, state = False, False, {}
     if finished:
-        _same_config(folder, arm.overrides)
         print(f"{tag}: finished run found, reusing it", file=sys.stderr, flush=True)
     else:
         t0 = time.perf_counter()
         try:
-            resumable = not (folder / "results.json").is_file()  # else: a finished run, redone
-            if resumable and (folder / "checkpoints" / "last").exists():
-                _same_config(folder, arm.overrides)
+            if has_last and not redo:
                 print(f"{tag}: resuming its run", file=sys.stderr, flush=True)
                 train(resume_config(folder, []), resume=folder)
             else:
                 print(f"{tag}: training {arm.steps} steps of {arm.batch} on {arm.images:,} "
                       f"images", file=sys.stderr, flush=True)  # fmt: skip
-                train(load_run_config(None, arm.overrides), out=folder, overwrite=True)
+                state = {"source": source} if source else {}
+                train(load_run_config(None, arm.config(out)), out=folder, overwrite=True)
         finally:  # stopped (Ctrl-C) or not, the time spent counts
             if (folder / "config.yaml").is_file():
                 state["train_seconds"] = state.get("train_seconds", 0.0) + time.perf_counter() - t0
                 _save_state(folder, state)
-    results = json.loads((folder / "results.json").read_text())
-    if arm.fewshot and f"fewshot{SHOTS}" not in state:
-        state[f"fewshot{SHOTS}"] = fewshot_accuracy(folder, ctx, arm.test_fraction)
+    if arm.classifier and LAST not in state:
+        state[LAST] = measure_last(folder, ctx, arm.seed, arm.test_fraction)
         _save_state(folder, state)
+    # a pre-training arm without a classifier: its run's own metric (masked-colour accuracy)
+    top1 = state[LAST]["top1"] if arm.classifier else _results(folder)["top1"]
     return {
         "arm": arm.folder,
         "group": arm.group,
         "seed": arm.seed,
-        "top1": results["top1"],
-        f"fewshot{SHOTS}": state.get(f"fewshot{SHOTS}"),
+        "checkpoint": LAST if arm.classifier else "best",
+        "top1": top1,
+        f"fewshot{SHOTS}": state[LAST][f"fewshot{SHOTS}"] if arm.classifier else None,
         "images": arm.images,
         "steps": arm.steps,
         "epochs": arm.epochs,
@@ -250,32 +292,40 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
     }
 
 
+def _results(folder: Path) -> dict:
+    return json.loads((folder / "results.json").read_text())
+
+
 @torch.no_grad()
-def fewshot_accuracy(folder: Path, ctx: Context, test_fraction: float) -> float:
-    """Mean test top-1 of the paper's 5-shot linear classifier (vitlab.eval.fewshot's protocol:
-    prelogits features, closed-form ridge, l2 2^10) over the budget's seeds of the 5-shot draw,
-    on the run's own test share. Only the drawn training images are run through the model."""
-    model, meta = load_checkpoint(str(folder / "checkpoints" / "best"))
+def measure_last(folder: Path, ctx: Context, seed: int, test_fraction: float) -> dict:
+    """The last checkpoint's test top-1 (float32, as the run's own test) and the mean test top-1
+    of the paper's 5-shot linear classifier on its pre-logits features (vitlab.eval.fewshot's
+    protocol: closed-form ridge, l2 2^10) over the budget's draws of the 5 images per class, on
+    the run's own test share, in one pass over the test images. Only the drawn training images
+    are run through the model besides."""
+    model, meta = load_checkpoint(str(folder / "checkpoints" / LAST))
     model.eval()
     pre = meta.preprocessing
     train_split = match_channels(ctx.train_split, pre, ctx.data)
-    test = match_channels(test_share(ctx.data, test_fraction), pre, ctx.data)
+    test = match_channels(test_share(ctx.data, test_fraction, seed), pre, ctx.data)
 
-    def features(images: torch.Tensor) -> np.ndarray:
-        chunks = [represent(model, pre.batch(b), "prelogits") for b in images.split(256)]
-        return torch.cat(chunks).double().numpy()
+    def run(images: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+        """(N, C, H, W) uint8 -> (N, D) pre-logits features, (N, classes) logits."""
+        features, logits = [], []
+        for batch in images.split(256):
+            tokens = model.forward_features(pre.batch(batch))
+            features.append(model.forward_head(tokens, pre_logits=True))
+            logits.append(model.forward_head(tokens))
+        return torch.cat(features).double().numpy(), torch.cat(logits)
 
-    x_test, y_test = features(test.images), test.labels.numpy()
+    x_test, logits = run(test.images)
+    y_test = test.labels.numpy()
     labels = train_split.labels.numpy()
     accs = []
-    for seed in range(ctx.budget.fewshot_seeds):
-        idx = kshot_indices(labels, SHOTS, seed, train_split.classes)
-        fit = fit_ridge(features(train_split.images[idx]), labels[idx], len(train_split.classes),
+    for draw in range(ctx.budget.fewshot_seeds):
+        idx = kshot_indices(labels, SHOTS, draw, train_split.classes)
+        fit = fit_ridge(run(train_split.images[idx])[0], labels[idx], len(train_split.classes),
                         2.0**10)  # fmt: skip
         accs.append(float((fit.predict(x_test) == y_test).mean()))
-    return float(np.mean(accs))
-
-
-def model_config(folder: Path) -> ModelConfig:
-    """The model config a run trained (from its best checkpoint's metadata)."""
-    return read_metadata(resolve_checkpoint(folder / "checkpoints" / "best")).config
+    top1 = float((logits.argmax(dim=1) == test.labels).float().mean())
+    return {"top1": top1, f"fewshot{SHOTS}": float(np.mean(accs))}

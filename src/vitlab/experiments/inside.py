@@ -19,7 +19,7 @@ from vitlab.analysis.report import (
     plot_similarity,
 )
 from vitlab.experiments import pos_embed
-from vitlab.experiments.arms import Arm, Context
+from vitlab.experiments.arms import LAST, Arm, Context
 from vitlab.experiments.base import Experiment, Summary
 from vitlab.experiments.verdict import (
     DISTANCE_FLOOR,
@@ -54,7 +54,7 @@ def row_column_score(sim: torch.Tensor) -> float:
 
 def measure(folder: Path, ctx: Context, out: Path | None) -> dict:
     """One run's numbers (and, with `out`, its figures)."""
-    model, meta = load_checkpoint(str(folder / "checkpoints" / "best"))
+    model, meta = load_checkpoint(str(folder / "checkpoints" / LAST))
     model.eval()
     pre = meta.preprocessing
     images = load_images(pre, None, ctx.data, None, ctx.budget.analysis_images)
@@ -115,7 +115,8 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
         verdict,
         figures,
         [
-            f"The models of experiment pos-embed with learned 1-D positions, {len(found)} seed(s); "
+            f"The models of experiment pos-embed with learned 1-D positions (their last "
+            f"checkpoints), {len(found)} seed(s); "
             f"distances over {ctx.budget.analysis_images} test images."
         ],  # fmt: skip
         {"per_seed": [{k: v for k, v in f.items() if k != "images"} for f in found]},

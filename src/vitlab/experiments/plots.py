@@ -50,19 +50,28 @@ def curves(
     plt.close(fig)
 
 
-def frontier(points: dict[str, tuple[float, Stat]], path: Path, title: str) -> list[str]:
-    """Accuracy against training FLOPs (log x), each arm a point, the compute-accuracy frontier
-    (arms no cheaper arm beats) as a step line. Returns the frontier's arms, cheapest first."""
+def compute_curves(
+    series: dict[str, list[tuple[float, Stat]]], path: Path, title: str, levels: list[float]
+) -> list[tuple[str, int]]:
+    """Accuracy against training FLOPs (log x): one line per model through its points (compute
+    levels, drawn as dotted verticals), seed spreads as error bars, and the compute-accuracy
+    frontier (the points no point of less or equal compute beats) as a black step line. Returns
+    the frontier's points as (model, index of the point), cheapest first."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for name, (flops, s) in points.items():
-        ax.errorbar([flops], [100 * s.mean], yerr=[_err(s)], marker="o", capsize=3, label=name)
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    for level in levels:
+        ax.axvline(level, color="grey", linestyle=":", linewidth=1)
+    for name, points in series.items():
+        xs, ys = [f for f, _ in points], [100 * s.mean for _, s in points]
+        ax.errorbar(xs, ys, yerr=[_err(s) for _, s in points], marker="o", capsize=3, label=name)
+    every = sorted(((f, s.mean, name, i) for name, points in series.items()
+                    for i, (f, s) in enumerate(points)), key=lambda p: (p[0], -p[1]))  # fmt: skip
     best, front = float("-inf"), []
-    for name, (_, s) in sorted(points.items(), key=lambda kv: kv[1][0]):
-        if s.mean > best:
-            best, front = s.mean, [*front, name]
-    xs = [points[n][0] for n in front] + [max(f for f, _ in points.values())]
-    ys = [100 * points[n][1].mean for n in front]
+    for flops, mean, name, i in every:
+        if mean > best:
+            best, front = mean, [*front, (flops, mean, name, i)]
+    xs = [p[0] for p in front] + [every[-1][0]]
+    ys = [100 * p[1] for p in front]
     ys.append(ys[-1])  # the best accuracy reached stays reachable at any larger compute
     ax.step(xs, ys, where="post", color="black", alpha=0.5, label="frontier")
     ax.set_xscale("log")
@@ -72,4 +81,4 @@ def frontier(points: dict[str, tuple[float, Stat]], path: Path, title: str) -> l
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return front
+    return [(name, i) for _, _, name, i in front]

@@ -82,16 +82,21 @@ def write_report(
         **run,
     }
     (folder / "results.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    seconds = sum(r.get("train_seconds") or 0.0 for r in rows)
+    seconds = sum({r["arm"]: r.get("train_seconds") or 0.0 for r in rows}.values())
     facts = [
         f"Budget `{run['budget']}` on `{run['data']}`, {run['seeds']} seed(s) per arm, "
-        f"{len(rows)} run(s). Wall time of this invocation: {run['wall_seconds']:.0f} s; "
+        f"{len(rows)} arm(s) in {len({r['arm'] for r in rows})} run folder(s). Wall time of this "
+        f"invocation: {run['wall_seconds']:.0f} s; "
         f"training time of the arms (summed over the invocations that trained them): "
         f"{seconds:.0f} s.",
         f"Every arm trains a fixed number of optimizer steps (train.max_steps; see the table or "
-        f"results.json) and is tested on {run['test_images']:,} test images (a seeded share of "
-        f"every class); 5-shot accuracy: the paper's linear few-shot protocol on the pre-logits "
-        f"features, averaged over {run['fewshot_seeds']} draws of the 5 images per class.",
+        f"results.json) and is measured at its last checkpoint on {run['test_images']:,} test "
+        f"images (a share of every class drawn by the seed, or all of them); 5-shot accuracy: "
+        f"the paper's linear few-shot protocol on the pre-logits features, averaged over "
+        f"{run['fewshot_seeds']} draws of the 5 images per class. Each seed also draws its own "
+        f"training subsets (data.split_seed = the seed). Each run folder's own results.json "
+        f"holds its best checkpoint's test score (the one of lowest training loss), not the "
+        f"last checkpoint's reported here (kept in its reproduce.json).",
         f"Machine: {_machine_text(run['machine'])}.",
     ]
     md = [

@@ -3,6 +3,7 @@ write the report."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -91,7 +92,7 @@ def run_all(ctx: Context) -> dict[str, dict[str, Path]]:
     lines = [f"# vitlab reproduce all: budget {ctx.budget.name} on {ctx.data}", "",
              "| experiment | verdict | report |", "|---|---|---|"]  # fmt: skip
     for name, paths in reports.items():
-        outcome = paths["report.md"].read_text().splitlines()[0].rsplit(": ", 1)[-1]
+        outcome = json.loads(paths["results.json"].read_text())["verdict"]["outcome"]
         lines.append(f"| {EXPERIMENTS[name].title} | {outcome} | [{name}/report.md]"
                      f"({name}/report.md) |")  # fmt: skip
     (ctx.out / "README.md").write_text("\n".join(lines) + "\n")

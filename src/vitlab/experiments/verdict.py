@@ -20,6 +20,9 @@ HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
 ACC_FLOOR = 0.01  # one percentage point of accuracy
 DISTANCE_FLOOR = 1.0  # pixels of mean attention distance
 SIMILARITY_FLOOR = 0.05  # cosine similarity
+# patch-size: the fewest optimizer steps an arm must take for its accuracy to speak for its model
+# (fewer: warm-up and cosine decay squeezed into a handful of steps leave it barely trained)
+MIN_STEPS = 100
 
 
 @dataclass(frozen=True)
@@ -72,16 +75,18 @@ class Verdict:
 def accuracy_floor(test_images: int, accuracies: Iterable[Stat]) -> float:
     """The floor for accuracies measured on `test_images` images: twice the binomial standard
     error of one accuracy at the compared arms' mean accuracy p, 2 sqrt(p (1 - p) / n), and at
-    least ACC_FLOOR. Every seed is tested on the same images, so the seed spread does not hold
-    this noise."""
+    least ACC_FLOOR. The arms of one seed are tested on the same images (all of the test split,
+    or the seed's share of it), so the differences the rules compare carry this noise even where
+    the seed spread does not show it."""
     p = statistics.fmean(s.mean for s in accuracies)
     return max(ACC_FLOOR, 2 * math.sqrt(max(p * (1 - p), 0.0) / max(test_images, 1)))
 
 
 FLOOR_TEXT = (
     "The accuracy floor is twice the binomial standard error of one accuracy on the test images "
-    "used, 2 sqrt(p (1 - p) / n) at the compared arms' mean accuracy p, and at least 1 pp: every "
-    "seed is tested on the same images, so the seed spread does not hold that noise."
+    "used, 2 sqrt(p (1 - p) / n) at the compared arms' mean accuracy p, and at least 1 pp: the "
+    "arms of a seed share their test images, and with the whole test split so do all seeds, so "
+    "the seed spread need not hold that noise."
 )
 
 
@@ -136,9 +141,10 @@ def pos_embed_verdict(none: Stat, positional: dict[str, Stat], floor: float = AC
 
 
 def data_scale_verdict(
-    cnn: dict[int, Stat], vit: dict[int, Stat], floor: float = ACC_FLOOR
+    cnn: dict[int, Stat], vit: dict[int, Stat], floor: float = ACC_FLOOR, metric: str = "test top-1"
 ) -> Verdict:
-    """§4.3: the CNN is ahead on the smallest set; its lead shrinks (or flips) on the largest."""
+    """§4.3: the CNN is ahead on the smallest set; its lead shrinks (or flips) on the largest.
+    `metric`: what the accuracies are, for the rule's words."""
     sizes = sorted(set(cnn) & set(vit))
     if len(sizes) < 2:
         raise ValueError(f"the data-scale verdict needs two sizes or more, got {sizes}")
@@ -147,15 +153,15 @@ def data_scale_verdict(
     lead_small = cnn[small].mean - vit[small].mean
     lead_large = cnn[large].mean - vit[large].mean
     rule = (
-        f"lead = CNN - ViT test top-1 at a size; m = max(2 x the largest seed spread of the four "
-        f"arms compared, {100 * floor:.2f} pp) (the floor alone with one seed). Holds if the "
-        f"lead at the smallest size is above m and shrinks by more than m at the largest size "
-        f"(narrowing or flipping); does not hold if the ViT leads by more than m at the smallest "
-        f"size, or the lead grows by more than m; else inconclusive."
+        f"{metric}: lead = CNN - ViT {metric} at a size; m = max(2 x the largest seed spread of "
+        f"the four arms compared, {100 * floor:.2f} pp) (the floor alone with one seed). Holds if "
+        f"the lead at the smallest size is above m and shrinks by more than m at the largest "
+        f"size (narrowing or flipping); does not hold if the ViT leads by more than m at the "
+        f"smallest size, or the lead grows by more than m; else inconclusive."
     )
     reason = (
-        f"lead at {small:,} images {_pp(lead_small)}, at {large:,} images {_pp(lead_large)}; "
-        f"{_m(m, how)}"
+        f"{metric}: lead at {small:,} images {_pp(lead_small)}, at {large:,} images "
+        f"{_pp(lead_large)}; {_m(m, how)}"
     )
     if lead_small < -m or lead_large - lead_small > m:
         return Verdict(FAILS, rule, reason)
@@ -164,29 +170,92 @@ def data_scale_verdict(
     return Verdict(INCONCLUSIVE, rule, reason)
 
 
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ys against xs."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
 def patch_size_verdict(
-    vits: dict[str, tuple[float, Stat]], cnn: tuple[float, Stat], floor: float = ACC_FLOOR
+    vits: dict[int, dict[str, Stat]],
+    cnn: dict[str, Stat],
+    floor: float = ACC_FLOOR,
+    steps: dict[int | str, dict[str, int]] | None = None,
 ) -> Verdict:
-    """Fig. 5: at the same training compute the ViT beats the ResNet (it dominates the frontier).
-    `vits`: label -> (training FLOPs, accuracy), `cnn`: (training FLOPs, accuracy)."""
-    cnn_flops, cnn_acc = cnn
-    cheaper = {k: v for k, v in vits.items() if v[0] <= cnn_flops}
+    """Fig. 5 and Table 6 at matched compute. `vits`: patch side -> compute level -> test top-1
+    of the plain ViT; `cnn`: compute level -> the ResNet's; levels cheapest first, the same in
+    both, each Stat's values in seed order; `steps`: patch side (or "cnn") -> level -> the
+    optimizer steps that arm took (None: every arm counts as trained). Two parts: at every level
+    where both arms trained at least MIN_STEPS steps the best ViT beats the ResNet; smaller
+    patches gain on larger ones as the compute grows."""
+    levels = list(cnn)
+    if len(levels) < 2 or any(list(v) != levels for v in vits.values()) or len(vits) < 2:
+        raise ValueError(f"the patch-size verdict needs two or more patch sizes at the same two or "
+                         f"more compute levels, got {levels} and {vits}")  # fmt: skip
+    return combine([_vit_beats_cnn(vits, cnn, floor, steps), _smaller_patches_gain(vits, floor)])
+
+
+def _vit_beats_cnn(
+    vits: dict[int, dict[str, Stat]],
+    cnn: dict[str, Stat],
+    floor: float,
+    steps: dict[int | str, dict[str, int]] | None,
+) -> Verdict:
     rule = (
-        f"Among the ViT arms (patch sizes, hybrid) that used no more training FLOPs than the "
-        f"ResNet, take the most accurate; d = its test top-1 - the ResNet's; m = max(2 x the "
-        f"larger seed spread of the two, {100 * floor:.2f} pp) (the floor alone with one seed). "
-        f"Holds if d > m; does not hold if d < -m; else inconclusive (also when no ViT arm was "
-        f"that cheap: nothing to compare at equal compute)."
+        f"At each compute level, take the plain ViT (patch sizes {', '.join(map(str, vits))}) of "
+        f"the highest mean test top-1; d = its top-1 - the ResNet's at that level; m = max(2 x "
+        f"the larger seed spread of the two, {100 * floor:.2f} pp) (the floor alone with one "
+        f"seed). A level is judged only if both arms took at least {MIN_STEPS} optimizer steps: "
+        f"at matched compute the ResNet-18 (about 58x the patch-4 ViT's FLOPs an image) takes "
+        f"only a few steps at affordable levels, and a model trained for a handful of steps says "
+        f"nothing about its architecture. Holds if d > m at every judged level; does not hold if "
+        f"d < -m at any judged level; else (or with no level judged) inconclusive."
     )
-    if not cheaper:
-        return Verdict(INCONCLUSIVE, rule, "no ViT arm used less training compute than the ResNet")
-    best = max(cheaper, key=lambda k: cheaper[k][1].mean)
-    flops, acc = cheaper[best]
-    m, how = margin([acc, cnn_acc], floor)
-    d = acc.mean - cnn_acc.mean
-    reason = f"{best} ({flops:.3g} FLOPs) - ResNet ({cnn_flops:.3g} FLOPs) = {_pp(d)}; {_m(m, how)}"
-    outcome = {1: HOLDS, -1: FAILS, 0: INCONCLUSIVE}[compare(d, m)]
-    return Verdict(outcome, rule, reason)
+    signs, reasons = [], []
+    for level, c in cnn.items():
+        best = max(vits, key=lambda p: vits[p][level].mean)
+        acc = vits[best][level]
+        m, how = margin([acc, c], floor)
+        d = acc.mean - c.mean
+        text = f"{level}: patch {best} - ResNet = {_pp(d)} ({_m(m, how)})"
+        if steps is not None:
+            took = {f"patch {best}": steps[best][level], "ResNet": steps["cnn"][level]}
+            text += ", steps: " + ", ".join(f"{k} {n:,}" for k, n in took.items())
+            if min(took.values()) < MIN_STEPS:
+                reasons.append(f"{text}: not judged (fewer than {MIN_STEPS} steps)")
+                continue
+        signs.append(compare(d, m))
+        reasons.append(text)
+    outcome = FAILS if -1 in signs else HOLDS if signs and set(signs) == {1} else INCONCLUSIVE
+    return Verdict(outcome, rule, "; ".join(reasons))
+
+
+def _smaller_patches_gain(vits: dict[int, dict[str, Stat]], floor: float) -> Verdict:
+    patches = sorted(vits)
+    low, high = list(vits[patches[0]])[0], list(vits[patches[0]])[-1]
+    seeds = {s.n for p in patches for s in vits[p].values()}
+    if len(seeds) != 1:
+        raise ValueError(f"every arm of the patch-size verdict needs the same seeds, got {seeds}")
+    xs = [math.log2(p) for p in patches]
+
+    def s_at(level: str, seed: int) -> float:  # pp per doubling of the patch side
+        return 100 * slope(xs, [vits[p][level].values[seed] for p in patches])
+
+    d = stat(s_at(low, i) - s_at(high, i) for i in range(seeds.pop()))
+    m, how = margin([d], 100 * floor)
+    rule = (
+        f"s = the least-squares slope of test top-1 against log2(patch side) over the plain ViTs "
+        f"at a compute level, in pp per doubling of the side (negative: smaller patches more "
+        f"accurate), per seed; d = s at the smallest level ({low}) - s at the largest ({high}); "
+        f"m = max(2 x the seed spread of d, {100 * floor:.2f} pp) (the floor alone with one "
+        f"seed; the accuracy floor, above the slope's own binomial noise). Holds if d > m "
+        f"(smaller patches gain on larger ones as the compute grows); does not hold if d < -m; "
+        f"else inconclusive."
+    )
+    per = "; ".join(f"s at {lv} = {statistics.fmean(s_at(lv, i) for i in range(d.n)):+.2f} pp"
+                    for lv in (low, high))  # fmt: skip
+    reason = f"{per}; d = {d.mean:+.2f} pp; {_m(m / 100, how)}"
+    return Verdict({1: HOLDS, -1: FAILS, 0: INCONCLUSIVE}[compare(d.mean, m)], rule, reason)
 
 
 def mpp_verdict(scratch: Stat, mpp: Stat, supervised: Stat, floor: float = ACC_FLOOR) -> Verdict:
