@@ -11,7 +11,7 @@ weights, a smaller system); the prediction is the argmax. All in float64."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +100,26 @@ def check_shots(shots: Sequence[int], seeds: int, labels: np.ndarray, classes: S
         )
 
 
+def kshot_accuracies(
+    features: Callable[[np.ndarray], np.ndarray],
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    shots: int,
+    seeds: int,
+    classes: Sequence[str],
+    l2: float,
+) -> list[float]:
+    """Test top-1 of the `shots`-shot ridge classifier for draws 0..seeds-1. `features(idx)` gives
+    the (k, D) float64 features of the drawn training images, so a caller can compute only those."""
+    accs = []
+    for seed in range(seeds):
+        idx = kshot_indices(y_train, shots, seed, classes)
+        fit = fit_ridge(features(idx), y_train[idx], len(classes), l2)
+        accs.append(float((fit.predict(x_test) == y_test).mean()))
+    return accs
+
+
 def fewshot(
     train: Features,
     test: Features,
@@ -115,11 +135,8 @@ def fewshot(
     x_test, y_test = test.x.double().numpy(), test.y.numpy()
     results = []
     for k in shots:
-        accs = []
-        for seed in range(seeds):
-            idx = kshot_indices(y_train, k, seed, train.classes)
-            fit = fit_ridge(x_train[idx], y_train[idx], len(train.classes), l2)
-            accs.append(float((fit.predict(x_test) == y_test).mean()))
+        accs = kshot_accuracies(lambda idx: x_train[idx], y_train, x_test, y_test, k, seeds,
+                                train.classes, l2)  # fmt: skip
         results.append(
             {"shots": k, "mean": float(np.mean(accs)), "std": float(np.std(accs)), "per_seed": accs}
         )

@@ -25,7 +25,7 @@ from vitlab.config import ConfigError, load_run_config
 from vitlab.data import dataset_info, label_subset, load_split
 from vitlab.data.datasets import ArraySplit, DatasetError
 from vitlab.eval.features import match_channels
-from vitlab.eval.fewshot import fit_ridge, kshot_indices
+from vitlab.eval.fewshot import DEFAULT_L2, kshot_accuracies
 from vitlab.experiments.budgets import Budget, Plan, arm_seconds
 from vitlab.models.checkpoint import load_checkpoint
 from vitlab.models.registry import ModelConfig
@@ -321,11 +321,9 @@ def measure_last(folder: Path, ctx: Context, seed: int, test_fraction: float) ->
     x_test, logits = run(test.images)
     y_test = test.labels.numpy()
     labels = train_split.labels.numpy()
-    accs = []
-    for draw in range(ctx.budget.fewshot_seeds):
-        idx = kshot_indices(labels, SHOTS, draw, train_split.classes)
-        fit = fit_ridge(run(train_split.images[idx])[0], labels[idx], len(train_split.classes),
-                        2.0**10)  # fmt: skip
-        accs.append(float((fit.predict(x_test) == y_test).mean()))
+    accs = kshot_accuracies(
+        lambda idx: run(train_split.images[idx])[0],
+        labels, x_test, y_test, SHOTS, ctx.budget.fewshot_seeds, train_split.classes, DEFAULT_L2,
+    )  # fmt: skip
     top1 = float((logits.argmax(dim=1) == test.labels).float().mean())
     return {"top1": top1, f"fewshot{SHOTS}": float(np.mean(accs))}
