@@ -162,6 +162,20 @@ def test_empty_shards_and_uneven_deals_are_named(balanced: Path, caplog) -> None
         assert "carves 50% of the samples for data.val_fraction=0.1" in caplog.text
 
 
+def test_fractions_of_shards_are_refused_by_their_key(balanced: Path) -> None:
+    """Shards cannot be subset by label: the error names the key that asked for it (the test
+    share's data.test_fraction, not data.label_fraction) with its value."""
+    from vitlab.train.build import load_data
+
+    name = f"wds:{balanced}/part-{{00..05}}.tar"
+    test = f"wds:{balanced}/part-{{06..07}}.tar"
+    for key in ("label_fraction", "test_fraction"):
+        cfg = load_run_config(None, [*TINY_MODEL, f"data.name={name}", f"data.test={test}",
+                                     "data.val_fraction=0", f"data.{key}=0.5"])  # fmt: skip
+        with pytest.raises(DatasetError, match=rf"data\.{key}=0\.5"):
+            load_data(cfg)
+
+
 def test_in_process_batches_seed_no_cuda_generator(balanced: Path, tmp_path, monkeypatch) -> None:
     """workers=0: each batch's draws are seeded on the CPU generator alone (fork_rng(devices=[])
     restores only that one), for shards and image files alike."""

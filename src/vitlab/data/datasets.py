@@ -371,14 +371,18 @@ def dataset_info(name: str, split: Split) -> DatasetInfo:
     return DatasetInfo(name, split.classes, chans, size, mean, std)
 
 
-def label_subset(train: Split, fraction: float, seed: int) -> Split:
+def label_subset(
+    train: Split, fraction: float, seed: int, key: str = "data.label_fraction"
+) -> Split:
     """The same seeded `fraction` of every class (at least one image each; of all images when
-    the split has no labels), in the split's order: the labelled part of a few-label run."""
+    the split has no labels), in the split's order: the labelled part of a few-label run, or the
+    test share. `key` is the config key the fraction came from, for the error."""
     if fraction >= 1.0:
         return train
     if isinstance(train, ShardSplit):
-        raise DatasetError("data.label_fraction < 1 picks images by label: shards are streamed, "
-                           "not indexed; write the subset's shards instead")  # fmt: skip
+        raise DatasetError(f"{key} < 1 picks images by label: shards are streamed, not "
+                           f"indexed; got {key}={fraction:g}: write the subset's shards "
+                           "instead")  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     groups = [torch.arange(len(train))]
     if train.classes:

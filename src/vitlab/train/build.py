@@ -119,7 +119,7 @@ def load_data(cfg: RunConfig) -> Data:
     test = load_run_split(cfg.data, "test", train_full.classes)
     train, val = train_val_split(train_full, cfg.data.val_fraction, cfg.data.split_seed)
     train = label_subset(train, cfg.data.label_fraction, cfg.data.split_seed)
-    test = label_subset(test, cfg.data.test_fraction, cfg.data.split_seed)
+    test = label_subset(test, cfg.data.test_fraction, cfg.data.split_seed, "data.test_fraction")
     return Data(dataset_info(cfg.data.name, train_full), train, val, test)
 
 
