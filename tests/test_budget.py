@@ -172,6 +172,8 @@ def test_a_budgeted_run_ends_in_time_and_says_what_it_bought(tmp_path: Path) -> 
     assert load_train_state(out / "checkpoints" / "last")["step"] == steps
     epochs = len((out / "metrics.jsonl").read_text().splitlines())
     assert epochs == math.ceil(steps / 20)  # digits: 1,294 training images, 20 batches of 64
+    # the progress bar counts no epochs before the plan, then the plan's (not train.epochs' 40)
+    assert "epoch 1/?" in r.stderr and f"epoch {epochs}/{epochs}" in r.stderr
     assert json.loads((out / "results.json").read_text())["top1"] > 0.3
 
 

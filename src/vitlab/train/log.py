@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -55,7 +56,8 @@ class RunLog:
         except ImportError:
             self.tb = None
 
-    def bar(self, epoch: int, epochs: int, batches: int, start: int, batch_size: int):
+    def bar(self, epoch: int, epochs: Callable[[], str], batches: int, start: int, batch_size: int):
+        """The progress bar of epoch `epoch` (0-based); `epochs()` gives the count it shows."""
         return _Bar(self.active, epoch, epochs, batches, start, batch_size)
 
     def epoch(self, epoch: int, stats: dict, val: dict | None, lr: float) -> dict:
@@ -133,14 +135,20 @@ def _epoch_of(line: str) -> int:
 
 
 class _Bar:
-    def __init__(self, active: bool, epoch: int, epochs: int, total: int, start: int, bs: int):
+    """An epoch's progress bar. `epochs` is read at every redraw: a time budget's plan (made in
+    the first epoch, and again as the pace changes) moves the epoch count, "?" before it."""
+
+    def __init__(
+        self, active: bool, epoch: int, epochs: Callable[[], str], total: int, start: int, bs: int
+    ):
         from tqdm import tqdm
 
-        self.bs, self.start = bs, start
+        self.bs, self.start, self.epoch, self.epochs = bs, start, epoch, epochs
+        self.desc = self._desc()
         self.tqdm = tqdm(
             total=total,
             initial=start,
-            desc=f"epoch {epoch + 1}/{epochs}",
+            desc=self.desc,
             unit="batch",
             disable=not active,
             dynamic_ncols=True,
@@ -149,12 +157,19 @@ class _Bar:
         )
         self.t0 = time.perf_counter()
 
+    def _desc(self) -> str:
+        return f"epoch {self.epoch + 1}/{self.epochs()}"
+
     def update(self, stats: dict) -> None:
         rate = (stats["batch"] - self.start) * self.bs / max(time.perf_counter() - self.t0, 1e-9)
         shown = {"loss": f"{stats['loss']:.3f}"}
         if stats["acc"] is not None:
             shown["acc"] = f"{100 * stats['acc']:.1f}%"
         shown["img_s"] = f"{rate:.0f}"
+        desc = self._desc()
+        if desc != self.desc:
+            self.desc = desc
+            self.tqdm.set_description_str(desc, refresh=False)
         self.tqdm.set_postfix(shown, refresh=False)  # update() redraws, every mininterval
         self.tqdm.update(stats["batch"] - self.tqdm.n)
 

@@ -374,10 +374,16 @@ class Run:
             self.log.finish()
         return True
 
+    def _epochs_shown(self) -> str:
+        """The epoch count for the progress bar: "?" while a time budget has not planned yet
+        (train.epochs is not what it will train)."""
+        unplanned = self.budget is not None and self.budget.total is None
+        return "?" if unplanned else str(self.cfg.train.epochs)
+
     def _epoch(self, stop: StopFlag) -> dict:
         cfg, pos = self.cfg, self.pos
         bar = self.log.bar(
-            pos.epoch, cfg.train.epochs, len(self.loader), pos.batch, cfg.train.batch_size
+            pos.epoch, self._epochs_shown, len(self.loader), pos.batch, cfg.train.batch_size
         )
         try:
             stats, stopped = train_epoch(
