@@ -22,6 +22,7 @@ from vitlab.runtime import Dist
 from vitlab.train import budget
 from vitlab.train.budget import Costs, TimeBudget, budget_schedule, plan_steps
 from vitlab.train.engine import StepSettings
+from vitlab.train.run import train
 from vitlab.train.state import load_train_state
 
 
@@ -198,3 +199,16 @@ def test_a_resumed_run_keeps_its_plan(tmp_path: Path, monkeypatch, capsys) -> No
     assert f"time budget 10m: resumed, keeping the run's plan of {steps:,} steps" in err
     assert "img/s (planned" not in err and (out / "time_budget.json").read_text() == plan
     assert load_train_state(out / "checkpoints" / "last")["step"] == 60
+
+
+def test_an_in_process_call_counts_from_the_call(tmp_path: Path, monkeypatch) -> None:
+    """train() in a long-lived process (a notebook, vitlab reproduce) counts the budget from the
+    call, not from the process's start: a process 20 minutes old still gets a 10-minute plan
+    (counted from its start, the plan would be the fewest steps). The command counts from the
+    process's start (test_a_resumed_run_keeps_its_plan)."""
+    t0 = time.perf_counter()
+    monkeypatch.setattr(budget, "process_age", lambda: 1200.0 + time.perf_counter() - t0)
+    cfg = load_run_config(None, [*TINY_MODEL, "train.time_budget=10m", "train.stop_at_epoch=2"])
+    train(cfg, out=tmp_path / "run")
+    steps = json.loads((tmp_path / "run" / "time_budget.json").read_text())["steps"]
+    assert steps > 60  # not spent_at_start's skip: counted from the process, this is the case

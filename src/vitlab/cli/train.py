@@ -84,9 +84,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--extend lengthens a resumed run: use it with --resume")
         cfg = load_run_config(args.config, args.overrides)
     try:
-        out = train(
-            cfg, out=args.out, resume=args.resume, extend=args.extend, overwrite=args.overwrite
-        )
+        out = train(cfg, out=args.out, resume=args.resume, extend=args.extend,
+                    overwrite=args.overwrite, budget_from_process_start=True)  # fmt: skip
     except TrainingStopped as e:
         print(f"vitlab train: {e}", file=sys.stderr)
         return 130

@@ -3,8 +3,9 @@ every epoch, the test split) into a duration, with the learning-rate schedule sp
 actually taken (budget-aware schedules: Li et al. 2020, "Budgeted Training").
 
 How: after SKIP_STEPS steps (allocation, compilation, caches) the next TIMED_STEPS steps are timed;
-then the number of optimizer steps N is planned (plan_steps) from the time the process has been
-running, the time per step, an estimate of each epoch's end (validation + checkpoints) and of the
+then the number of optimizer steps N is planned (plan_steps) from the time the command has been
+running (`vitlab train`: since its process started; train() called in a longer-lived process: since
+the call), the time per step, an estimate of each epoch's end (validation + checkpoints) and of the
 test split, less a safety margin. At the first epoch end after that, whose cost is then measured,
 N is planned once more. Then every CHECK_EVERY steps the latest steps' pace is compared with the
 plan's, and when it differs by more than DRIFT (a shared machine's neighbours come and go) N is
@@ -124,8 +125,10 @@ class TimeBudget:
         d: Dist,
         bf16: bool = False,
         resumed: bool = False,
+        before: float = 0.0,
     ) -> None:
         self.cfg, self.settings, self.d = cfg, settings, d
+        self.before = before  # seconds of the process's life before the command began
         self.spe, self.warmup = steps_per_epoch, warmup
         self.batch, self.val_images, self.test_images = images
         self.test_factor = 2.0 if bf16 else 1.0  # the test split runs in fp32
@@ -217,7 +220,7 @@ class TimeBudget:
         plan = None
         costs = costing() if self.d.is_main else None
         if costs is not None:
-            n = plan_steps(self.seconds, process_age(), step, self.spe, costs)
+            n = plan_steps(self.seconds, process_age() - self.before, step, self.spe, costs)
             same = n == self.total or (shorten_only and n > (self.total or 0))
             plan = None if same else (n, costs)
         plan = distributed.broadcast(plan, self.d)
@@ -264,13 +267,15 @@ def attach(
     d: Dist,
     bf16: bool,
     resumed: bool,
+    before: float = 0.0,
 ) -> TimeBudget | None:
     """A TimeBudget driving `settings` when cfg.train.time_budget is set. `bf16`: the training
-    precision (the test split runs in fp32); `resumed`: keep the run's plan."""
+    precision (the test split runs in fp32); `resumed`: keep the run's plan; `before`: seconds of
+    the process's life before the command began (not in the budget)."""
     if cfg.train.time_budget is None:
         return None
     spe = batches_per_epoch // cfg.train.accum_steps
     warmup = int(round(cfg.optim.warmup_epochs * spe))  # as Run._warmup_steps
     val = len(data.val) if data.val is not None else 0
     images = (cfg.train.batch_size * cfg.train.accum_steps, val, len(data.test))  # one step's
-    return TimeBudget(cfg, settings, spe, warmup, images, out, d, bf16, resumed)
+    return TimeBudget(cfg, settings, spe, warmup, images, out, d, bf16, resumed, before)

@@ -54,12 +54,16 @@ def train(
     *,
     extend: bool = False,
     overwrite: bool = False,
+    budget_from_process_start: bool = False,
 ) -> Path:
     """Run cfg; returns the run folder. With `resume` (a run folder, whose saved config cfg must
     be, see vitlab.train.folder.resume_config) training continues exactly where it stopped; a
     different train.epochs is refused unless `extend` (the schedule is then recomputed for it, see
     Run._extend). An `out` that already holds a run is refused unless `overwrite` (its files are
-    then removed)."""
+    then removed). train.time_budget counts from this call, or with `budget_from_process_start`
+    (the `vitlab train` command) from the process's start, so that Python's start-up and imports
+    are inside the budget too."""
+    before = 0.0 if budget_from_process_start else budget.process_age()
     if resume is not None:
         out = Path(resume)
     config_of(cfg.model)  # an unknown model, key or type fails now, naming it
@@ -81,7 +85,7 @@ def train(
             refusal = claim_run_folder(Path(out), overwrite) if d.is_main else None
             if distributed.any_rank(refusal is not None, d, device):
                 raise ConfigError(refusal or f"rank 0 refused the run folder {out}")
-        run = Run(cfg, out, resume, device, d, extend)
+        run = Run(cfg, out, resume, device, d, extend, before)
         if run.fit():  # else stopped as planned (train.stop_at_epoch)
             run.test()
         return run.out
@@ -109,7 +113,9 @@ class Run:
         device: torch.device,
         d: Dist,
         extend: bool = False,
+        before: float = 0.0,
     ) -> None:
+        """`before`: seconds of the process's life before this command (not in a time budget)."""
         self.cfg, self.device, self.d, self.strategy = cfg, device, d, cfg.train.strategy
         planned = None  # the resumed run's train.epochs, before this command's overrides
         if resume is not None:
@@ -194,7 +200,7 @@ class Run:
             if planned is not None and planned != cfg.train.epochs:
                 self._extend(planned)
         self.budget = budget.attach(cfg, self.settings, len(self.loader), self.data, self.out, d,
-                                    self.bf16, resume is not None)  # fmt: skip
+                                    self.bf16, resume is not None, before)  # fmt: skip
         if cfg.train.compile:
             self.train_model = torch.compile(self.train_model)
         self.meta = CheckpointMeta(mc, self.pre, [] if self.mpp else info.classes, {})
