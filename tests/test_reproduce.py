@@ -4,6 +4,7 @@ verdicts and rules, finished runs reused, interrupted ones resumed, a changed co
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import shutil
@@ -112,7 +113,9 @@ def test_data_scale_rule_names_its_metric() -> None:
 
 def test_data_scale_judges_the_sizes_seen_whole_on_top1_and_fewshot() -> None:
     """Only sizes every arm saw whole count; both metrics must hold."""
-    rows = [{"size": n, "passes": p} for n, p in ((1, 4.0), (3, 1.0), (9, 0.99), (3, 1.2))]
+    # size 9999 saw 9,995 images: "1.0" passes when rounded, yet not whole
+    rows = [{"size": n, "images": n, "images_seen": k}
+            for n, k in ((1, 4), (3, 3), (9999, 9995), (3, 4))]  # fmt: skip
     assert data_scale.sizes_seen_whole(rows) == [1, 3]
     cnn, vit = "ResNet-18", "ViT (patch 4)"
     closes = {cnn: {1: s(0.80), 3: s(0.85), 9: s(0.99)}, vit: {1: s(0.70), 3: s(0.85), 9: s(0.7)}}
@@ -171,22 +174,29 @@ def test_patch_size_rule_with_one_seed_and_wide_spread() -> None:
 
 
 def test_patch_size_rule_judges_only_levels_both_arms_trained_at() -> None:
-    """Part 1 (best ViT against the ResNet) skips a level where either compared arm took fewer
-    than 100 optimizer steps; with no level left it is inconclusive, whatever the numbers."""
+    """Part 1 (best ViT against the ResNet) skips a level where the ResNet took fewer than 100
+    optimizer steps, and picks the best ViT among those that took 100 or more; with no level
+    left it is inconclusive, whatever the numbers."""
     vits, cnn = _patch_numbers(*GAIN, (0.70, 0.95))  # the ResNet ahead at C2: FAILS if judged
     many = {p: {"C1": 500, "C2": 1_500} for p in (2, 4, 7, 14)}
-    judged = patch_size_verdict(vits, cnn, steps={**many, "cnn": {"C1": 100, "C2": 300}})
-    assert judged.parts[0].outcome == FAILS
+    judged = patch_size_verdict(vits, cnn, steps={**many, "cnn": {"C1": 100, "C2": 300}},
+                                cnn_ratio=4.19)  # fmt: skip
+    judged = judged.parts[0]
+    assert judged.outcome == FAILS and "(4.19x the patch-4 ViT's FLOPs" in judged.rule
     few = patch_size_verdict(vits, cnn, steps={**many, "cnn": {"C1": 30, "C2": 99}}).parts[0]
     assert few.outcome == INCONCLUSIVE and few.reason.count("not judged") == 2
     assert "steps: patch 2 1,500, ResNet 99: not judged" in few.reason
     # C2 untrained, C1 judged: the ViTs' clear lead at C1 alone holds
-    vits, cnn = _patch_numbers(*GAIN, (0.70, 0.95))
     one = patch_size_verdict(vits, cnn, steps={**many, "cnn": {"C1": 120, "C2": 40}}).parts[0]
     assert one.outcome == HOLDS and one.reason.count("not judged") == 1
-    # an undertrained best ViT (patch 2 at C2: 90 steps) also leaves its level unjudged
+    # patch 2, the most accurate at C2, took 90 steps: patch 4 (86%) is compared, and loses
     slow = {**many, 2: {"C1": 500, "C2": 90}, "cnn": {"C1": 120, "C2": 400}}
-    assert patch_size_verdict(vits, cnn, steps=slow).parts[0].outcome == HOLDS
+    part = patch_size_verdict(vits, cnn, steps=slow).parts[0]
+    assert part.outcome == FAILS and "C2: patch 4 - ResNet = -9.00 pp" in part.reason
+    # no ViT trained at C2: that level is not judged
+    none = {p: {"C1": 500, "C2": 50} for p in (2, 4, 7, 14)}
+    part = patch_size_verdict(vits, cnn, steps={**none, "cnn": {"C1": 120, "C2": 400}}).parts[0]
+    assert part.outcome == HOLDS and "C2: not judged (no ViT took 100 steps)" in part.reason
 
 
 def test_plan_levels_and_sizes_must_increase() -> None:
@@ -276,8 +286,8 @@ def test_arms_train_the_same_steps_whatever_the_set_size(fashion_sized: None, tm
     assert (small.images, small.epochs) == (1_000, -(-plan.steps // per_epoch))
     warmup = float(next(o for o in small.overrides if "warmup_epochs" in o).split("=")[1])
     assert round(warmup * per_epoch) == round(0.05 * plan.steps)  # 5% of the steps
-    large = next(a for a in arms if a.info["size"] == 60_000)
-    assert large.images == 60_000 and large.epochs == 1 and large.passes < 1
+    large = next(a for a in arms if a.info["size"] == plan.sizes[-1])
+    assert large.images == plan.sizes[-1] and large.epochs == 1 and large.passes < 1
 
 
 def test_patch_size_arms_spend_their_compute_level(fashion_sized: None, tmp_path) -> None:
@@ -298,14 +308,26 @@ def test_patch_size_arms_spend_their_compute_level(fashion_sized: None, tmp_path
         assert abs(a.info["training_flops"] - a.info["compute"]) <= step / 2
         assert a.info["training_flops"] == a.steps * step
     cnn = [a for a in arms if a.info["model"] == "ResNet-18" and a.seed == 0]
-    assert [a.steps for a in cnn] == [2, 5, 15]  # 2.7 GFLOPs an image: a few steps only
+
+    # ResNet-18 with the ImageNet stem on 28x28x1, by hand: a 7x7/2 conv to 14x14, max-pool to
+    # 7x7; stage 1 four 3x3 convs 64->64 at 7x7; stages 2-4 at sides 4, 2, 1 (hw = 16, 4, 1
+    # positions), widths c -> 2c: one 3x3 conv c->2c, three 3x3 2c->2c, a 1x1 downsampling c->2c;
+    # the 512 -> 10 head
+    def stage(hw: int, c: int) -> int:
+        return hw * (9 * c * 2 * c + 3 * 9 * (2 * c) ** 2 + c * 2 * c)
+
+    macs = (14**2 * 64 * 49 + 4 * 7**2 * 64 * 64 * 9
+            + stage(16, 64) + stage(4, 128) + stage(1, 256) + 512 * 10)  # fmt: skip
+    assert macs == 33_010_944 and cnn[0].info["flops_per_image"] == 6 * macs
+    assert [a.steps for a in cnn] == [24, 71, 213]  # 100+ at the largest level only
     assert len({a.folder for a in arms}) == len(arms) == 6 * len(plan.levels) * plan.seeds
 
 
 def test_data_scale_full_sees_the_sets_to_10k_whole(fashion_sized: None, tmp_path) -> None:
     ctx = Context("fashion-mnist", get_budget("full"), tmp_path)
     arms = EXPERIMENTS["data-scale"].arms(ctx)
-    rows = [{"size": a.info["size"], "passes": a.passes} for a in arms]
+    rows = [{"size": a.info["size"], "images": a.images, "images_seen": a.images_seen}
+            for a in arms]  # fmt: skip
     assert data_scale.sizes_seen_whole(rows) == [1_000, 3_000, 10_000]
 
 
@@ -375,10 +397,14 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
         outcome = record["verdict"]["outcome"]
         assert outcome in (HOLDS, FAILS, INCONCLUSIVE)
         assert f"| {EXPERIMENTS[name].title} | {outcome} |" in index
+        exp = EXPERIMENTS[name]
+        verdicts = [record["verdict"], *record["verdict"]["parts"]]  # a combined one's parts too
         for report in ("report.md", "report.html"):
-            text = (out / name / report).read_text()
-            assert f"Verdict: {outcome}" in text and "rule" in text.lower()
-            assert record["verdict"]["rule"].split(";")[0][:40] in text.replace("&#x27;", "'")
+            text = html.unescape((out / name / report).read_text())
+            assert f"Verdict: {outcome}" in text and exp.claim in text
+            assert all(number in text for _, number in exp.paper)
+            for v in verdicts:  # every rule stated, and the numbers that decided it
+                assert v["rule"] in text and v["reason"] in text, (name, report, v["rule"][:60])
         for png in record["plots"]:
             assert (out / name / png).read_bytes()[:4] == b"\x89PNG"
 
@@ -445,6 +471,20 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     err = capsys.readouterr().err
     assert "mpp-finetune-seed0 holds a run of another configuration" in err
     assert "finetune.from" in err
+
+
+def test_each_seed_is_measured_on_its_own_test_share(tmp_path: Path) -> None:
+    """With two seeds, the seed-1 arm's reported top-1 is its last checkpoint's on seed 1's test
+    share (the run's config), computed here independently, and that share is not seed 0's."""
+    out = tmp_path / "two"
+    assert main(["-q", "reproduce", "pos-embed", *SMOKE, "--seeds", "2", "--out", str(out)]) == 0
+    rows = json.loads((out / "pos-embed" / "results.json").read_text())["arms"]
+    for seed in (0, 1):
+        row = next(r for r in rows if r["arm"] == f"pos-embed/learned-seed{seed}")
+        last = out / "pos-embed" / f"learned-seed{seed}" / "checkpoints" / "last"
+        assert row["top1"] == pytest.approx(_accuracy_of(last), abs=1e-6)
+    config = (out / "pos-embed" / "learned-seed1" / "config.yaml").read_text()
+    assert "split_seed: 1" in config and "test_fraction: 1.0" not in config
 
 
 def test_each_seed_draws_its_own_subsets(tmp_path: Path) -> None:

@@ -181,18 +181,22 @@ def patch_size_verdict(
     cnn: dict[str, Stat],
     floor: float = ACC_FLOOR,
     steps: dict[int | str, dict[str, int]] | None = None,
+    cnn_ratio: float | None = None,
 ) -> Verdict:
     """Fig. 5 and Table 6 at matched compute. `vits`: patch side -> compute level -> test top-1
     of the plain ViT; `cnn`: compute level -> the ResNet's; levels cheapest first, the same in
     both, each Stat's values in seed order; `steps`: patch side (or "cnn") -> level -> the
-    optimizer steps that arm took (None: every arm counts as trained). Two parts: at every level
-    where both arms trained at least MIN_STEPS steps the best ViT beats the ResNet; smaller
-    patches gain on larger ones as the compute grows."""
+    optimizer steps that arm took (None: every arm counts as trained); `cnn_ratio`: the ResNet's
+    training FLOPs an image over the patch-4 ViT's, for the rule's words. Two parts: at every
+    level where the ResNet and a ViT trained at least MIN_STEPS steps the best such ViT beats the
+    ResNet; smaller patches gain on larger ones as the compute grows."""
     levels = list(cnn)
     if len(levels) < 2 or any(list(v) != levels for v in vits.values()) or len(vits) < 2:
         raise ValueError(f"the patch-size verdict needs two or more patch sizes at the same two or "
                          f"more compute levels, got {levels} and {vits}")  # fmt: skip
-    return combine([_vit_beats_cnn(vits, cnn, floor, steps), _smaller_patches_gain(vits, floor)])
+    return combine(
+        [_vit_beats_cnn(vits, cnn, floor, steps, cnn_ratio), _smaller_patches_gain(vits, floor)]
+    )
 
 
 def _vit_beats_cnn(
@@ -200,29 +204,34 @@ def _vit_beats_cnn(
     cnn: dict[str, Stat],
     floor: float,
     steps: dict[int | str, dict[str, int]] | None,
+    cnn_ratio: float | None,
 ) -> Verdict:
+    ratio = "" if cnn_ratio is None else f" ({cnn_ratio:.3g}x the patch-4 ViT's FLOPs an image)"
     rule = (
         f"At each compute level, take the plain ViT (patch sizes {', '.join(map(str, vits))}) of "
-        f"the highest mean test top-1; d = its top-1 - the ResNet's at that level; m = max(2 x "
-        f"the larger seed spread of the two, {100 * floor:.2f} pp) (the floor alone with one "
-        f"seed). A level is judged only if both arms took at least {MIN_STEPS} optimizer steps: "
-        f"at matched compute the ResNet-18 (about 58x the patch-4 ViT's FLOPs an image) takes "
-        f"only a few steps at affordable levels, and a model trained for a handful of steps says "
-        f"nothing about its architecture. Holds if d > m at every judged level; does not hold if "
-        f"d < -m at any judged level; else (or with no level judged) inconclusive."
+        f"the highest mean test top-1 among those that took at least {MIN_STEPS} optimizer steps "
+        f"there; d = its top-1 - the ResNet's at that level; m = max(2 x the larger seed spread "
+        f"of the two, {100 * floor:.2f} pp) (the floor alone with one seed). A level is judged "
+        f"only if the ResNet{ratio} took at least {MIN_STEPS} steps too: this part compares "
+        f"architectures, and a model trained for a handful of steps says nothing about its "
+        f"architecture. Holds if d > m at every judged level; does not hold if d < -m at any "
+        f"judged level; else (or with no level judged) inconclusive."
     )
     signs, reasons = [], []
     for level, c in cnn.items():
-        best = max(vits, key=lambda p: vits[p][level].mean)
+        trained = [p for p in vits if steps is None or steps[p][level] >= MIN_STEPS]
+        if not trained:
+            reasons.append(f"{level}: not judged (no ViT took {MIN_STEPS} steps)")
+            continue
+        best = max(trained, key=lambda p: vits[p][level].mean)
         acc = vits[best][level]
         m, how = margin([acc, c], floor)
         d = acc.mean - c.mean
         text = f"{level}: patch {best} - ResNet = {_pp(d)} ({_m(m, how)})"
         if steps is not None:
-            took = {f"patch {best}": steps[best][level], "ResNet": steps["cnn"][level]}
-            text += ", steps: " + ", ".join(f"{k} {n:,}" for k, n in took.items())
-            if min(took.values()) < MIN_STEPS:
-                reasons.append(f"{text}: not judged (fewer than {MIN_STEPS} steps)")
+            text += f", steps: patch {best} {steps[best][level]:,}, ResNet {steps['cnn'][level]:,}"
+            if steps["cnn"][level] < MIN_STEPS:
+                reasons.append(f"{text}: not judged (the ResNet took fewer than {MIN_STEPS})")
                 continue
         signs.append(compare(d, m))
         reasons.append(text)
@@ -250,7 +259,10 @@ def _smaller_patches_gain(vits: dict[int, dict[str, Stat]], floor: float) -> Ver
         f"m = max(2 x the seed spread of d, {100 * floor:.2f} pp) (the floor alone with one "
         f"seed; the accuracy floor, above the slope's own binomial noise). Holds if d > m "
         f"(smaller patches gain on larger ones as the compute grows); does not hold if d < -m; "
-        f"else inconclusive."
+        f"else inconclusive. Every arm counts here, however few its steps (unlike the "
+        f"ViT-against-ResNet part): the steps a patch size affords at a level are the trade-off "
+        f"this part measures, so a small patch's few steps at the smallest level are its cost, "
+        f"not noise."
     )
     per = "; ".join(f"s at {lv} = {statistics.fmean(s_at(lv, i) for i in range(d.n)):+.2f} pp"
                     for lv in (low, high))  # fmt: skip
