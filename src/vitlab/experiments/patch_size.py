@@ -143,7 +143,7 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
             f"per image = 3 (forward + backward) x 2 x `vitlab cost`'s forward MACs. The ResNet "
             f"(ResNet-18 with the ImageNet stem, a stride-2 7x7 convolution and max-pooling: "
             f"{ratio:.3g}x the patch-4 ViT's FLOPs an image; the small stem that data-scale "
-            f"uses keeps the full resolution in the first stage, about 16x that, too costly to "
+            f"uses keeps the full resolution in the first stage, about 14x that, too costly to "
             f"train at these levels) took "
             f"{', '.join(str(n) for n in steps['cnn'].values())} steps at {', '.join(levels)}; "
             f"the rule's first part judges only the levels where it took at least {MIN_STEPS} "
