@@ -425,6 +425,7 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     err = capsys.readouterr().err
     assert err.count("finished run found, reusing it") == 3
     assert "pos-embed/none-seed0: resuming its run" in err
+    assert "(2 run folder(s) trained or resumed in it, 3 reused)" in (pos / "report.md").read_text()
     assert "relative-seed0: finished run without checkpoints/last, training it again" in err
     assert all("relative-seed0" in line for line in err.splitlines() if "training" in line)
     assert weights.stat().st_mtime_ns == before

@@ -288,6 +288,7 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
         "passes": round(arm.passes, 3),
         "test_images": arm.test_images,
         "train_seconds": round(state.get("train_seconds", 0.0), 1),
+        "reused": finished,  # a finished run of an earlier invocation
         **arm.info,
     }
 
