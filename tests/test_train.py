@@ -399,6 +399,9 @@ def test_precision_auto_takes_bf16_where_the_device_computes_in_it(monkeypatch) 
         flags = set(cpuinfo.read_text().split())
         monkeypatch.undo()
         assert runtime.cpu_has_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"})
+    # PyTorch's kernels held to AVX2 (an AVX2-only CPU's path): bf16 is emulated there
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not runtime.cpu_has_bf16() and not use_bf16("auto", cpu)
 
 
 def test_default_run_folders_of_runs_started_in_the_same_second_differ(tmp_path, monkeypatch):

@@ -35,7 +35,11 @@ def use_bf16(precision: str, device: torch.device) -> bool:
 
 
 def cpu_has_bf16() -> bool:
-    """Whether this CPU computes in bf16 natively (x86 AVX512-BF16 or AMX tiles)."""
+    """Whether this CPU computes in bf16 natively (x86 AVX512-BF16 or AMX tiles) and PyTorch
+    dispatches its AVX-512 kernels: with them held to AVX2 (ATEN_CPU_CAPABILITY=avx2, how
+    benchmarks reproduce an AVX2-only CPU) bf16 is emulated, and float32 is the fast path."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
