@@ -90,6 +90,8 @@ def test_pos_embed_rule(none, positional, outcome) -> None:
             FAILS,
         ),  # the ViT leads on little data
         ({1: (0.80,), 60: (0.95,)}, {1: (0.75,), 60: (0.80,)}, FAILS),  # the lead grows
+        # the lead grows, but the ViT gains nothing from 60x the data: bound by its steps
+        ({1: (0.80,), 60: (0.95,)}, {1: (0.70,), 60: (0.705,)}, INCONCLUSIVE),
         ({1: (0.80,), 60: (0.90,)}, {1: (0.75,), 60: (0.85,)}, INCONCLUSIVE),  # lead unchanged
     ],
 )
@@ -119,7 +121,7 @@ def test_data_scale_judges_the_sizes_seen_whole_on_top1_and_fewshot() -> None:
     assert data_scale.sizes_seen_whole(rows) == [1, 3]
     cnn, vit = "ResNet-18", "ViT (patch 4)"
     closes = {cnn: {1: s(0.80), 3: s(0.85), 9: s(0.99)}, vit: {1: s(0.70), 3: s(0.85), 9: s(0.7)}}
-    grows = {cnn: {1: s(0.80), 3: s(0.90), 9: s(0.99)}, vit: {1: s(0.78), 3: s(0.78), 9: s(0.6)}}
+    grows = {cnn: {1: s(0.80), 3: s(0.95), 9: s(0.99)}, vit: {1: s(0.78), 3: s(0.83), 9: s(0.6)}}
     flat = {cnn: {1: s(0.80), 3: s(0.90), 9: s(0.9)}, vit: {1: s(0.75), 3: s(0.85), 9: s(0.9)}}
     whole = [1, 3]  # size 9, seen in part, is left out: with it `closes` would not hold
     assert data_scale.verdict(closes, closes, whole, 10**6).outcome == HOLDS
@@ -323,12 +325,27 @@ def test_patch_size_arms_spend_their_compute_level(fashion_sized: None, tmp_path
     assert len({a.folder for a in arms}) == len(arms) == 6 * len(plan.levels) * plan.seeds
 
 
-def test_data_scale_full_sees_the_sets_to_10k_whole(fashion_sized: None, tmp_path) -> None:
-    ctx = Context("fashion-mnist", get_budget("full"), tmp_path)
+@pytest.mark.parametrize("budget, whole", [("fast", [1_000, 3_000]),
+                                           ("full", [1_000, 3_000, 10_000])])  # fmt: skip
+def test_data_scale_sees_two_sets_or_more_whole(budget, whole, fashion_sized, tmp_path) -> None:
+    """The rule needs two sizes seen whole: every budget but smoke's gives it them."""
+    ctx = Context("fashion-mnist", get_budget(budget), tmp_path)
     arms = EXPERIMENTS["data-scale"].arms(ctx)
     rows = [{"size": a.info["size"], "images": a.images, "images_seen": a.images_seen}
             for a in arms]  # fmt: skip
-    assert data_scale.sizes_seen_whole(rows) == [1_000, 3_000, 10_000]
+    assert data_scale.sizes_seen_whole(rows) == whole
+
+
+@pytest.mark.parametrize("budget", ["fast", "full"])
+def test_patch_size_gives_the_resnet_a_judged_level(budget, fashion_sized, tmp_path) -> None:
+    """The ViT-against-ResNet part can be judged: at the largest level the ResNet (and so some
+    ViT, each cheaper an image) takes MIN_STEPS steps or more."""
+    from vitlab.experiments.verdict import MIN_STEPS
+
+    ctx = Context("fashion-mnist", get_budget(budget), tmp_path)
+    arms = EXPERIMENTS["patch-size"].arms(ctx)
+    top = [a for a in arms if a.info["level"] == f"C{len(ctx.plan('patch-size').levels)}"]
+    assert min(a.steps for a in top if a.info["model"] == "ResNet-18") >= MIN_STEPS
 
 
 def test_max_steps_ends_the_run_mid_epoch(tmp_path: Path) -> None:
@@ -474,11 +491,21 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert "finetune.from" in err
 
 
-def test_each_seed_is_measured_on_its_own_test_share(tmp_path: Path) -> None:
+def test_each_seed_is_measured_on_its_own_test_share(tmp_path: Path, monkeypatch) -> None:
     """With two seeds, the seed-1 arm's reported top-1 is its last checkpoint's on seed 1's test
-    share (the run's config), computed here independently, and that share is not seed 0's."""
+    share (the run's config), computed here independently, and the measurement asked for each
+    seed's share."""
+    asked = []
+
+    def share(data: str, fraction: float, seed: int = 0):
+        asked.append(seed)
+        return real(data, fraction, seed)
+
+    real = arms_module.test_share
+    monkeypatch.setattr(arms_module, "test_share", share)
     out = tmp_path / "two"
     assert main(["-q", "reproduce", "pos-embed", *SMOKE, "--seeds", "2", "--out", str(out)]) == 0
+    assert sorted(set(asked)) == [0, 1]  # seed 1's arms were measured on seed 1's share
     rows = json.loads((out / "pos-embed" / "results.json").read_text())["arms"]
     for seed in (0, 1):
         row = next(r for r in rows if r["arm"] == f"pos-embed/learned-seed{seed}")

@@ -143,8 +143,8 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
             f"per image = 3 (forward + backward) x 2 x `vitlab cost`'s forward MACs. The ResNet "
             f"(ResNet-18 with the ImageNet stem, a stride-2 7x7 convolution and max-pooling: "
             f"{ratio:.3g}x the patch-4 ViT's FLOPs an image; the small stem that data-scale "
-            f"uses keeps the full resolution in the first stage, about 14x that, too costly to "
-            f"train at these levels) took "
+            f"uses keeps the full resolution in its first stage and costs many times that, too "
+            f"much to train at these levels) took "
             f"{', '.join(str(n) for n in steps['cnn'].values())} steps at {', '.join(levels)}; "
             f"the rule's first part judges only the levels where it took at least {MIN_STEPS} "
             f"steps (fewer leave a model barely trained), against the best ViT that did too.",
@@ -167,9 +167,9 @@ EXPERIMENT = Experiment(
     title="Patch size and compute (Fig. 5, Table 6)",
     source="paper Fig. 5 and Table 6 (JFT-300M pre-training, transfer accuracy against "
     "pre-training exaFLOPs)",
-    claim="Patch size trades compute for accuracy: a smaller patch costs more compute per image "
-    "and pays off as the training compute grows; and at equal training compute a ViT is more "
-    "accurate than the ResNet.",
+    claim="Patch size trades compute for accuracy: a smaller patch costs more compute per image, "
+    "and its accuracy against larger patches improves as the training compute grows (in the "
+    "paper it ends ahead); and at equal training compute a ViT is more accurate than the ResNet.",
     paper=[
         (
             "Table 6",

@@ -61,11 +61,12 @@ def _table_md(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _reused(rows: list[dict]) -> str:
-    """How many of the run folders this invocation trained, and how many it reused."""
+    """How many of the run folders this experiment trained, and how many it found finished
+    (by an earlier invocation, or an earlier experiment of `all`: inside reuses pos-embed's)."""
     folders = {r["arm"]: r.get("reused", False) for r in rows}
     reused = sum(folders.values())
     if reused == len(folders):
-        return "every run folder reused from an earlier invocation"
+        return "every run folder found finished, trained before this experiment"
     return f"{len(folders) - reused} run folder(s) trained or resumed in it, {reused} reused"
 
 
@@ -95,7 +96,7 @@ def write_report(
     facts = [
         f"Budget `{run['budget']}` on `{run['data']}`, {run['seeds']} seed(s) per arm, "
         f"{len(rows)} arm(s) in {len({r['arm'] for r in rows})} run folder(s). Wall time of this "
-        f"invocation: {run['wall_seconds']:.0f} s ({_reused(rows)}); "
+        f"experiment: {run['wall_seconds']:.0f} s ({_reused(rows)}); "
         f"training time of the arms (summed over the invocations that trained them): "
         f"{seconds:.0f} s.",
         f"Every arm trains a fixed number of optimizer steps (train.max_steps; see the table or "
