@@ -258,6 +258,12 @@ class TimeBudget:
         self.cfg.train.epochs = math.ceil(total / self.spe)
 
 
+def epochs_shown(b: TimeBudget | None, cfg: RunConfig) -> str:
+    """The epoch count a progress bar shows: "?" while a time budget has not planned yet
+    (train.epochs is not what the run will train), then the plan's."""
+    return "?" if b is not None and b.total is None else str(cfg.train.epochs)
+
+
 def attach(
     cfg: RunConfig,
     settings: StepSettings,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import nullcontext
+from functools import partial
 from math import inf
 from pathlib import Path
 
@@ -60,9 +61,8 @@ def train(
     be, see vitlab.train.folder.resume_config) training continues exactly where it stopped; a
     different train.epochs is refused unless `extend` (the schedule is then recomputed for it, see
     Run._extend). An `out` that already holds a run is refused unless `overwrite` (its files are
-    then removed). train.time_budget counts from this call, or with `budget_from_process_start`
-    (the `vitlab train` command) from the process's start, so that Python's start-up and imports
-    are inside the budget too."""
+    then removed). train.time_budget counts from this call, or from the process's start with
+    `budget_from_process_start` (`vitlab train`: Python's start-up is in the budget too)."""
     before = 0.0 if budget_from_process_start else budget.process_age()
     if resume is not None:
         out = Path(resume)
@@ -115,7 +115,6 @@ class Run:
         extend: bool = False,
         before: float = 0.0,
     ) -> None:
-        """`before`: seconds of the process's life before this command (not in a time budget)."""
         self.cfg, self.device, self.d, self.strategy = cfg, device, d, cfg.train.strategy
         planned = None  # the resumed run's train.epochs, before this command's overrides
         if resume is not None:
@@ -380,17 +379,10 @@ class Run:
             self.log.finish()
         return True
 
-    def _epochs_shown(self) -> str:
-        """The epoch count for the progress bar: "?" while a time budget has not planned yet
-        (train.epochs is not what it will train)."""
-        unplanned = self.budget is not None and self.budget.total is None
-        return "?" if unplanned else str(self.cfg.train.epochs)
-
     def _epoch(self, stop: StopFlag) -> dict:
         cfg, pos = self.cfg, self.pos
-        bar = self.log.bar(
-            pos.epoch, self._epochs_shown, len(self.loader), pos.batch, cfg.train.batch_size
-        )
+        shown = partial(budget.epochs_shown, self.budget, cfg)  # "?" until a time budget plans
+        bar = self.log.bar(pos.epoch, shown, len(self.loader), pos.batch, cfg.train.batch_size)
         try:
             stats, stopped = train_epoch(
                 self.train_model,
