@@ -11,13 +11,19 @@ from dataclasses import asdict, dataclass
 import torch
 from PIL import Image
 from torch import Tensor
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms.v2 import functional as TF
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 HALF = (0.5, 0.5, 0.5)  # Google's weights: inputs scaled to [-1, 1]
-_MODES = {"nearest": InterpolationMode.NEAREST, "bilinear": InterpolationMode.BILINEAR}
-_MODES["bicubic"] = InterpolationMode.BICUBIC
+_MODES = ("nearest", "bilinear", "bicubic")  # torchvision's InterpolationMode, by value
+
+
+def _tf():
+    """torchvision's functional transforms, imported when an image is first resized or read:
+    importing torchvision takes about a second (it loads torch's compiler), which a run whose
+    images already have the model's size, and every `vitlab --help`, need not pay."""
+    from torchvision.transforms.v2 import functional
+
+    return functional
 
 
 @dataclass
@@ -60,11 +66,14 @@ class Preprocessing:
 
     def resize(self, images: Tensor | Image.Image) -> Tensor | Image.Image:
         """uint8 (B, C, H, W), or a PIL image -> the same at img_size (see crop_pct)."""
-        mode = _MODES[self.interpolation]
-        size = TF.get_size(images)
+        size = tuple(images.shape[-2:]) if isinstance(images, Tensor) else images.size[::-1]
+        if self.crop_pct is None and size == self.img_size:
+            return images
+        TF = _tf()
+        from torchvision.transforms import InterpolationMode
+
+        mode = InterpolationMode(self.interpolation)
         if self.crop_pct is None:
-            if tuple(size) == self.img_size:
-                return images
             return TF.resize(images, list(self.img_size), interpolation=mode, antialias=True)
         images = TF.resize(images, self.scale_size(*size), interpolation=mode, antialias=True)
         return TF.center_crop(images, list(self.img_size))
@@ -102,5 +111,5 @@ class Preprocessing:
         batches do: either way the same pixels as the reference."""
         image = image.convert("L" if self.in_chans == 1 else "RGB")
         if self.crop_pct is not None:
-            return self.normalize(TF.pil_to_tensor(self.resize(image))[None])[0]
-        return self.batch(TF.pil_to_tensor(image)[None])[0]
+            return self.normalize(_tf().pil_to_tensor(self.resize(image))[None])[0]
+        return self.batch(_tf().pil_to_tensor(image)[None])[0]

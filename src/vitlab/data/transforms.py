@@ -6,16 +6,24 @@ erased (per image) and mixed (mixup / cutmix, with mixed soft labels)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
-from torchvision.transforms import v2
 
 from vitlab.config import DataConfig
 from vitlab.preprocessing import Preprocessing
 
+if TYPE_CHECKING:
+    from torchvision.transforms import v2
+
 
 def sample_transform(cfg: DataConfig, img_size: tuple[int, int]) -> v2.Compose | None:
     """The per-image random transforms named in cfg (None when all are off)."""
+    if not (cfg.random_resized_crop or cfg.crop_padding or cfg.hflip or cfg.randaugment_ops):
+        return None
+    from torchvision.transforms import v2  # here: importing torchvision takes about a second
+
     ops: list[v2.Transform] = []
     if cfg.random_resized_crop:
         ops.append(v2.RandomResizedCrop(list(img_size), scale=cfg.crop_scale, antialias=True))
@@ -35,6 +43,11 @@ class BatchAugment:
         self.pre = pre
         self.per_image = sample_transform(cfg, pre.img_size)
         self.crops_to_size = cfg.random_resized_crop  # else images are resized first
+        if not (cfg.random_erasing or cfg.mixup or cfg.cutmix):
+            self.erase = self.mix = None
+            return
+        from torchvision.transforms import v2
+
         self.erase = v2.RandomErasing(cfg.random_erasing) if cfg.random_erasing else None
         mixers = []
         if cfg.mixup:
