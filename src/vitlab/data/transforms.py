@@ -20,9 +20,7 @@ if TYPE_CHECKING:
 
 def sample_transform(cfg: DataConfig, img_size: tuple[int, int]) -> v2.Compose | None:
     """The per-image random transforms named in cfg (None when all are off)."""
-    if not (cfg.random_resized_crop or cfg.crop_padding or cfg.hflip or cfg.randaugment_ops):
-        return None
-    from torchvision.transforms import v2  # here: importing torchvision takes about a second
+    from torchvision.transforms import v2  # here, not at import: `vitlab --help` needs none
 
     ops: list[v2.Transform] = []
     if cfg.random_resized_crop:
@@ -43,9 +41,6 @@ class BatchAugment:
         self.pre = pre
         self.per_image = sample_transform(cfg, pre.img_size)
         self.crops_to_size = cfg.random_resized_crop  # else images are resized first
-        if not (cfg.random_erasing or cfg.mixup or cfg.cutmix):
-            self.erase = self.mix = None
-            return
         from torchvision.transforms import v2
 
         self.erase = v2.RandomErasing(cfg.random_erasing) if cfg.random_erasing else None
