@@ -94,6 +94,38 @@ def test_predict_with_each_backend(trained, tmp_path, capsys) -> None:
     assert tops[1][0]["probability"] == pytest.approx(tops[0][0]["probability"], abs=1e-5)
 
 
+def test_flip_tta_averages_each_image_with_its_mirror_image(trained, digits, tmp_path,
+                                                            capsys) -> None:  # fmt: skip
+    model, meta = load_checkpoint(trained)
+    model.eval()
+    labels = load_split("digits", "test").labels
+    with torch.no_grad():
+        got = prepare(model, meta, tta="flip")(digits)
+        # by hand, image by image: the two views' class probabilities, averaged
+        want = torch.stack(
+            [((model(x[None]).softmax(1) + model(x[None].flip(-1)).softmax(1)) / 2)[0].log()
+             for x in digits]
+        )  # fmt: skip
+        mirrored = prepare(model, meta, "onnxruntime", tta="flip", threads=1)(digits.flip(-1))
+        plain = model(digits)
+    assert got.shape == (359, 10) and torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(got.exp().sum(1), torch.ones(359), atol=1e-5)  # log-probabilities
+    assert torch.allclose(mirrored, got, atol=1e-4)  # the same two views, the other way round
+    assert (got.argmax(1) != plain.argmax(1)).any()  # the mirror image changes some predictions
+    assert main(["eval", str(trained), "--tta", "flip", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["tta"] == "flip" and r["num_images"] == 359
+    assert r["top1"] == pytest.approx((want.argmax(1) == labels).double().mean().item(), abs=1e-9)
+    path = tmp_path / "digit.png"
+    Image.fromarray(load_split("digits", "test").images[0, 0].numpy().astype(np.uint8)).save(path)
+    assert main(["predict", str(trained), str(path), "--tta", "flip", "--json"]) == 0
+    top = json.loads(capsys.readouterr().out)[0]["top"][0]
+    assert top["index"] == want[0].argmax().item()
+    assert top["probability"] == pytest.approx(want[0].exp().max().item(), abs=1e-5)
+    with pytest.raises(BackendError, match="unknown test-time augmentation 'crop'"):
+        prepare(model, meta, tta="crop")
+
+
 def tiny_cnn():
     cfg = config_of(ModelSection("resnet18_28", {"num_classes": 3}))
     pre = Preprocessing((28, 28), 3, (0.5,) * 3, (0.5,) * 3)

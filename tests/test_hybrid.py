@@ -120,7 +120,7 @@ def test_config_errors_say_what_the_resnet_stem_needs() -> None:
         vitlab.get_config("B/16", stem="resnet", patch_size=4)
     with pytest.raises(ConfigError, match=r"units per stage \(each >= 1\)"):
         vitlab.get_config("R50+B/16", stem_depths=(3, 0, 9))
-    with pytest.raises(ConfigError, match="apply to stem='resnet', not 'patch'"):
+    with pytest.raises(ConfigError, match="apply to stem='conv' or 'resnet', not 'patch'"):
         vitlab.get_config("B/16", stem_depths=(3, 4, 9))
     with pytest.raises(ConfigError, match="not a multiple of patch_size 16"):
         vitlab.get_config("R50+B/16", img_size=200)

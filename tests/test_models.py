@@ -225,6 +225,7 @@ def test_zero_head_blocks_gradients_so_tests_randomize_it() -> None:
     "variant",
     [
         {"stem": "conv"},
+        {"stem": "conv", "stem_depths": (2, 1)},
         {"distilled": True},
         {"no_embed_class": True, "layer_scale": 0.1},
         {"pool": "gap", "fc_norm": True},
@@ -255,6 +256,33 @@ def test_conv_stem_has_the_patch_grid_and_rejects_odd_patches() -> None:
     assert model.forward_features(torch.randn(1, 1, 28, 28)).shape == (1, 1 + 49, 64)
     with pytest.raises(vitlab.ConfigError, match="power-of-two patch_size"):
         vitlab.create_model("vit_nano_patch4_28", stem="conv", patch_size=7)
+
+
+def test_conv_stem_depths_add_stride_1_convs_per_stage() -> None:
+    """stem_depths (2, 2): each stage's stride-2 conv is followed by a 3x3 stride-1 one at the
+    same width and resolution; the grid stays that of 4x4 patches."""
+    model = vitlab.create_model(
+        "vit_nano_patch4_28", stem="conv", stem_width=16, stem_depths=(2, 2)
+    )
+    convs = [m for m in model.patch_embed.stem if isinstance(m, torch.nn.Conv2d)]
+    assert [(c.in_channels, c.out_channels, c.stride[0]) for c in convs] == [
+        (1, 16, 2), (16, 16, 1), (16, 32, 2), (32, 32, 1)
+    ]  # fmt: skip
+    # by hand: 3x3 kernels 9 * (1*16 + 16*16 + 16*32 + 32*32), BatchNorm 2 * (16+16+32+32),
+    # the 1x1 projection 32*64 + 64
+    stem_params = sum(p.numel() for p in model.patch_embed.parameters())
+    assert stem_params == 9 * (16 + 256 + 512 + 1024) + 2 * 96 + 32 * 64 + 64 == 18_576
+    x = torch.randn(2, 1, 28, 28)
+    assert model.forward_features(x).shape == (2, 1 + 49, 64)
+    shapes = []
+    for layer in model.patch_embed.stem:
+        x = layer(x)
+        shapes.append(tuple(x.shape[2:]))
+    assert shapes[::3] == [(14, 14), (14, 14), (7, 7), (7, 7)]
+    with pytest.raises(vitlab.ConfigError, match=r"2 stride-2 stages: stem_depths must give 2"):
+        vitlab.create_model("vit_nano_patch4_28", stem="conv", stem_depths=(2, 2, 2))
+    with pytest.raises(vitlab.ConfigError, match=r"each >= 1.*got \(2, 0\)"):
+        vitlab.create_model("vit_nano_patch4_28", stem="conv", stem_depths=(2, 0))
 
 
 def test_distilled_model_averages_its_two_heads() -> None:

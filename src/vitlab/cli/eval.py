@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         out=args.out,
         backend=args.backend,
         int8=args.int8,
+        tta=args.tta,
     )
     if args.json:
         print(json.dumps(report, indent=2))
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
-    """--backend and --int8, as `vitlab eval` and `vitlab predict` take them."""
+    """--backend, --int8 and --tta, as `vitlab eval` and `vitlab predict` take them."""
     p.add_argument(
         "--backend",
         choices=["torch", "onnxruntime"],
@@ -78,4 +79,12 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
         help="int8 dynamic quantisation of the linear layers' weights (torch: torch.ao "
         "quantize_dynamic; onnxruntime: its quantize_dynamic of the exported MatMul/Gemm "
         "weights); CPU only, not for CNNs",
+    )
+    p.add_argument(
+        "--tta",
+        choices=["none", "flip"],
+        default="none",
+        help="test-time augmentation; flip: average each image's class probabilities with its "
+        "left-right mirror image's (twice the compute; for models trained with data.hflip). A "
+        "distilled model's per-head top-1 is not reported with it",
     )

@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         backend=args.backend,
         int8=args.int8,
+        tta=args.tta,
     )
     if args.json:
         print(json.dumps(results, indent=2))

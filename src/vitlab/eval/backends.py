@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from vitlab.formats.vitlab import CheckpointMeta
 
 BACKENDS = ("torch", "onnxruntime")
+TTA_MODES = ("none", "flip")  # test-time augmentation: FlipAverage
 INSTALL = "pip install 'vitlab[export]' (onnx, onnxscript, onnxruntime)"
 
 
@@ -49,18 +50,43 @@ def prepare(
     backend: str = "torch",
     int8: bool = False,
     threads: int | None = None,
+    tta: str = "none",
 ) -> nn.Module:
     """`model` (eval mode) run by `backend`: images (B, C, H, W) float32 -> logits (B, classes).
     onnxruntime exports the model to a temporary file first (checked against PyTorch within
-    1e-4), with `threads` intra-op threads (default: torch's)."""
+    1e-4), with `threads` intra-op threads (default: torch's). tta="flip" averages each image's
+    prediction with its mirror image's (FlipAverage)."""
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}: choose from {', '.join(BACKENDS)}")
+    if tta not in TTA_MODES:
+        raise BackendError(
+            f"unknown test-time augmentation {tta!r}: choose from {', '.join(TTA_MODES)}"
+        )
     model = model.eval()
     if int8:
         _check_int8(model, meta)
     if backend == "torch":
-        return quantize_linear(model) if int8 else model
-    return OnnxRuntimeModel(model, meta, int8, threads or torch.get_num_threads())
+        runner = quantize_linear(model) if int8 else model
+    else:
+        runner = OnnxRuntimeModel(model, meta, int8, threads or torch.get_num_threads())
+    return FlipAverage(runner) if tta == "flip" else runner
+
+
+class FlipAverage(nn.Module):
+    """Test-time augmentation: a classifier's class probabilities averaged over each image and
+    its left-right mirror image, both in one call of `model` (a batch twice as large). Returns
+    log-probabilities, log((softmax(f(x)) + softmax(f(flip(x)))) / 2), which top-k, argmax,
+    softmax and cross-entropy read as they read logits. For data whose classes a horizontal
+    flip keeps (the runs trained with data.hflip)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = self.model(torch.cat([x, x.flip(-1)])).float()  # (2B, classes)
+        probs = logits.softmax(dim=-1).unflatten(0, (2, len(x))).mean(dim=0)  # (B, classes)
+        return probs.log()
 
 
 def _check_int8(model: nn.Module, meta: CheckpointMeta) -> None:

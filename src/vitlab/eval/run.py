@@ -52,10 +52,11 @@ def evaluate_checkpoint(
     out: Path | None = None,
     backend: str = "torch",
     int8: bool = False,
+    tta: str = "none",
 ) -> dict:
-    """Metrics of a checkpoint on a split, run by `backend` (vitlab.eval.backends); saves
-    confusion_matrix.png. The dataset and its validation carve-out default to the checkpoint's
-    run config."""
+    """Metrics of a checkpoint on a split, run by `backend` with test-time augmentation `tta`
+    (vitlab.eval.backends); saves confusion_matrix.png. The dataset and its validation carve-out
+    default to the checkpoint's run config."""
     dev = _device(device, backend, int8)
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:
@@ -78,7 +79,7 @@ def evaluate_checkpoint(
             f"{meta.config.num_classes}"
         )
     loader = make_loader(part, batch_size, meta.preprocessing)
-    runner = prepare(model, meta, backend, int8)
+    runner = prepare(model, meta, backend, int8, tta=tta)
     metrics = evaluate(runner, loader, meta.config.num_classes, dev)
     target = Path(out) if out else (run or Path("."))
     target.mkdir(parents=True, exist_ok=True)
@@ -94,6 +95,7 @@ def evaluate_checkpoint(
         "data": name,
         "split": split,
         "backend": describe(backend, int8),
+        "tta": tta,
         **metrics,
         "classes": meta.classes,
         "confusion_png": str(png),
@@ -103,7 +105,8 @@ def evaluate_checkpoint(
 def format_report(r: dict) -> str:
     lines = [
         f"{r['checkpoint']} on {r['data']} ({r['split']}, {r['num_images']:,} images), "
-        f"backend {r.get('backend', 'torch')}",
+        f"backend {r.get('backend', 'torch')}"
+        + (f", test-time augmentation {r['tta']}" if r.get("tta", "none") != "none" else ""),
         f"top-1 {100 * r['top1']:.2f}%   top-5 {100 * r['top5']:.2f}%   loss {r['loss']:.4f}",
     ]
     if "top1_cls" in r:  # a distilled model (DeiT): top-1 is its two heads' average
@@ -134,14 +137,15 @@ def predict_files(
     device: str = "auto",
     backend: str = "torch",
     int8: bool = False,
+    tta: str = "none",
 ) -> list:
-    """Top-k classes with probabilities for each image file, run by `backend`
-    (vitlab.eval.backends); unreadable files are reported."""
+    """Top-k classes with probabilities for each image file, run by `backend` with test-time
+    augmentation `tta` (vitlab.eval.backends); unreadable files are reported."""
     dev = _device(device, backend, int8)
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:
         raise ValueError(f"{checkpoint} has no classifier (num_classes=0): nothing to predict")
-    model = prepare(model, meta, backend, int8)
+    model = prepare(model, meta, backend, int8, tta=tta)
     k = min(topk, meta.config.num_classes)
     results = []
     for path in images:

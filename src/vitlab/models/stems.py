@@ -54,10 +54,22 @@ def resnet_channels(width: int, depths: tuple[int, ...]) -> list[int]:
 
 def stem_problem(stem: str, width: int, depths: tuple[int, ...], patch_size: int) -> str | None:
     """What is wrong with a ViTConfig's stem fields (None: nothing): stem_depths belong to the
-    ResNet stem, which needs one positive unit count per stage, a width GroupNorm's 32 groups
-    divide, and the patch size its stride gives."""
+    conv stem (one positive conv count per stride-2 stage, or none) or to the ResNet stem, which
+    needs one positive unit count per stage, a width GroupNorm's 32 groups divide, and the patch
+    size its stride gives."""
+    if stem == "conv":
+        stages = max(patch_size.bit_length() - 1, 0)  # log2(P) for the power of two it needs
+        if depths and (len(depths) != stages or min(depths) <= 0):
+            return (
+                f"stem='conv' with patch_size {patch_size} has {stages} stride-2 stages: "
+                f"stem_depths must give {stages} conv counts (each >= 1), e.g. "
+                f"{(2,) * stages}, got {depths}"
+            )
+        return None
     if stem != "resnet":
-        return f"stem_depths {depths} apply to stem='resnet', not {stem!r}" if depths else None
+        if depths:
+            return f"stem_depths {depths} apply to stem='conv' or 'resnet', not {stem!r}"
+        return None
     if not depths or min(depths) <= 0:
         return (
             f"stem='resnet' needs stem_depths, units per stage (each >= 1), e.g. (3, 4, 9) for "
@@ -236,12 +248,19 @@ class ResNetStem(PatchEmbed):
 
 class ConvStem(PatchEmbed):
     """Early convolutions in place of the patchify layer (a small hybrid, Xiao et al. 2021 "Early
-    Convolutions Help Transformers See Better"): log2(P) blocks of 3x3 stride-2 conv ->
-    BatchNorm -> ReLU, widths doubling from `width`, then a 1x1 conv to D. (B, C, H, W) ->
-    (B, N, D) on the same grid as P x P patches."""
+    Convolutions Help Transformers See Better"): log2(P) stages, each a 3x3 stride-2 conv ->
+    BatchNorm -> ReLU and then depths[i] - 1 more 3x3 stride-1 ones at the stage's resolution
+    (depths () is one conv a stage), widths doubling from `width`, then a 1x1 conv to D.
+    (B, C, H, W) -> (B, N, D) on the same grid as P x P patches."""
 
     def __init__(
-        self, img_size: Grid, patch_size: int, in_chans: int, embed_dim: int, width: int
+        self,
+        img_size: Grid,
+        patch_size: int,
+        in_chans: int,
+        embed_dim: int,
+        width: int,
+        depths: tuple[int, ...] = (),
     ) -> None:
         nn.Module.__init__(self)
         self.patch_size = patch_size
@@ -249,14 +268,16 @@ class ConvStem(PatchEmbed):
         self.set_image_size(img_size)
         layers: list[nn.Module] = []
         c = in_chans
-        for i in range(int(math.log2(patch_size))):
+        stages = int(math.log2(patch_size))
+        for i, n in enumerate(depths or (1,) * stages):
             out = width * 2**i
-            layers += [
-                nn.Conv2d(c, out, 3, stride=2, padding=1, bias=False),
-                nn.BatchNorm2d(out),
-                nn.ReLU(inplace=True),
-            ]
-            c = out
+            for j in range(n):
+                layers += [
+                    nn.Conv2d(c, out, 3, stride=1 if j else 2, padding=1, bias=False),
+                    nn.BatchNorm2d(out),
+                    nn.ReLU(inplace=True),
+                ]
+                c = out
         self.stem = nn.Sequential(*layers)
         self.proj = nn.Conv2d(c, embed_dim, 1)
 

@@ -63,11 +63,14 @@ class ViTConfig:
     fc_norm: bool = False  # final LayerNorm after pooling instead of over all tokens (timm `avg`)
     distilled: bool = False  # DeiT: a distillation token after the class token, and its own head
     layer_scale: float | None = None  # CaiT / DeiT-3 per-channel residual scale, its initial value
-    # "conv": log2(P) stride-2 3x3 convs, then 1x1 to D (a small hybrid); "resnet": the paper's
-    # hybrid, BiT's ResNet-v2 (models/stems.py) with stride P, then 1x1 to D
+    # "conv": log2(P) stride-2 3x3 convs (more per stage: stem_depths), then 1x1 to D (a small
+    # hybrid); "resnet": the paper's hybrid, BiT's ResNet-v2 (models/stems.py) with stride P,
+    # then 1x1 to D
     stem: StemKind = "patch"
     stem_width: int = 32  # conv: first layer's channels, doubling; resnet: root's (BiT R50: 64)
-    stem_depths: tuple[int, ...] = ()  # resnet: units per stage, e.g. (3, 4, 9); P = 4 * 2^(S-1)
+    # resnet: units per stage, e.g. (3, 4, 9), P = 4 * 2^(S-1); conv: 3x3 convs per stride-2 stage
+    # (the first strided), one number per stage, e.g. (2, 2) at P=4; () is one conv a stage
+    stem_depths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         validate(self)
@@ -173,7 +176,9 @@ class VisionTransformer(nn.Module):
         cfg = self.config = config
         d = cfg.embed_dim
         if cfg.stem == "conv":
-            self.patch_embed = ConvStem(cfg.img_hw, cfg.patch_size, cfg.in_chans, d, cfg.stem_width)
+            self.patch_embed = ConvStem(
+                cfg.img_hw, cfg.patch_size, cfg.in_chans, d, cfg.stem_width, cfg.stem_depths
+            )
         elif cfg.stem == "resnet":
             self.patch_embed = ResNetStem(
                 cfg.img_hw, cfg.patch_size, cfg.in_chans, d, cfg.stem_width, cfg.stem_depths
