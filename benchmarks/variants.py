@@ -7,8 +7,9 @@
 
 teacher: `vitlab train model.name=resnet18_28` with SGD (lr 0.1, momentum 0.9, weight decay 5e-4,
 cosine, label smoothing 0.1), 1-pixel shifts and flips, --teacher-epochs epochs. deit:
-configs/fashion-mnist.yaml (the full preset: conv-stem nano ViT, shifts, flips, random erasing)
-for --epochs epochs, seeds 0 and 1, as it is and with model.distilled=true distill.type=hard
+configs/fashion-mnist.yaml (the full preset: conv-stem nano ViT, shifts, flips, random erasing;
+without its time budget and with the one-conv-a-stage stem it had when measured) for --epochs
+epochs, seeds 0 and 1, as it is and with model.distilled=true distill.type=hard
 distill.teacher=<the teacher run>; the distilled runs report each head alone too. stems: the quick
 preset's recipe for a patch-4 ViT, the same ViT with a conv stem and with a ResNet stem
 (vit_nano_r_s4_28), each given --budget seconds of training. Runs that already hold results are
@@ -49,7 +50,8 @@ def deit(teacher_run: Path, epochs: int, seeds: list[int], out: Path) -> list[di
     results = []
     for seed in seeds:
         for distilled in (False, True):
-            args = ["--config", str(FULL_PRESET), f"train.epochs={epochs}",
+            args = ["--config", str(FULL_PRESET), "train.time_budget=null",
+                    "model.stem_depths=[1,1]", f"train.epochs={epochs}",
                     f"train.seed={seed}"]  # fmt: skip
             if distilled:
                 args += ["model.distilled=true", f"distill.teacher={teacher_run}",

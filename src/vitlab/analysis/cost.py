@@ -107,12 +107,13 @@ def macs_by_part(cfg: ViTConfig) -> dict[str, int]:
     if cfg.stem == "resnet":
         parts["backbone"] = resnet_macs(cfg.img_hw, cfg.in_chans, cfg.stem_width, cfg.stem_depths)
         patch = n * resnet_channels(cfg.stem_width, cfg.stem_depths)[-1] * d
-    if cfg.stem == "conv":  # 3x3 stride-2 layers, then the 1x1 projection
+    if cfg.stem == "conv":  # per stage a 3x3 stride-2 conv and stride-1 ones, then the 1x1
         h, w = cfg.img_hw
         patch, c = 0, cfg.in_chans
-        for i in range(int(math.log2(cfg.patch_size))):
+        stages = int(math.log2(cfg.patch_size))
+        for i, convs in enumerate(cfg.stem_depths or (1,) * stages):
             h, w, out = (h + 1) // 2, (w + 1) // 2, cfg.stem_width * 2**i
-            patch += h * w * 9 * c * out
+            patch += h * w * 9 * (c * out + (convs - 1) * out * out)
             c = out
         patch += n * c * d
     per_layer = 2 * t * t * d + 4 * t * d * d + 2 * t * d * cfg.mlp_dim

@@ -6,6 +6,7 @@ quantisation of the exported model's weight matrices). Each is an nn.Module mapp
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 import warnings
 from pathlib import Path
@@ -85,8 +86,8 @@ class FlipAverage(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         logits = self.model(torch.cat([x, x.flip(-1)])).float()  # (2B, classes)
-        probs = logits.softmax(dim=-1).unflatten(0, (2, len(x))).mean(dim=0)  # (B, classes)
-        return probs.log()
+        views = logits.log_softmax(dim=-1).unflatten(0, (2, len(x)))  # (2, B, classes)
+        return views.logsumexp(dim=0) - math.log(2)  # no log(0) where a probability underflows
 
 
 def _check_int8(model: nn.Module, meta: CheckpointMeta) -> None:
