@@ -51,7 +51,7 @@ def deit(teacher_run: Path, epochs: int, seeds: list[int], out: Path) -> list[di
     for seed in seeds:
         for distilled in (False, True):
             args = ["--config", str(FULL_PRESET), "train.time_budget=null",
-                    "model.stem_depths=[1,1]", f"train.epochs={epochs}",
+                    "model.stem_depths=[]", f"train.epochs={epochs}",
                     f"train.seed={seed}"]  # fmt: skip
             if distilled:
                 args += ["model.distilled=true", f"distill.teacher={teacher_run}",

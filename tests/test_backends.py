@@ -12,12 +12,13 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY_MODEL
+from tests.helpers import TINY_MODEL, randomize_head
 from vitlab import load_checkpoint
 from vitlab.cli.main import main
 from vitlab.config import ModelSection
 from vitlab.data import load_split, make_loader
 from vitlab.eval.backends import BackendError, backend_device, prepare
+from vitlab.eval.classification import evaluate
 from vitlab.formats.vitlab import CheckpointMeta
 from vitlab.models.registry import build_model, config_of
 from vitlab.preprocessing import Preprocessing
@@ -124,6 +125,27 @@ def test_flip_tta_averages_each_image_with_its_mirror_image(trained, digits, tmp
     assert top["probability"] == pytest.approx(want[0].exp().max().item(), abs=1e-5)
     with pytest.raises(BackendError, match="unknown test-time augmentation 'crop'"):
         prepare(model, meta, tta="crop")
+
+
+def test_flip_tta_on_a_distilled_model_reports_its_averaged_heads_only() -> None:
+    """With --tta flip a DeiT model's prediction is its two heads' average, averaged over the two
+    views; the per-head top-1 (top1_cls, top1_dist) is left out rather than misreported."""
+    torch.manual_seed(0)
+    cfg = config_of(ModelSection("vit_nano_patch4_28", {"distilled": True, "depth": 1}))
+    model = build_model(cfg).eval()
+    randomize_head(model)
+    torch.nn.init.normal_(model.head_dist.weight, std=0.5)
+    meta = CheckpointMeta(cfg, Preprocessing((28, 28), 1, (0.5,), (0.5,)), list("abcdefghij"))
+    x, y = torch.randn(16, 1, 28, 28), torch.arange(16) % 10
+    r = evaluate(prepare(model, meta, tta="flip"), [(x, y)], 10, torch.device("cpu"))
+    with torch.no_grad():
+        views = torch.stack([model(x).log_softmax(1), model(x.flip(-1)).log_softmax(1)])
+    probs = views.exp().mean(0)  # (16, 10): the two views' class probabilities, averaged
+    assert "top1_cls" not in r and "top1_dist" not in r
+    assert r["top1"] == pytest.approx((probs.argmax(1) == y).double().mean().item(), abs=1e-9)
+    assert r["loss"] == pytest.approx(-probs[torch.arange(16), y].log().mean().item(), rel=1e-5)
+    plain = evaluate(model, [(x, y)], 10, torch.device("cpu"))
+    assert "top1_cls" in plain and plain["loss"] != pytest.approx(r["loss"], rel=1e-5)
 
 
 def tiny_cnn():

@@ -61,8 +61,21 @@ def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
             "train",
             ["--config", "--out", "--resume", "key=value", "finetune.from", "fsdp", "time_budget"],
         ),
-        ("eval", ["--data", "--split", "--json", "--out", "--backend", "onnxruntime", "--int8"]),
-        ("predict", ["--topk", "--json", "IMAGE", "--backend", "onnxruntime", "--int8"]),
+        (
+            "eval",
+            [
+                "--data",
+                "--split",
+                "--json",
+                "--out",
+                "--backend",
+                "onnxruntime",
+                "--int8",
+                "--tta",
+                "flip",
+            ],
+        ),
+        ("predict", ["--topk", "--json", "IMAGE", "--backend", "onnxruntime", "--int8", "--tta"]),
     ],
 )
 def test_help_explains_the_options(command: str, words: list[str]) -> None:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 import vitlab
 from tests.helpers import randomize_head, tiny_config
+from vitlab.analysis.cost import macs_by_part
+from vitlab.models.registry import build_model
 from vitlab.models.vit import VisionTransformer
 
 # (name, exact parameter count with 1000 classes) from VIT_REFERENCE.md §2
@@ -279,10 +282,35 @@ def test_conv_stem_depths_add_stride_1_convs_per_stage() -> None:
         x = layer(x)
         shapes.append(tuple(x.shape[2:]))
     assert shapes[::3] == [(14, 14), (14, 14), (7, 7), (7, 7)]
+    # () is the one-conv-a-stage stem of earlier checkpoints: the same names and shapes as (1, 1)
+    old, ones = (
+        {k: v.shape for k, v in vitlab.create_model("vit_nano_patch4_28", stem="conv",
+                                                    stem_depths=d).state_dict().items()}
+        for d in ((), (1, 1))
+    )  # fmt: skip
+    assert old == ones
+    assert [k for k in old if k.startswith("patch_embed.stem.") and k.endswith("weight")] == [
+        "patch_embed.stem.0.weight", "patch_embed.stem.1.weight",
+        "patch_embed.stem.3.weight", "patch_embed.stem.4.weight",
+    ]  # fmt: skip
     with pytest.raises(vitlab.ConfigError, match=r"2 stride-2 stages: stem_depths must give 2"):
         vitlab.create_model("vit_nano_patch4_28", stem="conv", stem_depths=(2, 2, 2))
     with pytest.raises(vitlab.ConfigError, match=r"each >= 1.*got \(2, 0\)"):
         vitlab.create_model("vit_nano_patch4_28", stem="conv", stem_depths=(2, 0))
+
+
+@pytest.mark.parametrize("depths", [(), (2, 2), (1, 3)])
+def test_forward_macs_of_a_conv_stem_count_its_every_conv(depths: tuple[int, ...]) -> None:
+    """The conv stem's MACs (vitlab.analysis.cost) against FlopCounterMode on a real forward, and
+    by hand for (2, 2) at 28 px: 14x14x9 (1x32 + 32x32), 7x7x9 (32x64 + 64x64), 49 x 64 x 64."""
+    cfg = vitlab.get_config("vit_nano_patch4_28", stem="conv", stem_depths=depths, depth=1)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        build_model(cfg).eval()(torch.randn(1, 1, 28, 28))
+    counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    assert counts["aten.convolution"] == 2 * macs_by_part(cfg)["patch_embed"]
+    if depths == (2, 2):
+        by_hand = 196 * 9 * (32 + 32 * 32) + 49 * 9 * (32 * 64 + 64 * 64) + 49 * 64 * 64
+        assert macs_by_part(cfg)["patch_embed"] == by_hand == 4_772_992
 
 
 def test_distilled_model_averages_its_two_heads() -> None:

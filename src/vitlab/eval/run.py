@@ -83,12 +83,11 @@ def evaluate_checkpoint(
     metrics = evaluate(runner, loader, meta.config.num_classes, dev)
     target = Path(out) if out else (run or Path("."))
     target.mkdir(parents=True, exist_ok=True)
-    png = target / f"confusion_matrix_{split}.png"
+    augmented = tta != "none"
+    png = target / f"confusion_matrix_{split}{f'_tta-{tta}' if augmented else ''}.png"
+    title = f"{name} {split}{f' (TTA {tta})' if augmented else ''}"
     save_confusion_png(
-        metrics["confusion"],
-        meta.classes,
-        png,
-        f"{name} {split}: top-1 {100 * metrics['top1']:.2f}%",
+        metrics["confusion"], meta.classes, png, f"{title}: top-1 {100 * metrics['top1']:.2f}%"
     )
     return {
         "checkpoint": str(weights or checkpoint),

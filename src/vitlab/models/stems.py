@@ -2,7 +2,8 @@
 becomes a token ("patch size 1" on the map, paper §3.1). Both stems are PatchEmbeds: (B, C, H, W)
 -> (B, N, D) on the grid (H / P, W / P), P the stem's total stride (the config's patch_size).
 
-ConvStem   log2(P) 3x3 stride-2 conv -> BatchNorm -> ReLU, then a 1x1 conv to D (Xiao et al. 2021)
+ConvStem   log2(P) stages of a 3x3 stride-2 conv -> BatchNorm -> ReLU (and stem_depths[i] - 1
+           stride-1 ones), then a 1x1 conv to D (Xiao et al. 2021)
 ResNetStem BiT's ResNet-v2 as the paper's hybrids use it (R50+ViT-B/16 ...), in timm's module
            layout and state-dict names (`patch_embed.backbone.stem.conv`, ...), then a 1x1 conv
 
@@ -269,6 +270,11 @@ class ConvStem(PatchEmbed):
         layers: list[nn.Module] = []
         c = in_chans
         stages = int(math.log2(patch_size))
+        if depths and (len(depths) != stages or min(depths) < 1):
+            raise ValueError(
+                f"ConvStem with patch_size {patch_size} has {stages} stride-2 stages: depths "
+                f"must give {stages} conv counts (each >= 1), got {depths}"
+            )
         for i, n in enumerate(depths or (1,) * stages):
             out = width * 2**i
             for j in range(n):
