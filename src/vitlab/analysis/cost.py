@@ -13,7 +13,6 @@ reported as its own part, `backbone`, in the parameters and the forward MACs.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -23,7 +22,7 @@ from vitlab.analysis.cnn_cost import cnn_cost_report, format_cnn_cost_report
 from vitlab.analysis.swin_cost import format_swin_cost_report, swin_cost_report
 from vitlab.analysis.tables import byte_size, human, table
 from vitlab.models.registry import family_of, get_config, resolve_name
-from vitlab.models.stems import resnet_channels, resnet_stride
+from vitlab.models.stems import conv_stem_depths, resnet_channels, resnet_stride
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
 DEFAULT_PATCH_SIZES = (4, 8, 14, 16, 28, 32, 56)
@@ -110,8 +109,7 @@ def macs_by_part(cfg: ViTConfig) -> dict[str, int]:
     if cfg.stem == "conv":  # per stage a 3x3 stride-2 conv and stride-1 ones, then the 1x1
         h, w = cfg.img_hw
         patch, c = 0, cfg.in_chans
-        stages = int(math.log2(cfg.patch_size))
-        for i, convs in enumerate(cfg.stem_depths or (1,) * stages):
+        for i, convs in enumerate(conv_stem_depths(cfg.patch_size, cfg.stem_depths)):
             h, w, out = (h + 1) // 2, (w + 1) // 2, cfg.stem_width * 2**i
             patch += h * w * 9 * (c * out + (convs - 1) * out * out)
             c = out

@@ -60,7 +60,7 @@ def stem_problem(stem: str, width: int, depths: tuple[int, ...], patch_size: int
     size its stride gives."""
     if stem == "conv":
         stages = max(patch_size.bit_length() - 1, 0)  # log2(P) for the power of two it needs
-        if depths and (len(depths) != stages or min(depths) <= 0):
+        if depths and (len(depths) != stages or min(depths) < 1):
             return (
                 f"stem='conv' with patch_size {patch_size} has {stages} stride-2 stages: "
                 f"stem_depths must give {stages} conv counts (each >= 1), e.g. "
@@ -88,6 +88,11 @@ def stem_problem(stem: str, width: int, depths: tuple[int, ...], patch_size: int
             f"{stride} pixels a side, so patch_size must be {stride}, got {patch_size}"
         )
     return None
+
+
+def conv_stem_depths(patch_size: int, depths: tuple[int, ...]) -> tuple[int, ...]:
+    """The conv stem's convs per stride-2 stage: `depths`, or one for each of the log2(P)."""
+    return depths or (1,) * int(math.log2(patch_size))
 
 
 def pad_same(x: Tensor, kernel: int, stride: int, value: float = 0.0) -> Tensor:
@@ -269,13 +274,10 @@ class ConvStem(PatchEmbed):
         self.set_image_size(img_size)
         layers: list[nn.Module] = []
         c = in_chans
-        stages = int(math.log2(patch_size))
-        if depths and (len(depths) != stages or min(depths) < 1):
-            raise ValueError(
-                f"ConvStem with patch_size {patch_size} has {stages} stride-2 stages: depths "
-                f"must give {stages} conv counts (each >= 1), got {depths}"
-            )
-        for i, n in enumerate(depths or (1,) * stages):
+        problem = stem_problem("conv", width, depths, patch_size)
+        if problem:
+            raise ValueError(problem)
+        for i, n in enumerate(conv_stem_depths(patch_size, depths)):
             out = width * 2**i
             for j in range(n):
                 layers += [
