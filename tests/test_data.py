@@ -28,6 +28,7 @@ from vitlab.data import (
 )
 from vitlab.data.datasets import DatasetError, read_idx, scan_image_folder
 from vitlab.data.loader import PADDING, BatchPlan
+from vitlab.data.transforms import random_erase, random_hflip, random_shift
 
 FASHION = download.find_fashion_mnist(None)
 
@@ -371,6 +372,67 @@ def test_file_batches_are_the_same_wherever_they_are_normalised(tmp_path: Path) 
     pixels = (x * 0.25 + 0.5) * 255
     assert pixels.min() >= -1e-3 and pixels.max() <= 255 + 1e-3
     assert (pixels - pixels.round()).abs().max() < 1e-3
+
+
+def test_batched_shift_is_a_crop_of_the_zero_padded_image_at_each_images_own_offset() -> None:
+    """random_shift against torchvision's pad + crop: every image is the crop of its own zero-padded
+    copy at one offset, and all (2p+1)^2 offsets come about equally often."""
+    from torchvision.transforms.v2 import functional as TF
+
+    torch.manual_seed(0)
+    images = torch.randint(1, 256, (1000, 2, 6, 7), dtype=torch.uint8)  # no zeros: pads show
+    out = random_shift(images, 2)
+    assert out.shape == images.shape and out.dtype == torch.uint8
+    padded = TF.pad(images, [2])
+    matches = torch.stack([
+        (TF.crop(padded, top, left, 6, 7) == out).flatten(1).all(1)
+        for top in range(5) for left in range(5)
+    ], dim=1)  # fmt: skip  # (images, 25 offsets)
+    assert (matches.sum(1) == 1).all()  # each image is one offset's crop, no other
+    counts = matches.sum(0)  # 40 expected each, sd 6.2
+    assert counts.min() >= 15 and counts.max() <= 65, counts
+    assert torch.equal(random_shift(images, 0), images)
+
+
+def test_batched_flip_mirrors_each_image_with_probability_p() -> None:
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (4000, 1, 5, 5), dtype=torch.uint8)
+    out = random_hflip(images, 0.3)
+    same = (out == images).flatten(1).all(1)
+    mirrored = (out == images.flip(-1)).flatten(1).all(1)
+    assert (same ^ mirrored).all()  # one or the other (random images are not symmetric)
+    assert abs(mirrored.float().mean().item() - 0.3) < 0.03  # sd 0.007
+    assert torch.equal(random_hflip(images, 0.0), images)
+    assert torch.equal(random_hflip(images, 1.0), images.flip(-1))
+
+
+def test_batched_erasing_draws_torchvision_random_erasings_boxes() -> None:
+    """random_erase against torchvision's RandomErasing, image by image: a solid box of zeros,
+    the rest untouched, erased as often, with the same distribution of box areas, aspect ratios
+    and positions (means over 4,000 images each)."""
+    from torchvision.transforms import v2
+
+    def boxes(x: torch.Tensor) -> torch.Tensor:  # (n, 5): erased?, height, width, top, left
+        zero = x[:, 0] == 0
+        rows, cols = zero.any(2), zero.any(1)
+        h, w = rows.sum(1), cols.sum(1)
+        assert torch.equal(zero.sum((1, 2)), h * w)  # a solid rectangle, nothing else
+        top, left = rows.float().argmax(1), cols.float().argmax(1)
+        return torch.stack([h > 0, h, w, top, left], dim=1).float()
+
+    torch.manual_seed(0)
+    x = torch.ones(4000, 2, 28, 24)
+    ours = boxes(random_erase(x, 0.5))
+    theirs = boxes(torch.stack([v2.RandomErasing(0.5)(img) for img in x]))
+    assert abs(ours[:, 0].mean() - theirs[:, 0].mean()) < 0.05  # erased share: 0.5, sd 0.008
+    ours, theirs = ours[ours[:, 0] > 0], theirs[theirs[:, 0] > 0]
+    area = [(b[:, 1] * b[:, 2]).mean() for b in (ours, theirs)]
+    assert abs(area[0] / area[1] - 1) < 0.05, area  # ~0.175 of 672 pixels
+    aspect = [(b[:, 1] / b[:, 2]).log().mean() for b in (ours, theirs)]
+    assert abs(aspect[0] - aspect[1]) < 0.1, aspect
+    for k in (3, 4):  # top, left
+        assert abs(ours[:, k].mean() - theirs[:, k].mean()) < 0.6
+    assert torch.equal(random_erase(x, 0.0), x)
 
 
 def test_nested_trees_sort_as_paths_and_links_to_folders_are_not_followed(tmp_path: Path):
