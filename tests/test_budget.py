@@ -102,21 +102,32 @@ def run_on_a_fake_clock(
 ) -> tuple[list[int], float]:
     """A TimeBudget of `seconds` driven step by step, `spe` steps an epoch, the process 5 s old at
     step 0, step s taking pace(s) * 0.1 s and an epoch end pace(s) * 1.0 s. Returns the plans
-    made and the simulated command's length (with the last epoch's end and the test split)."""
+    made and the simulated command's length (with the last epoch's end and the test split).
+    Checks on the way that the learning rate, past the warm-up, never rises however often the
+    plan changes, and that a run resumed from the plan's file has the same schedule."""
     cfg = load_run_config(None, [f"train.time_budget={seconds}s", "optim.lr=0.001"])
     settings = StepSettings(1, None, lambda step: 0.5, nullcontext)
     clock = [0.0]
     monkeypatch.setattr(budget.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(budget, "process_age", lambda: 5.0 + clock[0])
     TimeBudget(cfg, settings, spe, 4, (64, 100, 200), tmp_path, Dist(), bf16=False)
-    step, plans = 0, []
+    step, plans, lrs = 0, [], []
     while settings.max_steps is None or step < settings.max_steps:
-        settings.lr_at(step)
+        lrs.append(settings.lr_at(step))
         if settings.max_steps is not None and settings.max_steps not in plans:
             plans.append(settings.max_steps)
         clock[0] += pace(step) * (0.1 + (1.0 if (step + 1) % spe == 0 else 0.0))
         step += 1
     assert settings.lr_at(step - 1) < 0.001 * 0.001 and settings.lr_at(step) == 0.0
+    planned = lrs[budget.SKIP_STEPS + budget.TIMED_STEPS :]  # from the first plan, past warm-up
+    assert 0.0009 < planned[0] <= 0.001
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(planned, planned[1:])), "the lr rose"
+    resumed = StepSettings(1, None, lambda step: 0.5, nullcontext)
+    TimeBudget(cfg, resumed, spe, 4, (64, 100, 200), tmp_path, Dist(), resumed=True)
+    laid = json.loads((tmp_path / "time_budget.json").read_text())["schedule"]
+    assert resumed.max_steps == step and laid["span"] == plans[0]
+    for s in range(laid["from_step"], step + 1):  # the last plan's steps, as the run took them
+        assert resumed.lr_at(s) == pytest.approx(lrs[s] if s < step else 0.0, abs=1e-15)
     # after the last step: the last epoch's end, and the test split (200 images at the epoch
     # end's 100 images a pace(s) * 1.0 s) and 2 s of files
     return plans, 5.0 + clock[0] + pace(step) * (1.0 + 2.0) + 2.0
@@ -124,8 +135,9 @@ def run_on_a_fake_clock(
 
 def test_a_plan_follows_the_steps_pace(tmp_path, monkeypatch) -> None:
     """Twice as slow from step 60 (past half of the plan): shortened, and still in time. Twice
-    as fast from step 40 (before half of it): lengthened, and the budget used. Twice as slow
-    from step 30 in an epoch longer than the run: shortened before any epoch end."""
+    as fast from step 40 (before half of it), or slower for a while past half of it and then
+    faster again: lengthened, and the budget used. Twice as slow from step 30 in an epoch longer
+    than the run: shortened before any epoch end."""
     slower, faster = (lambda s: 2.0 if s >= 60 else 1.0), (lambda s: 0.5 if s >= 40 else 1.0)
     plans, length = run_on_a_fake_clock(monkeypatch, tmp_path, 31, slower)
     assert plans[1] == 154 and len(plans) == 3 and plans[2] < 154  # as above, then shortened
@@ -134,11 +146,28 @@ def test_a_plan_follows_the_steps_pace(tmp_path, monkeypatch) -> None:
     # 61 s at 0.1 s a step as above (379 steps), then lengthened
     assert plans[1] == 379 and plans[-1] > 379
     assert 61.0 * 0.9 <= length <= 61.0
+    dip = lambda s: 2.0 if 450 <= s < 500 else 1.0  # noqa: E731  # past half of the plan
+    plans, length = run_on_a_fake_clock(monkeypatch, tmp_path, 121, dip)
+    assert min(plans[1:]) < plans[1] and plans[-1] > min(plans[1:])  # back up again
+    assert 121.0 * 0.9 <= length <= 121.0
     plans, length = run_on_a_fake_clock(monkeypatch, tmp_path, 61, slower, spe=1000)
     assert len(plans) >= 2 and plans[-1] < plans[0]
     # no epoch end measured, so validation and test are estimated (at a third of a training
     # image each: 2.35 s here, against the simulation's 6 s); the steps end in time for them
     assert length - 6.0 - 2.0 <= 61 * 0.95 - 1 - 2.35
+
+
+def test_a_plan_written_before_schedules_were_anchored_resumes_on_its_own_steps(tmp_path):
+    """A time_budget.json without "schedule" (vitlab before plans could stretch the schedule):
+    the resumed run's schedule is laid over the plan's steps, as it was then."""
+    cfg = load_run_config(None, ["train.time_budget=1m", "optim.lr=0.001"])
+    (tmp_path / "time_budget.json").write_text(json.dumps({"steps": 300, "final": True}))
+    settings = StepSettings(1, None, lambda step: 0.5, nullcontext)
+    TimeBudget(cfg, settings, 40, 4, (64, 100, 200), tmp_path, Dist(), resumed=True)
+    expected = budget_schedule(cfg, 300, 4)
+    assert settings.max_steps == 300 and cfg.train.epochs == 8
+    for step in (0, 3, 10, 150, 299, 300):
+        assert settings.lr_at(step) == pytest.approx(expected(step), abs=1e-15)
 
 
 def cpu_seconds() -> float:

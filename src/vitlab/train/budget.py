@@ -9,17 +9,20 @@ the call), the time per step, an estimate of each epoch's end (validation + chec
 test split, less a safety margin. At the first epoch end after that, whose cost is then measured,
 N is planned once more. Then every CHECK_EVERY steps the latest steps' pace is compared with the
 plan's, and when it differs by more than DRIFT (a shared machine's neighbours come and go) N is
-planned again at that pace: longer or shorter in the first half of the plan, only shorter after it
-(so the decay, once well under way, is not undone).
-The schedule (warm-up as configured, at most a fifth of N, then the configured decay) is rebuilt
-over N whenever N is planned, counting the steps already taken; train.epochs is not used: the run
-trains ceil(N / steps per epoch) epochs, the last one possibly partial. The decision points depend
-on step numbers only, so every rank plans at the same step; rank 0's plan is broadcast.
+planned again at that pace, longer or shorter, at any point of the run.
+The schedule (warm-up as configured, at most a fifth of the steps, then the configured decay) is
+laid over the first plan's N. A longer plan stretches what is left of it over the steps left: the
+learning rate goes on from where it is (late in the run the decay slows instead of being undone).
+A shorter plan first moves along it to where the step would be had the run been planned that
+short from the start (a step down: the decay comes early), then goes on from there.
+train.epochs is not used: the run trains ceil(N / steps per epoch) epochs, the last one possibly
+partial. The decision points depend on step numbers only, so every rank plans at the same step;
+rank 0's plan is broadcast.
 
-The plan is written to RUN/time_budget.json. `--resume` keeps it: a resumed run finishes the steps
-the first command's budget bought, on the same schedule, however long the break (the budget counts
-the run as first planned, not the resumed command); a run stopped before it planned plans afresh,
-counting this command's time.
+The plan is written to RUN/time_budget.json, with where its schedule stands. `--resume` keeps it:
+a resumed run finishes the steps the first command's budget bought, on the same schedule, however
+long the break (the budget counts the run as first planned, not the resumed command); a run
+stopped before it planned plans afresh, counting this command's time.
 """
 
 from __future__ import annotations
@@ -143,9 +146,15 @@ class TimeBudget:
         self.total: int | None = None
         self.planned: Costs | None = None  # what the plan in force assumed
         self.final = False
+        self.span = 0  # the steps the schedule is laid over: the first plan's
+        self.anchor = (0, 0.0)  # (step, the schedule's step there) where the plan in force began
         self.watch = not (resumed and self.file.is_file())
         if not self.watch:  # a resumed run keeps its plan
-            self._fix(int(json.loads(self.file.read_text())["steps"]), final=True)
+            plan = json.loads(self.file.read_text())
+            total = int(plan["steps"])  # a plan written before "schedule": laid over its steps
+            laid = plan.get("schedule", {"span": total, "from_step": 0, "from": 0.0})
+            self.span, self.anchor = int(laid["span"]), (int(laid["from_step"]), laid["from"])
+            self._fix(total, final=True)
             if d.is_main:
                 print(
                     f"time budget {self.text}: resumed, keeping the run's plan of "
@@ -184,9 +193,8 @@ class TimeBudget:
             self._plan(step, self._costs, final=True, note=" (planned again after an epoch end)")
             self.recent.clear()  # the new plan's pace is these steps' mean: compare afresh
         elif self.total is not None and step % CHECK_EVERY == 0:
-            late = step >= self.total / 2  # in the second half a plan only shortens
             note = " (planned again: the steps' pace changed)"
-            self._plan(step, self._paced, final=True, note=note, shorten_only=late)
+            self._plan(step, self._paced, final=True, note=note)
 
     def _costs(self) -> Costs:
         step = sum(self.steps) / len(self.steps)
@@ -213,7 +221,6 @@ class TimeBudget:
         costing: Callable[[], Costs | None],
         final: bool,
         note: str = "",
-        shorten_only: bool = False,
     ) -> None:
         """Plan on rank 0 with `costing`'s costs (None: keep the plan), the same on every
         rank."""
@@ -221,13 +228,19 @@ class TimeBudget:
         costs = costing() if self.d.is_main else None
         if costs is not None:
             n = plan_steps(self.seconds, process_age() - self.before, step, self.spe, costs)
-            same = n == self.total or (shorten_only and n > (self.total or 0))
-            plan = None if same else (n, costs)
+            plan = None if n == self.total else (n, costs)
         plan = distributed.broadcast(plan, self.d)
         if plan is None:  # the plan stands (and, once final, the epoch-end re-plan is done)
             self.final = self.final or final
             return
         (total, costs), self.planned = plan, plan[1]
+        if self.total is None:  # the first plan: the schedule is laid over its steps
+            self.span = total
+        else:  # what is left of the schedule goes over the steps left from here
+            here = self.schedule_step(step)  # on the plan in force
+            if total < self.total:  # where this step would be, planned this short from the start
+                here = max(here, step * self.span / total)
+            self.anchor = (step, here)
         self._fix(total, final)
         if self.d.is_main:
             self._tell(total, costs, final, note)
@@ -243,6 +256,7 @@ class TimeBudget:
             "images_per_s": round(speed, 1),
             "final": final,
             "estimates_s": {k: round(v, 3) for k, v in vars(costs).items()},  # Costs' fields
+            "schedule": {"span": self.span, "from_step": self.anchor[0], "from": self.anchor[1]},
         }
         self.file.write_text(json.dumps(plan) + "\n")
         print(
@@ -251,9 +265,17 @@ class TimeBudget:
             file=sys.stderr,
         )
 
+    def schedule_step(self, step: int) -> float:
+        """Where step `step` is on the schedule laid over self.span steps: from the anchor on,
+        the plan's steps left cover the schedule's steps left evenly (the plan's last step ends
+        the schedule)."""
+        at, where = self.anchor
+        return where + (step - at) * (self.span - where) / max(1, self.total - at)
+
     def _fix(self, total: int, final: bool) -> None:
         self.total, self.final = total, final
-        self.schedule = budget_schedule(self.cfg, total, self.warmup)
+        laid = budget_schedule(self.cfg, self.span, self.warmup)
+        self.schedule = lambda step: laid(self.schedule_step(step))
         self.settings.max_steps = total
         self.cfg.train.epochs = math.ceil(total / self.spe)
 
