@@ -127,6 +127,34 @@ def test_flip_tta_averages_each_image_with_its_mirror_image(trained, digits, tmp
         prepare(model, meta, tta="crop")
 
 
+def test_flip_shift_tta_averages_ten_views_with_black_shifted_in(trained, digits, capsys):
+    """--tta flip-shift against torchvision's pad + crop, view by view: the image and its mirror
+    image, each as it is and moved a pixel up, down, left and right with black (as normalised)
+    moved in; their class probabilities averaged."""
+    from torchvision.transforms.v2 import functional as TF
+
+    model, meta = load_checkpoint(trained)
+    model.eval()
+    pre = meta.preprocessing
+    black = (0 - pre.mean[0]) / pre.std[0]  # one channel: the value a 0 pixel normalises to
+    x = digits[:60]
+    with torch.no_grad():
+        got = prepare(model, meta, tta="flip-shift")(x)
+        probs = []
+        for img in (x, x.flip(-1)):
+            padded = TF.pad(img, [1], fill=black)
+            for top, left in ((1, 1), (0, 1), (2, 1), (1, 0), (1, 2)):
+                probs.append(model(TF.crop(padded, top, left, 8, 8)).softmax(1))
+        want = torch.stack(probs).mean(0).log()  # (60, 10)
+        flip_only = prepare(model, meta, tta="flip")(x)
+    assert got.shape == (60, 10) and torch.allclose(got, want, atol=1e-5)
+    assert (got - flip_only).abs().max() > 1e-2  # the shifted views count
+    assert main(["eval", str(trained), "--tta", "flip-shift", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["tta"] == "flip-shift" and r["num_images"] == 359
+    assert r["confusion_png"].endswith("confusion_matrix_test_tta-flip-shift.png")
+
+
 def test_flip_tta_on_a_distilled_model_reports_its_averaged_heads_only() -> None:
     """With --tta flip a DeiT model's prediction is its two heads' average, averaged over the two
     views; the per-head top-1 (top1_cls, top1_dist) is left out rather than misreported."""

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from vitlab.formats.vitlab import CheckpointMeta
 
 BACKENDS = ("torch", "onnxruntime")
-TTA_MODES = ("none", "flip")  # test-time augmentation: FlipAverage
+TTA_MODES = ("none", "flip", "flip-shift")  # test-time augmentation: ViewAverage
+SHIFTS = ((0, 0), (-1, 0), (1, 0), (0, -1), (0, 1))  # flip-shift's (rows down, columns right)
 INSTALL = "pip install 'vitlab[export]' (onnx, onnxscript, onnxruntime)"
 
 
@@ -56,7 +57,8 @@ def prepare(
     """`model` (eval mode) run by `backend`: images (B, C, H, W) float32 -> logits (B, classes).
     onnxruntime exports the model to a temporary file first (checked against PyTorch within
     1e-4), with `threads` intra-op threads (default: torch's). tta="flip" averages each image's
-    prediction with its mirror image's (FlipAverage)."""
+    prediction with its mirror image's, "flip-shift" also with both shifted a pixel each way
+    (ViewAverage)."""
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}: choose from {', '.join(BACKENDS)}")
     if tta not in TTA_MODES:
@@ -70,24 +72,48 @@ def prepare(
         runner = quantize_linear(model) if int8 else model
     else:
         runner = OnnxRuntimeModel(model, meta, int8, threads or torch.get_num_threads())
-    return FlipAverage(runner) if tta == "flip" else runner
+    if tta == "none":
+        return runner
+    pre = meta.preprocessing  # shifted in: black, normalised as the images are
+    black = [-m / s for m, s in zip(pre.mean, pre.std, strict=True)]
+    return ViewAverage(runner, SHIFTS if tta == "flip-shift" else SHIFTS[:1], black)
 
 
-class FlipAverage(nn.Module):
-    """Test-time augmentation: a classifier's class probabilities averaged over each image and
-    its left-right mirror image, both in one call of `model` (a batch twice as large). Returns
-    log-probabilities, log((softmax(f(x)) + softmax(f(flip(x)))) / 2), which top-k, argmax,
-    softmax and cross-entropy read as they read logits. For data whose classes a horizontal
-    flip keeps (the runs trained with data.hflip)."""
+def shift_images(x: Tensor, down: int, right: int, fill: Tensor) -> Tensor:
+    """(B, C, H, W) moved `down` rows down and `right` columns right (negative: up, left), the
+    rows and columns moved in set to `fill` (C,), the ones moved out dropped."""
+    h, w = x.shape[-2:]
+    out = fill.to(x.dtype).view(1, -1, 1, 1).expand_as(x).clone()
+    out[..., max(down, 0) : h + min(down, 0), max(right, 0) : w + min(right, 0)] = x[
+        ..., max(-down, 0) : h - max(down, 0), max(-right, 0) : w - max(right, 0)
+    ]
+    return out
 
-    def __init__(self, model: nn.Module) -> None:
+
+class ViewAverage(nn.Module):
+    """Test-time augmentation: a classifier's class probabilities averaged over views of each
+    image: for each shift in `shifts` ((rows down, columns right); (0, 0): the image itself, the
+    pixels moved in set to `fill`, black as normalised), the shifted image and its left-right
+    mirror image, the two in one call of `model` (a batch twice as large). Returns
+    log-probabilities, log(mean over views of softmax(f(view))), which top-k, argmax, softmax and
+    cross-entropy read as they read logits. For data whose classes a flip and a small shift keep
+    (runs trained with data.hflip and data.crop_padding)."""
+
+    def __init__(
+        self, model: nn.Module, shifts: tuple[tuple[int, int], ...], fill: list[float]
+    ) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.shifts = model, shifts
+        self.register_buffer("fill", torch.tensor(fill), persistent=False)  # (C,)
 
     def forward(self, x: Tensor) -> Tensor:
-        logits = self.model(torch.cat([x, x.flip(-1)])).float()  # (2B, classes)
-        views = logits.log_softmax(dim=-1).unflatten(0, (2, len(x)))  # (2, B, classes)
-        return views.logsumexp(dim=0) - math.log(2)  # no log(0) where a probability underflows
+        views = []
+        for down, right in self.shifts:
+            v = shift_images(x, down, right, self.fill) if down or right else x
+            logits = self.model(torch.cat([v, v.flip(-1)])).float()  # (2B, classes)
+            views.append(logits.log_softmax(dim=-1).unflatten(0, (2, len(x))))  # (2, B, classes)
+        logp = torch.cat(views)  # (views, B, classes)
+        return logp.logsumexp(dim=0) - math.log(len(logp))  # no log(0) where one underflows
 
 
 def _check_int8(model: nn.Module, meta: CheckpointMeta) -> None:
