@@ -25,7 +25,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-from model_speed import median_seconds, step_fns  # benchmarks/ is on sys.path when run as a script
+from model_speed import median_seconds, optimizer, step_fns  # benchmarks/ is on sys.path when run as a script
 
 from vitlab.config import DataConfig, load_run_config
 from vitlab.data import BatchAugment, Preprocessing, load_split, make_loader
@@ -48,7 +48,7 @@ def loader_rate(loader, batches: int, epoch: int = 0) -> float:
 
 
 def step_rate(model, x, y, bf16: bool, steps: int) -> float:
-    _, train = step_fns(model, x, y, bf16)
+    _, train = step_fns(model, x, y, bf16, optimizer(model, "vitlab", "own"))  # as vitlab train
     return len(x) / median_seconds({"step": train}, steps, warmup=1)["step"]
 
 
