@@ -25,7 +25,9 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-from model_speed import median_seconds, optimizer, step_fns  # benchmarks/ is on sys.path when run as a script
+
+# benchmarks/ is on sys.path when run as a script
+from model_speed import median_seconds, optimizer, step_fns
 
 from vitlab.config import DataConfig, load_run_config
 from vitlab.data import BatchAugment, Preprocessing, load_split, make_loader

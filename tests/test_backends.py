@@ -155,6 +155,21 @@ def test_flip_shift_tta_averages_ten_views_with_black_shifted_in(trained, digits
     assert r["confusion_png"].endswith("confusion_matrix_test_tta-flip-shift.png")
 
 
+def test_shifted_images_take_each_channels_fill_by_hand() -> None:
+    from vitlab.eval.backends import shift_images
+
+    x = torch.rand(2, 3, 5, 6)
+    fill = torch.tensor([-1.0, -2.0, -3.0])
+    edge = fill.view(1, 3, 1)
+    down, up = shift_images(x, 1, 0, fill), shift_images(x, -1, 0, fill)
+    right, left = shift_images(x, 0, 1, fill), shift_images(x, 0, -1, fill)
+    assert torch.equal(down[:, :, 1:], x[:, :, :-1]) and (down[:, :, 0] == edge).all()
+    assert torch.equal(up[:, :, :-1], x[:, :, 1:]) and (up[:, :, -1] == edge).all()
+    assert torch.equal(right[..., 1:], x[..., :-1]) and (right[..., 0] == edge).all()
+    assert torch.equal(left[..., :-1], x[..., 1:]) and (left[..., -1] == edge).all()
+    assert shift_images(x.double(), 1, 0, fill).dtype == torch.float64
+
+
 def test_flip_tta_on_a_distilled_model_reports_its_averaged_heads_only() -> None:
     """With --tta flip a DeiT model's prediction is its two heads' average, averaged over the two
     views; the per-head top-1 (top1_cls, top1_dist) is left out rather than misreported."""

@@ -98,19 +98,20 @@ def test_the_budget_plans_from_timed_steps(tmp_path, monkeypatch) -> None:
 
 
 def run_on_a_fake_clock(
-    monkeypatch, tmp_path, seconds: int, pace, spe: int = 40
+    monkeypatch, tmp_path, seconds: int, pace, spe: int = 40, warmup: int = 4
 ) -> tuple[list[int], float]:
     """A TimeBudget of `seconds` driven step by step, `spe` steps an epoch, the process 5 s old at
     step 0, step s taking pace(s) * 0.1 s and an epoch end pace(s) * 1.0 s. Returns the plans
     made and the simulated command's length (with the last epoch's end and the test split).
-    Checks on the way that the learning rate, past the warm-up, never rises however often the
-    plan changes, and that a run resumed from the plan's file has the same schedule."""
+    Checks on the way that the learning rate never rises past the warm-up and rises linearly in
+    it however often the plan changes, and that a run resumed from the plan's file has the same
+    schedule from the first plan on."""
     cfg = load_run_config(None, [f"train.time_budget={seconds}s", "optim.lr=0.001"])
     settings = StepSettings(1, None, lambda step: 0.5, nullcontext)
     clock = [0.0]
     monkeypatch.setattr(budget.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(budget, "process_age", lambda: 5.0 + clock[0])
-    TimeBudget(cfg, settings, spe, 4, (64, 100, 200), tmp_path, Dist(), bf16=False)
+    TimeBudget(cfg, settings, spe, warmup, (64, 100, 200), tmp_path, Dist(), bf16=False)
     step, plans, lrs = 0, [], []
     while settings.max_steps is None or step < settings.max_steps:
         lrs.append(settings.lr_at(step))
@@ -119,14 +120,17 @@ def run_on_a_fake_clock(
         clock[0] += pace(step) * (0.1 + (1.0 if (step + 1) % spe == 0 else 0.0))
         step += 1
     assert settings.lr_at(step - 1) < 0.001 * 0.001 and settings.lr_at(step) == 0.0
-    planned = lrs[budget.SKIP_STEPS + budget.TIMED_STEPS :]  # from the first plan, past warm-up
-    assert 0.0009 < planned[0] <= 0.001
-    assert all(b <= a * (1 + 1e-9) for a, b in zip(planned, planned[1:])), "the lr rose"
+    first = budget.SKIP_STEPS + budget.TIMED_STEPS  # the first plan's step
+    warm = min(warmup, plans[0] // 5)  # as first laid
+    for s in range(first, warm):  # linear, whatever the plans made meanwhile
+        assert lrs[s] == pytest.approx(0.001 * (s + 1) / warm), s
+    decay = lrs[max(first, warm - 1) :]
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(decay, decay[1:])), "the lr rose"
     resumed = StepSettings(1, None, lambda step: 0.5, nullcontext)
-    TimeBudget(cfg, resumed, spe, 4, (64, 100, 200), tmp_path, Dist(), resumed=True)
+    TimeBudget(cfg, resumed, spe, warmup, (64, 100, 200), tmp_path, Dist(), resumed=True)
     laid = json.loads((tmp_path / "time_budget.json").read_text())["schedule"]
     assert resumed.max_steps == step and laid["span"] == plans[0]
-    for s in range(laid["from_step"], step + 1):  # the last plan's steps, as the run took them
+    for s in range(first, step + 1):  # resumed from any step: the lr the run took there
         assert resumed.lr_at(s) == pytest.approx(lrs[s] if s < step else 0.0, abs=1e-15)
     # after the last step: the last epoch's end, and the test split (200 images at the epoch
     # end's 100 images a pace(s) * 1.0 s) and 2 s of files
@@ -152,6 +156,10 @@ def test_a_plan_follows_the_steps_pace(tmp_path, monkeypatch) -> None:
     assert 121.0 * 0.9 <= length <= 121.0
     plans, length = run_on_a_fake_clock(monkeypatch, tmp_path, 61, slower, spe=1000)
     assert len(plans) >= 2 and plans[-1] < plans[0]
+    # a long warm-up (capped at a fifth of the first plan: 93 steps), the first epoch end's plan
+    # (step 40, shorter) made during it
+    plans, _ = run_on_a_fake_clock(monkeypatch, tmp_path, 61, slower, warmup=150)
+    assert plans[0] // 5 == 93 and plans[1] < plans[0]
     # no epoch end measured, so validation and test are estimated (at a third of a training
     # image each: 2.35 s here, against the simulation's 6 s); the steps end in time for them
     assert length - 6.0 - 2.0 <= 61 * 0.95 - 1 - 2.35

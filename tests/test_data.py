@@ -413,6 +413,7 @@ def test_batched_erasing_draws_torchvision_random_erasings_boxes() -> None:
     from torchvision.transforms import v2
 
     def boxes(x: torch.Tensor) -> torch.Tensor:  # (n, 5): erased?, height, width, top, left
+        assert torch.equal(x[:, 0], x[:, 1])  # every channel erased alike
         zero = x[:, 0] == 0
         rows, cols = zero.any(2), zero.any(1)
         h, w = rows.sum(1), cols.sum(1)
@@ -432,6 +433,9 @@ def test_batched_erasing_draws_torchvision_random_erasings_boxes() -> None:
     assert abs(aspect[0] - aspect[1]) < 0.1, aspect
     for k in (3, 4):  # top, left
         assert abs(ours[:, k].mean() - theirs[:, k].mean()) < 0.6
+    for b in (ours, theirs):  # positions span the whole range, edges included
+        assert (b[:, 3] == 0).any() and (b[:, 3] + b[:, 1] == 28).any()
+        assert (b[:, 4] == 0).any() and (b[:, 4] + b[:, 2] == 24).any()
     assert torch.equal(random_erase(x, 0.0), x)
 
 

@@ -83,7 +83,7 @@ def shift_images(x: Tensor, down: int, right: int, fill: Tensor) -> Tensor:
     """(B, C, H, W) moved `down` rows down and `right` columns right (negative: up, left), the
     rows and columns moved in set to `fill` (C,), the ones moved out dropped."""
     h, w = x.shape[-2:]
-    out = fill.to(x.dtype).view(1, -1, 1, 1).expand_as(x).clone()
+    out = fill.to(x).view(1, -1, 1, 1).expand_as(x).clone()  # x's dtype and device
     out[..., max(down, 0) : h + min(down, 0), max(right, 0) : w + min(right, 0)] = x[
         ..., max(-down, 0) : h - max(down, 0), max(-right, 0) : w - max(right, 0)
     ]

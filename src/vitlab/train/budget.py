@@ -11,18 +11,20 @@ N is planned once more. Then every CHECK_EVERY steps the latest steps' pace is c
 plan's, and when it differs by more than DRIFT (a shared machine's neighbours come and go) N is
 planned again at that pace, longer or shorter, at any point of the run.
 The schedule (warm-up as configured, at most a fifth of the steps, then the configured decay) is
-laid over the first plan's N. A longer plan stretches what is left of it over the steps left: the
-learning rate goes on from where it is (late in the run the decay slows instead of being undone).
-A shorter plan first moves along it to where the step would be had the run been planned that
-short from the start (a step down: the decay comes early), then goes on from there.
+laid over the first plan's N, its warm-up kept step for step. A longer plan stretches what is left
+of it over the steps left: the learning rate goes on from where it is (late in the run the decay
+slows instead of being undone). A shorter plan first moves along it to where the step would be had
+the run been planned that short from the start (a step down: the decay comes early), then goes on
+from there.
 train.epochs is not used: the run trains ceil(N / steps per epoch) epochs, the last one possibly
 partial. The decision points depend on step numbers only, so every rank plans at the same step;
 rank 0's plan is broadcast.
 
-The plan is written to RUN/time_budget.json, with where its schedule stands. `--resume` keeps it:
-a resumed run finishes the steps the first command's budget bought, on the same schedule, however
-long the break (the budget counts the run as first planned, not the resumed command); a run
-stopped before it planned plans afresh, counting this command's time.
+The plan is written to RUN/time_budget.json with the schedule's pieces. `--resume` keeps it: a
+resumed run, from any checkpoint, finishes the steps the first command's budget bought with the
+learning rates the first command used or would have used, however long the break (the budget counts
+the run as first planned, not the resumed command); a run stopped before it planned plans afresh,
+counting this command's time.
 """
 
 from __future__ import annotations
@@ -147,13 +149,15 @@ class TimeBudget:
         self.planned: Costs | None = None  # what the plan in force assumed
         self.final = False
         self.span = 0  # the steps the schedule is laid over: the first plan's
-        self.anchor = (0, 0.0)  # (step, the schedule's step there) where the plan in force began
+        # (from step, the schedule's step there, the plan's steps then): where each plan began
+        self.pieces: list[tuple[int, float, int]] = []
         self.watch = not (resumed and self.file.is_file())
         if not self.watch:  # a resumed run keeps its plan
             plan = json.loads(self.file.read_text())
             total = int(plan["steps"])  # a plan written before "schedule": laid over its steps
-            laid = plan.get("schedule", {"span": total, "from_step": 0, "from": 0.0})
-            self.span, self.anchor = int(laid["span"]), (int(laid["from_step"]), laid["from"])
+            laid = plan.get("schedule", {"span": total, "pieces": [[0, 0.0, total]]})
+            self.span = int(laid["span"])
+            self.pieces = [(int(a), float(w), int(n)) for a, w, n in laid["pieces"]]
             self._fix(total, final=True)
             if d.is_main:
                 print(
@@ -235,12 +239,9 @@ class TimeBudget:
             return
         (total, costs), self.planned = plan, plan[1]
         if self.total is None:  # the first plan: the schedule is laid over its steps
-            self.span = total
-        else:  # what is left of the schedule goes over the steps left from here
-            here = self.schedule_step(step)  # on the plan in force
-            if total < self.total:  # where this step would be, planned this short from the start
-                here = max(here, step * self.span / total)
-            self.anchor = (step, here)
+            self.span, self.pieces = total, [(0, 0.0, total)]
+        else:
+            self._replan(step, total)
         self._fix(total, final)
         if self.d.is_main:
             self._tell(total, costs, final, note)
@@ -256,7 +257,7 @@ class TimeBudget:
             "images_per_s": round(speed, 1),
             "final": final,
             "estimates_s": {k: round(v, 3) for k, v in vars(costs).items()},  # Costs' fields
-            "schedule": {"span": self.span, "from_step": self.anchor[0], "from": self.anchor[1]},
+            "schedule": {"span": self.span, "pieces": [list(p) for p in self.pieces]},
         }
         self.file.write_text(json.dumps(plan) + "\n")
         print(
@@ -265,12 +266,25 @@ class TimeBudget:
             file=sys.stderr,
         )
 
+    def _replan(self, step: int, total: int) -> None:
+        """A new plan of `total` steps at step `step`: what is left of the schedule goes over the
+        steps left. The warm-up stays as first laid, step for step: a plan made during it begins
+        where it ends."""
+        warm = min(self.warmup, self.span // 5)
+        if step < warm < total:
+            start, here = warm, float(warm)
+        else:
+            start, here = step, self.schedule_step(step)  # on the plan in force
+            if total < self.total:  # where this step would be, planned this short from the start
+                here = max(here, step * self.span / total)
+        self.pieces = [p for p in self.pieces if p[0] < start] + [(start, here, total)]
+
     def schedule_step(self, step: int) -> float:
-        """Where step `step` is on the schedule laid over self.span steps: from the anchor on,
-        the plan's steps left cover the schedule's steps left evenly (the plan's last step ends
-        the schedule)."""
-        at, where = self.anchor
-        return where + (step - at) * (self.span - where) / max(1, self.total - at)
+        """Where step `step` is on the schedule laid over self.span steps: from where the plan
+        in force at that step began, its steps left cover the schedule's steps left evenly (its
+        last step would end the schedule)."""
+        start, where, total = next(p for p in reversed(self.pieces) if p[0] <= step)
+        return where + (step - start) * (self.span - where) / max(1, total - start)
 
     def _fix(self, total: int, final: bool) -> None:
         self.total, self.final = total, final
