@@ -156,7 +156,9 @@ def test_flip_shift_tta_averages_ten_views_with_black_shifted_in(trained, digits
 
 
 def test_shifted_images_take_each_channels_fill_by_hand() -> None:
-    from vitlab.eval.backends import shift_images
+    """shift_images by hand: one shift for all images with each channel's fill (TTA's views), and
+    a shift per image (training's random shifts)."""
+    from vitlab.data.transforms import shift_images
 
     x = torch.rand(2, 3, 5, 6)
     fill = torch.tensor([-1.0, -2.0, -3.0])
@@ -168,6 +170,11 @@ def test_shifted_images_take_each_channels_fill_by_hand() -> None:
     assert torch.equal(right[..., 1:], x[..., :-1]) and (right[..., 0] == edge).all()
     assert torch.equal(left[..., :-1], x[..., 1:]) and (left[..., -1] == edge).all()
     assert shift_images(x.double(), 1, 0, fill).dtype == torch.float64
+    per_image = shift_images(x, torch.tensor([1, -2]), torch.tensor([0, 1]), fill)
+    assert torch.equal(per_image[0], down[0])  # each image its own shift
+    assert torch.equal(per_image[1, :, :-2, 1:], x[1, :, 2:, :-1])
+    assert (per_image[1, :, -2:] == fill.view(3, 1, 1)).all()
+    assert (per_image[1, ..., 0] == edge[0]).all()
 
 
 def test_flip_tta_on_a_distilled_model_reports_its_averaged_heads_only() -> None:

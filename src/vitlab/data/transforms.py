@@ -13,7 +13,6 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from vitlab.config import DataConfig
@@ -26,16 +25,33 @@ ERASE_SCALE, ERASE_RATIO = (0.02, 0.33), (0.3, 3.3)  # torchvision's RandomErasi
 ERASE_ATTEMPTS = 10  # boxes drawn per image; the first that fits is erased (none fits: none)
 
 
+def shift_images(
+    x: Tensor, down: int | Tensor, right: int | Tensor, fill: Tensor | None = None
+) -> Tensor:
+    """(B, C, H, W) -> the same, each image moved `down` rows down and `right` columns right
+    (negative: up, left), an int for every image or one per image ((B,) integers); the rows and
+    columns moved in set to `fill` (C,) (None: 0), the ones moved out dropped."""
+    b, c, h, w = x.shape
+    down, right = (torch.as_tensor(s, device=x.device).expand(b) for s in (down, right))
+    pad = int(torch.stack([down, right]).abs().max())
+    canvas = x.new_zeros(b, c, h + 2 * pad, w + 2 * pad)
+    if fill is not None:
+        canvas[:] = fill.to(x).view(1, c, 1, 1)
+    canvas[..., pad : pad + h, pad : pad + w] = x
+    rows = (pad - down).view(b, 1, 1, 1) + torch.arange(h, device=x.device).view(1, 1, h, 1)
+    cols = (pad - right).view(b, 1, 1, 1) + torch.arange(w, device=x.device).view(1, 1, 1, w)
+    index = torch.arange(b, device=x.device).view(b, 1, 1, 1)
+    return canvas[index, torch.arange(c, device=x.device).view(1, c, 1, 1), rows, cols]
+
+
 def random_shift(images: Tensor, padding: int) -> Tensor:
     """(B, C, H, W) -> the same, each image zero-padded by `padding` on every side and cropped
-    back to H x W at its own uniformly drawn offset (torchvision's RandomCrop(size, padding))."""
-    b, c, h, w = images.shape
-    padded = F.pad(images, (padding,) * 4)  # (B, C, H + 2p, W + 2p)
-    top = torch.randint(0, 2 * padding + 1, (b, 1, 1, 1))
-    left = torch.randint(0, 2 * padding + 1, (b, 1, 1, 1))
-    rows = top + torch.arange(h).view(1, 1, h, 1)  # (B, 1, H, 1)
-    cols = left + torch.arange(w).view(1, 1, 1, w)  # (B, 1, 1, W)
-    return padded[torch.arange(b).view(b, 1, 1, 1), torch.arange(c).view(1, c, 1, 1), rows, cols]
+    back to H x W at its own uniformly drawn offset (torchvision's RandomCrop(size, padding)):
+    moved by `padding` minus the offset."""
+    b = images.shape[0]
+    top = torch.randint(0, 2 * padding + 1, (b,))
+    left = torch.randint(0, 2 * padding + 1, (b,))
+    return shift_images(images, padding - top, padding - left)
 
 
 def random_hflip(images: Tensor, p: float) -> Tensor:

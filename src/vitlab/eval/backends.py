@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from vitlab.data.transforms import shift_images
 from vitlab.formats.vitlab import CheckpointMeta
 
 BACKENDS = ("torch", "onnxruntime")
@@ -77,17 +78,6 @@ def prepare(
     pre = meta.preprocessing  # shifted in: black, normalised as the images are
     black = [-m / s for m, s in zip(pre.mean, pre.std, strict=True)]
     return ViewAverage(runner, SHIFTS if tta == "flip-shift" else SHIFTS[:1], black)
-
-
-def shift_images(x: Tensor, down: int, right: int, fill: Tensor) -> Tensor:
-    """(B, C, H, W) moved `down` rows down and `right` columns right (negative: up, left), the
-    rows and columns moved in set to `fill` (C,), the ones moved out dropped."""
-    h, w = x.shape[-2:]
-    out = fill.to(x).view(1, -1, 1, 1).expand_as(x).clone()  # x's dtype and device
-    out[..., max(down, 0) : h + min(down, 0), max(right, 0) : w + min(right, 0)] = x[
-        ..., max(-down, 0) : h - max(down, 0), max(-right, 0) : w - max(right, 0)
-    ]
-    return out
 
 
 class ViewAverage(nn.Module):
