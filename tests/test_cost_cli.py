@@ -117,3 +117,53 @@ def test_help_documents_every_option(command: list[str]) -> None:
     )
     for word in expected:
         assert word in out
+
+
+def test_cost_reads_a_run_config_a_run_folder_and_a_checkpoint(capsys, tmp_path) -> None:
+    """`vitlab cost` on a preset's YAML, a run folder (its config.yaml) and a vitlab checkpoint:
+    the model they describe, here the conv-stem model of configs/fashion-mnist-95.yaml (stem width
+    96, two 3x3 convs per stride-2 stage), its stem's MACs counted by hand."""
+    from pathlib import Path
+
+    from vitlab.models.checkpoint import save_pretrained
+    from vitlab.models.registry import build_model, get_config
+
+    preset = Path(__file__).parents[1] / "configs" / "fashion-mnist-95.yaml"
+    assert main(["cost", str(preset), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == str(preset)
+    assert report["embed_dim"] == 64 and report["depth"] == 4 and report["patch_size"] == 4
+    assert report["stem"] == {
+        "kind": "conv", "width": 96, "depths": [2, 2], "stride": 4, "channels": 192
+    }  # fmt: skip
+    # 14x14 map: 3x3 conv 1 -> 96 and 96 -> 96; 7x7 map: 96 -> 192 and 192 -> 192; 1x1 192 -> 64
+    stem = 14 * 14 * 9 * (96 + 96 * 96) + 7 * 7 * 9 * (96 * 192 + 192 * 192) + 49 * 192 * 64
+    assert report["macs_by_part"]["patch_embed"] == stem == 41_414_016
+    plain = cost_report("vit_nano_patch4_28")  # the same encoder behind a patchify layer
+    assert report["macs_by_part"]["blocks"] == plain["macs_by_part"]["blocks"]
+    assert report["params"]["blocks"] == plain["params"]["blocks"]
+    assert report["params"]["patch_embed"] > 10 * plain["params"]["patch_embed"]
+
+    run = tmp_path / "run"  # a run folder: the config as vitlab train saved it
+    run.mkdir()
+    (run / "config.yaml").write_text(preset.read_text())
+    assert main(["cost", str(run), "--json"]) == 0
+    assert {**json.loads(capsys.readouterr().out), "model": None} == {**report, "model": None}
+
+    cfg = get_config("vit_nano_patch4_28", stem="conv", stem_width=96, stem_depths=(2, 2))
+    save_pretrained(build_model(cfg), tmp_path / "ckpt")
+    assert main(["cost", str(tmp_path / "ckpt"), "--json"]) == 0
+    from_checkpoint = json.loads(capsys.readouterr().out)
+    assert from_checkpoint["params"] == report["params"]
+    assert from_checkpoint["forward_macs"] == report["forward_macs"]
+    assert main(["cost", str(tmp_path / "ckpt")]) == 0
+    assert "a conv stem, 3x3 convs per stride-2 stage [2, 2] from width 96" in (
+        capsys.readouterr().out
+    )
+
+    assert main(["cost", str(preset), "--scaling", "--out", str(tmp_path / "s.png")]) == 0
+    assert str(preset) in capsys.readouterr().out and (tmp_path / "s.png").is_file()
+
+    (tmp_path / "notes.txt").write_text("not a model")
+    assert main(["cost", str(tmp_path / "notes.txt")]) == 2
+    assert "expected a registered model name" in capsys.readouterr().err

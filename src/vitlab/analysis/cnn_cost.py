@@ -26,7 +26,7 @@ import torch
 
 from vitlab.analysis.tables import human, table
 from vitlab.models.cnn import CNN, STEM_WIDTH, CNNConfig
-from vitlab.models.registry import build_model, get_config, resolve_name
+from vitlab.models.registry import ModelConfig, build_model, named_config
 
 
 @dataclass
@@ -113,13 +113,15 @@ def cnn_param_breakdown(model: CNN) -> dict[str, int]:
     return {"stem": total - sum(stages.values()) - head, **stages, "head": head, "total": total}
 
 
-def cnn_cost_report(model: str, img_size: int | tuple[int, int] | None = None) -> dict:
-    """Everything `vitlab cost` prints for a CNN, as a JSON-ready dict. At another img_size the
-    stem stays the model's own (as ResNet.set_image_size). The module is built on the meta
-    device."""
-    cfg = get_config(model)
+def cnn_cost_report(
+    model: str | ModelConfig, img_size: int | tuple[int, int] | None = None
+) -> dict:
+    """Everything `vitlab cost` prints for a CNN (a registered name or a config), as a JSON-ready
+    dict. At another img_size the stem stays the model's own (as ResNet.set_image_size). The
+    module is built on the meta device."""
+    name, cfg = named_config(model)
     if not isinstance(cfg, CNNConfig):
-        raise ValueError(f"{model} is not a CNN (see vitlab.analysis.cost_report)")
+        raise ValueError(f"{name} is not a CNN (see vitlab.analysis.cost_report)")
     if img_size is not None:
         cfg = cfg.replace(img_size=img_size, small_stem=cfg.uses_small_stem)
     with torch.device("meta"):
@@ -129,7 +131,7 @@ def cnn_cost_report(model: str, img_size: int | tuple[int, int] | None = None) -
     head_macs = cfg.num_features * cfg.num_classes
     total = stem_macs + sum(s.macs for s in stages) + head_macs
     return {
-        "model": resolve_name(model),
+        "model": name,
         "family": "cnn",
         "arch": cfg.arch,
         "title": cfg.title,

@@ -21,7 +21,7 @@ import torch
 from vitlab.analysis.cnn_cost import cnn_cost_report, format_cnn_cost_report
 from vitlab.analysis.swin_cost import format_swin_cost_report, swin_cost_report
 from vitlab.analysis.tables import byte_size, human, table
-from vitlab.models.registry import family_of, get_config, resolve_name
+from vitlab.models.registry import ModelConfig, family_of, named_config
 from vitlab.models.stems import conv_stem_depths, resnet_channels, resnet_stride
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
@@ -130,24 +130,25 @@ def default_patch_sizes(cfg: ViTConfig) -> list[int]:
 
 
 def cost_report(
-    model: str,
+    model: str | ModelConfig,
     img_size: int | tuple[int, int] | None = None,
     patch_sizes: Sequence[int] | None = None,
 ) -> dict:
     """Everything `vitlab cost` prints, as a JSON-ready dict; patch_sizes defaults to
-    default_patch_sizes. The model is built on the meta device, so even H/14 costs no memory.
-    A Swin's report is swin_cost_report's (per stage, at its own patch size), a CNN's
-    cnn_cost_report's (per stage)."""
+    default_patch_sizes. `model` is a registered name or alias, or a config (a run's or a
+    checkpoint's: `vitlab cost` reads them). The model is built on the meta device, so even H/14
+    costs no memory. A Swin's report is swin_cost_report's (per stage, at its own patch size), a
+    CNN's cnn_cost_report's (per stage)."""
     overrides = {} if img_size is None else {"img_size": img_size}
-    cfg = get_config(model, **overrides)
+    name, cfg = named_config(model, **overrides)
     if family_of(cfg) == "cnn":
         if patch_sizes is not None:
-            raise ValueError(f"patch sizes apply to ViTs; {resolve_name(model)} is a CNN")
+            raise ValueError(f"patch sizes apply to ViTs; {name} is a CNN")
         return cnn_cost_report(model, img_size)
     if family_of(cfg) == "swin":
         if patch_sizes is not None:
             raise ValueError(
-                f"patch sizes apply to ViTs; {resolve_name(model)}'s cost is reported per stage "
+                f"patch sizes apply to ViTs; {name}'s cost is reported per stage "
                 f"at its own patch size {cfg.patch_size}"
             )
         return swin_cost_report(model, img_size)
@@ -158,17 +159,26 @@ def cost_report(
             raise ValueError(f"patch size {p} does not fit a {cfg.img_hw[0]}x{cfg.img_hw[1]} image")
     with torch.device("meta"):
         params = param_breakdown(VisionTransformer(cfg))
-    hybrid = {}
+    stem = {}
     if cfg.stem == "resnet":
-        hybrid["stem"] = {
+        stem["stem"] = {
             "kind": "resnet",
             "width": cfg.stem_width,
             "depths": list(cfg.stem_depths),
             "stride": resnet_stride(cfg.stem_depths),
             "channels": resnet_channels(cfg.stem_width, cfg.stem_depths)[-1],
         }
+    if cfg.stem == "conv":
+        depths = conv_stem_depths(cfg.patch_size, cfg.stem_depths)
+        stem["stem"] = {
+            "kind": "conv",
+            "width": cfg.stem_width,
+            "depths": list(depths),
+            "stride": cfg.patch_size,
+            "channels": cfg.stem_width * 2 ** (len(depths) - 1),
+        }
     return {
-        "model": resolve_name(model),
+        "model": name,
         "img_size": list(cfg.img_hw),
         "patch_size": cfg.patch_size,
         "embed_dim": cfg.embed_dim,
@@ -182,7 +192,7 @@ def cost_report(
         "crossover_tokens": 2 * cfg.embed_dim + cfg.mlp_dim,
         "forward_macs": forward_macs(cfg),
         "macs_by_part": macs_by_part(cfg),
-        **hybrid,
+        **stem,
     }
 
 
@@ -231,10 +241,16 @@ def format_cost_report(report: dict) -> str:
     rows = [[k, human(v), f"{100 * v / total:.2f}%"] for k, v in report["macs_by_part"].items()]
     lines += table(["part", "MACs", "share"], rows)
     stem = report.get("stem")
-    if stem:
+    if stem and stem["kind"] == "resnet":
         lines.append(
             f"backbone: the hybrid's ResNet stem, units {stem['depths']} from width "
             f"{stem['width']}, stride {stem['stride']}, {stem['channels']:,} channels projected "
             f"to D by patch_embed."
+        )
+    if stem and stem["kind"] == "conv":
+        lines.append(
+            f"patch_embed: a conv stem, 3x3 convs per stride-2 stage {stem['depths']} from width "
+            f"{stem['width']}, stride {stem['stride']}, {stem['channels']:,} channels projected "
+            f"to D by a 1x1 conv."
         )
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from vitlab.analysis.cost import layer_cost
 from vitlab.analysis.page import pyplot
 from vitlab.analysis.swin_cost import swin_attention_macs
 from vitlab.analysis.tables import human, table
-from vitlab.models.registry import ModelConfig, aliases_of, family_of, get_config, resolve_name
+from vitlab.models.registry import ModelConfig, aliases_of, family_of, named_config, resolve_name
 from vitlab.models.swin import SwinConfig
 
 DEFAULT_SIDES = (224, 384, 512, 768, 1024, 1536)
@@ -43,19 +43,22 @@ def short_name(name: str) -> str:
     return aliases[0] if aliases else resolve_name(name)
 
 
-def attention_scaling(model: str, vs: str, sides: Sequence[int] = DEFAULT_SIDES) -> dict:
-    """Attention MACs of `model` and `vs` at each square image side, with the ratio vs / model and
-    each one's growth over the first side. JSON-ready."""
+def attention_scaling(
+    model: str | ModelConfig, vs: str | ModelConfig, sides: Sequence[int] = DEFAULT_SIDES
+) -> dict:
+    """Attention MACs of `model` and `vs` (registered names or configs) at each square image side,
+    with the ratio vs / model and each one's growth over the first side. JSON-ready."""
     if not sides:
         raise ValueError("expected at least one image side")
-    for m in (model, vs):
-        if family_of(get_config(m)) == "cnn":
-            raise ValueError(f"{m} is a CNN, which has no attention: --scaling compares ViTs and "
-                             "Swins")  # fmt: skip
-    names = [short_name(model), short_name(vs)]
+    named = [named_config(m) for m in (model, vs)]
+    for name, cfg in named:
+        if family_of(cfg) == "cnn":
+            raise ValueError(f"{name} is a CNN, which has no attention: --scaling compares ViTs "
+                             "and Swins")  # fmt: skip
+    names = [short_name(m) if isinstance(m, str) else n for m, (n, _) in zip((model, vs), named)]
     rows = []
     for side in sides:
-        cfgs = [get_config(m, img_size=side) for m in (model, vs)]
+        cfgs = [cfg.replace(img_size=side) for _, cfg in named]
         macs = [attention_macs(c) for c in cfgs]
         rows.append(
             {
@@ -68,7 +71,8 @@ def attention_scaling(model: str, vs: str, sides: Sequence[int] = DEFAULT_SIDES)
     first = rows[0]["attention_macs"]
     for row in rows:
         row["growth"] = [m / f for m, f in zip(row["attention_macs"], first)]
-    return {"models": names, "registered": [resolve_name(m) for m in (model, vs)], "rows": rows}
+    registered = [resolve_name(m) if isinstance(m, str) else None for m in (model, vs)]
+    return {"models": names, "registered": registered, "rows": rows}
 
 
 def format_scaling(result: dict) -> str:

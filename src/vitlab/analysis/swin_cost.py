@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from vitlab.analysis.tables import byte_size, human, table
-from vitlab.models.registry import get_config, resolve_name
+from vitlab.models.registry import ModelConfig, named_config
 from vitlab.models.swin import SwinConfig, SwinTransformer
 
 
@@ -106,14 +106,17 @@ def swin_param_breakdown(model: SwinTransformer) -> dict[str, int]:
     return counts
 
 
-def swin_cost_report(model: str, img_size: int | tuple[int, int] | None = None) -> dict:
-    """Everything `vitlab cost` prints for a Swin, as a JSON-ready dict. The window stays the
-    configured one at another img_size (as SwinTransformer.set_image_size without window_size);
-    each stage clamps it to its map. The module is built on the meta device."""
+def swin_cost_report(
+    model: str | ModelConfig, img_size: int | tuple[int, int] | None = None
+) -> dict:
+    """Everything `vitlab cost` prints for a Swin (a registered name or a config), as a JSON-ready
+    dict. The window stays the configured one at another img_size (as
+    SwinTransformer.set_image_size without window_size); each stage clamps it to its map. The
+    module is built on the meta device."""
     overrides = {} if img_size is None else {"img_size": img_size}
-    cfg = get_config(model, **overrides)
+    name, cfg = named_config(model, **overrides)
     if not isinstance(cfg, SwinConfig):
-        raise ValueError(f"{model} is not a Swin Transformer (see vitlab.analysis.cost_report)")
+        raise ValueError(f"{name} is not a Swin Transformer (see vitlab.analysis.cost_report)")
     with torch.device("meta"):
         params = swin_param_breakdown(SwinTransformer(cfg))
     stages = [stage_cost(cfg, i, params[f"stage_{i}"]) for i in range(cfg.num_stages)]
@@ -123,7 +126,7 @@ def swin_cost_report(model: str, img_size: int | tuple[int, int] | None = None) 
     attention = sum(s.attention_macs for s in stages)
     total = patch_macs + attention + sum(s.linear_macs for s in stages) + head_macs
     return {
-        "model": resolve_name(model),
+        "model": name,
         "family": "swin",
         "img_size": list(cfg.img_hw),
         "patch_size": cfg.patch_size,

@@ -16,7 +16,7 @@ from vitlab.analysis.scaling import (
     format_scaling,
     plot_scaling,
 )
-from vitlab.models.registry import family_of, get_config
+from vitlab.models.registry import ModelConfig, family_of, named_config
 
 DEFAULTS = ",".join(map(str, DEFAULT_PATCH_SIZES))
 SIDES = ",".join(map(str, DEFAULT_SIDES))
@@ -49,6 +49,32 @@ def parse_int_list(text: str) -> list[int]:
     return values
 
 
+def read_model(text: str) -> tuple[str | ModelConfig, str | None]:
+    """MODEL as given on the command line, and the label its report goes under: a registered name
+    or alias stays text (its report names it); an existing path gives the model config it holds,
+    labelled by the path: a run config file (.yaml / .yml: its model section, e.g. a preset in
+    configs/), a run folder (its config.yaml), or a vitlab checkpoint folder or .safetensors
+    file (the config in its metadata)."""
+    from vitlab.config import load_run_config
+    from vitlab.formats.vitlab import read_metadata, vitlab_weights
+    from vitlab.models.registry import config_of
+
+    path = Path(text).expanduser()
+    if not path.exists():
+        return text, None
+    if path.is_dir() and (path / "config.yaml").is_file():
+        path = path / "config.yaml"
+    if path.suffix in (".yaml", ".yml"):
+        return config_of(load_run_config(str(path)).model), text
+    weights = vitlab_weights(path)
+    if weights is None:
+        raise ValueError(
+            f"{text}: expected a registered model name (`vitlab models` lists them), a run config "
+            f"(.yaml), a run folder, or a vitlab checkpoint folder or .safetensors file"
+        )
+    return read_metadata(weights).config, text
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "cost",
@@ -68,7 +94,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "against the image side beside a second model (--vs) and plots them log-log.",
     )
     p.add_argument(
-        "model", help="registered name or alias, e.g. B/16, vit_base_patch16_384 or Swin-T"
+        "model",
+        help="registered name or alias, e.g. B/16, vit_base_patch16_384 or Swin-T; or a run "
+        "config (configs/fashion-mnist-95.yaml: its model section with its overrides), a run "
+        "folder, or a vitlab checkpoint (folder or .safetensors file)",
     )
     p.add_argument(
         "--img-size",
@@ -99,7 +128,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--vs",
         default=None,
         metavar="MODEL",
-        help="the model to compare with (default: B/16 for a Swin, Swin-T for a ViT)",
+        help="the model to compare with, named or a path as MODEL (default: B/16 for a Swin, "
+        "Swin-T for a ViT)",
     )
     scaling.add_argument(
         "--sides",
@@ -124,7 +154,9 @@ def run(args: argparse.Namespace) -> int:
     given = [o for o, v in (("--vs", args.vs), ("--sides", args.sides), ("--out", args.out)) if v]
     if given:
         raise ValueError(f"{', '.join(given)} apply to --scaling only")
-    report = cost_report(args.model, img_size=args.img_size, patch_sizes=args.patch_sizes)
+    model, label = read_model(args.model)
+    report = cost_report(model, img_size=args.img_size, patch_sizes=args.patch_sizes)
+    report["model"] = label or report["model"]
     print(json.dumps(report, indent=2) if args.json else format_cost_report(report))
     return 0
 
@@ -132,8 +164,13 @@ def run(args: argparse.Namespace) -> int:
 def run_scaling(args: argparse.Namespace) -> int:
     if args.img_size is not None or args.patch_sizes is not None:
         raise ValueError("--scaling takes image sides from --sides, not --img-size/--patch-sizes")
-    vs = args.vs or ("B/16" if family_of(get_config(args.model)) == "swin" else "Swin-T")
-    result = attention_scaling(args.model, vs, args.sides or DEFAULT_SIDES)
+    model, label = read_model(args.model)
+    if args.vs:
+        vs, vs_label = read_model(args.vs)
+    else:
+        vs, vs_label = "B/16" if family_of(named_config(model)[1]) == "swin" else "Swin-T", None
+    result = attention_scaling(model, vs, args.sides or DEFAULT_SIDES)
+    result["models"] = [given or name for given, name in zip((label, vs_label), result["models"])]
     path = plot_scaling(result, args.out or Path(DEFAULT_PLOT))
     if args.json:
         print(json.dumps({**result, "plot": str(path)}, indent=2))

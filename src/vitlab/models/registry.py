@@ -268,6 +268,15 @@ def get_config(name: str, **overrides: object) -> ModelConfig:
     return _MODELS[resolve_name(name)].replace(**overrides)
 
 
+def named_config(model: str | ModelConfig, **overrides: object) -> tuple[str, ModelConfig]:
+    """A report's name for `model` and its config with `overrides` applied: a registered name or
+    alias stands under its registered name, a config (a run's, a checkpoint's) under its
+    shape_of line."""
+    if isinstance(model, str):
+        return resolve_name(model), get_config(model, **overrides)
+    return shape_of(model), model.replace(**overrides)
+
+
 def config_of(section: ModelSection) -> ModelConfig:
     """The config a run config's `model` section names: the registered config (or alias) with the
     section's overrides applied and validated against that config's type."""
