@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from vitlab.analysis.cost import cost_report, format_cost_report
 from vitlab.cli.main import main
+from vitlab.models.checkpoint import save_pretrained
+from vitlab.models.registry import build_model, get_config
 
 
 def test_cost_json_for_b16_at_224_matches_hand_computed_values(capsys) -> None:
@@ -119,15 +122,13 @@ def test_help_documents_every_option(command: list[str]) -> None:
         assert word in out
 
 
-def test_cost_reads_a_run_config_a_run_folder_and_a_checkpoint(capsys, tmp_path) -> None:
-    """`vitlab cost` on a preset's YAML, a run folder (its config.yaml) and a vitlab checkpoint:
-    the model they describe, here the conv-stem model of configs/fashion-mnist-95.yaml (stem width
-    96, two 3x3 convs per stride-2 stage), its stem's MACs counted by hand."""
-    from pathlib import Path
-
-    from vitlab.models.checkpoint import save_pretrained
-    from vitlab.models.registry import build_model, get_config
-
+def test_cost_reads_a_run_config_a_run_folder_and_a_checkpoint(
+    capsys, tmp_path, monkeypatch
+) -> None:
+    """`vitlab cost` on a preset's YAML, a run folder and a checkpoint: the model they hold, here
+    the conv-stem model of configs/fashion-mnist-95.yaml (stem width 96, two 3x3 convs per
+    stride-2 stage), its stem's MACs and parameters counted by hand; a run folder's model is its
+    checkpoint's (classes from the data), not its config file's."""
     preset = Path(__file__).parents[1] / "configs" / "fashion-mnist-95.yaml"
     assert main(["cost", str(preset), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -139,31 +140,46 @@ def test_cost_reads_a_run_config_a_run_folder_and_a_checkpoint(capsys, tmp_path)
     # 14x14 map: 3x3 conv 1 -> 96 and 96 -> 96; 7x7 map: 96 -> 192 and 192 -> 192; 1x1 192 -> 64
     stem = 14 * 14 * 9 * (96 + 96 * 96) + 7 * 7 * 9 * (96 * 192 + 192 * 192) + 49 * 192 * 64
     assert report["macs_by_part"]["patch_embed"] == stem == 41_414_016
+    # the four convs (no bias), their BatchNorms' weight and bias, the 1x1 projection with bias
+    stem_params = (
+        9 * (96 + 96 * 96 + 96 * 192 + 192 * 192) + 2 * (2 * 96 + 2 * 192) + 64 * (192 + 1)
+    )
+    assert report["params"]["patch_embed"] == stem_params == 594_976
     plain = cost_report("vit_nano_patch4_28")  # the same encoder behind a patchify layer
     assert report["macs_by_part"]["blocks"] == plain["macs_by_part"]["blocks"]
     assert report["params"]["blocks"] == plain["params"]["blocks"]
-    assert report["params"]["patch_embed"] > 10 * plain["params"]["patch_embed"]
+    assert report["params"]["head"] == 64 * 10 + 10
 
-    run = tmp_path / "run"  # a run folder: the config as vitlab train saved it
+    run = tmp_path / "run"  # before its first checkpoint: the config vitlab train saved
     run.mkdir()
     (run / "config.yaml").write_text(preset.read_text())
     assert main(["cost", str(run), "--json"]) == 0
-    assert {**json.loads(capsys.readouterr().out), "model": None} == {**report, "model": None}
-
+    assert json.loads(capsys.readouterr().out) == {**report, "model": str(run)}
+    # its checkpoint, trained on 7 classes (data.name=...): the checkpoint's model counts
     cfg = get_config("vit_nano_patch4_28", stem="conv", stem_width=96, stem_depths=(2, 2))
-    save_pretrained(build_model(cfg), tmp_path / "ckpt")
-    assert main(["cost", str(tmp_path / "ckpt"), "--json"]) == 0
-    from_checkpoint = json.loads(capsys.readouterr().out)
-    assert from_checkpoint["params"] == report["params"]
-    assert from_checkpoint["forward_macs"] == report["forward_macs"]
-    assert main(["cost", str(tmp_path / "ckpt")]) == 0
-    assert "a conv stem, 3x3 convs per stride-2 stage [2, 2] from width 96" in (
-        capsys.readouterr().out
-    )
+    save_pretrained(build_model(cfg.replace(num_classes=7)), run / "checkpoints" / "best")
+    assert main(["cost", str(run), "--json"]) == 0
+    from_run = json.loads(capsys.readouterr().out)
+    assert from_run["params"]["head"] == 64 * 7 + 7 and from_run["model"] == str(run)
+    assert from_run["params"]["patch_embed"] == stem_params
+    weights = run / "checkpoints" / "best" / "model.safetensors"
+    assert main(["cost", str(weights)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"{weights}: 28x28 image")
+    assert "a conv stem, 3x3 convs per stride-2 stage [2, 2] from width 96" in text
 
-    assert main(["cost", str(preset), "--scaling", "--out", str(tmp_path / "s.png")]) == 0
-    assert str(preset) in capsys.readouterr().out and (tmp_path / "s.png").is_file()
+    png = tmp_path / "s.png"
+    assert main(["cost", str(preset), "--scaling", "--vs", str(run), "--out", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert f"{preset} beside {run}" in out and png.is_file()
 
+    assert main(["cost", str(tmp_path / "fashion-mnist-96.yaml")]) == 2
+    assert "no file" in capsys.readouterr().err
     (tmp_path / "notes.txt").write_text("not a model")
     assert main(["cost", str(tmp_path / "notes.txt")]) == 2
-    assert "expected a registered model name" in capsys.readouterr().err
+    assert "holds no model vitlab reads" in capsys.readouterr().err
+    (tmp_path / "B").mkdir()  # a folder that is also a registered alias's path: the name wins
+    (tmp_path / "B" / "16").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert main(["cost", "B/16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == "vit_base_patch16_224"

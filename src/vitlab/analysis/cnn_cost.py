@@ -114,12 +114,14 @@ def cnn_param_breakdown(model: CNN) -> dict[str, int]:
 
 
 def cnn_cost_report(
-    model: str | ModelConfig, img_size: int | tuple[int, int] | None = None
+    model: str | ModelConfig,
+    img_size: int | tuple[int, int] | None = None,
+    label: str | None = None,
 ) -> dict:
-    """Everything `vitlab cost` prints for a CNN (a registered name or a config), as a JSON-ready
-    dict. At another img_size the stem stays the model's own (as ResNet.set_image_size). The
-    module is built on the meta device."""
-    name, cfg = named_config(model)
+    """Everything `vitlab cost` prints for a CNN (a registered name or a config, under `label`
+    where given), as a JSON-ready dict. At another img_size the stem stays the model's own (as
+    ResNet.set_image_size). The module is built on the meta device."""
+    name, cfg = named_config(model, label)
     if not isinstance(cfg, CNNConfig):
         raise ValueError(f"{name} is not a CNN (see vitlab.analysis.cost_report)")
     if img_size is not None:

@@ -8,7 +8,8 @@ Per encoder layer with N patch tokens, width D, MLP width M (class token left ou
     attention matrix of one layer:         heads x T^2 fp32 numbers, T = N + prefix tokens
 
 A hybrid's ResNet stem (models/stems.py) is counted conv by conv on its "SAME"-padded maps and
-reported as its own part, `backbone`, in the parameters and the forward MACs.
+reported as its own part, `backbone`, in the parameters and the forward MACs; a conv stem (early
+convolutions) is counted conv by conv as part of `patch_embed`, its 1x1 projection included.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from vitlab.analysis.cnn_cost import cnn_cost_report, format_cnn_cost_report
 from vitlab.analysis.swin_cost import format_swin_cost_report, swin_cost_report
 from vitlab.analysis.tables import byte_size, human, table
 from vitlab.models.registry import ModelConfig, family_of, named_config
-from vitlab.models.stems import conv_stem_depths, resnet_channels, resnet_stride
+from vitlab.models.stems import (
+    conv_stem_channels,
+    conv_stem_depths,
+    resnet_channels,
+    resnet_stride,
+)
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
 DEFAULT_PATCH_SIZES = (4, 8, 14, 16, 28, 32, 56)
@@ -109,8 +115,9 @@ def macs_by_part(cfg: ViTConfig) -> dict[str, int]:
     if cfg.stem == "conv":  # per stage a 3x3 stride-2 conv and stride-1 ones, then the 1x1
         h, w = cfg.img_hw
         patch, c = 0, cfg.in_chans
-        for i, convs in enumerate(conv_stem_depths(cfg.patch_size, cfg.stem_depths)):
-            h, w, out = (h + 1) // 2, (w + 1) // 2, cfg.stem_width * 2**i
+        stages = conv_stem_depths(cfg.patch_size, cfg.stem_depths)
+        for convs, out in zip(stages, conv_stem_channels(cfg.stem_width, stages)):
+            h, w = (h + 1) // 2, (w + 1) // 2
             patch += h * w * 9 * (c * out + (convs - 1) * out * out)
             c = out
         patch += n * c * d
@@ -133,25 +140,27 @@ def cost_report(
     model: str | ModelConfig,
     img_size: int | tuple[int, int] | None = None,
     patch_sizes: Sequence[int] | None = None,
+    label: str | None = None,
 ) -> dict:
     """Everything `vitlab cost` prints, as a JSON-ready dict; patch_sizes defaults to
     default_patch_sizes. `model` is a registered name or alias, or a config (a run's or a
-    checkpoint's: `vitlab cost` reads them). The model is built on the meta device, so even H/14
-    costs no memory. A Swin's report is swin_cost_report's (per stage, at its own patch size), a
-    CNN's cnn_cost_report's (per stage)."""
+    checkpoint's: `vitlab cost` reads them), reported under `label` where given (named_config).
+    The model is built on the meta device, so even H/14 costs no memory. A Swin's report is
+    swin_cost_report's (per stage, at its own patch size), a CNN's cnn_cost_report's (per
+    stage)."""
     overrides = {} if img_size is None else {"img_size": img_size}
-    name, cfg = named_config(model, **overrides)
+    name, cfg = named_config(model, label, **overrides)
     if family_of(cfg) == "cnn":
         if patch_sizes is not None:
             raise ValueError(f"patch sizes apply to ViTs; {name} is a CNN")
-        return cnn_cost_report(model, img_size)
+        return cnn_cost_report(model, img_size, label)
     if family_of(cfg) == "swin":
         if patch_sizes is not None:
             raise ValueError(
                 f"patch sizes apply to ViTs; {name}'s cost is reported per stage "
                 f"at its own patch size {cfg.patch_size}"
             )
-        return swin_cost_report(model, img_size)
+        return swin_cost_report(model, img_size, label)
     if patch_sizes is None:
         patch_sizes = default_patch_sizes(cfg)
     for p in patch_sizes:
@@ -168,14 +177,14 @@ def cost_report(
             "stride": resnet_stride(cfg.stem_depths),
             "channels": resnet_channels(cfg.stem_width, cfg.stem_depths)[-1],
         }
-    if cfg.stem == "conv":
+    elif cfg.stem == "conv":
         depths = conv_stem_depths(cfg.patch_size, cfg.stem_depths)
         stem["stem"] = {
             "kind": "conv",
             "width": cfg.stem_width,
             "depths": list(depths),
             "stride": cfg.patch_size,
-            "channels": cfg.stem_width * 2 ** (len(depths) - 1),
+            "channels": conv_stem_channels(cfg.stem_width, depths)[-1],
         }
     return {
         "model": name,
@@ -247,7 +256,7 @@ def format_cost_report(report: dict) -> str:
             f"{stem['width']}, stride {stem['stride']}, {stem['channels']:,} channels projected "
             f"to D by patch_embed."
         )
-    if stem and stem["kind"] == "conv":
+    elif stem and stem["kind"] == "conv":
         lines.append(
             f"patch_embed: a conv stem, 3x3 convs per stride-2 stage {stem['depths']} from width "
             f"{stem['width']}, stride {stem['stride']}, {stem['channels']:,} channels projected "

@@ -44,18 +44,25 @@ def short_name(name: str) -> str:
 
 
 def attention_scaling(
-    model: str | ModelConfig, vs: str | ModelConfig, sides: Sequence[int] = DEFAULT_SIDES
+    model: str | ModelConfig,
+    vs: str | ModelConfig,
+    sides: Sequence[int] = DEFAULT_SIDES,
+    labels: Sequence[str | None] = (None, None),
 ) -> dict:
-    """Attention MACs of `model` and `vs` (registered names or configs) at each square image side,
-    with the ratio vs / model and each one's growth over the first side. JSON-ready."""
+    """Attention MACs of `model` and `vs` (registered names or configs, each under its label where
+    given) at each square image side, with the ratio vs / model and each one's growth over the
+    first side. JSON-ready."""
     if not sides:
         raise ValueError("expected at least one image side")
-    named = [named_config(m) for m in (model, vs)]
+    named = [named_config(m, label) for m, label in zip((model, vs), labels, strict=True)]
     for name, cfg in named:
         if family_of(cfg) == "cnn":
             raise ValueError(f"{name} is a CNN, which has no attention: --scaling compares ViTs "
                              "and Swins")  # fmt: skip
-    names = [short_name(m) if isinstance(m, str) else n for m, (n, _) in zip((model, vs), named)]
+    names = [
+        short_name(m) if isinstance(m, str) and not label else n
+        for m, label, (n, _) in zip((model, vs), labels, named)
+    ]
     rows = []
     for side in sides:
         cfgs = [cfg.replace(img_size=side) for _, cfg in named]
@@ -72,7 +79,7 @@ def attention_scaling(
     for row in rows:
         row["growth"] = [m / f for m, f in zip(row["attention_macs"], first)]
     registered = [resolve_name(m) if isinstance(m, str) else None for m in (model, vs)]
-    return {"models": names, "registered": registered, "rows": rows}
+    return {"models": names, "registered": registered, "rows": rows}  # None: a config
 
 
 def format_scaling(result: dict) -> str:

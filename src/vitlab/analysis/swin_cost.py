@@ -107,14 +107,16 @@ def swin_param_breakdown(model: SwinTransformer) -> dict[str, int]:
 
 
 def swin_cost_report(
-    model: str | ModelConfig, img_size: int | tuple[int, int] | None = None
+    model: str | ModelConfig,
+    img_size: int | tuple[int, int] | None = None,
+    label: str | None = None,
 ) -> dict:
-    """Everything `vitlab cost` prints for a Swin (a registered name or a config), as a JSON-ready
-    dict. The window stays the configured one at another img_size (as
-    SwinTransformer.set_image_size without window_size); each stage clamps it to its map. The
+    """Everything `vitlab cost` prints for a Swin (a registered name or a config, under `label`
+    where given), as a JSON-ready dict. The window stays the configured one at another img_size
+    (as SwinTransformer.set_image_size without window_size); each stage clamps it to its map. The
     module is built on the meta device."""
     overrides = {} if img_size is None else {"img_size": img_size}
-    name, cfg = named_config(model, **overrides)
+    name, cfg = named_config(model, label, **overrides)
     if not isinstance(cfg, SwinConfig):
         raise ValueError(f"{name} is not a Swin Transformer (see vitlab.analysis.cost_report)")
     with torch.device("meta"):

@@ -16,7 +16,18 @@ from vitlab.analysis.scaling import (
     format_scaling,
     plot_scaling,
 )
-from vitlab.models.registry import ModelConfig, family_of, named_config
+from vitlab.config import load_run_config
+from vitlab.formats.base import TORCH_SUFFIXES, CheckpointError
+from vitlab.formats.vitlab import vitlab_weights
+from vitlab.models.checkpoint import infer_config, read_source
+from vitlab.models.registry import (
+    ModelConfig,
+    UnknownModelError,
+    config_of,
+    family_of,
+    named_config,
+    resolve_name,
+)
 
 DEFAULTS = ",".join(map(str, DEFAULT_PATCH_SIZES))
 SIDES = ",".join(map(str, DEFAULT_SIDES))
@@ -49,30 +60,41 @@ def parse_int_list(text: str) -> list[int]:
     return values
 
 
-def read_model(text: str) -> tuple[str | ModelConfig, str | None]:
-    """MODEL as given on the command line, and the label its report goes under: a registered name
-    or alias stays text (its report names it); an existing path gives the model config it holds,
-    labelled by the path: a run config file (.yaml / .yml: its model section, e.g. a preset in
-    configs/), a run folder (its config.yaml), or a vitlab checkpoint folder or .safetensors
-    file (the config in its metadata)."""
-    from vitlab.config import load_run_config
-    from vitlab.formats.vitlab import read_metadata, vitlab_weights
-    from vitlab.models.registry import config_of
+CONFIG_SUFFIXES = (".yaml", ".yml")
 
+
+def read_model(text: str) -> tuple[str | ModelConfig, str | None]:
+    """MODEL as given on the command line, and the label its report goes under (None: its
+    registered name). A path that exists gives the model config it holds, labelled by the path:
+    a run config file (.yaml / .yml: the registered config with the file's model overrides;
+    classes and channels are those the file sets, else the registered model's, not looked up in
+    the data), a run folder (the config of its best, else last checkpoint; its config.yaml before
+    the first one), or a checkpoint file or folder of any format vitlab reads (a vitlab file's
+    config, else the architecture inferred from the tensors). Other text is a registered name or
+    alias; a path holding no model that is also a registered name is taken as the name."""
     path = Path(text).expanduser()
     if not path.exists():
+        if path.suffix.lower() in (*CONFIG_SUFFIXES, ".safetensors", ".npz", *TORCH_SUFFIXES):
+            raise ValueError(
+                f"no file {text}: expected a run config, a checkpoint or a registered model name"
+            )
         return text, None
-    if path.is_dir() and (path / "config.yaml").is_file():
-        path = path / "config.yaml"
-    if path.suffix in (".yaml", ".yml"):
-        return config_of(load_run_config(str(path)).model), text
-    weights = vitlab_weights(path)
-    if weights is None:
-        raise ValueError(
-            f"{text}: expected a registered model name (`vitlab models` lists them), a run config "
-            f"(.yaml), a run folder, or a vitlab checkpoint folder or .safetensors file"
-        )
-    return read_metadata(weights).config, text
+    try:
+        return config_at(path), text
+    except CheckpointError as e:
+        try:
+            return resolve_name(text), None
+        except UnknownModelError:
+            raise ValueError(f"{text} holds no model vitlab reads: {e}") from None
+
+
+def config_at(path: Path) -> ModelConfig:
+    """The model config a run config file, a run folder or a checkpoint holds (read_model)."""
+    if path.is_dir() and vitlab_weights(path) is None and (path / "config.yaml").is_file():
+        path = path / "config.yaml"  # a run before its first checkpoint
+    if path.suffix.lower() in CONFIG_SUFFIXES:
+        return config_of(load_run_config(str(path)).model)
+    return infer_config(read_source(path))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -95,9 +117,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "model",
-        help="registered name or alias, e.g. B/16, vit_base_patch16_384 or Swin-T; or a run "
-        "config (configs/fashion-mnist-95.yaml: its model section with its overrides), a run "
-        "folder, or a vitlab checkpoint (folder or .safetensors file)",
+        help="registered name or alias, e.g. B/16, vit_base_patch16_384 or Swin-T; or a path, "
+        "its report labelled by the path: a run config (configs/fashion-mnist-95.yaml: the "
+        "registered model with the file's model overrides), a run folder (its checkpoint's "
+        "model), or a checkpoint file or folder of any format vitlab loads",
     )
     p.add_argument(
         "--img-size",
@@ -155,8 +178,7 @@ def run(args: argparse.Namespace) -> int:
     if given:
         raise ValueError(f"{', '.join(given)} apply to --scaling only")
     model, label = read_model(args.model)
-    report = cost_report(model, img_size=args.img_size, patch_sizes=args.patch_sizes)
-    report["model"] = label or report["model"]
+    report = cost_report(model, args.img_size, args.patch_sizes, label)
     print(json.dumps(report, indent=2) if args.json else format_cost_report(report))
     return 0
 
@@ -169,8 +191,7 @@ def run_scaling(args: argparse.Namespace) -> int:
         vs, vs_label = read_model(args.vs)
     else:
         vs, vs_label = "B/16" if family_of(named_config(model)[1]) == "swin" else "Swin-T", None
-    result = attention_scaling(model, vs, args.sides or DEFAULT_SIDES)
-    result["models"] = [given or name for given, name in zip((label, vs_label), result["models"])]
+    result = attention_scaling(model, vs, args.sides or DEFAULT_SIDES, (label, vs_label))
     path = plot_scaling(result, args.out or Path(DEFAULT_PLOT))
     if args.json:
         print(json.dumps({**result, "plot": str(path)}, indent=2))

@@ -268,13 +268,16 @@ def get_config(name: str, **overrides: object) -> ModelConfig:
     return _MODELS[resolve_name(name)].replace(**overrides)
 
 
-def named_config(model: str | ModelConfig, **overrides: object) -> tuple[str, ModelConfig]:
-    """A report's name for `model` and its config with `overrides` applied: a registered name or
-    alias stands under its registered name, a config (a run's, a checkpoint's) under its
-    shape_of line."""
+def named_config(
+    model: str | ModelConfig, label: str | None = None, **overrides: object
+) -> tuple[str, ModelConfig]:
+    """A report's name for `model` and its config with `overrides` applied: `label` where given
+    (e.g. the path a config was read from), else a registered name or alias's registered name,
+    a config's shape_of line."""
     if isinstance(model, str):
-        return resolve_name(model), get_config(model, **overrides)
-    return shape_of(model), model.replace(**overrides)
+        return label or resolve_name(model), get_config(model, **overrides)
+    cfg = model.replace(**overrides)
+    return label or shape_of(cfg), cfg
 
 
 def config_of(section: ModelSection) -> ModelConfig:

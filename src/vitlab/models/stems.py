@@ -53,6 +53,11 @@ def resnet_channels(width: int, depths: tuple[int, ...]) -> list[int]:
     return [4 * width * 2**i for i in range(len(depths))]
 
 
+def conv_stem_channels(width: int, depths: tuple[int, ...]) -> list[int]:
+    """Output channels of each of the conv stem's stride-2 stages (conv_stem_depths): width 2^i."""
+    return [width * 2**i for i in range(len(depths))]
+
+
 def stem_problem(stem: str, width: int, depths: tuple[int, ...], patch_size: int) -> str | None:
     """What is wrong with a ViTConfig's stem fields (None: nothing): stem_depths belong to the
     conv stem (one positive conv count per stride-2 stage, or none) or to the ResNet stem, which
@@ -277,8 +282,8 @@ class ConvStem(PatchEmbed):
         problem = stem_problem("conv", width, depths, patch_size)
         if problem:
             raise ValueError(problem)
-        for i, n in enumerate(conv_stem_depths(patch_size, depths)):
-            out = width * 2**i
+        stages = conv_stem_depths(patch_size, depths)
+        for n, out in zip(stages, conv_stem_channels(width, stages)):
             for j in range(n):
                 layers += [
                     nn.Conv2d(c, out, 3, stride=1 if j else 2, padding=1, bias=False),
