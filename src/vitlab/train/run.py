@@ -89,16 +89,16 @@ def train(
         if run.fit():  # else stopped as planned (train.stop_at_epoch)
             run.test()
         return run.out
-    except TrainingStopped:
-        raise  # every rank agreed to stop: leave the process group together
+    except TrainingStopped as e:  # every rank agreed to stop: leave the process group together
+        raise e.with_traceback(None) from None  # its frames would keep the model (and group)
     except BaseException as e:
         failed = True
         if d.enabled and isinstance(e, Exception):
             distributed.raise_if_rank_lost(d, e, out)
         raise
     finally:
-        if run is not None:  # its loaders' workers would outlive it (Run is in a cycle)
-            run.close()
+        if run is not None:  # its loaders' workers would outlive it (Run is in a cycle); its
+            run = run.close()  # model holds the process group, which shutdown frees: drop it
         distributed.shutdown(d, failed)
 
 
