@@ -6,6 +6,7 @@ The test functions start this file under torchrun; `worker` (below) is what each
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from vitlab.data.loader import BatchPlan
 from vitlab.models.registry import config_of
 from vitlab.models.vit import VisionTransformer
 from vitlab.preprocessing import Preprocessing
+from vitlab.runtime import all_reduce_
 from vitlab.train import distributed
 from vitlab.train.run import Run, train
 from vitlab.train.state import load_weights
@@ -175,15 +177,18 @@ def test_evaluation_with_unequal_batch_counts_counts_each_image_once(
 
 def test_a_finished_run_frees_its_process_group_before_exit(tmp_path: Path) -> None:
     """train() under torchrun (DDP) frees its process group, joining gloo's threads, before it
-    returns. One still freeing a collective's tensors at the interpreter's exit aborted finished
-    runs ("terminate called without an active exception") now and then; the group outlived
-    train() in reference cycles and in torch.distributed.nn.functional's default arguments."""
+    returns, and vitlab's sums return only once gloo has let go of their tensors. A gloo thread
+    still dropping a collective's tensor at the interpreter's exit aborted finished runs
+    ("terminate called without an active exception") now and then; the group outlived train()
+    in reference cycles and in torch.distributed.nn.functional's default arguments."""
     out = tmp_path / "run"
     overrides = [*FAST, "train.epochs=1", "train.batch_size=64", "train.strategy=ddp"]
     torchrun("train", {"out": str(out), "overrides": overrides})
     for rank in read_ranks(out, "threads"):
         assert rank["during"]  # gloo's threads are there while the group is
         assert rank["after"] == []
+        # each sum over the 2 ranks returned with nothing of its tensor left to a gloo thread
+        assert rank["held"] == [[[3.0] * 3, 1, 0]] * 50
 
 
 # --- per-rank random streams ----------------------------------------------------------------------
@@ -252,9 +257,15 @@ def worker(command: str, spec: dict) -> None:
     out = Path(spec["out"])
     cfg = load_run_config(None, spec["overrides"])
     if command == "train":  # as `vitlab train` does: train() joins and leaves the group itself
-        threads = gloo_threads()
+        threads, held = gloo_threads(), []
+        for _ in range(50):  # what gloo still holds of a summed tensor when the sum returns
+            t = torch.full((3,), 1.5, dtype=torch.float64)
+            base = sys.getrefcount(t)
+            all_reduce_(t)
+            held.append([t.tolist(), t._use_count(), sys.getrefcount(t) - base])
         train(cfg, out)
-        write(out / f"threads{d.rank}.json", {"during": threads, "after": gloo_threads()})
+        report = {"during": threads, "after": gloo_threads(), "held": held}
+        write(out / f"threads{d.rank}.json", report)
         return
     run = None
     try:
@@ -283,12 +294,15 @@ def worker(command: str, spec: dict) -> None:
                 run.test()
     finally:
         run = None  # its model holds the process group, which shutdown frees
-        distributed.shutdown(d)
+        distributed.shutdown(d, device)
 
 
 def gloo_threads() -> list[str]:
     """The names of this process's threads that gloo started (Linux)."""
-    names = (p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm"))
+    names = []
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended
+            names.append(comm.read_text().strip())
     return sorted(n for n in names if "gloo" in n)
 
 

@@ -1,10 +1,13 @@
 """Run-time helpers every layer may use (a leaf: imports nothing from vitlab): the device to run
-on and whether it computes in bf16, this process's place in a distributed run (Dist), seeds and
-random-number-generator state."""
+on and whether it computes in bf16, this process's place in a distributed run (Dist) and its
+gloo-safe sum across ranks, seeds and random-number-generator state."""
 
 from __future__ import annotations
 
 import hashlib
+import sys
+import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +64,36 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+_let_go_s = 10.0  # how long all_reduce_ waits for gloo (0 once a wait timed out: warned once)
+
+
+def all_reduce_(t: Tensor) -> Tensor:
+    """Sum `t` over all ranks, in place, returning once the collective's gloo work has let go of
+    it. A work holds `t` and, in torch's C++, a reference to its Python object; the gloo worker
+    thread that drops them right after the wait returns needs the GIL for that, and one still
+    asking for it when the interpreter shuts down aborts the process ("terminate called without
+    an active exception", SIGABRT) after a run that had finished. NCCL's watchdog drops its works
+    much later: not waited for."""
+    global _let_go_s
+    import torch.distributed as dist
+
+    base = sys.getrefcount(t)
+    try:
+        dist.all_reduce(t)
+    finally:
+        deadline, spins = time.monotonic() + _let_go_s, 0
+        while t.device.type == "cpu" and (t._use_count() > 1 or sys.getrefcount(t) > base):
+            if time.monotonic() > deadline:
+                if _let_go_s:
+                    warnings.warn(f"gloo kept a summed tensor for {_let_go_s:.0f} s; no longer "
+                                  "waiting for it", RuntimeWarning, stacklevel=2)  # fmt: skip
+                _let_go_s = 0.0
+                break
+            spins += 1
+            time.sleep(0 if spins < 100 else 1e-4)  # lets the worker take the GIL
+    return t
 
 
 def derive_seed(*parts: int) -> int:

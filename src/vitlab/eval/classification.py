@@ -8,10 +8,9 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from vitlab.runtime import Dist
+from vitlab.runtime import Dist, all_reduce_
 
 
 def distilled_heads(model: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -67,8 +66,8 @@ def evaluate(
         pred = logits.argmax(dim=1)
         confusion.index_put_((y, pred), torch.ones_like(y, dtype=torch.float64), accumulate=True)
     if d is not None and d.enabled:
-        dist.all_reduce(confusion)
-        dist.all_reduce(totals)
+        all_reduce_(confusion)
+        all_reduce_(totals)
     model.train(was_training)
     n = max(totals[2].item(), 1.0)
     per_class_total = confusion.sum(dim=1)

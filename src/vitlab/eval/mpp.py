@@ -7,11 +7,10 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from vitlab.models.mpp import MaskedPatchViT, mpp_loss
-from vitlab.runtime import Dist
+from vitlab.runtime import Dist, all_reduce_
 
 
 @torch.no_grad()
@@ -47,7 +46,7 @@ def evaluate_mpp(
             totals[2] += len(targets)
         totals[3] += scored.sum()
     if d is not None and d.enabled:
-        dist.all_reduce(totals)
+        all_reduce_(totals)
     model.train(was_training)
     patches = max(totals[2].item(), 1.0)
     return {

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from vitlab.runtime import Dist, derive_seed
+from vitlab.runtime import Dist, all_reduce_, derive_seed
 
 TIMEOUT_ENV = "VITLAB_DIST_TIMEOUT"
 # the longest a rank waits in a collective for a peer (torch's default is 30 minutes). A peer that
@@ -47,8 +47,9 @@ def init(device: torch.device, timeout_s: float | None = None) -> Dist:
         return Dist()
     seconds = collective_timeout() if timeout_s is None else timeout_s
     if not dist.is_initialized():
-        # its functions take the default group as a default argument, evaluated on import: one
-        # imported once the group exists (FSDP and the checkpoint helpers import it) would keep
+        # torch.distributed.nn.functional's functions take the default group as a default
+        # argument, evaluated on import: imported once the group exists (torch's checkpoint
+        # helpers and FSDP import it, vitlab's full_model_state under DDP too), they would keep
         # the group alive past shutdown, and with it gloo's threads into the interpreter's exit
         import torch.distributed.nn.functional  # noqa: F401
 
@@ -213,23 +214,7 @@ def all_sum(values: list[float], d: Dist, device: torch.device) -> list[float]:
     if not d.enabled:
         return values
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    _let_go(t)
-    return t.tolist()
-
-
-def _let_go(t: Tensor, timeout_s: float = 10.0) -> None:
-    """Return once gloo's worker thread has dropped the finished collective that used `t` (it
-    does so just after the wait returns), so that this thread frees `t`. Freed last by a worker,
-    a tensor Python had let go of needs the GIL there, and asking for the GIL while the
-    interpreter shuts down aborts the process ("terminate called without an active exception",
-    SIGABRT) after a run that had finished. NCCL's watchdog drops its works much later: not
-    waited for."""
-    if t.device.type != "cpu":
-        return
-    deadline = time.monotonic() + timeout_s
-    while t._use_count() > 1 and time.monotonic() < deadline:
-        time.sleep(1e-4)
+    return all_reduce_(t).tolist()
 
 
 def any_rank(flag: bool, d: Dist, device: torch.device) -> bool:
@@ -268,22 +253,21 @@ def barrier(d: Dist) -> None:
         dist.barrier()
 
 
-def shutdown(d: Dist, failed: bool = False) -> None:
+def shutdown(d: Dist, device: torch.device, failed: bool = False) -> None:
     """Leave the process group once every rank is done with it, and free it while Python still
-    runs, so that no gloo thread is left freeing a collective's tensors when the interpreter
-    exits (see _let_go). The caller drops its model first (DDP and FSDP hold the group); the
-    group then goes with its last reference here, joining its threads. Under FSDP, torch's DTensor
-    caches keep the group to the end; there vitlab's own collectives (this meeting the last of
-    them) return only once gloo has let go of them, and FSDP's were let go of long before.
+    runs, so that no gloo thread is left dropping a collective's tensors when the interpreter
+    exits (see vitlab.runtime.all_reduce_). The caller drops its model first (DDP and FSDP hold
+    the group); the group then goes with its last reference here, joining its threads. Under
+    FSDP, torch's DTensor caches keep the group to the end; there vitlab's sums (this meeting
+    the last of them) return only once gloo has let go of them, and FSDP's own collectives
+    ended long before.
 
-    The ranks meet in an all-reduce rather than dist.barrier: gloo's barrier keeps the works
-    still in flight when it started until a worker thread frees it, just as this one returns.
-    After a failure the group is left as it is: a peer may be gone, or still in another
-    collective, which this would wait on until the timeout. A peer lost at this last meeting
-    cost nothing (every rank's work was done and saved): it is named in a note, not raised."""
+    The ranks meet in a sum rather than dist.barrier: gloo's barrier keeps the works still in
+    flight when it started until a worker thread drops it, just as this one returns. After a
+    failure the group is left as it is: a peer may be gone, or still in another collective,
+    which this would wait on until the timeout. A peer lost at this last meeting cost nothing
+    (every rank's work was done and saved): it is named in a note, not raised."""
     if d.enabled and dist.is_initialized() and not failed:
-        cuda = dist.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         try:
             all_sum([0.0], d, device)
         except RuntimeError as e:

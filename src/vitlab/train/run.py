@@ -90,16 +90,17 @@ def train(
             run.test()
         return run.out
     except TrainingStopped as e:  # every rank agreed to stop: leave the process group together
-        raise e.with_traceback(None) from None  # its frames would keep the model (and group)
+        raise e.with_traceback(None) from None  # its frames' locals would keep the model
     except BaseException as e:
         failed = True
         if d.enabled and isinstance(e, Exception):
             distributed.raise_if_rank_lost(d, e, out)
         raise
     finally:
-        if run is not None:  # its loaders' workers would outlive it (Run is in a cycle); its
-            run = run.close()  # model holds the process group, which shutdown frees: drop it
-        distributed.shutdown(d, failed)
+        if run is not None:  # its loaders' workers would outlive it (Run is in a cycle)
+            run.close()
+        run = None  # its model holds the process group, which shutdown frees
+        distributed.shutdown(d, device, failed)
 
 
 class Run:
@@ -287,11 +288,10 @@ class Run:
         old_lr = learning_rate(cfg.optim, step, old_total, self._warmup_steps())
         print(
             f"{'extending' if new > planned else 'shortening'} the run from {planned} to {new} "
-            f"epochs (--extend): the {cfg.optim.schedule} schedule is recomputed as if the run "
-            f"had started with {new} epochs, {self._total_steps():,} steps instead of "
-            f"{old_total:,}; the learning rate at step {step:,} is {self.settings.lr_at(step):.3e}"
-            f" (was {old_lr:.3e}) and reaches {self.settings.lr_at(self._total_steps()):.3e} at "
-            f"the end",
+            f"epochs (--extend): the {cfg.optim.schedule} schedule is recomputed as if the run had "
+            f"started with {new} epochs, {self._total_steps():,} steps instead of {old_total:,}; "
+            f"the learning rate at step {step:,} is {self.settings.lr_at(step):.3e} (was "
+            f"{old_lr:.3e}) and reaches {self.settings.lr_at(self._total_steps()):.3e} at the end",
             file=sys.stderr,
         )
 
