@@ -19,6 +19,9 @@ MFU: each row's FLOP/s against the same run's measured peak, a 2048x2048 matrix 
 row's precision. A ViT's FLOPs are 2 x `vitlab cost`'s forward MACs (attention products included),
 other models' PyTorch's FlopCounterMode count of the forward; a training step is 3x a forward.
 
+`--channels-last` adds a third contestant, vitlab's model as `train.channels_last` trains it
+(convolution weights and images in NHWC memory), timed interleaved with the other two.
+
 `--isa avx2` re-runs the script with PyTorch's kernels (ATEN_CPU_CAPABILITY), oneDNN and MKL held
 to AVX2: the float32 path of an AVX2-only CPU (no AVX-512, no bf16) on any newer x86 machine. bf16
 rows are then left out (such CPUs have no bf16 arithmetic). Results go in BENCHMARKS.md.
@@ -31,6 +34,7 @@ import copy
 import json
 import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -70,10 +74,11 @@ DEFAULT = [
 
 
 def parse_model(spec: str) -> tuple[str, dict[str, object]]:
-    """'Ti/16:distilled=true,img_size=384' -> ('Ti/16', {'distilled': True, 'img_size': 384})."""
+    """'Ti/16:distilled=true,img_size=384' -> ('Ti/16', {'distilled': True, 'img_size': 384});
+    a list in brackets keeps its commas: 'nano:stem=conv,stem_depths=[2,2]'."""
     name, _, rest = spec.partition(":")
     overrides = {}
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, re.split(r",(?![^\[]*\])", rest)):
         key, _, value = item.partition("=")
         overrides[key] = yaml.safe_load(value)
     return name, overrides
@@ -106,7 +111,7 @@ def timm_twin(model: torch.nn.Module) -> torch.nn.Module:
         twin.load_state_dict(model.state_dict())
         return twin
     if cfg.stem == "conv":  # timm has no conv stem: its ViT around a copy of vitlab's stem
-        arch, args = timm_model_args(cfg.replace(stem="patch"))
+        arch, args = timm_model_args(cfg.replace(stem="patch", stem_depths=()))
         stem = copy.deepcopy(model.patch_embed)
         stem.num_patches = stem.grid[0] * stem.grid[1]  # what timm's ViT reads of its embed_layer
         twin = timm.create_model(arch, **args, embed_layer=lambda **_: stem)
@@ -129,8 +134,8 @@ def randomize_heads(model: torch.nn.Module) -> None:
 
 
 def median_seconds(fns: dict[str, Callable[[], None]], steps: int, warmup: int = 2) -> dict:
-    """Median seconds per call of each fn, the fns called in turn (a, b, a, b, ...) so that both
-    see the same machine state; the shared machine's noise hits them alike."""
+    """Median seconds per call of each fn, the fns called in turn (a, b, c, a, b, c, ...) so that
+    all see the same machine state; the shared machine's noise hits them alike."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -212,6 +217,12 @@ def main() -> None:
         "torch.optim.AdamW for both",
     )
     parser.add_argument(
+        "--channels-last",
+        action="store_true",
+        help="also time vitlab's model with train.channels_last (weights and images NHWC), "
+        "interleaved with the other two: vitlab_cl_* columns and cl_gain (over vitlab's default)",
+    )
+    parser.add_argument(
         "--isa",
         choices=("native", "avx2"),
         default="native",
@@ -251,19 +262,27 @@ def main() -> None:
         by_precision = {}
         flops = {"infer": forward_flops(ours, x)}
         flops["train"] = 3 * flops["infer"]
-        pair = (("vitlab", ours), ("timm", theirs))
-        opts = {lib: optimizer(m, lib, args.optimizer) for lib, m in pair}
+        pair = [("vitlab", ours), ("timm", theirs)]
+        if args.channels_last:  # the same weights and AdamW, in NHWC memory
+            nhwc = copy.deepcopy(ours).to(memory_format=torch.channels_last)
+            pair.append(("vitlab_cl", nhwc))
+        opts = {lib: optimizer(m, "vitlab" if lib == "vitlab_cl" else lib, args.optimizer)
+                for lib, m in pair}  # fmt: skip
+        inputs = {lib: x.contiguous(memory_format=torch.channels_last) if lib == "vitlab_cl"
+                  else x for lib, _ in pair}  # fmt: skip
         for bf16 in precisions:
             row = {"model": name, "batch": batch, "precision": "bf16" if bf16 else "fp32",
                    "fp32_max_abs_logit_diff": float(f"{diff:.1e}"),
                    "train_gflop_per_step": round(flops["train"] / 1e9, 3)}  # fmt: skip
-            fns = {lib: step_fns(m, x, y, bf16, opts[lib]) for lib, m in pair}
+            fns = {lib: step_fns(m, inputs[lib], y, bf16, opts[lib]) for lib, m in pair}
             for i, kind in enumerate(("infer", "train")):
                 secs = median_seconds({lib: f[i] for lib, f in fns.items()}, args.steps)
                 for lib, s in secs.items():
                     row[f"{lib}_{kind}_img_s"] = round(batch / s, 1)
                     row[f"{lib}_{kind}_mfu"] = round(flops[kind] / s / peaks[bf16], 3)
                 row[f"{kind}_ratio"] = round(secs["timm"] / secs["vitlab"], 3)
+                if "vitlab_cl" in secs:
+                    row[f"{kind}_cl_gain"] = round(secs["vitlab"] / secs["vitlab_cl"], 3)
             results.append(row)
             by_precision[row["precision"]] = row
             print(json.dumps(row), flush=True)

@@ -320,7 +320,9 @@ def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
         train(cfg("data.name=cifar10", f"data.dir={tmp_path}"), out=tmp_path / "b")
     with pytest.raises(ConfigError, match="num_classes=5 but dataset digits has 10"):
         train(cfg("model.num_classes=5"), out=tmp_path / "c")
-    assert not any((tmp_path / x).exists() for x in "acd")
+    with pytest.raises(ConfigError, match="channels_last with train.strategy=fsdp"):
+        train(cfg("train.channels_last=true", "train.strategy=fsdp"), out=tmp_path / "e")
+    assert not any((tmp_path / x).exists() for x in "acde")
 
 
 def test_finetune_at_another_resolution_with_a_new_head(

@@ -1,8 +1,10 @@
-"""What a run carries from step to step: compiled training keeps its EMA and its accumulation, and
-image-folder runs (augmented in DataLoader workers) resume exactly from the middle of an epoch."""
+"""What a run carries from step to step: compiled training keeps its EMA and its accumulation,
+image-folder runs (augmented in DataLoader workers) resume exactly from the middle of an epoch, and
+channels-last runs keep their memory layout through a resume."""
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -115,6 +117,52 @@ def test_image_folder_run_interrupted_mid_epoch_resumes_exactly(tmp_path, monkey
         a, b = weights_of(straight, which), weights_of(resumed, which)
         for k in a:
             assert torch.equal(a[k], b[k]), f"{which} {k}"
+
+
+def test_channels_last_trains_the_same_model_in_nhwc_memory(tmp_path, monkeypatch) -> None:
+    """train.channels_last on RGB images: the conv stem's kernels and the images the model gets
+    are NHWC, the weights learnt are the default layout's (to float noise), and a resume is exact,
+    also from a checkpoint of the other layout (fused AdamW reads its moments in the weights'
+    memory order: moments restored in another order would silently scramble)."""
+    root = write_image_folder(tmp_path / "images")
+    common = [f"data.name=imagefolder:{root}", "model.stem=conv", "model.stem_width=8",
+              "model.patch_size=4", "train.batch_size=16", "train.epochs=2",
+              "train.precision=fp32", "data.val_fraction=0"]  # fmt: skip
+    seen = set()  # (kernel NCHW, kernel NHWC, images NCHW, images NHWC) at each forward
+    real_epoch = run_mod.train_epoch
+
+    def layout(t: torch.Tensor) -> tuple[bool, bool]:
+        return t.is_contiguous(), t.is_contiguous(memory_format=torch.channels_last)
+
+    def epoch(model, *args, **kwargs):
+        kernel = next(p for p in model.parameters() if p.ndim == 4)  # 3 -> 8 channels, 3x3
+        hook = model.register_forward_pre_hook(
+            lambda _, inputs: seen.add((*layout(kernel), *layout(inputs[0])))
+        )
+        try:
+            return real_epoch(model, *args, **kwargs)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(run_mod, "train_epoch", epoch)
+    default = train(cfg(*common), out=tmp_path / "default")
+    assert seen == {(True, False, True, False)}  # NCHW kernels and images
+    seen.clear()
+    nhwc = [*common, "train.channels_last=true"]
+    straight = train(cfg(*nhwc), out=tmp_path / "straight")
+    assert seen == {(False, True, False, True)}
+    half = train(cfg(*nhwc, "train.stop_at_epoch=1"), out=tmp_path / "half")
+    resumed = train(load_run_config(str(half / "config.yaml")), resume=half)
+    nchw_half = train(cfg(*common, "train.stop_at_epoch=1"), out=tmp_path / "nchw_half")
+    flipped = train(cfg(*nhwc), resume=nchw_half)  # the Python API takes any config
+    a, b = weights_of(default), weights_of(straight)
+    c, d = weights_of(resumed), weights_of(flipped)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=1e-3, msg=k)
+        torch.testing.assert_close(d[k], a[k], atol=1e-4, rtol=1e-3, msg=k)
+        assert torch.equal(c[k], b[k]), k
+    top1 = [json.loads((r / "results.json").read_text())["top1"] for r in (default, straight)]
+    assert top1[0] == pytest.approx(top1[1], abs=1 / 24) and top1[0] > 0.5  # chance: 1/3
 
 
 def test_folder_augmentation_is_a_function_of_seed_epoch_and_batch(tmp_path) -> None:

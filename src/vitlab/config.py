@@ -275,6 +275,8 @@ class TrainConfig:
     precision: typing.Literal["auto", "fp32", "bf16"] = "auto"
     compile: bool = False  # torch.compile the model
     grad_checkpointing: bool = False
+    # conv weights and images in channels-last (NHWC) memory: faster conv stems and CNNs on CPU
+    channels_last: bool = False
     strategy: typing.Literal["ddp", "fsdp"] = "ddp"  # under torchrun
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # CPU threads (default: torch's)

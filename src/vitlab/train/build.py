@@ -47,6 +47,11 @@ def resolve_model_config(
             "ResNet (its checkpointed blocks keep BatchNorm statistics to one update, which "
             "torch.compile cannot trace): choose one"
         )
+    if cfg.train.channels_last and cfg.train.strategy == "fsdp":
+        raise ConfigError(
+            "train.channels_last with train.strategy=fsdp is not supported (FSDP2 shards only "
+            "contiguous parameters): use train.strategy=ddp, or leave channels_last off"
+        )
     if mc.num_classes != classes:
         why = "masked patch prediction trains no classifier" if mpp else f"dataset {info.name} has"
         raise ConfigError(f"model.num_classes={mc.num_classes} but {why} {classes}")

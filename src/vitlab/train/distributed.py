@@ -311,6 +311,7 @@ def load_full_state(
         model.load_state_dict(model_state)
         if optimizer is not None:
             optimizer.load_state_dict(optim_state)
+            _match_layouts(optimizer)
         return
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -322,3 +323,13 @@ def load_full_state(
     set_model_state_dict(model, model_state, options=opts)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
+
+
+def _match_layouts(optimizer: torch.optim.Optimizer) -> None:
+    """Give each parameter's optimizer state its memory layout (a checkpoint's moments keep the
+    layout they were saved in): fused AdamW reads the moments in the parameter's memory order, and
+    moments of a channels-last run restored NCHW, or the reverse, would be silently scrambled."""
+    for p, state in optimizer.state.items():
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.shape == p.shape and v.stride() != p.stride():
+                state[k] = torch.empty_like(p).copy_(v)

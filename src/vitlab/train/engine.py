@@ -89,6 +89,7 @@ class StepSettings:
     autocast: Callable[[], AbstractContextManager]
     objective: Objective = field(default_factory=classification)
     max_steps: int | None = None  # the run ends at this step (train.max_steps or time_budget)
+    memory_format: torch.memory_format = torch.preserve_format  # the images' (train.channels_last)
 
 
 def train_epoch(
@@ -122,7 +123,8 @@ def train_epoch(
             # while the epoch runs): the epoch ends here
         if first and any_rank(stop_requested(), d, device):
             return _stats(sums, scored, start_time, start_images, d, device), True
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x = x.to(device, non_blocking=True, memory_format=settings.memory_format)
+        y = y.to(device, non_blocking=True)
         sync = last or ddp is None  # accumulating: no gradient all-reduce until the last
         with settings.autocast(), nullcontext() if sync else ddp.no_sync():
             loss, right, made = settings.objective(model, x, y)

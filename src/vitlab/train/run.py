@@ -160,10 +160,7 @@ class Run:
         )
 
         torch.manual_seed(cfg.train.seed)
-        if self.mpp:
-            self.model = MaskedPatchViT(mc, cfg.mpp, mean, std)
-        else:
-            self.model = build_model(mc)
+        self.model = MaskedPatchViT(mc, cfg.mpp, mean, std) if self.mpp else build_model(mc)
         self.notes = []
         if source is not None:
             self.notes = finetune_weights(self.model, source)
@@ -171,7 +168,8 @@ class Run:
         if d.rank:  # the same model on every rank; then each rank draws its own dropout and
             torch.manual_seed(distributed.rank_seed(cfg.train.seed, d.rank))  # augmentation
         self.model.set_grad_checkpointing(cfg.train.grad_checkpointing)
-        self.model.to(device)
+        self.layout = torch.channels_last if cfg.train.channels_last else torch.preserve_format
+        self.model.to(device, memory_format=self.layout)  # images follow (StepSettings)
         self.bf16 = use_bf16(cfg.train.precision, device)
         self.loader = make_loader(
             self.data.train,
@@ -229,6 +227,7 @@ class Run:
             autocast=self.autocast,
             objective=self._objective(),
             max_steps=cfg.train.max_steps,
+            memory_format=self.layout,
         )
 
     def _objective(self) -> engine.Objective:
