@@ -22,6 +22,11 @@ other models' PyTorch's FlopCounterMode count of the forward; a training step is
 `--channels-last` adds a third contestant, vitlab's model as `train.channels_last` trains it
 (convolution weights and images in NHWC memory), timed interleaved with the other two.
 
+`--batch-threads N` adds another, vitlab's training step as `train.batch_threads=N` runs it (the
+batch in N parts, each part's forward and backward on its own thread with 1/N of the threads;
+vitlab_bt* columns, bt_gain), with `--channels-last` also in NHWC memory: training only, its
+inference columns are vitlab's default call.
+
 `--isa avx2` re-runs the script with PyTorch's kernels (ATEN_CPU_CAPABILITY), oneDNN and MKL held
 to AVX2: the float32 path of an AVX2-only CPU (no AVX-512, no bf16) on any newer x86 machine. bf16
 rows are then left out (such CPUs have no bf16 arithmetic). Results go in BENCHMARKS.md.
@@ -50,7 +55,9 @@ from vitlab.config import OptimConfig
 from vitlab.formats.timm import timm_model_args, vitlab_to_timm
 from vitlab.models.registry import family_of
 from vitlab.runtime import use_bf16
+from vitlab.train.engine import classification
 from vitlab.train.optim import build_optimizer
+from vitlab.train.threads import BatchThreads
 
 # an AVX2-only CPU's kernels on a newer one: ATen's dispatch, oneDNN and MKL held to AVX2
 AVX2_ENV = {
@@ -199,6 +206,22 @@ def step_fns(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: boo
     return infer, train
 
 
+def threaded_step_fns(model, x, y, bf16: bool, opt, n: int):
+    """step_fns' pair with the training step as train.batch_threads=n runs it."""
+    infer, _ = step_fns(model, x, y, bf16, opt)
+    threads = BatchThreads(model, n)
+    ctx = (lambda: torch.autocast("cpu", torch.bfloat16)) if bf16 else nullcontext
+
+    def train() -> None:
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        threads.forward_backward(classification(), x, y, ctx, 1)
+        threads.add_gradients()
+        opt.step()
+
+    return infer, train
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -221,6 +244,13 @@ def main() -> None:
         action="store_true",
         help="also time vitlab's model with train.channels_last (weights and images NHWC), "
         "interleaved with the other two: vitlab_cl_* columns and cl_gain (over vitlab's default)",
+    )
+    parser.add_argument(
+        "--batch-threads",
+        type=int,
+        default=1,
+        help="N > 1: also time vitlab's training step with train.batch_threads=N, interleaved: "
+        "vitlab_bt_* columns and bt_gain (over vitlab's default)",
     )
     parser.add_argument(
         "--isa",
@@ -266,23 +296,34 @@ def main() -> None:
         if args.channels_last:  # the same weights and AdamW, in NHWC memory
             nhwc = copy.deepcopy(ours).to(memory_format=torch.channels_last)
             pair.append(("vitlab_cl", nhwc))
-        opts = {lib: optimizer(m, "vitlab" if lib == "vitlab_cl" else lib, args.optimizer)
+        if args.batch_threads > 1:  # the same weights and AdamW, each batch on N threads
+            like = dict(pair)["vitlab_cl" if args.channels_last else "vitlab"]
+            pair.append(("vitlab_bt", copy.deepcopy(like)))
+        opts = {lib: optimizer(m, "timm" if lib == "timm" else "vitlab", args.optimizer)
                 for lib, m in pair}  # fmt: skip
-        inputs = {lib: x.contiguous(memory_format=torch.channels_last) if lib == "vitlab_cl"
+        nhwc_inputs = {"vitlab_cl", "vitlab_bt"} if args.channels_last else set()
+        inputs = {lib: x.contiguous(memory_format=torch.channels_last) if lib in nhwc_inputs
                   else x for lib, _ in pair}  # fmt: skip
         for bf16 in precisions:
             row = {"model": name, "batch": batch, "precision": "bf16" if bf16 else "fp32",
                    "fp32_max_abs_logit_diff": float(f"{diff:.1e}"),
                    "train_gflop_per_step": round(flops["train"] / 1e9, 3)}  # fmt: skip
             fns = {lib: step_fns(m, inputs[lib], y, bf16, opts[lib]) for lib, m in pair}
+            if "vitlab_bt" in fns:
+                bt, n = dict(pair)["vitlab_bt"], args.batch_threads
+                fns["vitlab_bt"] = threaded_step_fns(
+                    bt, inputs["vitlab_bt"], y, bf16, opts["vitlab_bt"], n
+                )
             for i, kind in enumerate(("infer", "train")):
                 secs = median_seconds({lib: f[i] for lib, f in fns.items()}, args.steps)
                 for lib, s in secs.items():
                     row[f"{lib}_{kind}_img_s"] = round(batch / s, 1)
                     row[f"{lib}_{kind}_mfu"] = round(flops[kind] / s / peaks[bf16], 3)
                 row[f"{kind}_ratio"] = round(secs["timm"] / secs["vitlab"], 3)
-                if "vitlab_cl" in secs:
-                    row[f"{kind}_cl_gain"] = round(secs["vitlab"] / secs["vitlab_cl"], 3)
+                for other in ("cl", "bt"):
+                    if f"vitlab_{other}" in secs:
+                        gain = secs["vitlab"] / secs[f"vitlab_{other}"]
+                        row[f"{kind}_{other}_gain"] = round(gain, 3)
             results.append(row)
             by_precision[row["precision"]] = row
             print(json.dumps(row), flush=True)

@@ -1,9 +1,7 @@
 """Strict, typed configuration: dataclasses whose fields are checked against their annotations.
 
-Every config object in vitlab (the model's ViTConfig now; data, optim and train configs later) is a
-dataclass validated by `validate`: a wrong type or an unknown key is a `ConfigError` that names the
-field, what was expected and what came.
-"""
+Every config object in vitlab (models' configs, the run's sections) is a dataclass validated by
+`validate`: a wrong type or an unknown key is a `ConfigError` naming field, expected and given."""
 
 from __future__ import annotations
 
@@ -277,6 +275,7 @@ class TrainConfig:
     grad_checkpointing: bool = False
     # conv weights and images in channels-last (NHWC) memory: faster conv stems and CNNs on CPU
     channels_last: bool = False
+    batch_threads: int = 1  # each batch's parts' forward and backward on N threads (CPU)
     strategy: typing.Literal["ddp", "fsdp"] = "ddp"  # under torchrun
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # CPU threads (default: torch's)
@@ -297,8 +296,10 @@ class TrainConfig:
                 parse_duration(self.time_budget, "train.time_budget")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        if min(self.epochs, self.batch_size, self.accum_steps, self.max_steps or 1) < 1:
-            raise ConfigError("train.epochs, batch_size, accum_steps and max_steps must be >= 1")
+        counts = (self.epochs, self.batch_size, self.accum_steps, self.batch_threads)
+        if min(*counts, self.max_steps or 1) < 1:
+            names = "train.epochs, batch_size, accum_steps, batch_threads and max_steps"
+            raise ConfigError(f"{names} must be >= 1")
         if self.ema is not None and not 0.0 < self.ema < 1.0:
             raise ConfigError(f"train.ema is a decay in (0, 1), got {self.ema}")
 

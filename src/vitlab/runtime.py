@@ -1,13 +1,17 @@
 """Run-time helpers every layer may use (a leaf: imports nothing from vitlab): the device to run
 on and whether it computes in bf16, this process's place in a distributed run (Dist) and its
-gloo-safe sum across ranks, seeds and random-number-generator state."""
+gloo-safe sum across ranks, seeds, random-number-generator state and a thread's own random
+stream."""
 
 from __future__ import annotations
 
 import hashlib
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +121,26 @@ def set_rng_state(state: dict[str, Tensor], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+_stream = threading.local()
+
+
+def random_stream() -> torch.Generator | None:
+    """The generator a model's own random draws (DropPath, masked patch prediction's corruption)
+    take on this thread: a batch part's under train.batch_threads (drawing_from), else None,
+    PyTorch's default stream, which threads would share in an order that differs run to run."""
+    return getattr(_stream, "generator", None)
+
+
+@contextmanager
+def drawing_from(generator: torch.Generator) -> Iterator[None]:
+    """random_stream() is `generator` on this thread inside the block."""
+    _stream.generator = generator
+    try:
+        yield
+    finally:
+        _stream.generator = None
 
 
 def seeded_split(n: int, fraction: float, seed: int) -> tuple[Tensor, Tensor]:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vitlab.models.pos_embed import Grid, RelativePositionBias
+from vitlab.runtime import random_stream
 
 
 class BlockConfig(Protocol):
@@ -58,7 +59,8 @@ class DropPath(nn.Module):
         if self.p == 0.0 or not self.training:
             return x
         keep = 1.0 - self.p
-        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+        mask = x.new_empty(shape).bernoulli_(keep, generator=random_stream())
         return x * mask / keep
 
     def extra_repr(self) -> str:

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 from vitlab.config import ConfigError, MPPConfig
 from vitlab.models.vit import VisionTransformer, ViTConfig
+from vitlab.runtime import random_stream
 
 log = logging.getLogger(__name__)
 PREFIX = "mpp."  # state-dict names of the pre-training parts
@@ -166,8 +167,9 @@ class MaskedPatchViT(VisionTransformer):
         generator: torch.Generator | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Predictions and targets of the corrupted patches of the images that `scored` (B,)
-        marks (default: all); the corruption is drawn from `generator` (default: the default
-        random stream)."""
+        marks (default: all); the corruption is drawn from `generator` (default: this thread's
+        random_stream, else the default random stream)."""
+        generator = random_stream() if generator is None else generator
         targets = self.targets(images)
         plans: list[Corruption] = []
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from vitlab.config import ConfigError, RunConfig
@@ -15,6 +16,7 @@ from vitlab.formats.base import Source
 from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
 from vitlab.models.registry import ModelConfig, config_of, family_of, shape_of
+from vitlab.runtime import Dist
 from vitlab.train import distill
 
 
@@ -52,6 +54,8 @@ def resolve_model_config(
             "train.channels_last with train.strategy=fsdp is not supported (FSDP2 shards only "
             "contiguous parameters): use train.strategy=ddp, or leave channels_last off"
         )
+    if cfg.train.batch_threads > 1:
+        check_batch_threads(cfg, mc)
     if mc.num_classes != classes:
         why = "masked patch prediction trains no classifier" if mpp else f"dataset {info.name} has"
         raise ConfigError(f"model.num_classes={mc.num_classes} but {why} {classes}")
@@ -142,6 +146,33 @@ def model_label(cfg: RunConfig, mc: ModelConfig) -> str:
         return f"the architecture of {cfg.finetune.from_} [{shape}]"
     changes = ", ".join(f"{k}={v}" for k, v in cfg.model.overrides.items())
     return f"{cfg.model.name}{f' with {changes}' if changes else ''} [{shape}]"
+
+
+def check_processes(cfg: RunConfig, d: Dist, device: torch.device) -> None:
+    """What the run's processes and device rule out."""
+    if cfg.train.ema is not None and cfg.train.strategy == "fsdp" and d.enabled:
+        raise ConfigError("train.ema is not supported with train.strategy=fsdp")
+    if cfg.train.batch_threads > 1 and (d.enabled or device.type != "cpu"):
+        raise ConfigError(
+            f"train.batch_threads > 1 shares a batch among one process's CPU threads; this run "
+            f"has {d.world} process(es) on {device}: use train.batch_threads=1"
+        )
+
+
+def check_batch_threads(cfg: RunConfig, mc: object) -> None:
+    """train.batch_threads > 1 trains eagerly, and the model draws only from the parts' own random
+    streams (vitlab.train.threads): dropout layers draw from PyTorch's default stream, which the
+    threads would share in an order that differs from run to run."""
+    if cfg.train.compile:
+        raise ConfigError("train.batch_threads > 1 runs the model eagerly: leave train.compile off")
+    fields = ("dropout", "attn_dropout", "head_dropout")
+    used = [f"model.{f}={getattr(mc, f)}" for f in fields if getattr(mc, f, 0.0)]
+    if used:
+        raise ConfigError(
+            f"train.batch_threads > 1 with {', '.join(used)}: dropout draws from PyTorch's one "
+            f"random stream, which the threads would share in a different order every run; use "
+            f"model.drop_path (stochastic depth, drawn per thread) or train.batch_threads=1"
+        )
 
 
 def announce(run) -> None:  # a train.run.Run (which imports this module)

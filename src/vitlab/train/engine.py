@@ -19,6 +19,7 @@ from vitlab.runtime import Dist, rng_state
 from vitlab.train.distill import TwoHeads, distillation_loss
 from vitlab.train.distributed import all_sum, any_rank
 from vitlab.train.optim import EMA
+from vitlab.train.threads import BatchThreads
 
 
 class NonFiniteLoss(RuntimeError):
@@ -90,6 +91,7 @@ class StepSettings:
     objective: Objective = field(default_factory=classification)
     max_steps: int | None = None  # the run ends at this step (train.max_steps or time_budget)
     memory_format: torch.memory_format = torch.preserve_format  # the images' (train.channels_last)
+    batch_threads: int = 1  # each batch's parts on this many threads (train.batch_threads)
 
 
 def train_epoch(
@@ -113,6 +115,7 @@ def train_epoch(
     scored = True  # the objective's predictions are right or wrong (not a regression)
     start_time, start_images = time.perf_counter(), 0
     ddp = _ddp(model)
+    threads = BatchThreads(model, settings.batch_threads) if settings.batch_threads > 1 else None
     pos.rng = rng_state(device)
     for i, (x, y) in enumerate(loader.iterate(pos.epoch, pos.batch), start=pos.batch):
         if i >= usable:
@@ -127,13 +130,21 @@ def train_epoch(
         y = y.to(device, non_blocking=True)
         sync = last or ddp is None  # accumulating: no gradient all-reduce until the last
         with settings.autocast(), nullcontext() if sync else ddp.no_sync():
-            loss, right, made = settings.objective(model, x, y)
+            if threads is None:
+                loss, right, made = settings.objective(model, x, y)
+            else:  # forward and backward already, the gradients held until the loss is checked
+                loss, right, made = threads.forward_backward(
+                    settings.objective, x, y, settings.autocast, accum
+                )
             value = loss.item()  # the step's one host sync
             if any_rank(not math.isfinite(value), d, device):
                 raise NonFiniteLoss(
                     f"loss became {value} at step {pos.step} (epoch {pos.epoch + 1}, batch {i + 1})"
                 )
-            (loss / accum).backward()
+            if threads is None:
+                (loss / accum).backward()
+            else:
+                threads.add_gradients()
         if last:
             if settings.clip_grad:
                 nn.utils.clip_grad_norm_(model.parameters(), settings.clip_grad)

@@ -136,8 +136,7 @@ class Run:
             raise ConfigError(
                 f"train.batch_size {cfg.train.batch_size} is not divisible by {d.world} processes"
             )
-        if cfg.train.ema is not None and self.strategy == "fsdp" and d.enabled:
-            raise ConfigError("train.ema is not supported with train.strategy=fsdp")
+        build.check_processes(cfg, d, device)
         self.mpp = cfg.train.objective == "mpp"
         if self.mpp and family_of(mc) != "vit":
             raise ConfigError(
@@ -228,6 +227,7 @@ class Run:
             objective=self._objective(),
             max_steps=cfg.train.max_steps,
             memory_format=self.layout,
+            batch_threads=cfg.train.batch_threads,
         )
 
     def _objective(self) -> engine.Objective:

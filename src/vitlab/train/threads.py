@@ -1,0 +1,152 @@
+"""train.batch_threads: each training batch in N equal parts, each part's forward and backward on
+its own thread with 1/N of the CPU threads, the parts' gradients summed in a fixed order.
+
+Why: at the widths trained on a CPU a step is many small kernels (LayerNorm, GELU, adds, copies,
+attention over 50 tokens, matrix products with 64 columns) that two OpenMP threads share poorly;
+two single-threaded halves keep both cores busy (BENCHMARKS.md, issue 16, goal 1). The step is the
+same sum of per-image gradients, with two differences from one thread, both as under DDP: BatchNorm
+normalises each part by the part's statistics (its running statistics become the parts' mean), and
+the model's own random draws (DropPath, masked patch prediction's corruption) come from a generator
+per part seeded from PyTorch's default stream, so a run is reproducible (and resumable) but draws
+other masks than with one thread. Dropout layers draw from the default stream: refused with it
+(build.resolve_model_config). CPU, one process, eager: refused otherwise (Run)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from functools import cache
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from vitlab.runtime import drawing_from
+
+Part = tuple[Tensor, Tensor | None, int, tuple[Tensor | None, ...]]  # loss, right, made, grads
+
+
+class BatchThreads:
+    """The parts' replicas of `model` (the model itself and n - 1 copies sharing its parameters
+    and constant buffers, each with its own BatchNorm statistics) and the threads that run them."""
+
+    def __init__(self, model: nn.Module, n: int) -> None:
+        self.replicas = [model] + [_replica(model) for _ in range(n - 1)]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.norms = [_norms(r) for r in self.replicas]
+        self.pool = _pool(n, max(1, torch.get_num_threads() // n))
+        self.grads: list[Tensor | None] = []
+
+    def forward_backward(
+        self,
+        objective: Callable[[nn.Module, Tensor, Tensor], tuple],  # engine.Objective
+        x: Tensor,
+        y: Tensor,
+        autocast: Callable[[], AbstractContextManager],
+        accum: int,
+    ) -> tuple[Tensor, Tensor | None, int]:
+        """The whole batch's (loss, right, made), as objective(model, x, y) gives them, after each
+        part's forward and backward on its thread. The gradients (of loss / accum) are held until
+        add_gradients(): a non-finite loss leaves the model's untouched."""
+        main = self.replicas[0]
+        for replica in self.replicas[1:]:
+            replica.train(main.training)
+        _copy_statistics(self.norms)
+        xs, ys = x.chunk(len(self.replicas)), y.chunk(len(self.replicas))
+        seeds = torch.randint(2**62, (len(xs),)).tolist()  # the default stream: resumable
+        jobs = [
+            self.pool.submit(self._part, r, objective, a, b, s, autocast, len(a) / len(x) / accum)
+            for r, a, b, s in zip(self.replicas, xs, ys, seeds)
+        ]
+        parts = [job.result() for job in jobs]  # in order; a part's exception is raised here
+        _mean_statistics(self.norms[: len(parts)])
+        self.grads = [_sum(g) for g in zip(*(grads for *_, grads in parts))]
+        weights = [len(a) / len(x) for a in xs]
+        loss = sum(w * loss for w, (loss, *_) in zip(weights, parts))
+        scored = parts[0][1] is not None
+        right = sum(right for _, right, *_ in parts) if scored else None
+        return loss, right, sum(made for _, _, made, _ in parts)
+
+    def add_gradients(self) -> None:
+        """Add the held gradients to the parameters' .grad, laid out as the parameter (fused
+        AdamW requires it)."""
+        for p, g in zip(self.params, self.grads):
+            if g is None:
+                continue
+            if p.grad is not None:
+                p.grad.add_(g)
+            else:
+                p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+        self.grads = []
+
+    def _part(self, replica, objective, x, y, seed, autocast, weight) -> Part:
+        with drawing_from(torch.Generator().manual_seed(seed)), autocast():
+            loss, right, made = objective(replica, x, y)
+        grads = torch.autograd.grad(loss * weight, self.params, allow_unused=True)
+        return loss.detach(), right, made, grads
+
+
+def _replica(model: nn.Module) -> nn.Module:
+    """A copy of `model` sharing its parameters and buffers, except BatchNorm's statistics."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    for m in _norms(model):
+        for t in (m.running_mean, m.running_var, m.num_batches_tracked):
+            shared.pop(id(t), None)
+    return copy.deepcopy(model, memo=shared)
+
+
+def _norms(model: nn.Module) -> list[_BatchNorm]:
+    return [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+
+
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _copy_statistics(norms: list[list[_BatchNorm]]) -> None:
+    """Every part's BatchNorm statistics: the model's (norms[0]), which may have been loaded."""
+    for mine, *theirs in zip(*norms):
+        for other in theirs:
+            for name in _STATISTICS:
+                getattr(other, name).copy_(getattr(mine, name))
+
+
+def _mean_statistics(norms: list[list[_BatchNorm]]) -> None:
+    """The model's BatchNorm running mean and variance: the mean over the parts' (one update each
+    from the same start: the update by the parts' mean statistics)."""
+    for mine, *theirs in zip(*norms):
+        for name in ("running_mean", "running_var"):
+            getattr(mine, name).add_(sum(getattr(t, name) for t in theirs)).div_(1 + len(theirs))
+
+
+def _sum(grads: tuple[Tensor | None, ...]) -> Tensor | None:
+    """The parts' gradients of one parameter, added in part order (None: no part used it)."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return None
+    total = present[0]
+    for g in present[1:]:
+        total = total + g
+    return total
+
+
+@cache
+def _pool(n: int, threads: int) -> ThreadPoolExecutor:
+    """n worker threads, each running PyTorch's kernels on `threads` threads; kept for the
+    process (idle threads cost nothing), one pool per (n, threads)."""
+    total = torch.get_num_threads()
+    ready = threading.Barrier(n)
+    pool = ThreadPoolExecutor(n, "vitlab-part", initializer=_set_threads, initargs=(threads,))
+    for job in [pool.submit(ready.wait) for _ in range(n)]:  # n threads, each initialised
+        job.result()
+    torch.set_num_threads(total)  # the count threads started later begin with, which the
+    return pool  # workers' torch.set_num_threads set too
+
+
+def _set_threads(threads: int) -> None:
+    """This thread's kernels run on `threads` threads (after it took the process's count once:
+    a thread does so at its first parallel kernel, which would undo a count set before)."""
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
