@@ -165,6 +165,20 @@ def test_a_plan_follows_the_steps_pace(tmp_path, monkeypatch) -> None:
     assert length - 6.0 - 2.0 <= 61 * 0.95 - 1 - 2.35
 
 
+def test_a_stall_costs_its_time_and_not_the_runs_pace(tmp_path, monkeypatch) -> None:
+    """One step of 30 s (a process paused with Ctrl-Z, a suspended laptop) at step 300 of a 121 s
+    run at 0.1 s a step and 1 s an epoch end every 40 steps (0.125 s a step in all): the plan
+    loses the 240 steps that time would have bought, not the 80% that the window's mean pace
+    (0.7 s a step) would cut, and the run still ends in time."""
+    plans, steady = run_on_a_fake_clock(monkeypatch, tmp_path, 121, lambda s: 1.0)
+    plans_stalled, length = run_on_a_fake_clock(
+        monkeypatch, tmp_path, 121, lambda s: 300.0 if s == 300 else 1.0
+    )
+    assert plans_stalled[:2] == plans[:2] and plans[1] > 800
+    assert plans[-1] - 250 <= plans_stalled[-1] <= plans[-1] - 230
+    assert 121.0 * 0.9 <= length <= 121.0
+
+
 def test_a_plan_written_before_schedules_were_anchored_resumes_on_its_own_steps(tmp_path):
     """A time_budget.json without "schedule" (vitlab before plans could stretch the schedule):
     the resumed run's schedule is laid over the plan's steps, as it was then."""

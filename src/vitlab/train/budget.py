@@ -9,7 +9,8 @@ the call), the time per step, an estimate of each epoch's end (validation + chec
 test split, less a safety margin. At the first epoch end after that, whose cost is then measured,
 N is planned once more. Then every CHECK_EVERY steps the latest steps' pace is compared with the
 plan's, and when it differs by more than DRIFT (a shared machine's neighbours come and go) N is
-planned again at that pace, longer or shorter, at any point of the run.
+planned again at that pace, longer or shorter, at any point of the run. A stall (one step more
+than STALL times the median) is left out of the pace and only costs its time: N is planned again.
 The schedule (warm-up as configured, at most a fifth of the steps, then the configured decay) is
 laid over the first plan's N, its warm-up kept step for step. A longer plan stretches what is left
 of it over the steps left: the learning rate goes on from where it is (late in the run the decay
@@ -32,10 +33,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +56,8 @@ MARGIN_S = 1.0
 TAIL_S = 2.0  # after the test split: curves.png, results.json, exit
 CHECK_EVERY = 50  # the plan is checked every this many steps against their pace
 DRIFT = 0.05  # and made again when the latest steps are this much slower or faster
+STALL = 5.0  # a step this many times as long as the median is a stall (a paused process, a
+# suspended laptop): its time is lost, but it says nothing of the steps to come
 STUB = 0.05  # a last epoch shorter than this share of one is dropped
 FORWARD = 1 / 3  # an evaluation image costs about this share of a training image (no backward)
 PLAN_FILE = "time_budget.json"
@@ -201,7 +205,7 @@ class TimeBudget:
             self._plan(step, self._paced, final=True, note=note)
 
     def _costs(self) -> Costs:
-        step = sum(self.steps) / len(self.steps)
+        step, _ = typical_step(self.steps)
         per_image = step / self.batch * FORWARD
         if self.ends:
             end = sum(self.ends) / len(self.ends)
@@ -212,9 +216,12 @@ class TimeBudget:
 
     def _paced(self) -> Costs | None:
         """The plan's costs scaled to the latest steps' pace when that differs by more than
-        DRIFT (None: on plan)."""
-        now, was = sum(self.recent) / max(len(self.recent), 1), self.planned
-        if was is None or len(self.recent) < CHECK_EVERY // 2 or abs(now / was.step - 1) <= DRIFT:
+        DRIFT, or when a stall lost time (None: on plan)."""
+        was = self.planned
+        if was is None or len(self.recent) < CHECK_EVERY // 2:
+            return None
+        now, stalled = typical_step(self.recent)
+        if abs(now / was.step - 1) <= DRIFT and not stalled:
             return None
         k = now / was.step
         return Costs(now, was.epoch_end * k, (was.final - TAIL_S) * k + TAIL_S)
@@ -292,6 +299,12 @@ class TimeBudget:
         self.schedule = lambda step: laid(self.schedule_step(step))
         self.settings.max_steps = total
         self.cfg.train.epochs = math.ceil(total / self.spe)
+
+
+def typical_step(seconds: Sequence[float]) -> tuple[float, bool]:
+    """(mean seconds of the steps, leaving out stalls; whether any was left out)."""
+    kept = [s for s in seconds if s <= STALL * statistics.median(seconds)]
+    return sum(kept) / len(kept), len(kept) < len(seconds)
 
 
 def epochs_shown(b: TimeBudget | None, cfg: RunConfig) -> str:
