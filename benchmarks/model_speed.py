@@ -24,8 +24,8 @@ other models' PyTorch's FlopCounterMode count of the forward; a training step is
 
 `--batch-threads N` adds another, vitlab's training step as `train.batch_threads=N` runs it (the
 batch in N parts, each part's forward and backward on its own thread with 1/N of the threads;
-vitlab_bt* columns, bt_gain), with `--channels-last` also in NHWC memory: training only, its
-inference columns are vitlab's default call.
+and inference as `vitlab eval --batch-threads N` runs it (vitlab_bt* columns, bt_gain), with
+`--channels-last` also in NHWC memory.
 
 `--isa avx2` re-runs the script with PyTorch's kernels (ATEN_CPU_CAPABILITY), oneDNN and MKL held
 to AVX2: the float32 path of an AVX2-only CPU (no AVX-512, no bf16) on any newer x86 machine. bf16
@@ -52,6 +52,7 @@ import yaml
 import vitlab
 from vitlab.analysis.cost import forward_macs
 from vitlab.config import OptimConfig
+from vitlab.eval.backends import BatchParts
 from vitlab.formats.timm import timm_model_args, vitlab_to_timm
 from vitlab.models.registry import family_of
 from vitlab.runtime import use_bf16
@@ -207,8 +208,8 @@ def step_fns(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: boo
 
 
 def threaded_step_fns(model, x, y, bf16: bool, opt, n: int):
-    """step_fns' pair with the training step as train.batch_threads=n runs it."""
-    infer, _ = step_fns(model, x, y, bf16, opt)
+    """step_fns' pair as train.batch_threads=n trains and --batch-threads n infers."""
+    infer, _ = step_fns(BatchParts(model, n), x, y, bf16, opt)
     threads = BatchThreads(model, n)
     ctx = (lambda: torch.autocast("cpu", torch.bfloat16)) if bf16 else nullcontext
 
@@ -249,8 +250,9 @@ def main() -> None:
         "--batch-threads",
         type=int,
         default=1,
-        help="N > 1: also time vitlab's training step with train.batch_threads=N, interleaved: "
-        "vitlab_bt_* columns and bt_gain (over vitlab's default)",
+        help="N > 1: also time vitlab's model with train.batch_threads=N (training) and "
+        "--batch-threads N (inference), interleaved: vitlab_bt_* columns and bt_gain (over "
+        "vitlab's default)",
     )
     parser.add_argument(
         "--isa",

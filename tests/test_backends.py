@@ -204,8 +204,40 @@ def tiny_cnn():
     return build_model(cfg), CheckpointMeta(cfg, pre, ["a", "b", "c"])
 
 
+def test_batch_threads_give_the_whole_batchs_outputs(trained, digits, capsys) -> None:
+    """--batch-threads 2: the parts' logits in order (an odd batch of 359), under the caller's
+    modes (inference, bf16 autocast: thread-local), one PyTorch thread each; with TTA and int8
+    too (whose activations are quantised per call: against its calls on each half); `vitlab
+    eval` reports the same accuracy and loss."""
+    model, meta = load_checkpoint(trained)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen = set()
+    model.register_forward_pre_hook(lambda *_: seen.add(torch.get_num_threads()))
+    try:
+        for kw in ({}, {"tta": "flip-shift"}, {"int8": True}):
+            with torch.inference_mode():
+                whole = prepare(model, meta, "torch", **kw)
+                want = torch.cat([whole(half) for half in digits.chunk(2)])
+                got = prepare(model, meta, "torch", batch_threads=2, **kw)(digits)
+            assert got.is_inference() and torch.allclose(got, want, atol=1e-5), kw
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+            assert prepare(model, meta, "torch", batch_threads=2)(digits).dtype == torch.bfloat16
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {2, 1}  # the caller's call ran on two threads, the parts on one each
+    reports = []
+    for extra in ([], ["--batch-threads", "2"]):
+        assert main(["eval", str(trained), "--json", *extra]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    assert reports[1]["top1"] == reports[0]["top1"] and reports[1]["top1"] > 0.5
+    assert reports[1]["loss"] == pytest.approx(reports[0]["loss"], abs=1e-5)
+
+
 def test_what_cannot_run_says_why(trained, monkeypatch) -> None:
     model, meta = load_checkpoint(trained)
+    with pytest.raises(BackendError, match="for --backend torch on the CPU"):
+        prepare(model, meta, "onnxruntime", batch_threads=2)
     with pytest.raises(BackendError, match="none outside its classifier"):
         prepare(*tiny_cnn(), "torch", int8=True)
     with pytest.raises(BackendError, match="runs on the CPU"):

@@ -1,7 +1,7 @@
 """Run-time helpers every layer may use (a leaf: imports nothing from vitlab): the device to run
 on and whether it computes in bf16, this process's place in a distributed run (Dist) and its
-gloo-safe sum across ranks, seeds, random-number-generator state and a thread's own random
-stream."""
+gloo-safe sum across ranks, seeds, random-number-generator state, a thread's own random stream
+and the threads that share a batch."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -141,6 +143,31 @@ def drawing_from(generator: torch.Generator) -> Iterator[None]:
         yield
     finally:
         _stream.generator = None
+
+
+def thread_pool(n: int) -> ThreadPoolExecutor:
+    """n worker threads sharing this thread's PyTorch threads (each torch.get_num_threads() // n,
+    at least 1), for a batch's parts (train.batch_threads, --batch-threads). Kept for the process
+    (idle threads cost nothing), one pool per (n, threads each)."""
+    return _pool(n, max(1, torch.get_num_threads() // n))
+
+
+@cache
+def _pool(n: int, threads: int) -> ThreadPoolExecutor:
+    total = torch.get_num_threads()
+    ready = threading.Barrier(n)
+    pool = ThreadPoolExecutor(n, "vitlab-part", initializer=_set_threads, initargs=(threads,))
+    for job in [pool.submit(ready.wait) for _ in range(n)]:  # n threads, each initialised
+        job.result()
+    torch.set_num_threads(total)  # the count threads started later begin with, which the
+    return pool  # workers' torch.set_num_threads set too
+
+
+def _set_threads(threads: int) -> None:
+    """This thread's kernels run on `threads` threads (after it took the process's count once:
+    a thread does so at its first parallel kernel, which would undo a count set before)."""
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
 
 
 def seeded_split(n: int, fraction: float, seed: int) -> tuple[Tensor, Tensor]:

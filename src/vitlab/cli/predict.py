@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         int8=args.int8,
         tta=args.tta,
+        batch_threads=args.batch_threads,
     )
     if args.json:
         print(json.dumps(results, indent=2))

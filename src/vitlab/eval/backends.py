@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from vitlab.data.transforms import shift_images
 from vitlab.formats.vitlab import CheckpointMeta
+from vitlab.runtime import thread_pool
 
 BACKENDS = ("torch", "onnxruntime")
 TTA_MODES = ("none", "flip", "flip-shift")  # test-time augmentation: ViewAverage
@@ -54,12 +55,14 @@ def prepare(
     int8: bool = False,
     threads: int | None = None,
     tta: str = "none",
+    batch_threads: int = 1,
 ) -> nn.Module:
     """`model` (eval mode) run by `backend`: images (B, C, H, W) float32 -> logits (B, classes).
     onnxruntime exports the model to a temporary file first (checked against PyTorch within
     1e-4), with `threads` intra-op threads (default: torch's). tta="flip" averages each image's
     prediction with its mirror image's, "flip-shift" also with both shifted a pixel each way
-    (ViewAverage)."""
+    (ViewAverage). batch_threads > 1 (torch on the CPU) cuts each batch into that many parts,
+    each run on its own thread (BatchParts)."""
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}: choose from {', '.join(BACKENDS)}")
     if tta not in TTA_MODES:
@@ -69,8 +72,15 @@ def prepare(
     model = model.eval()
     if int8:
         _check_int8(model, meta)
+    if batch_threads > 1 and (backend != "torch" or _device_of(model).type != "cpu"):
+        raise BackendError(
+            f"--batch-threads {batch_threads} splits a batch among PyTorch's CPU threads: for "
+            f"--backend torch on the CPU (onnxruntime runs its own threads); got "
+            f"{describe(backend, int8)} on {_device_of(model)}"
+        )
     if backend == "torch":
         runner = quantize_linear(model) if int8 else model
+        runner = BatchParts(runner, batch_threads) if batch_threads > 1 else runner
     else:
         runner = OnnxRuntimeModel(model, meta, int8, threads or torch.get_num_threads())
     if tta == "none":
@@ -78,6 +88,32 @@ def prepare(
     pre = meta.preprocessing  # shifted in: black, normalised as the images are
     black = [-m / s for m, s in zip(pre.mean, pre.std, strict=True)]
     return ViewAverage(runner, SHIFTS if tta == "flip-shift" else SHIFTS[:1], black)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+class BatchParts(nn.Module):
+    """`model` on a batch cut into n parts, each part on its own thread with 1/n of PyTorch's
+    threads (runtime.thread_pool), the outputs concatenated in order: faster on a CPU at small
+    widths, whose small kernels two OpenMP threads share poorly (train.batch_threads' inference).
+    Each thread takes the caller's grad, inference and CPU autocast modes (thread-local)."""
+
+    def __init__(self, model: nn.Module, n: int) -> None:
+        super().__init__()
+        self.model, self.n = model, n
+
+    def forward(self, x: Tensor) -> Tensor:
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        dtype, bf16 = torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cpu")
+
+        def run(part: Tensor) -> Tensor:
+            autocast = torch.autocast("cpu", dtype, enabled=bf16)
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad), autocast:
+                return self.model(part)
+
+        return torch.cat(list(thread_pool(self.n).map(run, x.chunk(self.n))))
 
 
 class ViewAverage(nn.Module):

@@ -53,6 +53,7 @@ def evaluate_checkpoint(
     backend: str = "torch",
     int8: bool = False,
     tta: str = "none",
+    batch_threads: int = 1,
 ) -> dict:
     """Metrics of a checkpoint on a split, run by `backend` with test-time augmentation `tta`
     (vitlab.eval.backends); saves confusion_matrix.png. The dataset and its validation carve-out
@@ -79,7 +80,7 @@ def evaluate_checkpoint(
             f"{meta.config.num_classes}"
         )
     loader = make_loader(part, batch_size, meta.preprocessing)
-    runner = prepare(model, meta, backend, int8, tta=tta)
+    runner = prepare(model, meta, backend, int8, tta=tta, batch_threads=batch_threads)
     metrics = evaluate(runner, loader, meta.config.num_classes, dev)
     target = Path(out) if out else (run or Path("."))
     target.mkdir(parents=True, exist_ok=True)
@@ -137,6 +138,7 @@ def predict_files(
     backend: str = "torch",
     int8: bool = False,
     tta: str = "none",
+    batch_threads: int = 1,
 ) -> list:
     """Top-k classes with probabilities for each image file, run by `backend` with test-time
     augmentation `tta` (vitlab.eval.backends); unreadable files are reported."""
@@ -144,7 +146,7 @@ def predict_files(
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:
         raise ValueError(f"{checkpoint} has no classifier (num_classes=0): nothing to predict")
-    model = prepare(model, meta, backend, int8, tta=tta)
+    model = prepare(model, meta, backend, int8, tta=tta, batch_threads=batch_threads)
     k = min(topk, meta.config.num_classes)
     results = []
     for path in images:

@@ -14,17 +14,14 @@ other masks than with one thread. Dropout layers draw from the default stream: r
 from __future__ import annotations
 
 import copy
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from functools import cache
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from vitlab.runtime import drawing_from
+from vitlab.runtime import drawing_from, thread_pool
 
 Part = tuple[Tensor, Tensor | None, int, tuple[Tensor | None, ...]]  # loss, right, made, grads
 
@@ -37,7 +34,7 @@ class BatchThreads:
         self.replicas = [model] + [_replica(model) for _ in range(n - 1)]
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.norms = [_norms(r) for r in self.replicas]
-        self.pool = _pool(n, max(1, torch.get_num_threads() // n))
+        self.pool = thread_pool(n)
         self.grads: list[Tensor | None] = []
 
     def forward_backward(
@@ -130,23 +127,3 @@ def _sum(grads: tuple[Tensor | None, ...]) -> Tensor | None:
     for g in present[1:]:
         total = total + g
     return total
-
-
-@cache
-def _pool(n: int, threads: int) -> ThreadPoolExecutor:
-    """n worker threads, each running PyTorch's kernels on `threads` threads; kept for the
-    process (idle threads cost nothing), one pool per (n, threads)."""
-    total = torch.get_num_threads()
-    ready = threading.Barrier(n)
-    pool = ThreadPoolExecutor(n, "vitlab-part", initializer=_set_threads, initargs=(threads,))
-    for job in [pool.submit(ready.wait) for _ in range(n)]:  # n threads, each initialised
-        job.result()
-    torch.set_num_threads(total)  # the count threads started later begin with, which the
-    return pool  # workers' torch.set_num_threads set too
-
-
-def _set_threads(threads: int) -> None:
-    """This thread's kernels run on `threads` threads (after it took the process's count once:
-    a thread does so at its first parallel kernel, which would undo a count set before)."""
-    torch.get_num_threads()
-    torch.set_num_threads(threads)
