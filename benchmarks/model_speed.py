@@ -22,9 +22,9 @@ other models' PyTorch's FlopCounterMode count of the forward; a training step is
 `--channels-last` adds a third contestant, vitlab's model as `train.channels_last` trains it
 (convolution weights and images in NHWC memory), timed interleaved with the other two.
 
-`--batch-threads N` adds another, vitlab's training step as `train.batch_threads=N` runs it (the
-batch in N parts, each part's forward and backward on its own thread with 1/N of the threads;
-and inference as `vitlab eval --batch-threads N` runs it (vitlab_bt* columns, bt_gain), with
+`--batch-threads N` adds another: vitlab's training step as `train.batch_threads=N` runs it (the
+batch in N parts, each part's forward and backward on its own thread with 1/N of the threads) and
+its inference as `vitlab eval --batch-threads N` runs it; vitlab_bt_* columns and bt_gain, with
 `--channels-last` also in NHWC memory.
 
 `--isa avx2` re-runs the script with PyTorch's kernels (ATEN_CPU_CAPABILITY), oneDNN and MKL held
@@ -51,6 +51,7 @@ import yaml
 
 import vitlab
 from vitlab.analysis.cost import forward_macs
+from vitlab.cli.eval import positive_int
 from vitlab.config import OptimConfig
 from vitlab.eval.backends import BatchParts
 from vitlab.formats.timm import timm_model_args, vitlab_to_timm
@@ -248,7 +249,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--batch-threads",
-        type=int,
+        type=positive_int,
         default=1,
         help="N > 1: also time vitlab's model with train.batch_threads=N (training) and "
         "--batch-threads N (inference), interleaved: vitlab_bt_* columns and bt_gain (over "

@@ -146,6 +146,7 @@ def test_training_with_batch_threads(tmp_path) -> None:
         (["model.dropout=0.1"], "model.dropout=0.1: dropout draws from PyTorch's one random"),
         (["model.attn_dropout=0.1"], "use model.drop_path"),
         (["train.compile=true"], "runs the model eagerly"),
+        (["train.grad_checkpointing=true"], "with train.grad_checkpointing is not supported"),
         (["train.batch_threads=0"], "batch_threads and max_steps must be >= 1"),
     ],
 )

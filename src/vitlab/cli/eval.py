@@ -35,6 +35,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="where to save confusion_matrix.png (default: the run folder, else the current one)",
     )
     add_backend_arguments(p)
+    p.add_argument(
+        "--batch-threads",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="cut each batch into N parts, each run on its own thread with 1/N of PyTorch's CPU "
+        "threads (--backend torch on the CPU): faster at small widths, e.g. 2 on 2 cores "
+        "(default 1; int8 quantises each part's activations on their own). A distilled model's "
+        "per-head top-1 is not reported with it",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -75,8 +85,7 @@ def positive_int(text: str) -> int:
 
 
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
-    """--backend, --int8, --tta and --batch-threads, as `vitlab eval` and `vitlab predict` take
-    them."""
+    """--backend, --int8 and --tta, as `vitlab eval` and `vitlab predict` take them."""
     p.add_argument(
         "--backend",
         choices=["torch", "onnxruntime"],
@@ -101,13 +110,4 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
         "flip-shift: also with both shifted by one pixel up, down, left and right, black pixels "
         "moved in (10 views, 10x the compute; for models trained with data.hflip and "
         "data.crop_padding). A distilled model's per-head top-1 is not reported with either",
-    )
-    p.add_argument(
-        "--batch-threads",
-        type=positive_int,
-        default=1,
-        metavar="N",
-        help="cut each batch into N parts, each run on its own thread with 1/N of PyTorch's CPU "
-        "threads (--backend torch on the CPU): faster at small widths, e.g. 2 on 2 cores "
-        "(default 1). A distilled model's per-head top-1 is not reported with it",
     )

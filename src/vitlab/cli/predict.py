@@ -37,7 +37,6 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         int8=args.int8,
         tta=args.tta,
-        batch_threads=args.batch_threads,
     )
     if args.json:
         print(json.dumps(results, indent=2))

@@ -80,7 +80,7 @@ def prepare(
         )
     if backend == "torch":
         runner = quantize_linear(model) if int8 else model
-        runner = BatchParts(runner, batch_threads) if batch_threads > 1 else runner
+        runner = BatchParts(runner, batch_threads).eval() if batch_threads > 1 else runner
     else:
         runner = OnnxRuntimeModel(model, meta, int8, threads or torch.get_num_threads())
     if tta == "none":
@@ -113,7 +113,8 @@ class BatchParts(nn.Module):
             with torch.inference_mode(inference), torch.set_grad_enabled(grad), autocast:
                 return self.model(part)
 
-        return torch.cat(list(thread_pool(self.n).map(run, x.chunk(self.n))))
+        parts = [part for part in torch.tensor_split(x, self.n) if len(part)]
+        return torch.cat(list(thread_pool(self.n).map(run, parts)))
 
 
 class ViewAverage(nn.Module):

@@ -138,7 +138,6 @@ def predict_files(
     backend: str = "torch",
     int8: bool = False,
     tta: str = "none",
-    batch_threads: int = 1,
 ) -> list:
     """Top-k classes with probabilities for each image file, run by `backend` with test-time
     augmentation `tta` (vitlab.eval.backends); unreadable files are reported."""
@@ -146,7 +145,7 @@ def predict_files(
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:
         raise ValueError(f"{checkpoint} has no classifier (num_classes=0): nothing to predict")
-    model = prepare(model, meta, backend, int8, tta=tta, batch_threads=batch_threads)
+    model = prepare(model, meta, backend, int8, tta=tta)
     k = min(topk, meta.config.num_classes)
     results = []
     for path in images:

@@ -9,8 +9,10 @@ the call), the time per step, an estimate of each epoch's end (validation + chec
 test split, less a safety margin. At the first epoch end after that, whose cost is then measured,
 N is planned once more. Then every CHECK_EVERY steps the latest steps' pace is compared with the
 plan's, and when it differs by more than DRIFT (a shared machine's neighbours come and go) N is
-planned again at that pace, longer or shorter, at any point of the run. A stall (one step more
-than STALL times the median) is left out of the pace and only costs its time: N is planned again.
+planned again at that pace, longer or shorter, at any point of the run. A stall between two steps
+of an epoch (a paused process, a suspended laptop: one step longer than all others of its window
+together, typical_step) is left out of the pace, its time only lost: N is planned again. (A stall
+at an epoch end is taken for that epoch end's cost.)
 The schedule (warm-up as configured, at most a fifth of the steps, then the configured decay) is
 laid over the first plan's N, its warm-up kept step for step. A longer plan stretches what is left
 of it over the steps left: the learning rate goes on from where it is (late in the run the decay
@@ -56,8 +58,6 @@ MARGIN_S = 1.0
 TAIL_S = 2.0  # after the test split: curves.png, results.json, exit
 CHECK_EVERY = 50  # the plan is checked every this many steps against their pace
 DRIFT = 0.05  # and made again when the latest steps are this much slower or faster
-STALL = 5.0  # a step this many times as long as the median is a stall (a paused process, a
-# suspended laptop): its time is lost, but it says nothing of the steps to come
 STUB = 0.05  # a last epoch shorter than this share of one is dropped
 FORWARD = 1 / 3  # an evaluation image costs about this share of a training image (no backward)
 PLAN_FILE = "time_budget.json"
@@ -190,9 +190,10 @@ class TimeBudget:
         if last is not None and last[0] == step - 1 and last[0] >= self.first + SKIP_STEPS:
             gap = now - last[1]
             if step % self.spe == 0 and self.steps:  # an epoch ended between the two steps
-                self.ends.append(max(0.0, gap - sum(self.steps) / len(self.steps)))
+                self.ends.append(max(0.0, gap - typical_step(self.recent or self.steps)[0]))
             else:
-                self.steps.append(gap)
+                if not self.final:  # what the plans before the first epoch end use
+                    self.steps.append(gap)
                 self.recent.append(gap)
         self.last = (step, now)
         if self.total is None and step == self.first + SKIP_STEPS + TIMED_STEPS:
@@ -201,8 +202,9 @@ class TimeBudget:
             self._plan(step, self._costs, final=True, note=" (planned again after an epoch end)")
             self.recent.clear()  # the new plan's pace is these steps' mean: compare afresh
         elif self.total is not None and step % CHECK_EVERY == 0:
-            note = " (planned again: the steps' pace changed)"
-            self._plan(step, self._paced, final=True, note=note)
+            lost = typical_step(self.recent)[1] if self.recent else 0.0
+            why = f"after a stall of {lost:.0f} s" if lost else "the steps' pace changed"
+            self._plan(step, self._paced, final=True, note=f" (planned again: {why})")
 
     def _costs(self) -> Costs:
         step, _ = typical_step(self.steps)
@@ -220,8 +222,8 @@ class TimeBudget:
         was = self.planned
         if was is None or len(self.recent) < CHECK_EVERY // 2:
             return None
-        now, stalled = typical_step(self.recent)
-        if abs(now / was.step - 1) <= DRIFT and not stalled:
+        now, lost = typical_step(self.recent)
+        if abs(now / was.step - 1) <= DRIFT and not lost:
             return None
         k = now / was.step
         return Costs(now, was.epoch_end * k, (was.final - TAIL_S) * k + TAIL_S)
@@ -301,10 +303,14 @@ class TimeBudget:
         self.cfg.train.epochs = math.ceil(total / self.spe)
 
 
-def typical_step(seconds: Sequence[float]) -> tuple[float, bool]:
-    """(mean seconds of the steps, leaving out stalls; whether any was left out)."""
-    kept = [s for s in seconds if s <= STALL * statistics.median(seconds)]
-    return sum(kept) / len(kept), len(kept) < len(seconds)
+def typical_step(seconds: Sequence[float]) -> tuple[float, float]:
+    """(mean seconds of the steps leaving out stalls, the seconds the stalls lost over that mean).
+    A stall: a step longer than the median times the steps' count, about all the others together
+    (a paused process, not the machine's jitter: a slow step now and then stays in the mean)."""
+    limit = statistics.median(seconds) * len(seconds)
+    kept = [s for s in seconds if s <= limit]
+    mean = sum(kept) / len(kept)
+    return mean, sum(s - mean for s in seconds if s > limit)
 
 
 def epochs_shown(b: TimeBudget | None, cfg: RunConfig) -> str:

@@ -162,9 +162,16 @@ def check_processes(cfg: RunConfig, d: Dist, device: torch.device) -> None:
 def check_batch_threads(cfg: RunConfig, mc: object) -> None:
     """train.batch_threads > 1 trains eagerly, and the model draws only from the parts' own random
     streams (vitlab.train.threads): dropout layers draw from PyTorch's default stream, which the
-    threads would share in an order that differs from run to run."""
+    threads would share in an order that differs from run to run, and gradient checkpointing
+    recomputes with the default stream's state."""
     if cfg.train.compile:
         raise ConfigError("train.batch_threads > 1 runs the model eagerly: leave train.compile off")
+    if cfg.train.grad_checkpointing:  # its recomputation restores the default stream, not a part's
+        raise ConfigError(
+            "train.batch_threads > 1 with train.grad_checkpointing is not supported (the "
+            "recomputed forward would draw other DropPath masks than the parts' streams did): "
+            "choose one"
+        )
     fields = ("dropout", "attn_dropout", "head_dropout")
     used = [f"model.{f}={getattr(mc, f)}" for f in fields if getattr(mc, f, 0.0)]
     if used:

@@ -4,17 +4,20 @@ its own thread with 1/N of the CPU threads, the parts' gradients summed in a fix
 Why: at the widths trained on a CPU a step is many small kernels (LayerNorm, GELU, adds, copies,
 attention over 50 tokens, matrix products with 64 columns) that two OpenMP threads share poorly;
 two single-threaded halves keep both cores busy (BENCHMARKS.md, issue 16, goal 1). The step is the
-same sum of per-image gradients, with two differences from one thread, both as under DDP: BatchNorm
-normalises each part by the part's statistics (its running statistics become the parts' mean), and
-the model's own random draws (DropPath, masked patch prediction's corruption) come from a generator
-per part seeded from PyTorch's default stream, so a run is reproducible (and resumable) but draws
-other masks than with one thread. Dropout layers draw from the default stream: refused with it
-(build.resolve_model_config). CPU, one process, eager: refused otherwise (Run)."""
+same sum of per-image gradients, with these differences from one thread: BatchNorm normalises each
+part by the part's statistics (as DDP's ranks do; its running statistics become the parts' mean,
+where DDP keeps rank 0's); the model's own random draws (DropPath, masked patch prediction's
+corruption) come from a generator per part seeded from PyTorch's default stream, so a run is
+reproducible (and resumable) but draws other masks than with one thread; masked patch
+prediction's `random` replacements come from the part's patches. Dropout layers draw from the
+default stream, and gradient checkpointing recomputes with its state: both refused
+(build.check_batch_threads), as are compile, torchrun and GPUs."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from concurrent.futures import wait
 from contextlib import AbstractContextManager
 
 import torch
@@ -52,12 +55,13 @@ class BatchThreads:
         for replica in self.replicas[1:]:
             replica.train(main.training)
         _copy_statistics(self.norms)
-        xs, ys = x.chunk(len(self.replicas)), y.chunk(len(self.replicas))
+        xs, ys = _split(x, len(self.replicas)), _split(y, len(self.replicas))
         seeds = torch.randint(2**62, (len(xs),)).tolist()  # the default stream: resumable
         jobs = [
             self.pool.submit(self._part, r, objective, a, b, s, autocast, len(a) / len(x) / accum)
             for r, a, b, s in zip(self.replicas, xs, ys, seeds)
         ]
+        wait(jobs)  # all parts done, failed or not, before the model is touched again
         parts = [job.result() for job in jobs]  # in order; a part's exception is raised here
         _mean_statistics(self.norms[: len(parts)])
         self.grads = [_sum(g) for g in zip(*(grads for *_, grads in parts))]
@@ -84,6 +88,11 @@ class BatchThreads:
             loss, right, made = objective(replica, x, y)
         grads = torch.autograd.grad(loss * weight, self.params, allow_unused=True)
         return loss.detach(), right, made, grads
+
+
+def _split(t: Tensor, n: int) -> tuple[Tensor, ...]:
+    """t in n parts as even as can be (sizes differing by at most 1), none empty."""
+    return tuple(part for part in torch.tensor_split(t, n) if len(part))
 
 
 def _replica(model: nn.Module) -> nn.Module:
