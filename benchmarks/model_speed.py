@@ -217,7 +217,7 @@ def threaded_step_fns(model, x, y, bf16: bool, opt, n: int):
     def train() -> None:
         model.train()
         opt.zero_grad(set_to_none=True)
-        threads.forward_backward(classification(), x, y, ctx, 1)
+        threads.forward_backward(classification(), x, y, ctx, 1, seed=0)
         threads.add_gradients()
         opt.step()
 

@@ -55,7 +55,7 @@ def test_the_parts_give_the_whole_batchs_loss_and_gradient_on_one_thread_each(tw
         lambda *_: seen.add((threading.current_thread().name[:11], torch.get_num_threads()))
     )
     threads = BatchThreads(ours, 2)
-    loss, right, made = threads.forward_backward(classification(), x, y, nullcontext, 2)
+    loss, right, made = threads.forward_backward(classification(), x, y, nullcontext, 2, seed=0)
     assert ours.head.weight.grad is None  # held until add_gradients (a NaN loss applies none)
     threads.add_gradients()
     logits = ref(x)
@@ -67,7 +67,7 @@ def test_the_parts_give_the_whole_batchs_loss_and_gradient_on_one_thread_each(tw
     a, b = grads(ours), grads(ref)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-4, msg=k)
-    threads.forward_backward(classification(), x, y, nullcontext, 2)
+    threads.forward_backward(classification(), x, y, nullcontext, 2, seed=0)
     threads.add_gradients()  # the second of two accumulated batches: the sum
     for k, g in grads(ours).items():
         torch.testing.assert_close(g, 2 * b[k], atol=1e-6, rtol=1e-4, msg=k)
@@ -82,7 +82,7 @@ def test_batchnorm_normalises_each_part_and_keeps_their_mean_statistics(two_thre
     whole = copy.deepcopy(ours)
     x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
     threads = BatchThreads(ours, 2)
-    threads.forward_backward(classification(), x, y, nullcontext, 1)
+    threads.forward_backward(classification(), x, y, nullcontext, 1, seed=0)
     threads.add_gradients()
     for half, part, part_y in zip(halves, x.chunk(2), y.chunk(2)):
         (F.cross_entropy(half(part), part_y) / 2).backward()
@@ -117,12 +117,16 @@ def test_drop_path_draws_from_the_threads_own_stream() -> None:
 
 
 def test_training_with_batch_threads(tmp_path) -> None:
-    """Without random draws in the model, two threads learn the one thread's weights (to float
-    noise); with drop_path a run is reproducible and resumes exactly."""
+    """Without random draws in the model, two threads learn the one thread's weights and EMA (to
+    float noise; mixed labels and label smoothing on the way); with drop_path a run is
+    reproducible and resumes exactly."""
     common = ["train.precision=fp32", "train.epochs=2", "train.batch_size=32"]
-    one = train(cfg(*common), out=tmp_path / "one")
-    two = train(cfg(*common, "train.batch_threads=2"), out=tmp_path / "two")
+    mixing = ["data.mixup=0.5", "optim.label_smoothing=0.1", "train.ema=0.9"]
+    one = train(cfg(*common, *mixing), out=tmp_path / "one")
+    two = train(cfg(*common, *mixing, "train.batch_threads=2"), out=tmp_path / "two")
     a, b = weights_of(one), weights_of(two)
+    a.update({f"ema.{k}": v for k, v in weights_of(one, "best").items()})
+    b.update({f"ema.{k}": v for k, v in weights_of(two, "best").items()})
     for k in a:
         if k.endswith("qkv.bias"):  # without the key's third: its gradient is 0 in exact
             # arithmetic (softmax ignores what is added to all of a query's scores), and AdamW

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from vitlab.config import DistillConfig
 from vitlab.data.loader import Loader
 from vitlab.models.mpp import mpp_loss
-from vitlab.runtime import Dist, rng_state
+from vitlab.runtime import Dist, derive_seed, rng_state
 from vitlab.train.distill import TwoHeads, distillation_loss
 from vitlab.train.distributed import all_sum, any_rank
 from vitlab.train.optim import EMA
@@ -92,6 +92,7 @@ class StepSettings:
     max_steps: int | None = None  # the run ends at this step (train.max_steps or time_budget)
     memory_format: torch.memory_format = torch.preserve_format  # the images' (train.channels_last)
     batch_threads: int = 1  # each batch's parts on this many threads (train.batch_threads)
+    seed: int = 0  # train.seed: the batch parts' random streams derive from it
 
 
 def train_epoch(
@@ -134,7 +135,12 @@ def train_epoch(
                 loss, right, made = settings.objective(model, x, y)
             else:  # forward and backward already, the gradients held until the loss is checked
                 loss, right, made = threads.forward_backward(
-                    settings.objective, x, y, settings.autocast, accum
+                    settings.objective,
+                    x,
+                    y,
+                    settings.autocast,
+                    accum,
+                    derive_seed(settings.seed, d.rank, pos.epoch, i),
                 )
             value = loss.item()  # the step's one host sync
             if any_rank(not math.isfinite(value), d, device):

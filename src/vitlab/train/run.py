@@ -228,6 +228,7 @@ class Run:
             max_steps=cfg.train.max_steps,
             memory_format=self.layout,
             batch_threads=cfg.train.batch_threads,
+            seed=cfg.train.seed,
         )
 
     def _objective(self) -> engine.Objective:

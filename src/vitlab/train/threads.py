@@ -7,8 +7,9 @@ two single-threaded halves keep both cores busy (BENCHMARKS.md, issue 16, goal 1
 same sum of per-image gradients, with these differences from one thread: BatchNorm normalises each
 part by the part's statistics (as DDP's ranks do; its running statistics become the parts' mean,
 where DDP keeps rank 0's); the model's own random draws (DropPath, masked patch prediction's
-corruption) come from a generator per part seeded from PyTorch's default stream, so a run is
-reproducible (and resumable) but draws other masks than with one thread; masked patch
+corruption) come from a generator per part seeded from (train.seed, epoch, batch, part), so a run is
+reproducible (and resumable) but draws other masks than with one thread, while PyTorch's default
+stream (augmentation of in-memory datasets, mixup) goes on as with one thread; masked patch
 prediction's `random` replacements come from the part's patches. Dropout layers draw from the
 default stream, and gradient checkpointing recomputes with its state: both refused
 (build.check_batch_threads), as are compile, torchrun and GPUs."""
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from vitlab.runtime import drawing_from, thread_pool
+from vitlab.runtime import derive_seed, drawing_from, thread_pool
 
 Part = tuple[Tensor, Tensor | None, int, tuple[Tensor | None, ...]]  # loss, right, made, grads
 
@@ -47,16 +48,18 @@ class BatchThreads:
         y: Tensor,
         autocast: Callable[[], AbstractContextManager],
         accum: int,
+        seed: int,
     ) -> tuple[Tensor, Tensor | None, int]:
         """The whole batch's (loss, right, made), as objective(model, x, y) gives them, after each
         part's forward and backward on its thread. The gradients (of loss / accum) are held until
-        add_gradients(): a non-finite loss leaves the model's untouched."""
+        add_gradients(): a non-finite loss leaves the model's untouched. Part i draws its random
+        numbers from a generator seeded with derive_seed(seed, i)."""
         main = self.replicas[0]
         for replica in self.replicas[1:]:
             replica.train(main.training)
         _copy_statistics(self.norms)
         xs, ys = _split(x, len(self.replicas)), _split(y, len(self.replicas))
-        seeds = torch.randint(2**62, (len(xs),)).tolist()  # the default stream: resumable
+        seeds = [derive_seed(seed, i) for i in range(len(xs))]
         jobs = [
             self.pool.submit(self._part, r, objective, a, b, s, autocast, len(a) / len(x) / accum)
             for r, a, b, s in zip(self.replicas, xs, ys, seeds)
