@@ -1,5 +1,5 @@
-"""train.batch_threads: each training batch in N equal parts, each part's forward and backward on
-its own thread with 1/N of the CPU threads, the parts' gradients summed in a fixed order.
+"""train.batch_threads: each training batch in N parts (as even as can be), each part's forward and
+backward on its own thread with 1/N of the CPU threads, the parts' gradients summed in order.
 
 Why: at the widths trained on a CPU a step is many small kernels (LayerNorm, GELU, adds, copies,
 attention over 50 tokens, matrix products with 64 columns) that two OpenMP threads share poorly;
