@@ -11,8 +11,9 @@ N is planned once more. Then every CHECK_EVERY steps the latest steps' pace is c
 plan's, and when it differs by more than DRIFT (a shared machine's neighbours come and go) N is
 planned again at that pace, longer or shorter, at any point of the run. A stall between two steps
 of an epoch (a paused process, a suspended laptop: one step longer than all others of its window
-together, typical_step) is left out of the pace, its time only lost: N is planned again. (A stall
-at an epoch end is taken for that epoch end's cost.)
+together, typical_step) is left out of the pace, its time only lost: N is planned again; so is it
+after an epoch end that took a window's steps longer than the plan's estimate. (A stall at the
+first epoch end is taken for the epoch ends' cost.)
 The schedule (warm-up as configured, at most a fifth of the steps, then the configured decay) is
 laid over the first plan's N, its warm-up kept step for step. A longer plan stretches what is left
 of it over the steps left: the learning rate goes on from where it is (late in the run the decay
@@ -149,6 +150,7 @@ class TimeBudget:
         self.steps: list[float] = []  # seconds of timed steps
         self.recent: deque[float] = deque(maxlen=CHECK_EVERY)  # the latest of them
         self.ends: list[float] = []  # seconds of measured epoch ends
+        self.stalled = 0.0  # seconds epoch ends took past the plan's estimate, not yet planned for
         self.total: int | None = None
         self.planned: Costs | None = None  # what the plan in force assumed
         self.final = False
@@ -190,7 +192,11 @@ class TimeBudget:
         if last is not None and last[0] == step - 1 and last[0] >= self.first + SKIP_STEPS:
             gap = now - last[1]
             if step % self.spe == 0 and self.steps:  # an epoch ended between the two steps
-                self.ends.append(max(0.0, gap - typical_step(self.recent or self.steps)[0]))
+                typical = typical_step(self.recent or self.steps)[0]
+                self.ends.append(max(0.0, gap - typical))
+                was = self.planned
+                if self.final and was and self.ends[-1] > was.epoch_end + typical * CHECK_EVERY:
+                    self.stalled += self.ends[-1] - was.epoch_end  # lost at the epoch end
             else:
                 if not self.final:  # what the plans before the first epoch end use
                     self.steps.append(gap)
@@ -202,9 +208,10 @@ class TimeBudget:
             self._plan(step, self._costs, final=True, note=" (planned again after an epoch end)")
             self.recent.clear()  # the new plan's pace is these steps' mean: compare afresh
         elif self.total is not None and step % CHECK_EVERY == 0:
-            lost = typical_step(self.recent)[1] if self.recent else 0.0
+            lost = (typical_step(self.recent)[1] if self.recent else 0.0) + self.stalled
             why = f"after a stall of {lost:.0f} s" if lost else "the steps' pace changed"
             self._plan(step, self._paced, final=True, note=f" (planned again: {why})")
+            self.stalled = 0.0
 
     def _costs(self) -> Costs:
         step, _ = typical_step(self.steps)
@@ -223,7 +230,7 @@ class TimeBudget:
         if was is None or len(self.recent) < CHECK_EVERY // 2:
             return None
         now, lost = typical_step(self.recent)
-        if abs(now / was.step - 1) <= DRIFT and not lost:
+        if abs(now / was.step - 1) <= DRIFT and not lost and not self.stalled:
             return None
         k = now / was.step
         return Costs(now, was.epoch_end * k, (was.final - TAIL_S) * k + TAIL_S)
