@@ -144,6 +144,28 @@ def test_training_with_batch_threads(tmp_path) -> None:
     assert not all(torch.allclose(s[k], a[k], atol=1e-3) for k in s)  # the masks took effect
 
 
+def test_each_batch_draws_from_its_own_seed_again_on_resume(tmp_path, monkeypatch) -> None:
+    """The seed the parts' streams derive from: one per batch (accumulated batches included),
+    never repeated over the epochs, and the same batches' seeds after a resume."""
+    seeds: list[int] = []
+    real = BatchThreads.forward_backward
+
+    def recording(self, objective, x, y, autocast, accum, seed):
+        seeds.append(seed)
+        return real(self, objective, x, y, autocast, accum, seed)
+
+    monkeypatch.setattr(BatchThreads, "forward_backward", recording)
+    common = ["train.epochs=2", "train.batch_size=64", "train.accum_steps=2",
+              "train.batch_threads=2", "model.drop_path=0.1"]  # fmt: skip
+    train(cfg(*common), out=tmp_path / "straight")
+    straight = list(seeds)
+    assert len(straight) == 2 * 22 and len(set(straight)) == len(straight)  # 1,438 images
+    seeds.clear()
+    half = train(cfg(*common, "train.stop_at_epoch=1"), out=tmp_path / "half")
+    train(load_run_config(str(half / "config.yaml")), resume=half)
+    assert seeds == straight
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

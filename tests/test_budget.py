@@ -177,12 +177,16 @@ def test_a_stall_costs_its_time_and_not_the_runs_pace(tmp_path, monkeypatch) -> 
     assert plans_stalled[:2] == plans[:2] and plans[1] > 800
     assert plans[-1] - 250 <= plans_stalled[-1] <= plans[-1] - 230
     assert 121.0 * 0.9 <= length <= 121.0
-    # the same 30 s at an epoch end (the gap after step 399, whose end is its 1 s x pace)
-    plans_stalled, length = run_on_a_fake_clock(
-        monkeypatch, tmp_path, 121, lambda s: 30.0 / 1.1 if s == 399 else 1.0
-    )
-    assert plans[-1] - 250 <= plans_stalled[-1] <= plans[-1] - 230
-    assert 121.0 * 0.9 <= length <= 121.0
+    # 30 s at an epoch end: step 399 (or 439) and the epoch's end after it take 30 s together;
+    # planned for at the check of step 400 (450), or at the pace of the plan when the window
+    # since the last plan is too short to pace (25 steps an epoch: the check after step 50's end)
+    for stall, spe in ((399, 40), (439, 40), (49, 25)):
+        steady, _ = run_on_a_fake_clock(monkeypatch, tmp_path, 121, lambda s: 1.0, spe=spe)
+        plans_stalled, length = run_on_a_fake_clock(
+            monkeypatch, tmp_path, 121, lambda s: 30.0 / 1.1 if s == stall else 1.0, spe=spe
+        )
+        assert steady[-1] - 300 <= plans_stalled[-1] <= steady[-1] - 200, (stall, spe)
+        assert 121.0 * 0.85 <= length <= 121.0, (stall, spe)
 
 
 def test_a_plan_written_before_schedules_were_anchored_resumes_on_its_own_steps(tmp_path):

@@ -13,7 +13,8 @@ planned again at that pace, longer or shorter, at any point of the run. A stall 
 of an epoch (a paused process, a suspended laptop: one step longer than all others of its window
 together, typical_step) is left out of the pace, its time only lost: N is planned again; so is it
 after an epoch end that took a window's steps longer than the plan's estimate. (A stall at the
-first epoch end is taken for the epoch ends' cost.)
+first epoch end is taken for every epoch end's cost: the plan stays short for the rest of the
+run.)
 The schedule (warm-up as configured, at most a fifth of the steps, then the configured decay) is
 laid over the first plan's N, its warm-up kept step for step. A longer plan stretches what is left
 of it over the steps left: the learning rate goes on from where it is (late in the run the decay
@@ -211,7 +212,8 @@ class TimeBudget:
             lost = (typical_step(self.recent)[1] if self.recent else 0.0) + self.stalled
             why = f"after a stall of {lost:.0f} s" if lost else "the steps' pace changed"
             self._plan(step, self._paced, final=True, note=f" (planned again: {why})")
-            self.stalled = 0.0
+            if lost:  # the stall is planned for (or the plan kept): not counted again
+                self.recent.clear()
 
     def _costs(self) -> Costs:
         step, _ = typical_step(self.steps)
@@ -226,11 +228,14 @@ class TimeBudget:
     def _paced(self) -> Costs | None:
         """The plan's costs scaled to the latest steps' pace when that differs by more than
         DRIFT, or when a stall lost time (None: on plan)."""
-        was = self.planned
-        if was is None or len(self.recent) < CHECK_EVERY // 2:
+        was, stalled = self.planned, self.stalled
+        self.stalled = 0.0
+        if was is None:
             return None
+        if len(self.recent) < CHECK_EVERY // 2:  # too few steps to pace: a stall at an epoch end
+            return was if stalled else None  # costs its time at the plan's pace
         now, lost = typical_step(self.recent)
-        if abs(now / was.step - 1) <= DRIFT and not lost and not self.stalled:
+        if abs(now / was.step - 1) <= DRIFT and not lost and not stalled:
             return None
         k = now / was.step
         return Costs(now, was.epoch_end * k, (was.final - TAIL_S) * k + TAIL_S)

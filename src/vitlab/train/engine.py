@@ -19,7 +19,7 @@ from vitlab.runtime import Dist, derive_seed, rng_state
 from vitlab.train.distill import TwoHeads, distillation_loss
 from vitlab.train.distributed import all_sum, any_rank
 from vitlab.train.optim import EMA
-from vitlab.train.threads import BatchThreads
+from vitlab.train.threads import PARTS, BatchThreads
 
 
 class NonFiniteLoss(RuntimeError):
@@ -140,7 +140,7 @@ def train_epoch(
                     y,
                     settings.autocast,
                     accum,
-                    derive_seed(settings.seed, d.rank, pos.epoch, i),
+                    derive_seed(settings.seed, PARTS, d.rank, pos.epoch, i),
                 )
             value = loss.item()  # the step's one host sync
             if any_rank(not math.isfinite(value), d, device):

@@ -7,8 +7,8 @@ two single-threaded halves keep both cores busy (BENCHMARKS.md, issue 16, goal 1
 same sum of per-image gradients, with these differences from one thread: BatchNorm normalises each
 part by the part's statistics (as DDP's ranks do; its running statistics become the parts' mean,
 where DDP keeps rank 0's); the model's own random draws (DropPath, masked patch prediction's
-corruption) come from a generator per part seeded from (train.seed, epoch, batch, part), so a run is
-reproducible (and resumable) but draws other masks than with one thread, while PyTorch's default
+corruption) come from a generator per part seeded from (train.seed, rank, epoch, batch, part): a
+run is reproducible (and resumable) but draws other masks than with one thread, while the default
 stream (augmentation of in-memory datasets, mixup) goes on as with one thread; masked patch
 prediction's `random` replacements come from the part's patches. Dropout layers draw from the
 default stream, and gradient checkpointing recomputes with its state: both refused
@@ -27,6 +27,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from vitlab.runtime import derive_seed, drawing_from, thread_pool
 
+PARTS = 4  # the derive_seed tag of the parts' streams (data.stream's are 1-3)
 Part = tuple[Tensor, Tensor | None, int, tuple[Tensor | None, ...]]  # loss, right, made, grads
 
 
