@@ -183,7 +183,7 @@ def test_a_stall_costs_its_time_and_not_the_runs_pace(tmp_path, monkeypatch) -> 
     for stall, spe in ((399, 40), (439, 40), (49, 25)):
         steady, _ = run_on_a_fake_clock(monkeypatch, tmp_path, 121, lambda s: 1.0, spe=spe)
         plans_stalled, length = run_on_a_fake_clock(
-            monkeypatch, tmp_path, 121, lambda s: 30.0 / 1.1 if s == stall else 1.0, spe=spe
+            monkeypatch, tmp_path, 121, lambda s, at=stall: 30.0 / 1.1 if s == at else 1.0, spe=spe
         )
         assert steady[-1] - 300 <= plans_stalled[-1] <= steady[-1] - 200, (stall, spe)
         assert 121.0 * 0.85 <= length <= 121.0, (stall, spe)
