@@ -212,6 +212,7 @@ class TimeBudget:
             lost = (typical_step(self.recent)[1] if self.recent else 0.0) + self.stalled
             why = f"after a stall of {lost:.0f} s" if lost else "the steps' pace changed"
             self._plan(step, self._paced, final=True, note=f" (planned again: {why})")
+            self.stalled = 0.0  # planned for (on rank 0; every rank forgets it alike)
             if lost:  # the stall is planned for (or the plan kept): not counted again
                 self.recent.clear()
 
@@ -229,7 +230,6 @@ class TimeBudget:
         """The plan's costs scaled to the latest steps' pace when that differs by more than
         DRIFT, or when a stall lost time (None: on plan)."""
         was, stalled = self.planned, self.stalled
-        self.stalled = 0.0
         if was is None:
             return None
         if len(self.recent) < CHECK_EVERY // 2:  # too few steps to pace: a stall at an epoch end
