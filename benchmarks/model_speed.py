@@ -311,12 +311,12 @@ def main() -> None:
             row = {"model": name, "batch": batch, "precision": "bf16" if bf16 else "fp32",
                    "fp32_max_abs_logit_diff": float(f"{diff:.1e}"),
                    "train_gflop_per_step": round(flops["train"] / 1e9, 3)}  # fmt: skip
-            fns = {lib: step_fns(m, inputs[lib], y, bf16, opts[lib]) for lib, m in pair}
-            if "vitlab_bt" in fns:
-                bt, n = dict(pair)["vitlab_bt"], args.batch_threads
-                fns["vitlab_bt"] = threaded_step_fns(
-                    bt, inputs["vitlab_bt"], y, bf16, opts["vitlab_bt"], n
-                )
+            fns = {
+                lib: threaded_step_fns(m, inputs[lib], y, bf16, opts[lib], args.batch_threads)
+                if lib == "vitlab_bt"
+                else step_fns(m, inputs[lib], y, bf16, opts[lib])
+                for lib, m in pair
+            }
             for i, kind in enumerate(("infer", "train")):
                 secs = median_seconds({lib: f[i] for lib, f in fns.items()}, args.steps)
                 for lib, s in secs.items():

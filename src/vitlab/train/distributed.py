@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from vitlab.runtime import Dist, all_reduce_, derive_seed
+from vitlab.train.optim import laid_out_as
 
 TIMEOUT_ENV = "VITLAB_DIST_TIMEOUT"
 # the longest a rank waits in a collective for a peer (torch's default is 30 minutes). A peer that
@@ -326,10 +327,9 @@ def load_full_state(
 
 
 def _match_layouts(optimizer: torch.optim.Optimizer) -> None:
-    """Give each parameter's optimizer state its memory layout (a checkpoint's moments keep the
-    layout they were saved in): fused AdamW reads the moments in the parameter's memory order, and
-    moments of a channels-last run restored NCHW, or the reverse, would be silently scrambled."""
+    """Give each parameter's optimizer state its memory layout (laid_out_as: a checkpoint's
+    moments keep the layout they were saved in, e.g. NCHW restored into a channels-last run)."""
     for p, state in optimizer.state.items():
         for k, v in state.items():
-            if torch.is_tensor(v) and v.shape == p.shape and v.stride() != p.stride():
-                state[k] = torch.empty_like(p).copy_(v)
+            if torch.is_tensor(v) and v.shape == p.shape:
+                state[k] = laid_out_as(v, p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from vitlab.config import OptimConfig
 
@@ -23,6 +23,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def laid_out_as(t: Tensor, p: Tensor) -> Tensor:
+    """t (p's shape) in p's memory layout: fused AdamW reads gradients and moments in the
+    parameter's memory order, and ones laid out otherwise (NCHW against channels-last) would be
+    silently scrambled."""
+    return t if t.stride() == p.stride() else torch.empty_like(p).copy_(t)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

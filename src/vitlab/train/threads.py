@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from vitlab.runtime import derive_seed, drawing_from, thread_pool
+from vitlab.train.optim import laid_out_as
 
 PARTS = 4  # the derive_seed tag of the parts' streams (data.stream's are 1-3)
 Part = tuple[Tensor, Tensor | None, int, tuple[Tensor | None, ...]]  # loss, right, made, grads
@@ -76,15 +77,14 @@ class BatchThreads:
         return loss, right, sum(made for _, _, made, _ in parts)
 
     def add_gradients(self) -> None:
-        """Add the held gradients to the parameters' .grad, laid out as the parameter (fused
-        AdamW requires it)."""
+        """Add the held gradients to the parameters' .grad, laid out as the parameter."""
         for p, g in zip(self.params, self.grads):
             if g is None:
                 continue
             if p.grad is not None:
                 p.grad.add_(g)
             else:
-                p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+                p.grad = laid_out_as(g, p)
         self.grads = []
 
     def _part(self, replica, objective, x, y, seed, autocast, weight) -> Part:
