@@ -27,6 +27,10 @@ batch in N parts, each part's forward and backward on its own thread with 1/N of
 its inference as `vitlab eval --batch-threads N` runs it; vitlab_bt_* columns and bt_gain, with
 `--channels-last` also in NHWC memory.
 
+`--sdpa` adds vitlab's model with its attention through F.scaled_dot_product_attention instead of
+vitlab's CPU attention kernel (models/cpu_attention.py, which the default contestant uses where it
+applies): vitlab_sdpa_* columns and kernel_gain (vitlab's default over it).
+
 `--isa avx2` re-runs the script with PyTorch's kernels (ATEN_CPU_CAPABILITY), oneDNN and MKL held
 to AVX2: the float32 path of an AVX2-only CPU (no AVX-512, no bf16) on any newer x86 machine. bf16
 rows are then left out (such CPUs have no bf16 arithmetic). Results go in BENCHMARKS.md.
@@ -55,6 +59,7 @@ from vitlab.cli.eval import positive_int
 from vitlab.config import OptimConfig
 from vitlab.eval.backends import BatchParts
 from vitlab.formats.timm import timm_model_args, vitlab_to_timm
+from vitlab.models.cpu_attention import use_kernel
 from vitlab.models.registry import family_of
 from vitlab.runtime import use_bf16
 from vitlab.train.engine import classification
@@ -224,6 +229,19 @@ def threaded_step_fns(model, x, y, bf16: bool, opt, n: int):
     return infer, train
 
 
+def without_kernel(fns):
+    """step_fns' pair with attention through F.scaled_dot_product_attention."""
+
+    def wrap(fn):
+        def call() -> None:
+            with use_kernel(False):
+                fn()
+
+        return call
+
+    return tuple(wrap(fn) for fn in fns)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -254,6 +272,12 @@ def main() -> None:
         help="N > 1: also time vitlab's model with train.batch_threads=N (training) and "
         "--batch-threads N (inference), interleaved: vitlab_bt_* columns and bt_gain (over "
         "vitlab's default)",
+    )
+    parser.add_argument(
+        "--sdpa",
+        action="store_true",
+        help="also time vitlab's model with attention through F.scaled_dot_product_attention "
+        "instead of its CPU kernel, interleaved: vitlab_sdpa_* columns and kernel_gain",
     )
     parser.add_argument(
         "--isa",
@@ -302,6 +326,8 @@ def main() -> None:
         if args.batch_threads > 1:  # the same weights and AdamW, each batch on N threads
             like = dict(pair)["vitlab_cl" if args.channels_last else "vitlab"]
             pair.append(("vitlab_bt", copy.deepcopy(like)))
+        if args.sdpa:  # the same weights and AdamW, PyTorch's attention kernel
+            pair.append(("vitlab_sdpa", copy.deepcopy(ours)))
         opts = {lib: optimizer(m, "timm" if lib == "timm" else "vitlab", args.optimizer)
                 for lib, m in pair}  # fmt: skip
         nhwc_inputs = {"vitlab_cl", "vitlab_bt"} if args.channels_last else set()
@@ -317,6 +343,8 @@ def main() -> None:
                 else step_fns(m, inputs[lib], y, bf16, opts[lib])
                 for lib, m in pair
             }
+            if "vitlab_sdpa" in fns:
+                fns["vitlab_sdpa"] = without_kernel(fns["vitlab_sdpa"])
             for i, kind in enumerate(("infer", "train")):
                 secs = median_seconds({lib: f[i] for lib, f in fns.items()}, args.steps)
                 for lib, s in secs.items():
@@ -327,6 +355,8 @@ def main() -> None:
                     if f"vitlab_{other}" in secs:
                         gain = secs["vitlab"] / secs[f"vitlab_{other}"]
                         row[f"{kind}_{other}_gain"] = round(gain, 3)
+                if "vitlab_sdpa" in secs:
+                    row[f"{kind}_kernel_gain"] = round(secs["vitlab_sdpa"] / secs["vitlab"], 3)
             results.append(row)
             by_precision[row["precision"]] = row
             print(json.dumps(row), flush=True)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vitlab.models import cpu_attention
 from vitlab.models.pos_embed import Grid, RelativePositionBias
 from vitlab.runtime import random_stream
 
@@ -144,7 +145,8 @@ class Attention(nn.Module):
     F.scaled_dot_product_attention; `return_attention=True` computes the same result explicitly
     (attention_probs, then dropout, then the product with V) and also returns the attention
     probabilities (B, H, T, T). bf16 on CPU always takes the explicit path, because PyTorch's fused
-    kernel is slow to train in bf16 on CPU (BENCHMARKS.md has the measurements)."""
+    kernel is slow to train in bf16 on CPU (BENCHMARKS.md has the measurements); float32 training
+    on a CPU takes vitlab's kernel for short sequences where it applies (cpu_attention)."""
 
     def __init__(self, cfg: BlockConfig, rel_pos: RelativePositionBias | None = None) -> None:
         super().__init__()
@@ -158,8 +160,19 @@ class Attention(nn.Module):
         self.rel_pos = rel_pos
 
     def forward(self, x: Tensor, return_attention: bool = False) -> tuple[Tensor, Tensor | None]:
-        b, t, dim = x.shape
-        qkv = self.qkv(x).reshape(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x)  # (B, T, 3D)
+        plain = self.rel_pos is None and not (self.training and self.attn_drop > 0)
+        if plain and not return_attention and cpu_attention.applies(qkv, self.num_heads):
+            out, attn = cpu_attention.attention(qkv, self.num_heads, self.scale), None
+        else:
+            out, attn = self._attend(qkv, return_attention)
+        return self.proj_drop(self.proj(out)), attn  # (B, T, D)
+
+    def _attend(self, qkv: Tensor, return_attention: bool) -> tuple[Tensor, Tensor | None]:
+        """PyTorch's attention over qkv (B, T, 3D): the output (B, T, D) and, with
+        return_attention, the probabilities."""
+        b, t, width = qkv.shape
+        qkv = qkv.reshape(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, H, T, d) each
         bias = None if self.rel_pos is None else self.rel_pos(q, self.scale)  # (B, H, T, T)
         drop = self.attn_drop if self.training else 0.0
@@ -172,8 +185,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=bias, dropout_p=drop, scale=self.scale
             )
-        out = out.transpose(1, 2).reshape(b, t, dim)  # (B, T, D)
-        return self.proj_drop(self.proj(out)), attn
+        return out.transpose(1, 2).reshape(b, t, width // 3), attn
 
 
 class Mlp(nn.Module):

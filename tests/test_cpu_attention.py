@@ -1,0 +1,258 @@
+"""vitlab's CPU attention kernel (models/cpu_attention.py): its outputs and gradients against the
+formula computed in float64, the same result on any number of threads, the model's attention on it
+and off it, and the cases it leaves to F.scaled_dot_product_attention."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import vitlab
+from tests.helpers import tiny_config
+from vitlab.models import cpu_attention
+from vitlab.models.vit import VisionTransformer
+
+needs_kernel = pytest.mark.skipif(
+    cpu_attention._library() is None, reason="no AVX2 CPU or no C compiler here"
+)
+
+
+def formula(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v per head, written out: (B, T, 3D) -> (B, T, D)."""
+    b, t, width = qkv.shape
+    d = width // (3 * heads)
+    q, k, v = qkv.reshape(b, t, 3, heads, d).permute(2, 0, 3, 1, 4)  # (B, H, T, d) each
+    probs = (q @ k.transpose(-1, -2) / d**0.5).softmax(-1)
+    return (probs @ v).transpose(1, 2).reshape(b, t, width // 3)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("b", "t", "heads", "d", "spread"),
+    [
+        (3, 50, 4, 16, 2.0),  # nano's attention
+        (2, 50, 2, 32, 2.0),  # micro's
+        (2, 17, 3, 24, 2.0),  # token counts off the vector width, each tile shape of the scores
+        (2, 12, 2, 16, 2.0),
+        (1, 48, 2, 8, 2.0),
+        (2, 65, 1, 64, 2.0),
+        (1, 1, 2, 8, 2.0),  # one token
+        (1, 128, 1, 8, 2.0),  # the longest sequence
+        (2, 50, 2, 16, 30.0),  # logits ~1000: most of each softmax underflows to 0 (and float32
+        # rounds the logits themselves by ~1e-4, so the tolerance grows with spread ** 3)
+    ],
+)
+def test_outputs_and_gradients_match_the_formula_in_float64(b, t, heads, d, spread) -> None:
+    """The forward and the whole qkv gradient (q, k and v) against float64, within float32
+    rounding of the formula."""
+    torch.manual_seed(0)
+    qkv = (torch.randn(b, t, 3 * heads * d) * spread).requires_grad_()
+    assert cpu_attention.applies(qkv, heads)
+    out = cpu_attention.attention(qkv, heads, d**-0.5)
+    grad_out = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, qkv, grad_out)
+    exact = qkv.detach().double().requires_grad_()
+    expected = formula(exact, heads)
+    (expected_grad,) = torch.autograd.grad(expected, exact, grad_out.double())
+    tol = 5e-6 * spread**3
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(grad.double(), expected_grad, atol=tol, rtol=tol)
+    assert t == 1 or expected_grad[..., : heads * d].abs().max() > 0.1  # q gets a gradient
+
+
+@needs_kernel
+def test_an_empty_batch_and_fewer_pairs_than_threads() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        qkv = torch.randn(1, 7, 3 * 8, requires_grad=True)  # one (batch, head) pair
+        out = cpu_attention.attention(qkv, 1, 8**-0.5)
+        torch.testing.assert_close(out, formula(qkv, 1), atol=1e-6, rtol=1e-5)
+        out.sum().backward()
+        empty = cpu_attention.attention(torch.randn(0, 7, 3 * 8, requires_grad=True), 1, 0.5)
+        assert empty.shape == (0, 7, 8)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_attention_says_what_it_cannot_take() -> None:
+    cases = [
+        (torch.randn(2, 5, 3 * 20), 1, "multiple of 8, got 20"),
+        (torch.randn(2, 5, 3 * 16).double(), 1, "float32 on the CPU, got torch.float64"),
+        (torch.randn(2, 5, 50), 2, r"expected \(B, T, 3 x 2 heads x d\), got \(2, 5, 50\)"),
+    ]
+    for qkv, heads, message in cases:
+        with pytest.raises(ValueError, match=message):
+            cpu_attention.attention(qkv, heads, 0.25)
+
+
+@needs_kernel
+def test_same_bits_on_one_and_two_threads_and_without_gradients() -> None:
+    before = torch.get_num_threads()
+    torch.manual_seed(1)
+    qkv = torch.randn(5, 50, 3 * 64, requires_grad=True)
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = cpu_attention.attention(qkv, 4, 0.25)
+            (grad,) = torch.autograd.grad(out, qkv, torch.ones_like(out))
+            with torch.inference_mode():
+                plain = cpu_attention.attention(qkv.detach(), 4, 0.25)
+            results.append((out, grad, plain))
+    finally:
+        torch.set_num_threads(before)
+    (out1, grad1, plain1), (out2, grad2, plain2) = results
+    assert torch.equal(out1, out2) and torch.equal(grad1, grad2)
+    assert torch.equal(out1, plain1) and torch.equal(plain1, plain2)
+
+
+@needs_kernel
+def test_a_nan_in_q_k_or_v_reaches_the_outputs_the_formula_says() -> None:
+    """A NaN key enters every row's softmax, a NaN query its own row, a NaN value one channel of
+    every row: the kernel's NaNs are the formula's, so a non-finite loss is never hidden from the
+    trainer's check (PyTorch's fused CPU kernel drops a NaN query's row: no NaN at all)."""
+    for part in range(3):  # q, k, v
+        qkv = torch.randn(2, 10, 3 * 16)
+        qkv[1, 4, part * 16 + 3] = float("nan")
+        out, expected = cpu_attention.attention(qkv, 2, 0.25), formula(qkv.double(), 2)
+        assert torch.equal(out.isnan(), expected.isnan()) and out[1].isnan().any(), part
+        assert not out[0].isnan().any()
+
+
+@needs_kernel
+def test_keeps_the_softmax_only_for_a_backward(monkeypatch) -> None:
+    kept = []
+    real = cpu_attention._forward
+    monkeypatch.setattr(
+        cpu_attention, "_forward", lambda *a, keep: kept.append(keep) or real(*a, keep=keep)
+    )
+    qkv = torch.randn(1, 9, 3 * 16, requires_grad=True)
+    with torch.no_grad():
+        cpu_attention.attention(qkv, 2, 0.25)
+    cpu_attention.attention(qkv.detach(), 2, 0.25)
+    cpu_attention.attention(qkv, 2, 0.25)
+    assert kept == [False, False, True]
+
+
+@needs_kernel
+def test_once_differentiable() -> None:
+    qkv = torch.randn(1, 9, 3 * 16, requires_grad=True)
+    loss = cpu_attention.attention(qkv, 2, 0.25).square().sum()  # its gradient needs qkv
+    (grad,) = torch.autograd.grad(loss, qkv, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()
+
+
+@needs_kernel
+def test_the_model_trains_the_same_on_the_kernel_and_off_it(monkeypatch) -> None:
+    """nano's forward and every parameter's gradient, attention on the kernel and through
+    F.scaled_dot_product_attention (use_kernel(False))."""
+    torch.manual_seed(0)
+    model = vitlab.create_model("vit_nano_patch4_28", num_classes=10, in_chans=1)
+    torch.nn.init.normal_(model.head.weight, std=0.1)
+    images, labels = torch.randn(6, 1, 28, 28), torch.randint(0, 10, (6,))
+    runs, calls = [], []
+    real = cpu_attention.attention
+    monkeypatch.setattr(cpu_attention, "attention", lambda *args: calls.append(1) or real(*args))
+    for enabled in (True, False):
+        with cpu_attention.use_kernel(enabled):
+            model.zero_grad()
+            logits = model(images)
+            torch.nn.functional.cross_entropy(logits, labels).backward()
+            runs.append((logits, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert len(calls) == len(model.blocks)  # the first pass only
+    (logits, grads), (ref_logits, ref_grads) = runs
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@needs_kernel
+def test_what_the_kernel_leaves_to_pytorch(monkeypatch) -> None:
+    qkv = torch.randn(2, 50, 3 * 64, requires_grad=True)
+    assert cpu_attention.applies(qkv, 4) and cpu_attention.applies(qkv, 8)  # d = 16, 8
+    assert not cpu_attention.applies(qkv.detach(), 4)  # no backward: PyTorch's forward
+    with torch.no_grad():
+        assert not cpu_attention.applies(qkv, 4)
+    assert not cpu_attention.applies(torch.randn(2, 50, 3 * 60, requires_grad=True), 3)  # d = 20
+    longest = torch.randn(1, cpu_attention.MAX_TOKENS, 48, requires_grad=True)
+    assert cpu_attention.applies(longest, 1)
+    assert not cpu_attention.applies(torch.cat([longest, longest[:, :1]], 1), 1)
+    assert not cpu_attention.applies(qkv.double(), 4)
+    assert not cpu_attention.applies(qkv.bfloat16(), 4)
+    with cpu_attention.use_kernel(False):
+        assert not cpu_attention.applies(qkv, 4)
+    assert cpu_attention.applies(qkv, 4)
+
+    calls = []
+    real = cpu_attention.attention
+    monkeypatch.setattr(cpu_attention, "attention", lambda *args: calls.append(1) or real(*args))
+
+    def kernel_calls(train: bool = False, **overrides: object) -> int:
+        torch.manual_seed(0)
+        model = VisionTransformer(tiny_config(embed_dim=32, num_heads=2, **overrides))
+        calls.clear()
+        model.train(train)(torch.randn(2, 3, 16, 16))
+        return len(calls)
+
+    depth = tiny_config().depth
+    assert kernel_calls(train=True) == depth
+    assert kernel_calls(attn_dropout=0.1) == depth  # no dropout in eval
+    assert kernel_calls(train=True, attn_dropout=0.1) == 0
+    assert kernel_calls(pos_embed="relative") == 0
+    with torch.autocast("cpu", torch.bfloat16):
+        assert kernel_calls() == 0
+    with torch.no_grad():  # inference: the kernel's forward alone gains nothing
+        assert kernel_calls() == 0
+    model = VisionTransformer(tiny_config(embed_dim=32, num_heads=2)).eval()
+    images = torch.randn(2, 3, 16, 16)
+    calls.clear()
+    torch.func.vmap(model)(images[:, None])  # torch.func's batched tensors
+    assert not calls
+    with torch.autograd.forward_ad.dual_level():  # (PyTorch's kernel has no forward AD on CPU)
+        assert not cpu_attention.applies(torch.autograd.forward_ad.make_dual(qkv, qkv), 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's own warnings
+        traced = torch.jit.trace(model, torch.randn(1, 3, 16, 16), check_trace=False)
+    assert not calls and "scaled_dot_product_attention" in str(traced.inlined_graph)
+
+
+def test_a_failed_build_falls_back_with_a_warning(tmp_path) -> None:
+    """No compiler: a warning naming the cause, then PyTorch's attention (the model still runs);
+    VITLAB_CPU_ATTENTION=0 turns the kernel off."""
+    script = (
+        "import warnings, torch, vitlab\n"
+        "from vitlab.models import cpu_attention\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    qkv = torch.randn(2, 50, 3 * 64, requires_grad=True)\n"
+        "    print(cpu_attention.applies(qkv, 4))\n"
+        "    print(vitlab.create_model('vit_nano_patch4_28', in_chans=1)"
+        "(torch.randn(1, 1, 28, 28)).shape[0])\n"
+        "print([str(x.message) for x in w])\n"
+    )
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop("VITLAB_CPU_ATTENTION", None)
+
+    def run(**extra: str) -> list[str]:
+        done = subprocess.run(
+            [sys.executable, "-c", script], env={**env, **extra}, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.splitlines()
+
+    applies, batch, messages = run(CC="/nonexistent/cc")
+    assert (applies, batch) == ("False", "1")
+    assert "could not be built" in messages and "/nonexistent/cc" in messages
+    applies, _, messages = run(VITLAB_CPU_ATTENTION="0")
+    assert applies == "False" and "could not be built" not in messages
+    if cpu_attention._library() is not None:
+        applies, _, messages = run()
+        assert applies == "True" and "attention kernel" not in messages
+        assert list((tmp_path / "vitlab" / "kernels").glob("attention-*.so"))
