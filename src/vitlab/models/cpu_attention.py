@@ -7,10 +7,10 @@ PyTorch's fused CPU attention runs at about a quarter of the machine's matrix-pr
 (batch, head) pair's T x T block in cache and computes it with AVX2 + FMA register tiles, on this
 thread and PyTorch's other threads (pairs split evenly; each pair is computed by the same code
 whatever the split). The backward reuses the softmax kept from the forward (B x H x T x T floats
-a layer, about a quarter more activation memory). Its gain is in the backward: forward and
-backward together run 1.45-1.72x faster than PyTorch's at 50 tokens, 1.21-1.48x at 65, level at
-197; the forward alone 0.98-1.23x at 50 tokens and slower from 65 (BENCHMARKS.md). So the model
-takes it where gradients are computed, up to MAX_TOKENS tokens.
+a layer, about a quarter more activation memory). Its gain is mostly in the backward: forward
+and backward together run 1.57-2.16x faster than PyTorch's at 50 tokens, 1.11-1.55x at 65, level
+at 197; the forward alone 1.05-1.45x at 50 tokens and slower from 65 on two threads
+(BENCHMARKS.md). So the model takes it where gradients are computed, up to MAX_TOKENS tokens.
 
 Attention runs here when all of these hold, else through F.scaled_dot_product_attention:
 gradients are computed (grad mode on, qkv requires grad), float32 tensors on the CPU, a head
