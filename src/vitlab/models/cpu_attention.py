@@ -149,12 +149,13 @@ def _run(name: str, tensors: list[Tensor | None], heads: int, scale: float) -> N
     def part(i: int) -> int:
         return kernel(*pointers, *shape, scale, pairs * i // n, pairs * (i + 1) // n)
 
-    others = [_helper_pool(n - 1).submit(part, i) for i in range(1, n)]
+    pool = _helper_pool(n - 1) if n > 1 else None
+    others = [pool.submit(part, i) for i in range(1, n)] if pool else []
     try:
-        codes = [part(0)]  # this thread computes the first part
+        first = part(0)  # this thread computes the first part
     finally:
         wait(others)  # no helper may still write into tensors about to be freed
-    if any(code for code in codes + [job.result() for job in others]):
+    if first or any(job.result() for job in others):
         raise MemoryError(f"vitlab's attention kernel could not allocate its scratch ({name})")
 
 
