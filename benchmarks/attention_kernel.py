@@ -23,7 +23,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from vitlab.models.cpu_attention import attention, use_kernel
+from vitlab.models.cpu_attention import attention
+from vitlab.models.cpu_kernels import use_kernel
 
 sys.path.insert(0, os.path.dirname(__file__))
 from model_speed import AVX2_ENV, matmul_peak, median_seconds  # noqa: E402

@@ -59,7 +59,7 @@ from vitlab.cli.eval import positive_int
 from vitlab.config import OptimConfig
 from vitlab.eval.backends import BatchParts
 from vitlab.formats.timm import timm_model_args, vitlab_to_timm
-from vitlab.models.cpu_attention import use_kernel
+from vitlab.models.cpu_kernels import use_kernel
 from vitlab.models.registry import family_of
 from vitlab.runtime import use_bf16
 from vitlab.train.engine import classification
@@ -230,7 +230,7 @@ def threaded_step_fns(model, x, y, bf16: bool, opt, n: int):
 
 
 def without_kernel(fns):
-    """step_fns' pair with attention through F.scaled_dot_product_attention."""
+    """step_fns' pair without vitlab's CPU kernels (PyTorch's attention, LayerNorm, GELU)."""
 
     def wrap(fn):
         def call() -> None:
@@ -276,8 +276,12 @@ def main() -> None:
     parser.add_argument(
         "--sdpa",
         action="store_true",
-        help="also time vitlab's model with attention through F.scaled_dot_product_attention "
-        "instead of its CPU kernel, interleaved: vitlab_sdpa_* columns and kernel_gain",
+        help="also time vitlab's model without its CPU kernels (cpu_kernels.use_kernel(False): "
+        "PyTorch's attention, LayerNorm and GELU), interleaved: vitlab_sdpa_* columns and "
+        "kernel_gain",
+    )
+    parser.add_argument(
+        "--infer-only", action="store_true", help="time inference only (no training step)"
     )
     parser.add_argument(
         "--isa",
@@ -345,7 +349,7 @@ def main() -> None:
             }
             if "vitlab_sdpa" in fns:
                 fns["vitlab_sdpa"] = without_kernel(fns["vitlab_sdpa"])
-            for i, kind in enumerate(("infer", "train")):
+            for i, kind in enumerate(("infer",) if args.infer_only else ("infer", "train")):
                 secs = median_seconds({lib: f[i] for lib, f in fns.items()}, args.steps)
                 for lib, s in secs.items():
                     row[f"{lib}_{kind}_img_s"] = round(batch / s, 1)
@@ -360,6 +364,8 @@ def main() -> None:
             results.append(row)
             by_precision[row["precision"]] = row
             print(json.dumps(row), flush=True)
+        if args.infer_only:
+            continue
         # vitlab's default path (train.precision=auto) against timm's eager fp32
         default = "bf16" if native and use_bf16("auto", x.device) else "fp32"
         summary = {

@@ -14,11 +14,11 @@ import torch
 
 import vitlab
 from tests.helpers import tiny_config
-from vitlab.models import cpu_attention
+from vitlab.models import cpu_attention, cpu_kernels
 from vitlab.models.vit import VisionTransformer
 
 needs_kernel = pytest.mark.skipif(
-    cpu_attention._library() is None, reason="no AVX2 CPU or no C compiler here"
+    cpu_kernels.library() is None, reason="no AVX2 CPU or no C compiler here"
 )
 
 
@@ -174,12 +174,37 @@ def test_the_model_trains_the_same_on_the_kernel_and_off_it(monkeypatch) -> None
 
 
 @needs_kernel
+def test_inference_on_the_kernel_matches_pytorch_and_the_formula(monkeypatch) -> None:
+    """nano's eval logits under no_grad on the kernel and through PyTorch's attention, and one
+    layer's attention at MAX_TOKENS (the longest the kernel takes) against float64."""
+    torch.manual_seed(0)
+    model = vitlab.create_model("vit_nano_patch4_28", num_classes=10, in_chans=1).eval()
+    torch.nn.init.normal_(model.head.weight, std=0.1)
+    images = torch.randn(8, 1, 28, 28)
+    calls = []
+    real = cpu_attention.attention
+    monkeypatch.setattr(cpu_attention, "attention", lambda *args: calls.append(1) or real(*args))
+    with torch.no_grad():
+        logits = model(images)
+        with cpu_attention.use_kernel(False):
+            reference = model(images)
+        assert len(calls) == len(model.blocks)
+        torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-5)
+        qkv = torch.randn(3, cpu_attention.MAX_TOKENS, 3 * 4 * 16) * 2
+        out = cpu_attention.attention(qkv, 4, 16**-0.5)
+    torch.testing.assert_close(out.double(), formula(qkv.double(), 4), atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
 def test_what_the_kernel_leaves_to_pytorch(monkeypatch) -> None:
     qkv = torch.randn(2, 50, 3 * 64, requires_grad=True)
     assert cpu_attention.applies(qkv, 4) and cpu_attention.applies(qkv, 8)  # d = 16, 8
-    assert not cpu_attention.applies(qkv.detach(), 4)  # no backward: PyTorch's forward
+    assert cpu_attention.applies(qkv.detach(), 4)  # inference too
     with torch.no_grad():
-        assert not cpu_attention.applies(qkv, 4)
+        assert cpu_attention.applies(qkv, 4)
+        inferred = torch.randn(1, cpu_attention.MAX_TOKENS, 48)
+        assert cpu_attention.applies(inferred, 1)
+        assert not cpu_attention.applies(torch.cat([inferred, inferred[:, :1]], 1), 1)
     assert not cpu_attention.applies(torch.randn(2, 50, 3 * 60, requires_grad=True), 3)  # d = 20
     longest = torch.randn(1, cpu_attention.MAX_TOKENS, 48, requires_grad=True)
     assert cpu_attention.applies(longest, 1)
@@ -208,8 +233,8 @@ def test_what_the_kernel_leaves_to_pytorch(monkeypatch) -> None:
     assert kernel_calls(pos_embed="relative") == 0
     with torch.autocast("cpu", torch.bfloat16):
         assert kernel_calls() == 0
-    with torch.no_grad():  # inference: the kernel's forward alone gains nothing
-        assert kernel_calls() == 0
+    with torch.no_grad():  # inference (5 tokens)
+        assert kernel_calls() == depth
     model = VisionTransformer(tiny_config(embed_dim=32, num_heads=2)).eval()
     images = torch.randn(2, 3, 16, 16)
     calls.clear()
@@ -225,7 +250,7 @@ def test_what_the_kernel_leaves_to_pytorch(monkeypatch) -> None:
 
 def test_a_failed_build_falls_back_with_a_warning(tmp_path) -> None:
     """No compiler: a warning naming the cause, then PyTorch's attention (the model still runs);
-    VITLAB_CPU_ATTENTION=0 turns the kernel off."""
+    VITLAB_CPU_KERNELS=0 turns the kernel off."""
     script = (
         "import warnings, torch, vitlab\n"
         "from vitlab.models import cpu_attention\n"
@@ -238,7 +263,7 @@ def test_a_failed_build_falls_back_with_a_warning(tmp_path) -> None:
         "print([str(x.message) for x in w])\n"
     )
     env = {**os.environ, "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path)}
-    env.pop("VITLAB_CPU_ATTENTION", None)
+    env.pop("VITLAB_CPU_KERNELS", None)
 
     def run(**extra: str) -> list[str]:
         done = subprocess.run(
@@ -250,9 +275,9 @@ def test_a_failed_build_falls_back_with_a_warning(tmp_path) -> None:
     applies, batch, messages = run(CC="/nonexistent/cc")
     assert (applies, batch) == ("False", "1")
     assert "could not be built" in messages and "/nonexistent/cc" in messages
-    applies, _, messages = run(VITLAB_CPU_ATTENTION="0")
+    applies, _, messages = run(VITLAB_CPU_KERNELS="0")
     assert applies == "False" and "could not be built" not in messages
-    if cpu_attention._library() is not None:
+    if cpu_kernels.library() is not None:
         applies, _, messages = run()
-        assert applies == "True" and "attention kernel" not in messages
-        assert list((tmp_path / "vitlab" / "kernels").glob("attention-*.so"))
+        assert applies == "True" and "could not be built" not in messages
+        assert list((tmp_path / "vitlab" / "kernels").glob("kernels-*.so"))

@@ -41,9 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=1,
         metavar="N",
         help="cut each batch into N parts, each run on its own thread with 1/N of PyTorch's CPU "
-        "threads (--backend torch on the CPU): faster at small widths, e.g. 2 on 2 cores "
-        "(default 1; int8 quantises each part's activations on their own). A distilled model's "
-        "per-head top-1 is not reported with it",
+        "threads (--backend torch on the CPU; default 1: with vitlab's CPU kernels on the float32 "
+        "path mostly slower, so time it first; int8 quantises each part's activations on their "
+        "own). A distilled model's per-head top-1 is not reported with it",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)

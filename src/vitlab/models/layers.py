@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vitlab.models import cpu_attention
+from vitlab.models import cpu_attention, cpu_kernels
 from vitlab.models.pos_embed import Grid, RelativePositionBias
 from vitlab.runtime import random_stream
 
@@ -200,7 +200,23 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+        h = self.fc1(x)
+        if self.act.approximate == "none" and cpu_kernels.infers(h):
+            h = cpu_kernels.gelu_(h)  # inference on the CPU: vitlab's kernel, in place
+        else:
+            h = self.act(h)
+        return self.drop2(self.fc2(self.drop1(h)))
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm over the last dimension; inference in float32 on the CPU runs vitlab's kernel
+    (cpu_kernels: one pass for the statistics, one to normalise, rows in cache)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        affine = self.weight is not None and self.bias is not None
+        if affine and x.dim() > 0 and x.shape[-1] % 8 == 0 and cpu_kernels.infers(x):
+            return cpu_kernels.layer_norm(x, self.weight, self.bias, self.eps)
+        return super().forward(x)
 
 
 class LayerScale(nn.Module):
@@ -224,12 +240,12 @@ class Block(nn.Module):
         rel_pos = None
         if cfg.pos_embed == "relative":
             rel_pos = RelativePositionBias(cfg.grid, cfg.num_prefix_tokens, cfg.head_dim)
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
+        self.norm1 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg, rel_pos)
         scaled = cfg.layer_scale is not None
         self.ls1 = LayerScale(cfg.embed_dim, cfg.layer_scale) if scaled else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
+        self.norm2 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps)
         self.mlp = Mlp(cfg)
         self.ls2 = LayerScale(cfg.embed_dim, cfg.layer_scale) if scaled else nn.Identity()
         self.drop_path2 = DropPath(drop_path)

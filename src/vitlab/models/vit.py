@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vitlab.config import ConfigError, check_keys, pair, validate
-from vitlab.models.layers import Block, PatchEmbed, chosen_indices, lecun_normal_
+from vitlab.models.layers import Block, LayerNorm, PatchEmbed, chosen_indices, lecun_normal_
 from vitlab.models.pos_embed import POS_EMBEDS
 from vitlab.models.stems import ConvStem, ResNetStem, stem_problem
 
@@ -192,8 +192,8 @@ class VisionTransformer(nn.Module):
         self.pos_drop = nn.Dropout(cfg.dropout)
         rates = torch.linspace(0, cfg.drop_path, cfg.depth, device="cpu").tolist()
         self.blocks = nn.ModuleList(Block(cfg, drop_path=r) for r in rates)
-        self.norm = nn.Identity() if cfg.fc_norm else nn.LayerNorm(d, eps=cfg.norm_eps)
-        self.fc_norm = nn.LayerNorm(d, eps=cfg.norm_eps) if cfg.fc_norm else None
+        self.norm = nn.Identity() if cfg.fc_norm else LayerNorm(d, eps=cfg.norm_eps)
+        self.fc_norm = LayerNorm(d, eps=cfg.norm_eps) if cfg.fc_norm else None
         self.pre_logits = PreLogits(d, cfg.representation_size) if cfg.representation_size else None
         self.num_features = cfg.representation_size or d
         self.head = self._new_head(cfg.num_classes)

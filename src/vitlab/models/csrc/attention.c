@@ -9,50 +9,16 @@
  *                          up to a multiple of 8, the padding columns zero
  *   dout  (B, T, H, d)     the gradient of out
  *   dqkv  (B, T, 3, H, d)  the gradient of qkv: every element written once
- * Work is split by (batch, head) pair: a call computes pairs [start, end), so callers can run
- * disjoint ranges on several threads. Every pair is computed by the same code whatever the split,
- * so results do not depend on the thread count. Returns 0, or -1 if scratch memory was refused. */
+ * Work is split by (batch, head) pair over `threads` threads (SPLIT in kernels.h). Every pair is
+ * computed by the same code whatever the split, so results do not depend on the thread count.
+ * Returns 0, or -1 if scratch memory was refused. */
 
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-/* exp of 8 floats: x = n ln2 + r, exp(r) by a degree-6 polynomial (Cephes' expf), 2^n from the
- * exponent bits; about 1 ulp on the range softmax uses (x <= 0). Below about -87.7 it returns 0. */
-ALWAYS_INLINE __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), x); /* x second: a NaN stays NaN */
-    x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x);
-    __m256 n = _mm256_floor_ps(
-        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-ALWAYS_INLINE float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-ALWAYS_INLINE float hmax8(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "kernels.h"
 
 /* One register tile of the product below: MR rows, NV vectors of 8 columns. */
 ALWAYS_INLINE void tile(const int MR, const int NV, int64_t m, const float *a, int64_t sai,
@@ -99,12 +65,34 @@ static void product(int64_t n, int64_t m, int64_t w, const float *a, int64_t sai
     }
 }
 
-/* dst (d, tp) = the transpose of t rows of d floats (row stride ld), columns t..tp zero. */
-static void transpose(const float *src, int64_t ld, int64_t t, int64_t d, int64_t tp, float *dst) {
-    for (int64_t c = 0; c < d; c++) {
-        for (int64_t i = 0; i < t; i++) dst[c * tp + i] = src[i * ld + c];
-        for (int64_t i = t; i < tp; i++) dst[c * tp + i] = 0.0f;
+/* dst[c * ldd + r] = src[r * ld + c] for r, c < 8: an 8 x 8 block transposed in registers. */
+ALWAYS_INLINE void transpose8(const float *src, int64_t ld, float *dst, int64_t ldd) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ld);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
     }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+
+/* dst (d, tp) = the transpose of t rows of d floats (row stride ld; d a multiple of 8), columns
+ * t..tp zero: 8 x 8 blocks in registers, the last t % 8 rows one by one. */
+static void transpose(const float *src, int64_t ld, int64_t t, int64_t d, int64_t tp, float *dst) {
+    const int64_t t8 = t / 8 * 8;
+    for (int64_t i = 0; i < t8; i += 8)
+        for (int64_t c = 0; c < d; c += 8) transpose8(src + i * ld + c, ld, dst + c * tp + i, tp);
+    for (int64_t c = 0; c < d; c++)
+        for (int64_t i = t8; i < tp; i++) dst[c * tp + i] = i < t ? src[i * ld + c] : 0.0f;
 }
 
 /* dst (t, d) = t rows of d floats (row stride ld): the rows a product broadcasts from, copied
@@ -115,47 +103,73 @@ static void gather(const float *src, int64_t ld, int64_t t, int64_t d, float *ds
         for (int64_t c = 0; c < d; c++) dst[i * d + c] = src[i * ld + c];
 }
 
-/* Row i of s (length tp, the last tp - t padding) becomes softmax over its first t entries. */
-static void softmax_row(float *s, int64_t t, int64_t tp) {
-    for (int64_t j = t; j < tp; j++) s[j] = -INFINITY; /* exp8 makes them 0 */
-    __m256 mx = _mm256_loadu_ps(s);
-    for (int64_t j = 8; j < tp; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
-    const __m256 top = _mm256_set1_ps(hmax8(mx));
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < tp; j += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), top));
-        _mm256_storeu_ps(s + j, e);
-        sum = _mm256_add_ps(sum, e);
+/* R rows of s (row stride tp, the last tp - t entries of each padding) become softmax over
+ * their first t entries; the rows' dependency chains interleave. Each row is computed the same
+ * way whatever R. */
+ALWAYS_INLINE void softmax_block(const int R, float *s, int64_t t, int64_t tp) {
+    __m256 mx[4], top[4], sum[4], inv[4];
+    for (int r = 0; r < R; r++) {
+        for (int64_t j = t; j < tp; j++) s[r * tp + j] = -INFINITY; /* exp8 makes them 0 */
+        mx[r] = _mm256_loadu_ps(s + r * tp);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
-    for (int64_t j = 0; j < tp; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
+    for (int64_t j = 8; j < tp; j += 8)
+        for (int r = 0; r < R; r++) mx[r] = _mm256_max_ps(mx[r], _mm256_loadu_ps(s + r * tp + j));
+    for (int r = 0; r < R; r++) {
+        top[r] = _mm256_set1_ps(hmax8(mx[r]));
+        sum[r] = _mm256_setzero_ps();
+    }
+    for (int64_t j = 0; j < tp; j += 8)
+        for (int r = 0; r < R; r++) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + r * tp + j), top[r]));
+            _mm256_storeu_ps(s + r * tp + j, e);
+            sum[r] = _mm256_add_ps(sum[r], e);
+        }
+    for (int r = 0; r < R; r++) inv[r] = _mm256_set1_ps(1.0f / hsum8(sum[r]));
+    for (int64_t j = 0; j < tp; j += 8)
+        for (int r = 0; r < R; r++)
+            _mm256_storeu_ps(s + r * tp + j, _mm256_mul_ps(_mm256_loadu_ps(s + r * tp + j), inv[r]));
 }
 
-int vitlab_attention_forward(const float *qkv, float *out, float *probs, int64_t B, int64_t T,
-                             int64_t H, int64_t d, float scale, int64_t start, int64_t end) {
-    (void)B;
+/* The first t rows of s (t, tp) become their softmax, four rows at a time. */
+static void softmax(float *s, int64_t t, int64_t tp) {
+    int64_t i = 0;
+    for (; i + 4 <= t; i += 4) softmax_block(4, s + i * tp, t, tp);
+    for (; i < t; i++) softmax_block(1, s + i * tp, t, tp);
+}
+
+/* Ask for the cache lines of t rows of d floats (row stride ld) ahead of their use. */
+static void prefetch(const float *src, int64_t ld, int64_t t, int64_t d) {
+    for (int64_t i = 0; i < t; i++)
+        for (int64_t c = 0; c < d; c += 16) _mm_prefetch((const char *)(src + i * ld + c), _MM_HINT_T0);
+}
+
+static int forward(const float *qkv, float *out, float *probs, int64_t T, int64_t H, int64_t d,
+                   float scale, int64_t start, int64_t end) {
     const int64_t tp = (T + 7) / 8 * 8, row = 3 * H * d, orow = H * d;
-    float *kt = malloc(sizeof(float) * (d * tp + T * tp + T * d));
+    float *kt = malloc(sizeof(float) * (d * tp + T * tp + 2 * T * d));
     if (!kt) return -1;
-    float *ql = kt + d * tp + T * tp; /* (T, d) */
+    float *ql = kt + d * tp + T * tp, *vl = ql + T * d; /* (T, d) each */
     for (int64_t bh = start; bh < end; bh++) {
         const int64_t b = bh / H, h = bh % H;
         const float *q = qkv + b * T * row + h * d, *k = q + H * d, *v = q + 2 * H * d;
         float *s = probs ? probs + bh * T * tp : kt + d * tp; /* (T, tp) */
+        if (bh + 1 < end) {
+            const float *next = qkv + (bh + 1) / H * T * row + (bh + 1) % H * d;
+            for (int part = 0; part < 3; part++) prefetch(next + part * H * d, row, T, d);
+        }
         transpose(k, row, T, d, tp, kt);
         gather(q, row, T, d, ql);
+        gather(v, row, T, d, vl);
         product(T, d, tp, ql, d, 1, kt, tp, s, tp, scale); /* scale q k^T */
-        for (int64_t i = 0; i < T; i++) softmax_row(s + i * tp, T, tp);
-        product(T, T, d, s, tp, 1, v, row, out + b * T * orow + h * d, orow, 1.0f); /* p v */
+        softmax(s, T, tp);
+        product(T, T, d, s, tp, 1, vl, d, out + b * T * orow + h * d, orow, 1.0f); /* p v */
     }
     free(kt);
     return 0;
 }
 
-int vitlab_attention_backward(const float *qkv, const float *probs, const float *dout,
-                              float *dqkv, int64_t B, int64_t T, int64_t H, int64_t d,
-                              float scale, int64_t start, int64_t end) {
-    (void)B;
+static int backward(const float *qkv, const float *probs, const float *dout, float *dqkv,
+                    int64_t T, int64_t H, int64_t d, float scale, int64_t start, int64_t end) {
     const int64_t tp = (T + 7) / 8 * 8, row = 3 * H * d, orow = H * d;
     float *vt = malloc(sizeof(float) * (d * tp + T * tp + T * d));
     if (!vt) return -1;
@@ -188,3 +202,15 @@ int vitlab_attention_backward(const float *qkv, const float *probs, const float 
     free(vt);
     return 0;
 }
+
+int vitlab_attention_forward(const float *qkv, float *out, float *probs, int64_t B, int64_t T,
+                             int64_t H, int64_t d, float scale, int64_t threads) {
+    SPLIT(B * H, threads, forward(qkv, out, probs, T, H, d, scale, start, end));
+}
+
+int vitlab_attention_backward(const float *qkv, const float *probs, const float *dout,
+                              float *dqkv, int64_t B, int64_t T, int64_t H, int64_t d,
+                              float scale, int64_t threads) {
+    SPLIT(B * H, threads, backward(qkv, probs, dout, dqkv, T, H, d, scale, start, end));
+}
+

@@ -1,0 +1,204 @@
+"""vitlab's own C kernels for x86 CPUs in float32 (csrc/), and what they share: building,
+loading, the switch, and running one kernel's work over PyTorch's threads.
+
+- attention for short sequences, forward and backward (csrc/attention.c; cpu_attention.py says
+  when it runs);
+- LayerNorm and GELU (the erf form) for inference (csrc/norm_gelu.c): under torch.no_grad /
+  inference_mode, float32 on the CPU. PyTorch's LayerNorm takes 2.8x as long over rows this
+  short (D = 64, 128); GELU runs at PyTorch's speed or better, in place (BENCHMARKS.md, issue 16).
+
+They run when the CPU has AVX2 (PyTorch dispatches its AVX2 or AVX-512 kernels; Linux or macOS),
+the tensors are plain float32 outside autocast (not traced or transformed by torch.jit,
+torch.compile, torch.export or torch.func) and the kernels could be built: the C compiler (`$CC`,
+else `cc`) compiles csrc/ once into ~/.cache/vitlab/kernels (`$XDG_CACHE_HOME`), in a few seconds;
+a library found there is loaded only if it and its folder belong to this user and no one else
+may write them. Where building fails, one warning, then PyTorch's operators.
+`VITLAB_CPU_KERNELS=0` turns them off; `use_kernel(False)` does so inside a block.
+
+Threads: built with -fopenmp, the library links libgomp.so.1, the OpenMP runtime PyTorch has
+already loaded, so a kernel's parallel region runs on PyTorch's own thread team (a pool of
+Python threads ran no faster on two threads than on one: its threads waited behind PyTorch's
+spinning OpenMP threads). Where the compiler has no OpenMP (Apple's clang), one thread. Each
+element is computed by the same code whatever the number of threads, so results do not depend
+on it."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.autograd import forward_ad
+
+_CSRC = Path(__file__).with_name("csrc")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
+_OPENMP = "-fopenmp"  # threads from PyTorch's own OpenMP runtime; built without it where refused
+_switch = {"enabled": True}
+_pointer, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {  # the last argument: threads; every kernel returns 0, or -1 when refused memory
+    # qkv, out, probs | B, T, H, d, scale
+    "vitlab_attention_forward": [_pointer] * 3 + [_int] * 4 + [_float, _int],
+    # qkv, probs, dout, dqkv | B, T, H, d, scale
+    "vitlab_attention_backward": [_pointer] * 4 + [_int] * 4 + [_float, _int],
+    # x, weight, bias, y | D, eps, rows
+    "vitlab_layer_norm": [_pointer] * 4 + [_int, _float, _int, _int],
+    # x | n
+    "vitlab_gelu": [_pointer] + [_int, _int],
+}
+
+
+@contextmanager
+def use_kernel(enabled: bool) -> Iterator[None]:
+    """Inside the block, vitlab's CPU kernels run where they apply (True) or never (False: PyTorch's
+    operators), in every thread of this process (as torch.backends' switches)."""
+    before = _switch["enabled"]
+    _switch["enabled"] = enabled
+    try:
+        yield
+    finally:
+        _switch["enabled"] = before
+
+
+def usable(x: Tensor) -> bool:
+    """Whether a kernel may take x: the switch is on, x is a plain float32 CPU tensor (not a
+    FakeTensor, DTensor, torch.func wrapper), nothing traces or compiles, no forward-mode AD, and
+    the library is built."""
+    if not _switch["enabled"] or type(x) is not Tensor:
+        return False
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+        return False  # under bf16 autocast, PyTorch's operators as before
+    if torch.jit.is_tracing() or torch.compiler.is_compiling() or _transformed(x):
+        return False
+    return library() is not None
+
+
+def _transformed(x: Tensor) -> bool:
+    """Whether x is wrapped by torch.func (vmap, grad, jacrev) or forward-mode AD is on."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(x) or forward_ad._current_level >= 0
+
+
+def infers(x: Tensor) -> bool:
+    """Whether LayerNorm or GELU over x may run on the kernels: no autograd (torch.no_grad or
+    inference_mode) and a usable tensor (layer_norm also needs a width that is a multiple of 8)."""
+    return not torch.is_grad_enabled() and usable(x)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """F.layer_norm over the last dimension (a multiple of 8) with weight and bias, float32, no
+    autograd (infers(x) says whether it can run here)."""
+    width = x.shape[-1] if x.dim() else 0
+    if width % 8 or weight.shape != (width,) or bias.shape != (width,) or width == 0:
+        raise ValueError(
+            f"layer_norm takes rows of a width that is a multiple of 8 and a weight and bias of "
+            f"that width, got {tuple(x.shape)}, {tuple(weight.shape)} and {tuple(bias.shape)}"
+        )
+    if not weight.dtype == bias.dtype == x.dtype == torch.float32:
+        raise ValueError(
+            f"layer_norm computes float32, got {x.dtype}, {weight.dtype}, {bias.dtype}"
+        )
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    tensors = [x, weight.contiguous(), bias.contiguous(), out]
+    rows = x.numel() // width
+    run("vitlab_layer_norm", tensors, (width, eps, rows), rows, grain=64)
+    return out
+
+
+def gelu_(x: Tensor) -> Tensor:
+    """x becomes F.gelu(x) (the erf form), in place; float32, no autograd, contiguous."""
+    if not x.is_contiguous():
+        raise ValueError("gelu_ needs a contiguous tensor")
+    run("vitlab_gelu", [x], (x.numel(),), x.numel() // 8, grain=2048)
+    return x
+
+
+def run(
+    name: str, tensors: Sequence[Tensor | None], args: tuple, items: int, grain: int = 1
+) -> None:
+    """Call kernel `name` on `tensors` and `args`; it splits its `items` evenly over PyTorch's
+    threads (its OpenMP team; at least `grain` items a thread), or runs on this thread where the
+    library was built without OpenMP. ctypes lets go of the GIL during the call."""
+    kernel = getattr(library(), name)
+    pointers = [None if x is None else x.data_ptr() for x in tensors]
+    threads = max(1, min(torch.get_num_threads(), items // grain))
+    if kernel(*pointers, *args, threads):
+        raise MemoryError(f"vitlab's CPU kernel {name} could not allocate its scratch memory")
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None where they cannot run here (a warning says why once when
+    building or loading failed)."""
+    if os.environ.get("VITLAB_CPU_KERNELS", "1") == "0" or sys.platform == "win32":
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    try:
+        built = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.SubprocessError) as e:
+        reason = e.stderr if isinstance(e, subprocess.CalledProcessError) else str(e)
+        warnings.warn(
+            f"vitlab's CPU kernels could not be built ({reason.strip()[-400:]}); PyTorch's "
+            "operators run instead",
+            stacklevel=2,
+        )
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        kernel = getattr(built, name)
+        kernel.argtypes, kernel.restype = argtypes, ctypes.c_int
+    return built
+
+
+def _build() -> Path:
+    """The kernels' library: from the cache folder if these sources and compiler built it before
+    and only this user may write it there, else compiled (under a temporary name, then renamed:
+    a half-written library is never loaded; into a private temporary folder where the cache
+    folder is not safe to load from)."""
+    command = shlex.split(os.environ.get("CC") or "cc")
+    compiler = shutil.which(command[0]) if command else None
+    if compiler is None:
+        raise OSError(f"no C compiler: {os.environ.get('CC') or 'cc'} is not on PATH")
+    command[0] = compiler
+    sources = sorted(_CSRC.glob("*.c"))
+    code = b"".join(p.read_bytes() for p in [*sources, *sorted(_CSRC.glob("*.h"))])
+    key = hashlib.sha256(code + " ".join((*command, *_FLAGS)).encode())
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = cache_home / "vitlab" / "kernels"
+    path = folder / f"kernels-{key.hexdigest()[:16]}.so"
+    with suppress(OSError):  # a folder that cannot be made is not private: a temporary one
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not _private(folder):  # someone else's or shared: a library for this process only
+        folder = Path(tempfile.mkdtemp(prefix="vitlab-kernels-"))
+        path = folder / path.name
+    if not _private(path):
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            built = Path(tmp) / "kernels.so"
+            compile_ = [*command, *_FLAGS, "-o", str(built), *map(str, sources)]
+            try:  # with OpenMP where the compiler has it (Apple's clang has not: one thread)
+                subprocess.run([*compile_, _OPENMP], capture_output=True, timeout=300, check=True)
+            except subprocess.CalledProcessError:
+                subprocess.run(compile_, capture_output=True, text=True, timeout=300, check=True)
+            os.replace(built, path)
+    return path
+
+
+def _private(path: Path) -> bool:
+    """Whether path exists, belongs to this user, and no one else may write it."""
+    try:
+        info = path.stat()
+    except OSError:
+        return False
+    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)

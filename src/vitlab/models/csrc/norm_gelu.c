@@ -1,0 +1,99 @@
+/* LayerNorm and GELU (the erf form) in float32 for x86 CPUs with AVX2 + FMA, for inference.
+ * Built and loaded with attention.c by vitlab/models/cpu_kernels.py; its docstring says when
+ * they run. Work is split by rows (LayerNorm) or by vectors of 8 (GELU) over `threads` threads
+ * (SPLIT in kernels.h); every element is computed by the same code whatever the split. Both
+ * return 0. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "kernels.h"
+
+/* R rows of width D (a multiple of 8): y = (x - mean) / sqrt(var + eps) * w + b, the variance
+ * from the centred values (two passes over a row in cache); the rows' chains interleave. */
+ALWAYS_INLINE void norm_block(const int R, const float *x, const float *w, const float *b,
+                              float *y, int64_t D, float eps) {
+    __m256 acc[4], mean[4], scale[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < D; j += 8)
+        for (int r = 0; r < R; r++) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(x + r * D + j));
+    for (int r = 0; r < R; r++) {
+        mean[r] = _mm256_set1_ps(hsum8(acc[r]) / (float)D);
+        acc[r] = _mm256_setzero_ps();
+    }
+    for (int64_t j = 0; j < D; j += 8)
+        for (int r = 0; r < R; r++) {
+            __m256 c = _mm256_sub_ps(_mm256_loadu_ps(x + r * D + j), mean[r]);
+            acc[r] = _mm256_fmadd_ps(c, c, acc[r]);
+        }
+    for (int r = 0; r < R; r++)
+        scale[r] = _mm256_set1_ps(1.0f / sqrtf(hsum8(acc[r]) / (float)D + eps));
+    for (int64_t j = 0; j < D; j += 8) {
+        const __m256 wj = _mm256_loadu_ps(w + j), bj = _mm256_loadu_ps(b + j);
+        for (int r = 0; r < R; r++) {
+            __m256 c = _mm256_sub_ps(_mm256_loadu_ps(x + r * D + j), mean[r]);
+            _mm256_storeu_ps(y + r * D + j, _mm256_fmadd_ps(_mm256_mul_ps(c, scale[r]), wj, bj));
+        }
+    }
+}
+
+/* Rows [start, end) of x (rows of D floats, D a multiple of 8) normalised into y, four at a
+ * time. */
+static int norm_rows(const float *x, const float *w, const float *b, float *y, int64_t D,
+                     float eps, int64_t start, int64_t end) {
+    int64_t i = start;
+    for (; i + 4 <= end; i += 4) norm_block(4, x + i * D, w, b, y + i * D, D, eps);
+    for (; i < end; i++) norm_block(1, x + i * D, w, b, y + i * D, D, eps);
+    return 0;
+}
+
+/* GELU of 8 floats: x / 2 (1 + erf(x / sqrt 2)), erf by Abramowitz and Stegun 7.1.26 (absolute
+ * error below 1.5e-7; the form PyTorch's vectorised CPU erf uses). */
+ALWAYS_INLINE __m256 gelu8(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 z = _mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f));
+    const __m256 a = _mm256_andnot_ps(sign, z); /* |z| */
+    const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                                   _mm256_fmadd_ps(a, _mm256_set1_ps(0.3275911f), _mm256_set1_ps(1.0f)));
+    __m256 p = _mm256_set1_ps(1.061405429f);
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.453152027f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.421413741f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
+    p = _mm256_mul_ps(p, t);
+    /* erf(|z|) = 1 - p exp(-z^2); erf keeps z's sign */
+    const __m256 e = _mm256_fnmadd_ps(p, exp8(_mm256_mul_ps(_mm256_sub_ps(sign, a), a)),
+                                      _mm256_set1_ps(1.0f));
+    const __m256 erf = _mm256_or_ps(e, _mm256_and_ps(sign, z));
+    return _mm256_mul_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.5f)), _mm256_add_ps(erf, _mm256_set1_ps(1.0f)));
+}
+
+/* Elements [8 start, min(8 end, n)) of x become their GELU, in place (the last vector may be
+ * partial). */
+static int gelu_vectors(float *x, int64_t n, int64_t start, int64_t end) {
+    for (int64_t i = start; i < end; i++) {
+        float *p = x + 8 * i;
+        const int64_t left = n - 8 * i;
+        if (left >= 8) {
+            _mm256_storeu_ps(p, gelu8(_mm256_loadu_ps(p)));
+        } else {
+            const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left),
+                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            _mm256_maskstore_ps(p, mask, gelu8(_mm256_maskload_ps(p, mask)));
+        }
+    }
+    return 0;
+}
+
+/* y = LayerNorm(x) over `rows` rows of width D (a multiple of 8), on `threads` threads. */
+int vitlab_layer_norm(const float *x, const float *w, const float *b, float *y, int64_t D,
+                      float eps, int64_t rows, int64_t threads) {
+    SPLIT(rows, threads, norm_rows(x, w, b, y, D, eps, start, end));
+}
+
+/* x = GELU(x), in place, for the n floats of x, on `threads` threads. */
+int vitlab_gelu(float *x, int64_t n, int64_t threads) {
+    SPLIT((n + 7) / 8, threads, gelu_vectors(x, n, start, end));
+}
+
