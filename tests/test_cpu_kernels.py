@@ -3,6 +3,11 @@ formulas in float64, the same bits on one and two threads, and when the model ta
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,15 +55,43 @@ def test_gelu_matches_the_erf_formula_in_float64_in_place(n) -> None:
     torch.testing.assert_close(same.double(), expected, atol=1e-6, rtol=1e-6)
 
 
-def test_gelu_keeps_nan_and_infinity() -> None:
-    x = torch.tensor([float("nan"), float("inf"), -30.0, 0.0, 30.0, -0.5, 0.5, 1e30, -1e30])
+def test_gelu_keeps_nan_and_the_formulas_infinities() -> None:
+    """NaN stays NaN; x / 2 (1 + erf(x / sqrt 2)) is +inf at +inf and NaN at -inf (inf x 0)."""
+    x = torch.tensor([float("nan"), float("inf"), float("-inf"), -30.0, 0.0, 30.0, 1e30, -1e30])
     out = cpu_kernels.gelu_(x.clone())
-    assert out[0].isnan() and out[1] == float("inf")
-    torch.testing.assert_close(out[2:], F.gelu(x[2:]), atol=1e-6, rtol=1e-6)
+    assert out[0].isnan() and out[1] == float("inf") and out[2].isnan()
+    torch.testing.assert_close(out[3:], F.gelu(x[3:]), atol=1e-6, rtol=1e-6)
+
+
+def test_the_kernels_refuse_what_they_cannot_take() -> None:
+    for bad in (
+        torch.randn(16).half(),
+        torch.randn(16).double(),
+        torch.randn(16, requires_grad=True),
+    ):
+        with pytest.raises(ValueError, match="gelu_"):
+            cpu_kernels.gelu_(bad)
+        with pytest.raises(ValueError, match="layer_norm"):
+            cpu_kernels.layer_norm(bad, torch.ones(16), torch.zeros(16), 1e-5)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cpu_kernels.layer_norm(torch.randn(2, 12), torch.ones(12), torch.zeros(12), 1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.gelu_(torch.randn(8, 16).t())
+
+
+def test_built_with_openmp_on_pytorchs_runtime() -> None:
+    """The kernels' threads are PyTorch's OpenMP team: one OpenMP runtime in the process."""
+    if sys.platform != "linux" or os.environ.get("CC"):
+        pytest.skip("checked with Linux's default compiler (GCC)")
+    assert cpu_kernels.library().vitlab_openmp() == 1
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) == 1
 
 
 def test_same_bits_on_one_and_two_threads() -> None:
-    x, weight, bias = torch.randn(1000, 64), torch.randn(64), torch.randn(64)
+    x, weight, bias = torch.randn(1002, 64), torch.randn(64), torch.randn(64)  # 501 rows each
+    values = torch.randn(40_003)  # two threads' worth, and a partial vector at the end
     results = []
     before = torch.get_num_threads()
     try:
@@ -66,7 +99,10 @@ def test_same_bits_on_one_and_two_threads() -> None:
             torch.set_num_threads(threads)
             with torch.no_grad():
                 results.append(
-                    (cpu_kernels.layer_norm(x, weight, bias, 1e-6), cpu_kernels.gelu_(x.clone()))
+                    (
+                        cpu_kernels.layer_norm(x, weight, bias, 1e-6),
+                        cpu_kernels.gelu_(values.clone()),
+                    )
                 )
     finally:
         torch.set_num_threads(before)
@@ -98,10 +134,20 @@ def test_when_the_model_takes_them(monkeypatch) -> None:
     odd = VisionTransformer(tiny_config(embed_dim=36, num_heads=2, mlp_dim=70)).eval()
     assert used(odd, images) == ["gelu_"]  # LayerNorm's width in whole vectors only
     with torch.autocast("cpu", torch.bfloat16):
-        assert "gelu_" not in used(model, images)  # bf16 activations
+        assert used(model, images) == []  # PyTorch's operators under autocast
     with cpu_kernels.use_kernel(False):
         assert used(model, images) == []
     assert isinstance(model.blocks[0].norm1, torch.nn.LayerNorm)  # state_dict keys unchanged
+    seen = []  # a forward hook on the MLP's activation still sees it run, on fc1's output
+    handle = model.blocks[0].mlp.act.register_forward_hook(lambda m, i, o: seen.append(i[0]))
+    assert "gelu_" in used(model, images)  # the other blocks
+    handle.remove()
+    assert len(seen) == 1 and seen[0].min() < 0  # GELU's input, not its output
+    fc1 = model.blocks[0].mlp.fc1.register_forward_hook(lambda m, i, o: seen.append(o))
+    with torch.no_grad():
+        model(images)
+    fc1.remove()
+    assert seen[-1].min() < -0.2  # fc1's output left as it was (GELU's minimum is -0.17)
 
     nano = vitlab.create_model("vit_nano_patch4_28", num_classes=10, in_chans=1).eval()
     torch.nn.init.normal_(nano.head.weight, std=0.1)
@@ -113,8 +159,56 @@ def test_when_the_model_takes_them(monkeypatch) -> None:
     torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-5)
 
 
-def test_layer_norm_without_affine_runs_pytorch() -> None:
-    norm = LayerNorm(16, elementwise_affine=False)
-    x = torch.randn(3, 16)
+def test_layer_norm_without_affine_or_over_two_dimensions_runs_pytorch() -> None:
+    x = torch.randn(3, 4, 16)
     with torch.no_grad():
-        torch.testing.assert_close(norm(x), F.layer_norm(x, (16,)))
+        torch.testing.assert_close(
+            LayerNorm(16, elementwise_affine=False)(x), F.layer_norm(x, (16,))
+        )
+        torch.testing.assert_close(LayerNorm((4, 16))(x), F.layer_norm(x, (4, 16)))
+
+
+def test_layer_norm_and_the_mlp_still_trace_with_torch_fx() -> None:
+    """Under symbolic tracing nothing reads a proxy's shape: the graphs record PyTorch's
+    operators (torchvision's feature extraction traces this way)."""
+    block = VisionTransformer(tiny_config()).eval().blocks[0]
+    x = torch.randn(2, 17, 32)
+    for module, op in ((block.norm1, "layer_norm"), (block.mlp, "target=act")):
+        graph = torch.fx.symbolic_trace(module)
+        assert op in str(graph.graph)  # PyTorch's LayerNorm; the GELU module
+        with torch.no_grad():
+            torch.testing.assert_close(graph(x), module(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_compiler_without_openmp_builds_one_thread_kernels_with_a_warning(tmp_path) -> None:
+    """A compiler that refuses -fopenmp: the kernels are built without it, under their own name
+    (a later compiler with OpenMP builds the threaded library), with one warning."""
+    compiler = tmp_path / "cc-no-openmp"
+    compiler.write_text(
+        '#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec cc "$@"\n'
+    )
+    compiler.chmod(0o755)
+    script = (
+        "import warnings, torch\n"
+        "from vitlab.models import cpu_kernels\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    print(cpu_kernels.library().vitlab_openmp())\n"
+        "    with torch.no_grad():\n"
+        "        print(cpu_kernels.gelu_(torch.zeros(20)).abs().sum().item())\n"
+        "print([str(x.message) for x in w])\n"
+    )
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop("VITLAB_CPU_KERNELS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**env, "CC": str(compiler)},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    openmp, total, messages = done.stdout.splitlines()
+    assert (openmp, total) == ("0", "0.0") and "without OpenMP" in messages
+    assert [
+        p.name.endswith("-1thread.so") for p in (tmp_path / "vitlab" / "kernels").glob("*.so")
+    ] == [True]

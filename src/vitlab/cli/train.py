@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bf16 autocast where the GPU or CPU computes in bf16, else fp32), compile, "
         "grad_checkpointing, channels_last (NHWC convolutions: faster conv stems and CNNs on "
         "CPU), batch_threads=N (each batch in N parts, their forward and backward on N threads "
-        "of one process: faster float32 training on CPU; BatchNorm per part, no dropout), "
+        "of one process: time it first, off by default; BatchNorm per part, no dropout), "
         "strategy ddp | fsdp, device, objective classify | mpp), mpp.* "
         "(masked patch prediction without labels: target mean_color | patch_l2, corrupt, mask, "
         "random, bits), distill.* (DeiT, for model.distilled=true: teacher=RUN_OR_CKPT, type "

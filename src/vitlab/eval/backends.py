@@ -96,8 +96,8 @@ def _device_of(model: nn.Module) -> torch.device:
 
 class BatchParts(nn.Module):
     """`model` on a batch cut into n parts, each part on its own thread with 1/n of PyTorch's
-    threads (runtime.thread_pool), the outputs concatenated in order: faster on a CPU at small
-    widths, whose small kernels two OpenMP threads share poorly (train.batch_threads' inference).
+    threads (runtime.thread_pool), the outputs concatenated in order (train.batch_threads'
+    inference; with vitlab's CPU kernels mostly slower than one call: BENCHMARKS.md, issue 16).
     Each thread takes the caller's grad, inference and CPU autocast modes (thread-local)."""
 
     def __init__(self, model: nn.Module, n: int) -> None:

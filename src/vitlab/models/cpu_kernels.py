@@ -5,7 +5,8 @@ loading, the switch, and running one kernel's work over PyTorch's threads.
   when it runs);
 - LayerNorm and GELU (the erf form) for inference (csrc/norm_gelu.c): under torch.no_grad /
   inference_mode, float32 on the CPU. PyTorch's LayerNorm takes 2.8x as long over rows this
-  short (D = 64, 128); GELU runs at PyTorch's speed or better, in place (BENCHMARKS.md, issue 16).
+  short (D = 64, 128); GELU runs at 0.92-1.38x PyTorch's, in place on fc1's output (no new
+  tensor; BENCHMARKS.md, issue 16).
 
 They run when the CPU has AVX2 (PyTorch dispatches its AVX2 or AVX-512 kernels; Linux or macOS),
 the tensors are plain float32 outside autocast (not traced or transformed by torch.jit,
@@ -57,6 +58,7 @@ _SIGNATURES = {  # the last argument: threads; every kernel returns 0, or -1 whe
     "vitlab_layer_norm": [_pointer] * 4 + [_int, _float, _int, _int],
     # x | n
     "vitlab_gelu": [_pointer] + [_int, _int],
+    "vitlab_openmp": [],  # 1 where built with OpenMP
 }
 
 
@@ -99,16 +101,17 @@ def infers(x: Tensor) -> bool:
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     """F.layer_norm over the last dimension (a multiple of 8) with weight and bias, float32, no
     autograd (infers(x) says whether it can run here)."""
+    _check_takes(x, "layer_norm")
     width = x.shape[-1] if x.dim() else 0
     if width % 8 or weight.shape != (width,) or bias.shape != (width,) or width == 0:
         raise ValueError(
             f"layer_norm takes rows of a width that is a multiple of 8 and a weight and bias of "
             f"that width, got {tuple(x.shape)}, {tuple(weight.shape)} and {tuple(bias.shape)}"
         )
-    if not weight.dtype == bias.dtype == x.dtype == torch.float32:
-        raise ValueError(
-            f"layer_norm computes float32, got {x.dtype}, {weight.dtype}, {bias.dtype}"
-        )
+    if not (
+        weight.dtype == bias.dtype == torch.float32 and weight.device == bias.device == x.device
+    ):
+        raise ValueError("layer_norm's weight and bias must be float32 on the CPU as x")
     x = x.contiguous()
     out = torch.empty_like(x)
     tensors = [x, weight.contiguous(), bias.contiguous(), out]
@@ -119,10 +122,22 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
 
 def gelu_(x: Tensor) -> Tensor:
     """x becomes F.gelu(x) (the erf form), in place; float32, no autograd, contiguous."""
+    _check_takes(x, "gelu_")
     if not x.is_contiguous():
         raise ValueError("gelu_ needs a contiguous tensor")
-    run("vitlab_gelu", [x], (x.numel(),), x.numel() // 8, grain=2048)
+    run("vitlab_gelu", [x], (x.numel(),), (x.numel() + 7) // 8, grain=2048)
     return x
+
+
+def _check_takes(x: Tensor, what: str) -> None:
+    """A ValueError unless the kernel `what` can take x: float32 on the CPU, no autograd through
+    it (the kernels record no gradient), the library built."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        raise ValueError(f"{what} computes float32 on the CPU, got {x.dtype} on {x.device}")
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError(f"{what} records no gradient: call it under torch.no_grad()")
+    if library() is None:
+        raise ValueError(f"{what}: vitlab's CPU kernels are not built here")
 
 
 def run(
@@ -159,6 +174,12 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         kernel = getattr(built, name)
         kernel.argtypes, kernel.restype = argtypes, ctypes.c_int
+    if not built.vitlab_openmp():
+        warnings.warn(
+            "vitlab's CPU kernels were built without OpenMP (the C compiler has none): they run "
+            "on one thread",
+            stacklevel=2,
+        )
     return built
 
 
@@ -183,15 +204,20 @@ def _build() -> Path:
     if not _private(folder):  # someone else's or shared: a library for this process only
         folder = Path(tempfile.mkdtemp(prefix="vitlab-kernels-"))
         path = folder / path.name
-    if not _private(path):
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            built = Path(tmp) / "kernels.so"
-            compile_ = [*command, *_FLAGS, "-o", str(built), *map(str, sources)]
-            try:  # with OpenMP where the compiler has it (Apple's clang has not: one thread)
-                subprocess.run([*compile_, _OPENMP], capture_output=True, timeout=300, check=True)
-            except subprocess.CalledProcessError:
-                subprocess.run(compile_, capture_output=True, text=True, timeout=300, check=True)
-            os.replace(built, path)
+    single = path.with_name(path.stem + "-1thread.so")  # kept apart: a compiler may gain OpenMP
+    if _private(path):
+        return path
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        built = Path(tmp) / "kernels.so"
+        compile_ = [*command, *_FLAGS, "-o", str(built), *map(str, sources)]
+        try:  # with OpenMP where the compiler has it (Apple's clang has not: one thread)
+            subprocess.run([*compile_, _OPENMP], capture_output=True, timeout=300, check=True)
+        except subprocess.CalledProcessError:
+            if _private(single):
+                return single
+            subprocess.run(compile_, capture_output=True, text=True, timeout=300, check=True)
+            path = single
+        os.replace(built, path)
     return path
 
 

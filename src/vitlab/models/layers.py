@@ -145,8 +145,9 @@ class Attention(nn.Module):
     F.scaled_dot_product_attention; `return_attention=True` computes the same result explicitly
     (attention_probs, then dropout, then the product with V) and also returns the attention
     probabilities (B, H, T, T). bf16 on CPU always takes the explicit path, because PyTorch's fused
-    kernel is slow to train in bf16 on CPU (BENCHMARKS.md has the measurements); float32 training
-    on a CPU takes vitlab's kernel for short sequences where it applies (cpu_attention)."""
+    kernel is slow to train in bf16 on CPU (BENCHMARKS.md has the measurements); float32 on a CPU
+    (training and inference) takes vitlab's kernel for short sequences where it applies
+    (cpu_attention)."""
 
     def __init__(self, cfg: BlockConfig, rel_pos: RelativePositionBias | None = None) -> None:
         super().__init__()
@@ -201,20 +202,29 @@ class Mlp(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.fc1(x)
-        if self.act.approximate == "none" and cpu_kernels.infers(h):
+        if cpu_kernels.infers(h) and self.act.approximate == "none" and not self._hooked():
             h = cpu_kernels.gelu_(h)  # inference on the CPU: vitlab's kernel, in place
         else:
             h = self.act(h)
         return self.drop2(self.fc2(self.drop1(h)))
 
+    def _hooked(self) -> bool:
+        """Whether a forward hook could see fc1's output or expects act to run (the kernel
+        overwrites the one and skips the other)."""
+        hooks = (nn.modules.module._global_forward_hooks, self.fc1._forward_hooks)
+        return any(hooks) or bool(self.act._forward_hooks or self.act._forward_pre_hooks)
+
 
 class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm over the last dimension; inference in float32 on the CPU runs vitlab's kernel
-    (cpu_kernels: one pass for the statistics, one to normalise, rows in cache)."""
+    """nn.LayerNorm; over one dimension of a width that is a multiple of 8, with weight and bias,
+    inference in float32 on the CPU runs vitlab's kernel (cpu_kernels: rows in cache, four at a
+    time, 2.8x PyTorch's at D = 64 and 128)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        affine = self.weight is not None and self.bias is not None
-        if affine and x.dim() > 0 and x.shape[-1] % 8 == 0 and cpu_kernels.infers(x):
+        if not cpu_kernels.infers(x):  # first: shapes are not read under tracing
+            return super().forward(x)
+        one = len(self.normalized_shape) == 1 and self.normalized_shape[0] % 8 == 0
+        if one and self.weight is not None and self.bias is not None:
             return cpu_kernels.layer_norm(x, self.weight, self.bias, self.eps)
         return super().forward(x)
 

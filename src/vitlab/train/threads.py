@@ -3,7 +3,8 @@ backward on its own thread with 1/N of the CPU threads, the parts' gradients sum
 
 Why: at the widths trained on a CPU a step is many small kernels (LayerNorm, GELU, adds, copies,
 attention over 50 tokens, matrix products with 64 columns) that two OpenMP threads share poorly;
-two single-threaded halves keep both cores busy (BENCHMARKS.md, issue 16, goal 1). The step is the
+two single-threaded halves kept both cores busy (1.12-1.39x a float32 step; since vitlab's CPU
+kernels run on PyTorch's OpenMP team, 0.95-1.17x: BENCHMARKS.md, issue 16, goal 1). The step is the
 same sum of per-image gradients, with these differences from one thread: BatchNorm normalises each
 part by the part's statistics (as DDP's ranks do; its running statistics become the parts' mean,
 where DDP keeps rank 0's); the model's own random draws (DropPath, masked patch prediction's

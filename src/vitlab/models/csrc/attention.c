@@ -1,6 +1,6 @@
 /* Multi-head self-attention for short sequences on x86 CPUs in float32 (AVX2 + FMA), forward and
  * backward, straight from the fused qkv projection's output. Built and loaded by
- * vitlab/models/cpu_attention.py; its docstring says when it runs and why.
+ * vitlab/models/cpu_kernels.py; cpu_attention.py's docstring says when it runs and why.
  *
  * Layouts (all contiguous, float32):
  *   qkv   (B, T, 3, H, d)  the qkv Linear's output, (B, T, 3D) viewed per part and head

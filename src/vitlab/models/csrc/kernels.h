@@ -54,7 +54,8 @@ ALWAYS_INLINE float hmax8(__m256 v) {
 #ifdef _OPENMP
 #define SPLIT(items, threads, RANGE_CALL)                                          \
     int rc = 0;                                                                \
-    _Pragma("omp parallel num_threads(threads) reduction(| : rc)") {           \
+    const int team_size = (int)(threads);                                      \
+    _Pragma("omp parallel num_threads(team_size) reduction(| : rc)") {         \
         const int64_t team = omp_get_num_threads(), me = omp_get_thread_num(); \
         const int64_t start = (items) * me / team, end = (items) * (me + 1) / team; \
         rc |= (RANGE_CALL);                                                    \
@@ -66,6 +67,15 @@ ALWAYS_INLINE float hmax8(__m256 v) {
     const int64_t start = 0, end = (items);   \
     return (RANGE_CALL)
 #endif
+
+/* 1 where this library was built with OpenMP (its kernels run on PyTorch's thread team). */
+static inline int openmp_built(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 #endif
 

@@ -10,8 +10,9 @@
 
 #include "kernels.h"
 
-/* R rows of width D (a multiple of 8): y = (x - mean) / sqrt(var + eps) * w + b, the variance
- * from the centred values (two passes over a row in cache); the rows' chains interleave. */
+/* R rows of width D (a multiple of 8): y = (x - mean) / sqrt(var + eps) * w + b, the mean and
+ * then the variance of the centred values (two passes over a row in cache), a third to
+ * normalise; the rows' chains interleave. */
 ALWAYS_INLINE void norm_block(const int R, const float *x, const float *w, const float *b,
                               float *y, int64_t D, float eps) {
     __m256 acc[4], mean[4], scale[4];
@@ -49,7 +50,7 @@ static int norm_rows(const float *x, const float *w, const float *b, float *y, i
 }
 
 /* GELU of 8 floats: x / 2 (1 + erf(x / sqrt 2)), erf by Abramowitz and Stegun 7.1.26 (absolute
- * error below 1.5e-7; the form PyTorch's vectorised CPU erf uses). */
+ * error below 1.5e-7; +inf gives +inf, -inf NaN as the formula does). */
 ALWAYS_INLINE __m256 gelu8(__m256 x) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256 z = _mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f));
@@ -91,6 +92,9 @@ int vitlab_layer_norm(const float *x, const float *w, const float *b, float *y, 
                       float eps, int64_t rows, int64_t threads) {
     SPLIT(rows, threads, norm_rows(x, w, b, y, D, eps, start, end));
 }
+
+/* 1 where built with OpenMP, else 0 (cpu_kernels.py warns: one thread). */
+int vitlab_openmp(void) { return openmp_built(); }
 
 /* x = GELU(x), in place, for the n floats of x, on `threads` threads. */
 int vitlab_gelu(float *x, int64_t n, int64_t threads) {
