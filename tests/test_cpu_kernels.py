@@ -73,6 +73,10 @@ def test_the_kernels_refuse_what_they_cannot_take() -> None:
             cpu_kernels.gelu_(bad)
         with pytest.raises(ValueError, match="layer_norm"):
             cpu_kernels.layer_norm(bad, torch.ones(16), torch.zeros(16), 1e-5)
+    with pytest.raises(ValueError, match="no gradient"):  # a weight that wants one
+        cpu_kernels.layer_norm(
+            torch.randn(16), torch.ones(16, requires_grad=True), torch.zeros(16), 1e-5
+        )
     with pytest.raises(ValueError, match="multiple of 8"):
         cpu_kernels.layer_norm(torch.randn(2, 12), torch.ones(12), torch.zeros(12), 1e-5)
     with pytest.raises(ValueError, match="contiguous"):

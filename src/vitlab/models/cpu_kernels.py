@@ -101,7 +101,7 @@ def infers(x: Tensor) -> bool:
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     """F.layer_norm over the last dimension (a multiple of 8) with weight and bias, float32, no
     autograd (infers(x) says whether it can run here)."""
-    _check_takes(x, "layer_norm")
+    _check_takes(x, "layer_norm", weight, bias)
     width = x.shape[-1] if x.dim() else 0
     if width % 8 or weight.shape != (width,) or bias.shape != (width,) or width == 0:
         raise ValueError(
@@ -129,12 +129,12 @@ def gelu_(x: Tensor) -> Tensor:
     return x
 
 
-def _check_takes(x: Tensor, what: str) -> None:
-    """A ValueError unless the kernel `what` can take x: float32 on the CPU, no autograd through
-    it (the kernels record no gradient), the library built."""
+def _check_takes(x: Tensor, what: str, *params: Tensor) -> None:
+    """A ValueError unless the kernel `what` can take x (and its params): float32 on the CPU, no
+    autograd through it (the kernels record no gradient), the library built."""
     if x.device.type != "cpu" or x.dtype != torch.float32:
         raise ValueError(f"{what} computes float32 on the CPU, got {x.dtype} on {x.device}")
-    if torch.is_grad_enabled() and x.requires_grad:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params)):
         raise ValueError(f"{what} records no gradient: call it under torch.no_grad()")
     if library() is None:
         raise ValueError(f"{what}: vitlab's CPU kernels are not built here")
