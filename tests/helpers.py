@@ -82,6 +82,18 @@ def tiny_config(**overrides: object) -> ViTConfig:
     return ViTConfig(**base)
 
 
+def run_with_fresh_kernel_cache(script: str, cache: Path, **env: str) -> list[str]:
+    """`script`'s stdout lines, run by a fresh Python whose home and cache folder are `cache` (so
+    vitlab's CPU kernels are built anew there), with `env` added."""
+    base = {**os.environ, "HOME": str(cache), "XDG_CACHE_HOME": str(cache)}
+    base.pop("VITLAB_CPU_KERNELS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env={**base, **env}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
 def randomize_head(model: VisionTransformer) -> None:
     """The head is zero-initialised, which would stop every gradient before it."""
     nn.init.normal_(model.head.weight, std=0.1)

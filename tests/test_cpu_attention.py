@@ -4,16 +4,13 @@ and off it, and the cases it leaves to F.scaled_dot_product_attention."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 
 import vitlab
-from tests.helpers import tiny_config
+from tests.helpers import run_with_fresh_kernel_cache, tiny_config
 from vitlab.models import cpu_attention, cpu_kernels
 from vitlab.models.vit import VisionTransformer
 
@@ -262,15 +259,9 @@ def test_a_failed_build_falls_back_with_a_warning(tmp_path) -> None:
         "(torch.randn(1, 1, 28, 28)).shape[0])\n"
         "print([str(x.message) for x in w])\n"
     )
-    env = {**os.environ, "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path)}
-    env.pop("VITLAB_CPU_KERNELS", None)
 
     def run(**extra: str) -> list[str]:
-        done = subprocess.run(
-            [sys.executable, "-c", script], env={**env, **extra}, capture_output=True, text=True
-        )
-        assert done.returncode == 0, done.stderr
-        return done.stdout.splitlines()
+        return run_with_fresh_kernel_cache(script, tmp_path, **extra)
 
     applies, batch, messages = run(CC="/nonexistent/cc")
     assert (applies, batch) == ("False", "1")

@@ -4,7 +4,6 @@ formulas in float64, the same bits on one and two threads, and when the model ta
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import vitlab
-from tests.helpers import tiny_config
+from tests.helpers import run_with_fresh_kernel_cache, tiny_config
 from vitlab.models import cpu_kernels
 from vitlab.models.layers import LayerNorm
 from vitlab.models.vit import VisionTransformer
@@ -202,16 +201,7 @@ def test_a_compiler_without_openmp_builds_one_thread_kernels_with_a_warning(tmp_
         "        print(cpu_kernels.gelu_(torch.zeros(20)).abs().sum().item())\n"
         "print([str(x.message) for x in w])\n"
     )
-    env = {**os.environ, "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path)}
-    env.pop("VITLAB_CPU_KERNELS", None)
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env={**env, "CC": str(compiler)},
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
-    openmp, total, messages = done.stdout.splitlines()
+    openmp, total, messages = run_with_fresh_kernel_cache(script, tmp_path, CC=str(compiler))
     assert (openmp, total) == ("0", "0.0") and "without OpenMP" in messages
     assert [
         p.name.endswith("-1thread.so") for p in (tmp_path / "vitlab" / "kernels").glob("*.so")
