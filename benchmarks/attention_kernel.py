@@ -27,7 +27,7 @@ from vitlab.models.cpu_attention import attention
 from vitlab.models.cpu_kernels import use_kernel
 
 sys.path.insert(0, os.path.dirname(__file__))
-from model_speed import AVX2_ENV, matmul_peak, median_seconds  # noqa: E402
+from model_speed import hold_to, matmul_peak, median_seconds  # noqa: E402
 
 DEFAULT = [
     (128, 50, 4, 16),  # nano at 28 px, patch 4 (the Fashion-MNIST presets)
@@ -69,8 +69,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed calls per measurement")
     parser.add_argument("--isa", choices=("native", "avx2"), default="native")
     args = parser.parse_args()
-    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
+    hold_to(args.isa)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else DEFAULT
     threads = args.threads or [torch.get_num_threads()]
     isa = torch.backends.cpu.get_cpu_capability()

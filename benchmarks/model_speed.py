@@ -73,6 +73,14 @@ AVX2_ENV = {
     "MKL_ENABLE_INSTRUCTIONS": "AVX2",
 }
 
+
+def hold_to(isa: str) -> None:
+    """With isa "avx2", run this script again under AVX2_ENV unless it already runs so (the
+    variables are read when the libraries load)."""
+    if isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
+
+
 DEFAULT = [
     ("vit_nano_patch4_28", 256),
     ("Ti/16", 32),
@@ -290,8 +298,7 @@ def main() -> None:
         help="avx2: hold PyTorch, oneDNN and MKL to AVX2 (an AVX2-only CPU's fp32 path)",
     )
     args = parser.parse_args()
-    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
+    hold_to(args.isa)
     native = args.isa == "native"
     batches = dict(DEFAULT)  # a model of the default set keeps its batch
     runs = [(m, batches.get(m, 16)) for m in args.models] if args.models else DEFAULT
