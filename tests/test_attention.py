@@ -180,3 +180,97 @@ def test_same_logits_as_timm_with_the_same_weights(pool: str, class_token: bool)
         torch.testing.assert_close(
             model.forward_features(x), ref.forward_features(x), atol=1e-5, rtol=0
         )
+
+
+# --- the last block's class-token rows (forward_features(head_only=True), what forward() runs) ---
+
+
+def test_head_only_forward_trains_as_timm_does() -> None:
+    """forward() computes only the class token's row in the last block; its logits and every
+    parameter's gradient (training mode) match timm's model, which computes every row."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    ref = timm.models.vision_transformer.VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=5
+    )
+    torch.nn.init.normal_(ref.head.weight)
+    model = from_timm(ref, ViTConfig(img_size=32, patch_size=8, num_classes=5, embed_dim=64,
+                                     depth=2, num_heads=4, mlp_dim=256))  # fmt: skip
+    x, y = torch.randn(6, 3, 32, 32), torch.randint(0, 5, (6,))
+    for m in (model.train(), ref.train()):
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+    grads = timm_to_vitlab({n: p.grad for n, p in ref.named_parameters()})
+    assert model.forward_features(x, head_only=True).shape == (6, 1, 64)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert model.blocks[-1].attn.qkv.weight.grad[:64].abs().sum() > 0  # q's rows are trained
+
+
+def _linear_flops(model: VisionTransformer, x: torch.Tensor) -> int:
+    """FLOPs of the matrix products (mm, addmm) in model(x), counted from their shapes (a
+    dispatch mode: FlopCounterMode's global module hooks would turn head_only off)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    total = 0
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal total
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                a, b = args[-2:]
+                total += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            return func(*args, **(kwargs or {}))
+
+    with Count(), torch.no_grad():
+        model(x)
+    return total
+
+
+@pytest.mark.parametrize("distilled", [False, True])
+def test_head_only_saves_the_last_blocks_other_rows(distilled: bool) -> None:
+    """The tokens the head reads equal the full path's, and the linear layers' FLOPs drop by
+    exactly the other rows' q, output projection and MLP in the last block."""
+    torch.manual_seed(0)
+    cfg = tiny_config(distilled=distilled, depth=3)
+    model = VisionTransformer(cfg).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        full = model.forward_features(x)
+        head = model.forward_features(x, head_only=True)
+    n = cfg.num_prefix_tokens
+    assert head.shape == (2, n, 32)
+    torch.testing.assert_close(head, full[:, :n], atol=1e-6, rtol=0)
+    flops = _linear_flops(model, x)
+    d, m, t = cfg.embed_dim, cfg.mlp_dim, full.shape[1]
+    saved = 2 * 2 * (t - n) * (2 * d * d + 2 * d * m)  # batch 2, 2 FLOPs a MAC
+    with model.blocks[-1].register_forward_hook(lambda *a: None):  # a hook: every row again
+        assert _linear_flops(model, x) - flops == saved
+
+
+def test_head_only_falls_back_where_rows_cannot_be_cut() -> None:
+    """Where q cannot be projected apart (relative positions, a quantised qkv) the last block
+    computes every row and keeps the class token's; a hook on it sees every row; pool='gap'
+    returns every token; with gradient checkpointing the gradients are the same."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 16)
+    rel = VisionTransformer(tiny_config(pos_embed="relative")).eval()
+    gap = VisionTransformer(tiny_config(pool="gap", class_token=False)).eval()
+    plain = VisionTransformer(tiny_config()).eval()
+    quant = torch.ao.quantization.quantize_dynamic(plain, {torch.nn.Linear}, dtype=torch.qint8)
+    with torch.no_grad():
+        for model in (rel, quant):
+            full = model.forward_features(x)
+            torch.testing.assert_close(model(x), model.forward_head(full), atol=1e-6, rtol=0)
+        assert gap.forward_features(x, head_only=True).shape == (2, 16, 32)
+        seen = []
+        with plain.blocks[-1].register_forward_hook(lambda m, i, o: seen.append(o[0].shape)):
+            assert plain.forward_features(x, head_only=True).shape == (2, 17, 32)
+        assert seen == [(2, 17, 32)]
+    grads = []
+    for ckpt in (False, True):
+        plain.zero_grad()
+        plain.train().set_grad_checkpointing(ckpt)
+        plain(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in plain.parameters() if p.grad is not None])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

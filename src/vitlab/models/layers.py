@@ -160,14 +160,42 @@ class Attention(nn.Module):
         self.proj_drop = nn.Dropout(cfg.dropout)
         self.rel_pos = rel_pos
 
-    def forward(self, x: Tensor, return_attention: bool = False) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self, x: Tensor, return_attention: bool = False, queries: int | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """(B, T, D) -> (B, T, D) and the probabilities or None; with `queries` n, only the first
+        n tokens' outputs (B, n, D): their queries attend to every token, the other rows of q and
+        of the output are not computed."""
+        if queries is not None and self._splits(return_attention):
+            return self._first_rows(x, queries), None
         qkv = self.qkv(x)  # (B, T, 3D)
         plain = self.rel_pos is None and not (self.training and self.attn_drop > 0)
-        if plain and not return_attention and cpu_attention.applies(qkv, self.num_heads):
+        if queries is not None:
+            out, attn = self._attend(qkv, return_attention)
+            out, attn = out[:, :queries], None if attn is None else attn[:, :, :queries]
+        elif plain and not return_attention and cpu_attention.applies(qkv, self.num_heads):
             out, attn = cpu_attention.attention(qkv, self.num_heads, self.scale), None
         else:
             out, attn = self._attend(qkv, return_attention)
         return self.proj_drop(self.proj(out)), attn  # (B, T, D)
+
+    def _splits(self, return_attention: bool) -> bool:
+        """Whether q and (k, v) can be projected apart: a plain nn.Linear (not a quantised or
+        wrapped one), no relative-position bias (it is computed from every row of q)."""
+        return not return_attention and self.rel_pos is None and type(self.qkv) is nn.Linear
+
+    def _first_rows(self, x: Tensor, n: int) -> Tensor:
+        """The first n tokens' outputs (B, n, D): q projected for those rows only, k and v for
+        every row (the qkv weight's row blocks)."""
+        d = x.shape[-1]
+        w, bias = self.qkv.weight, self.qkv.bias
+        q = F.linear(x[:, :n], w[:d], None if bias is None else bias[:d])  # (B, n, D)
+        kv = F.linear(x, w[d:], None if bias is None else bias[d:])  # (B, T, 2D)
+        b, t, _ = kv.shape
+        k, v = kv.reshape(b, t, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q = q.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, n, d)
+        out, _ = self._heads(q, k, v, None, False)
+        return self.proj_drop(self.proj(out))
 
     def _attend(self, qkv: Tensor, return_attention: bool) -> tuple[Tensor, Tensor | None]:
         """PyTorch's attention over qkv (B, T, 3D): the output (B, T, D) and, with
@@ -176,6 +204,13 @@ class Attention(nn.Module):
         qkv = qkv.reshape(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, H, T, d) each
         bias = None if self.rel_pos is None else self.rel_pos(q, self.scale)  # (B, H, T, T)
+        return self._heads(q, k, v, bias, return_attention)
+
+    def _heads(
+        self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, return_attention: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention of q (B, H, n, d) over k, v (B, H, T, d): the output (B, n, D) and, with
+        return_attention, the probabilities (B, H, n, T)."""
         drop = self.attn_drop if self.training else 0.0
         attn = None
         if return_attention or (q.device.type == "cpu" and q.dtype == torch.bfloat16):
@@ -186,7 +221,8 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=bias, dropout_p=drop, scale=self.scale
             )
-        return out.transpose(1, 2).reshape(b, t, width // 3), attn
+        b, h, n, d = out.shape
+        return out.transpose(1, 2).reshape(b, n, h * d), attn
 
 
 class Mlp(nn.Module):
@@ -260,8 +296,14 @@ class Block(nn.Module):
         self.ls2 = LayerScale(cfg.embed_dim, cfg.layer_scale) if scaled else nn.Identity()
         self.drop_path2 = DropPath(drop_path)
 
-    def forward(self, x: Tensor, return_attention: bool = False) -> tuple[Tensor, Tensor | None]:
-        y, attn = self.attn(self.norm1(x), return_attention)
+    def forward(
+        self, x: Tensor, return_attention: bool = False, queries: int | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """(B, T, D) -> (B, T, D) and attention or None; with `queries` n, the first n tokens'
+        rows only (B, n, D), the same values (Attention.forward)."""
+        y, attn = self.attn(self.norm1(x), return_attention, queries)
+        if queries is not None:
+            x = x[:, :queries]
         x = x + self.drop_path1(self.ls1(y))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x, attn

@@ -307,17 +307,42 @@ class VisionTransformer(nn.Module):
         return self.pos_drop(x)
 
     def forward_features(
-        self, x: Tensor, corrupt: Callable[[Tensor], Tensor] | None = None
+        self,
+        x: Tensor,
+        corrupt: Callable[[Tensor], Tensor] | None = None,
+        head_only: bool = False,
     ) -> Tensor:
         """(B, C, H, W) -> (B, T, D) final tokens (after the last LayerNorm); `corrupt` as in
-        _embed."""
+        _embed. `head_only`: with pool='token', only the prefix tokens forward_head reads
+        (B, 1 or 2, D), whose rows alone the last block computes: the same values (the other
+        rows of its q, output projection and MLP are not needed), about three quarters of that
+        block's work saved; all tokens with pool='gap'."""
         x = self._embed(x, corrupt)
-        for blk in self.blocks:
+        rows = self._head_rows() if head_only else None
+        last = len(self.blocks) - 1
+        for i, blk in enumerate(self.blocks):
+            queries = rows if i == last else None
             if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(blk, x, use_reentrant=False)[0]
+                x = checkpoint(blk, x, False, queries, use_reentrant=False)[0]
             else:
-                x = blk(x)[0]
+                x = blk(x, queries=queries)[0]
         return self.norm(x)
+
+    def _head_rows(self) -> int | None:
+        """How many leading tokens forward_head reads (the prefix tokens with pool='token'), or
+        None: all of them, also where a forward hook watches the last block or the final norm
+        (it would see fewer rows)."""
+        if self.config.pool != "token" or not self.blocks:
+            return None
+        watched = [*self.blocks[-1].modules(), self.norm]
+        hooks = nn.modules.module
+        if (
+            hooks._global_forward_hooks
+            or hooks._global_forward_pre_hooks
+            or any(m._forward_hooks or m._forward_pre_hooks for m in watched)
+        ):
+            return None
+        return self.num_prefix_tokens
 
     def pool(self, tokens: Tensor) -> Tensor:
         """(B, T, D) -> (B, D): the class token (`token`) or the mean of patch tokens (`gap`)."""
@@ -343,7 +368,7 @@ class VisionTransformer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, C, H, W) images -> (B, num_classes) logits."""
-        return self.forward_head(self.forward_features(x))
+        return self.forward_head(self.forward_features(x, head_only=True))
 
     # --- intermediates (analysis) ----------------------------------------------------------------
 
