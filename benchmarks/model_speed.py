@@ -27,9 +27,18 @@ batch in N parts, each part's forward and backward on its own thread with 1/N of
 its inference as `vitlab eval --batch-threads N` runs it; vitlab_bt_* columns and bt_gain, with
 `--channels-last` also in NHWC memory.
 
-`--sdpa` adds vitlab's model with its attention through F.scaled_dot_product_attention instead of
-vitlab's CPU attention kernel (models/cpu_attention.py, which the default contestant uses where it
-applies): vitlab_sdpa_* columns and kernel_gain (vitlab's default over it).
+`--sdpa` adds vitlab's model without its CPU kernels (models/cpu_kernels.py: PyTorch's attention,
+LayerNorm and GELU instead of vitlab's, which the default contestant uses where they apply):
+vitlab_sdpa_* columns and kernel_gain (vitlab's default over it).
+
+`--ceiling` times vitlab's matrix products alone, each shape its linear layers multiply (as
+vitlab runs them) on its own, forward (inference) and forward plus the backward's two products
+(training): matmul_*_ms, and *_ceiling, timm's time over that: the ratio to timm vitlab's step
+would reach if everything but its matrix products took no time.
+
+`--all-rows` adds vitlab's ViT computing every token's row in its last block as timm's does
+(forward() computes only the class token's rows there, VisionTransformer.forward_features'
+head_only): vitlab_rows_* columns and head_only_gain. MFU counts every row's FLOPs for all.
 
 `--isa avx2` re-runs the script with PyTorch's kernels (ATEN_CPU_CAPABILITY), oneDNN and MKL held
 to AVX2: the float32 path of an AVX2-only CPU (no AVX-512, no bf16) on any newer x86 machine. bf16
@@ -46,6 +55,7 @@ import platform
 import re
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
@@ -189,6 +199,38 @@ def forward_flops(model: torch.nn.Module, x: torch.Tensor) -> float:
     return float(counter.get_total_flops())
 
 
+def matrix_products(model: torch.nn.Module, x: torch.Tensor) -> Counter:
+    """(M, K, N) -> how often model(x) multiplies an M x K by a K x N matrix (mm and addmm: the
+    linear layers, as the model runs them) in inference, recorded below the autograd level."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: Counter = Counter()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                a, b = args[-2:]
+                seen[(a.shape[0], a.shape[1], b.shape[1])] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Record(), torch.no_grad():
+        model.eval()(x)
+    return seen
+
+
+def products_seconds(shapes: Counter, steps: int) -> dict[str, float]:
+    """Seconds of the matrix products alone, each shape timed on its own (median of `steps`): the
+    forward's (infer), and the forward's plus its backward's two per product (train: dX and dW)."""
+    fwd = bwd = 0.0
+    for (m, k, n), count in shapes.items():
+        a, b, dy = torch.randn(m, k), torch.randn(k, n), torch.randn(m, n)
+        products = {"y": (a, b), "dx": (dy, b.T), "dw": (a.T, dy)}
+        secs = median_seconds({k: partial(torch.mm, *ab) for k, ab in products.items()}, steps)
+        fwd += count * secs["y"]
+        bwd += count * (secs["dx"] + secs["dw"])
+    return {"infer": fwd, "train": fwd + bwd}
+
+
 def optimizer(model: torch.nn.Module, lib: str, kind: str) -> torch.optim.Optimizer:
     """AdamW for `lib`'s model: as its training script builds it (kind "own") or PyTorch's plain
     default for both ("plain")."""
@@ -289,6 +331,20 @@ def main() -> None:
         "kernel_gain",
     )
     parser.add_argument(
+        "--all-rows",
+        action="store_true",
+        help="also time vitlab's ViT computing every token's row in its last block, as timm's "
+        "does (a no-op forward hook on the block turns forward()'s class-token rows off), "
+        "interleaved: vitlab_rows_* columns and head_only_gain",
+    )
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also time vitlab's matrix products alone (each linear layer's shape on its own): "
+        "matmul_*_ms columns and *_ceiling, timm's time over them: the ratio vitlab would reach "
+        "were everything else free (fp32)",
+    )
+    parser.add_argument(
         "--infer-only", action="store_true", help="time inference only (no training step)"
     )
     parser.add_argument(
@@ -339,6 +395,10 @@ def main() -> None:
             pair.append(("vitlab_bt", copy.deepcopy(like)))
         if args.sdpa:  # the same weights and AdamW, PyTorch's attention kernel
             pair.append(("vitlab_sdpa", copy.deepcopy(ours)))
+        if args.all_rows and family_of(cfg) == "vit":  # the same weights, every row computed
+            rows = copy.deepcopy(ours)
+            rows.blocks[-1].register_forward_hook(lambda *_: None)
+            pair.append(("vitlab_rows", rows))
         opts = {lib: optimizer(m, "timm" if lib == "timm" else "vitlab", args.optimizer)
                 for lib, m in pair}  # fmt: skip
         nhwc_inputs = {"vitlab_cl", "vitlab_bt"} if args.channels_last else set()
@@ -366,8 +426,16 @@ def main() -> None:
                     if f"vitlab_{other}" in secs:
                         gain = secs["vitlab"] / secs[f"vitlab_{other}"]
                         row[f"{kind}_{other}_gain"] = round(gain, 3)
-                if "vitlab_sdpa" in secs:
-                    row[f"{kind}_kernel_gain"] = round(secs["vitlab_sdpa"] / secs["vitlab"], 3)
+                for other, gain in (("sdpa", "kernel_gain"), ("rows", "head_only_gain")):
+                    if f"vitlab_{other}" in secs:
+                        row[f"{kind}_{gain}"] = round(secs[f"vitlab_{other}"] / secs["vitlab"], 3)
+            if args.ceiling and not bf16:
+                alone = products_seconds(matrix_products(ours, x), args.steps)
+                for kind, secs_alone in alone.items():
+                    if f"timm_{kind}_img_s" in row:
+                        row[f"matmul_{kind}_ms"] = round(secs_alone * 1e3, 2)
+                        timm_secs = batch / row[f"timm_{kind}_img_s"]
+                        row[f"{kind}_ceiling"] = round(timm_secs / secs_alone, 3)
             results.append(row)
             by_precision[row["precision"]] = row
             print(json.dumps(row), flush=True)
