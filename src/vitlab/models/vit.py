@@ -12,6 +12,9 @@ tokens are joined (`no_embed_class`, DeiT-3 / big_vision); the final LayerNorm a
 are averaged with the class token's (`distilled`); per-channel residual scales (`layer_scale`).
 The paper's hybrid (§3.1) is `stem="resnet"`: tokens from a BiT ResNet's feature map
 (models/stems.py), patch_size being the ResNet's stride.
+
+forward() with pool='token' computes in the last block only the prefix tokens' rows, all the
+head reads (forward_features' head_only): the same logits, less work.
 """
 
 from __future__ import annotations
