@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_config
+from vitlab.analysis.cost import matrix_products
 from vitlab.formats.timm import timm_to_vitlab
 from vitlab.models.layers import Attention
 from vitlab.models.vit import VisionTransformer, ViTConfig
@@ -207,23 +208,8 @@ def test_head_only_forward_trains_as_timm_does() -> None:
 
 
 def _linear_flops(model: VisionTransformer, x: torch.Tensor) -> int:
-    """FLOPs of the matrix products (mm, addmm) in model(x), counted from their shapes (a
-    dispatch mode: FlopCounterMode's global module hooks would turn head_only off)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    total = 0
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            nonlocal total
-            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-                a, b = args[-2:]
-                total += 2 * a.shape[0] * a.shape[1] * b.shape[1]
-            return func(*args, **(kwargs or {}))
-
-    with Count(), torch.no_grad():
-        model(x)
-    return total
+    """FLOPs of the matrix products (mm, addmm) in model(x), counted from their shapes."""
+    return sum(2 * m * k * n * c for (m, k, n), c in matrix_products(model, x).items())
 
 
 @pytest.mark.parametrize("distilled", [False, True])
@@ -248,19 +234,28 @@ def test_head_only_saves_the_last_blocks_other_rows(distilled: bool) -> None:
 
 
 def test_head_only_falls_back_where_rows_cannot_be_cut() -> None:
-    """Where q cannot be projected apart (relative positions, a quantised qkv) the last block
-    computes every row and keeps the class token's; a hook on it sees every row; pool='gap'
-    returns every token; with gradient checkpointing the gradients are the same."""
+    """Where q cannot be projected apart (relative positions, a qkv with a forward of its own)
+    the last block's attention computes every row and keeps the class token's (its output
+    projection and MLP still that row only): the same token; a quantised model computes every
+    row (its int8 scales as before); a forward or backward hook on the block sees every row;
+    pool='gap' returns every token; with gradient checkpointing the rows are cut too and the
+    gradients are the same."""
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, 16)
     rel = VisionTransformer(tiny_config(pos_embed="relative")).eval()
     gap = VisionTransformer(tiny_config(pool="gap", class_token=False)).eval()
     plain = VisionTransformer(tiny_config()).eval()
+    torch.nn.init.normal_(plain.head.weight)
     quant = torch.ao.quantization.quantize_dynamic(plain, {torch.nn.Linear}, dtype=torch.qint8)
+    wrapped = VisionTransformer(tiny_config()).eval()
+    qkv = wrapped.blocks[-1].attn.qkv
+    qkv.forward = lambda t: torch.nn.Linear.forward(qkv, t) * 1.5  # as adapters patch one
     with torch.no_grad():
-        for model in (rel, quant):
-            full = model.forward_features(x)
-            torch.testing.assert_close(model(x), model.forward_head(full), atol=1e-6, rtol=0)
+        for model in (rel, wrapped):
+            full = model.forward_features(x)[:, :1]
+            cut = model.forward_features(x, head_only=True)
+            torch.testing.assert_close(cut, full, atol=1e-6, rtol=0)
+        assert torch.equal(quant.forward_features(x, head_only=True), quant.forward_features(x))
         assert gap.forward_features(x, head_only=True).shape == (2, 16, 32)
         seen = []
         with plain.blocks[-1].register_forward_hook(lambda m, i, o: seen.append(o[0].shape)):
@@ -270,7 +265,13 @@ def test_head_only_falls_back_where_rows_cannot_be_cut() -> None:
     for ckpt in (False, True):
         plain.zero_grad()
         plain.train().set_grad_checkpointing(ckpt)
+        assert plain.forward_features(x, head_only=True).shape == (2, 1, 32)
         plain(x).square().sum().backward()
-        grads.append([p.grad.clone() for p in plain.parameters() if p.grad is not None])
+        grads.append([p.grad.clone() for p in plain.parameters()])
+    assert all(g.abs().sum() > 0 for g in grads[0][-4:])  # the final norm and the head: trained
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    seen.clear()
+    with plain.blocks[-1].register_full_backward_hook(lambda m, i, o: seen.append(o[0].shape)):
+        plain(x).sum().backward()
+    assert seen == [(2, 17, 32)]

@@ -14,10 +14,12 @@ convolutions) is counted conv by conv as part of `patch_embed`, its 1x1 projecti
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vitlab.analysis.cnn_cost import cnn_cost_report, format_cnn_cost_report
 from vitlab.analysis.swin_cost import format_swin_cost_report, swin_cost_report
@@ -78,6 +80,25 @@ def param_breakdown(model: VisionTransformer) -> dict[str, int]:
         counts[group] += p.numel()
     counts["total"] = sum(counts.values())
     return counts
+
+
+def matrix_products(model: torch.nn.Module, x: torch.Tensor) -> Counter[tuple[int, int, int]]:
+    """(M, K, N) -> how often model(x) multiplies an M x K matrix by a K x N one (mm and addmm:
+    the linear layers as the model runs them, a ViT's last block with its rows cut), inference,
+    recorded below autograd by a dispatch mode (module hooks would change what a ViT computes,
+    and FlopCounterMode sets global ones)."""
+    seen: Counter[tuple[int, int, int]] = Counter()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                a, b = args[-2:]
+                seen[(a.shape[0], a.shape[1], b.shape[1])] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Record(), torch.no_grad():
+        model.eval()(x)
+    return seen
 
 
 def resnet_macs(img_hw: tuple[int, int], in_chans: int, width: int, depths: tuple[int, ...]) -> int:

@@ -16,7 +16,7 @@ from vitlab.runtime import Dist, all_reduce_
 def distilled_heads(model: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
     """A distilled ViT's (DeiT) class head and distillation head logits, each (B, num_classes),
     on (B, C, H, W) images: forward() returns only their average."""
-    tokens = model.forward_features(x, head_only=True)  # (B, 2, D): class, distillation token
+    tokens = model.forward_features(x, head_only=True)  # class and distillation token first
     return model.head(tokens[:, 0]), model.head_dist(tokens[:, 1])
 
 

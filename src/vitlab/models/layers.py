@@ -170,27 +170,30 @@ class Attention(nn.Module):
             return self._first_rows(x, queries), None
         qkv = self.qkv(x)  # (B, T, 3D)
         plain = self.rel_pos is None and not (self.training and self.attn_drop > 0)
-        if queries is not None:
-            out, attn = self._attend(qkv, return_attention)
-            out, attn = out[:, :queries], None if attn is None else attn[:, :, :queries]
-        elif plain and not return_attention and cpu_attention.applies(qkv, self.num_heads):
+        if plain and not return_attention and cpu_attention.applies(qkv, self.num_heads):
             out, attn = cpu_attention.attention(qkv, self.num_heads, self.scale), None
         else:
             out, attn = self._attend(qkv, return_attention)
+        if queries is not None:  # every row's attention computed, the first rows kept
+            out, attn = out[:, :queries], None if attn is None else attn[:, :, :queries]
         return self.proj_drop(self.proj(out)), attn  # (B, T, D)
 
     def _splits(self, return_attention: bool) -> bool:
         """Whether q and (k, v) can be projected apart: a plain nn.Linear (not a quantised or
-        wrapped one), no relative-position bias (it is computed from every row of q)."""
-        return not return_attention and self.rel_pos is None and type(self.qkv) is nn.Linear
+        wrapped one, no forward of its own), no relative-position bias (RelativePositionBias
+        takes every row of q)."""
+        qkv = self.qkv
+        plain = type(qkv) is nn.Linear and "forward" not in vars(qkv)
+        return plain and not return_attention and self.rel_pos is None
 
     def _first_rows(self, x: Tensor, n: int) -> Tensor:
         """The first n tokens' outputs (B, n, D): q projected for those rows only, k and v for
         every row (the qkv weight's row blocks)."""
         d = x.shape[-1]
-        w, bias = self.qkv.weight, self.qkv.bias
-        q = F.linear(x[:, :n], w[:d], None if bias is None else bias[:d])  # (B, n, D)
-        kv = F.linear(x, w[d:], None if bias is None else bias[d:])  # (B, T, 2D)
+        w_q, w_kv = self.qkv.weight.split([d, 2 * d])  # one gradient, not two zero-filled ones
+        b_q, b_kv = (None, None) if self.qkv.bias is None else self.qkv.bias.split([d, 2 * d])
+        q = F.linear(x[:, :n], w_q, b_q)  # (B, n, D)
+        kv = F.linear(x, w_kv, b_kv)  # (B, T, 2D)
         b, t, _ = kv.shape
         k, v = kv.reshape(b, t, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q = q.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, n, d)

@@ -318,8 +318,8 @@ class VisionTransformer(nn.Module):
         """(B, C, H, W) -> (B, T, D) final tokens (after the last LayerNorm); `corrupt` as in
         _embed. `head_only`: with pool='token', only the prefix tokens forward_head reads
         (B, 1 or 2, D), whose rows alone the last block computes: the same values (the other
-        rows of its q, output projection and MLP are not needed), about three quarters of that
-        block's work saved; all tokens with pool='gap'."""
+        rows of its q, output projection and MLP are not needed: three quarters of that block's
+        matrix products at MLP ratio 2, five sixths at 4); all tokens with pool='gap'."""
         x = self._embed(x, corrupt)
         rows = self._head_rows() if head_only else None
         last = len(self.blocks) - 1
@@ -333,16 +333,20 @@ class VisionTransformer(nn.Module):
 
     def _head_rows(self) -> int | None:
         """How many leading tokens forward_head reads (the prefix tokens with pool='token'), or
-        None: all of them, also where a forward hook watches the last block or the final norm
-        (it would see fewer rows)."""
+        None: all of them, also where a hook (forward or backward, on a module or global)
+        watches the last block or the final norm: it would see fewer rows (FSDP's hooks on each
+        block count too: train.strategy=fsdp computes every row); and where the last block's
+        qkv is not a plain nn.Linear (dynamic int8 quantisation scales its layers' inputs by
+        what rows they see: the same outputs as before)."""
         if self.config.pool != "token" or not self.blocks:
             return None
-        watched = [*self.blocks[-1].modules(), self.norm]
+        if type(self.blocks[-1].attn.qkv) is not nn.Linear:
+            return None
         hooks = nn.modules.module
-        if (
-            hooks._global_forward_hooks
-            or hooks._global_forward_pre_hooks
-            or any(m._forward_hooks or m._forward_pre_hooks for m in watched)
+        kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+        watched = [*self.blocks[-1].modules(), self.norm]
+        if any(getattr(hooks, "_global" + kind) for kind in kinds) or any(
+            getattr(m, kind) for m in watched for kind in kinds
         ):
             return None
         return self.num_prefix_tokens

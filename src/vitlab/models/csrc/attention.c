@@ -137,8 +137,9 @@ static void softmax(float *s, int64_t t, int64_t tp) {
     for (; i < t; i++) softmax_block(1, s + i * tp, t, tp);
 }
 
-/* Ask for the cache lines of t rows of d floats (row stride ld) ahead of their use, into L2 (a
- * pair's 3 x T rows are more lines than L1 has fill buffers: 1.1-1.2x faster than into L1). */
+/* Ask for the cache lines of t rows of d floats (row stride ld) ahead of their use, into L2:
+ * the forward measured 1.08-1.18x faster than with them asked into L1 (a pair's 3 T rows would
+ * crowd it). */
 static void prefetch(const float *src, int64_t ld, int64_t t, int64_t d) {
     for (int64_t i = 0; i < t; i++)
         for (int64_t c = 0; c < d; c += 16)
