@@ -234,12 +234,12 @@ def test_head_only_saves_the_last_blocks_other_rows(distilled: bool) -> None:
 
 
 def test_head_only_falls_back_where_rows_cannot_be_cut() -> None:
-    """Where q cannot be projected apart (relative positions, a qkv with a forward of its own)
-    the last block's attention computes every row and keeps the class token's (its output
-    projection and MLP still that row only): the same token; a quantised model computes every
-    row (its int8 scales as before); a forward or backward hook on the block sees every row;
-    pool='gap' returns every token; with gradient checkpointing the rows are cut too and the
-    gradients are the same."""
+    """Where q cannot be projected apart (relative positions, a qkv with a forward of its own,
+    a quantised one) the last block's attention computes every row and keeps the class token's
+    (its output projection and MLP still that row only): the same token (a quantised model's
+    int8 layers then scale the class token's row alone: close to float32); a forward or
+    backward hook on the block sees every row; pool='gap' returns every token; with gradient
+    checkpointing the rows are cut too and the gradients are the same."""
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, 16)
     rel = VisionTransformer(tiny_config(pos_embed="relative")).eval()
@@ -255,7 +255,9 @@ def test_head_only_falls_back_where_rows_cannot_be_cut() -> None:
             full = model.forward_features(x)[:, :1]
             cut = model.forward_features(x, head_only=True)
             torch.testing.assert_close(cut, full, atol=1e-6, rtol=0)
-        assert torch.equal(quant.forward_features(x, head_only=True), quant.forward_features(x))
+        cut, exact = quant.forward_features(x, head_only=True), plain.forward_features(x)
+        assert cut.shape == (2, 1, 32)
+        torch.testing.assert_close(cut, exact[:, :1], atol=0.25, rtol=0)  # int8, not float32
         assert gap.forward_features(x, head_only=True).shape == (2, 16, 32)
         seen = []
         with plain.blocks[-1].register_forward_hook(lambda m, i, o: seen.append(o[0].shape)):
@@ -275,3 +277,29 @@ def test_head_only_falls_back_where_rows_cannot_be_cut() -> None:
     with plain.blocks[-1].register_full_backward_hook(lambda m, i, o: seen.append(o[0].shape)):
         plain(x).sum().backward()
     assert seen == [(2, 17, 32)]
+
+
+def test_fsdp_hooks_leave_the_rows_cut(tmp_path) -> None:
+    """fully_shard's hooks on each block (train.strategy=fsdp) gather parameters whatever a block
+    returns: forward() still computes the class token's rows only, with the same logits."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = VisionTransformer(tiny_config()).eval()
+    torch.nn.init.normal_(model.head.weight)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        want = model(x)
+    products = matrix_products(model, x)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        assert model.blocks[-1]._forward_pre_hooks and model._head_rows() == 1  # FSDP's hooks
+        assert matrix_products(model, x) == products  # the same products: the rows cut
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), want, atol=1e-5, rtol=0)
+    finally:
+        dist.destroy_process_group()

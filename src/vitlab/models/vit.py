@@ -171,6 +171,12 @@ class PreLogits(nn.Module):
         return self.act(self.fc(x))
 
 
+def _watches(hook: Callable) -> bool:
+    """Whether a module hook may look at the rows a module returns: any hook but FSDP's."""
+    owner = type(getattr(hook, "__self__", None)).__module__
+    return not owner.startswith("torch.distributed.fsdp.")
+
+
 class VisionTransformer(nn.Module):
     """ViT of the paper's family, built from one ViTConfig."""
 
@@ -334,19 +340,16 @@ class VisionTransformer(nn.Module):
     def _head_rows(self) -> int | None:
         """How many leading tokens forward_head reads (the prefix tokens with pool='token'), or
         None: all of them, also where a hook (forward or backward, on a module or global)
-        watches the last block or the final norm: it would see fewer rows (FSDP's hooks on each
-        block count too: train.strategy=fsdp computes every row); and where the last block's
-        qkv is not a plain nn.Linear (dynamic int8 quantisation scales its layers' inputs by
-        what rows they see: the same outputs as before)."""
+        watches the last block or the final norm: it would see fewer rows. FSDP's own hooks
+        (fully_shard gathers and frees a block's parameters around its forward, whatever it
+        returns) do not count."""
         if self.config.pool != "token" or not self.blocks:
-            return None
-        if type(self.blocks[-1].attn.qkv) is not nn.Linear:
             return None
         hooks = nn.modules.module
         kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
         watched = [*self.blocks[-1].modules(), self.norm]
         if any(getattr(hooks, "_global" + kind) for kind in kinds) or any(
-            getattr(m, kind) for m in watched for kind in kinds
+            _watches(hook) for m in watched for kind in kinds for hook in getattr(m, kind).values()
         ):
             return None
         return self.num_prefix_tokens
