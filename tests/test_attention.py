@@ -1,5 +1,6 @@
-"""Attention: the fused kernel against an explicit reference, attention maps, intermediates, and
-the whole model against timm's VisionTransformer with the same weights."""
+"""Attention: the fused kernel against an explicit reference, attention maps, intermediates, the
+whole model against timm's VisionTransformer with the same weights, and forward()'s last block
+computing the class token's rows only (head_only)."""
 
 from __future__ import annotations
 
