@@ -383,7 +383,8 @@ def main() -> None:
             rows = copy.deepcopy(ours)
             rows.blocks[-1].register_forward_hook(lambda *_: None)
             pair.append(("vitlab_rows", rows))
-        opts = {lib: optimizer(m, "timm" if lib == "timm" else "vitlab", args.optimizer)
+        opts = {lib: None if args.infer_only  # no training step to take
+                else optimizer(m, "timm" if lib == "timm" else "vitlab", args.optimizer)
                 for lib, m in pair}  # fmt: skip
         nhwc_inputs = {"vitlab_cl", "vitlab_bt"} if args.channels_last else set()
         inputs = {lib: x.contiguous(memory_format=torch.channels_last) if lib in nhwc_inputs

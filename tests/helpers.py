@@ -66,6 +66,18 @@ def check_eval_and_predict(run: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     assert len(json.loads(capsys.readouterr().out)[0]["top"]) == 5
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, *names: str) -> list[str]:
+    """Wrap the functions `names` of `owner` (a module) for the test: each call appends its name
+    to the returned list, then runs the function."""
+    calls: list[str] = []
+    for name in names:
+        real = getattr(owner, name)
+        monkeypatch.setattr(
+            owner, name, lambda *a, real=real, name=name: calls.append(name) or real(*a)
+        )
+    return calls
+
+
 def tiny_config(**overrides: object) -> ViTConfig:
     """A 16x16, patch-4 ViT small enough to run in milliseconds."""
     base: dict[str, object] = dict(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import vitlab
-from tests.helpers import run_with_fresh_kernel_cache, tiny_config
+from tests.helpers import count_calls, run_with_fresh_kernel_cache, tiny_config
 from vitlab.models import cpu_attention, cpu_kernels
 from vitlab.models.vit import VisionTransformer
 
@@ -154,9 +154,7 @@ def test_the_model_trains_the_same_on_the_kernel_and_off_it(monkeypatch) -> None
     model = vitlab.create_model("vit_nano_patch4_28", num_classes=10, in_chans=1)
     torch.nn.init.normal_(model.head.weight, std=0.1)
     images, labels = torch.randn(6, 1, 28, 28), torch.randint(0, 10, (6,))
-    runs, calls = [], []
-    real = cpu_attention.attention
-    monkeypatch.setattr(cpu_attention, "attention", lambda *args: calls.append(1) or real(*args))
+    runs, calls = [], count_calls(monkeypatch, cpu_attention, "attention")
     for enabled in (True, False):
         with cpu_attention.use_kernel(enabled):
             model.zero_grad()
@@ -179,9 +177,7 @@ def test_inference_on_the_kernel_matches_pytorch_and_the_formula(monkeypatch) ->
     model = vitlab.create_model("vit_nano_patch4_28", num_classes=10, in_chans=1).eval()
     torch.nn.init.normal_(model.head.weight, std=0.1)
     images = torch.randn(8, 1, 28, 28)
-    calls = []
-    real = cpu_attention.attention
-    monkeypatch.setattr(cpu_attention, "attention", lambda *args: calls.append(1) or real(*args))
+    calls = count_calls(monkeypatch, cpu_attention, "attention")
     with torch.no_grad():
         logits = model(images)
         with cpu_attention.use_kernel(False):
@@ -213,9 +209,7 @@ def test_what_the_kernel_leaves_to_pytorch(monkeypatch) -> None:
         assert not cpu_attention.applies(qkv, 4)
     assert cpu_attention.applies(qkv, 4)
 
-    calls = []
-    real = cpu_attention.attention
-    monkeypatch.setattr(cpu_attention, "attention", lambda *args: calls.append(1) or real(*args))
+    calls = count_calls(monkeypatch, cpu_attention, "attention")
 
     def kernel_calls(train: bool = False, **overrides: object) -> int:
         torch.manual_seed(0)

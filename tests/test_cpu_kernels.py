@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import vitlab
-from tests.helpers import run_with_fresh_kernel_cache, tiny_config
+from tests.helpers import count_calls, run_with_fresh_kernel_cache, tiny_config
 from vitlab.models import cpu_kernels
 from vitlab.models.layers import LayerNorm
 from vitlab.models.vit import VisionTransformer
@@ -119,12 +119,7 @@ def test_same_bits_on_one_and_two_threads() -> None:
 def test_when_the_model_takes_them(monkeypatch) -> None:
     """Inference (no_grad) only, float32, the erf GELU, widths a multiple of 8; the model's
     logits match PyTorch's operators."""
-    calls = []
-    for name in ("layer_norm", "gelu_"):
-        real = getattr(cpu_kernels, name)
-        monkeypatch.setattr(
-            cpu_kernels, name, lambda *a, real=real, name=name: calls.append(name) or real(*a)
-        )
+    calls = count_calls(monkeypatch, cpu_kernels, "layer_norm", "gelu_")
 
     def used(model: torch.nn.Module, images: torch.Tensor, grad: bool = False) -> list[str]:
         calls.clear()
