@@ -5,8 +5,8 @@ loading, the switch, and running one kernel's work over PyTorch's threads.
   when it runs);
 - LayerNorm and GELU (the erf form) for inference (csrc/norm_gelu.c): under torch.no_grad /
   inference_mode, float32 on the CPU. PyTorch's LayerNorm takes 2.8x as long over rows this
-  short (D = 64, 128); GELU runs at 0.92-1.38x PyTorch's, in place on fc1's output (no new
-  tensor; BENCHMARKS.md, issue 16).
+  short (D = 64, 128); GELU alone runs at 0.5-1.4x PyTorch's depending on the host, level with
+  it in the model, in place on fc1's output (no new tensor; BENCHMARKS.md, issue 16).
 
 They run when the CPU has AVX2 (PyTorch dispatches its AVX2 or AVX-512 kernels; Linux or macOS),
 the tensors are plain float32 outside autocast (not traced or transformed by torch.jit,

@@ -114,6 +114,24 @@ class PatchEmbed(nn.Module):
 # --- the encoder block ---------------------------------------------------------------------------
 
 
+_HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def watched(*modules: nn.Module) -> bool:
+    """Whether a hook (forward or backward; global, or on one of `modules`) may look at what
+    they compute, so a shortcut that changes it must not run. FSDP's own hooks do not count
+    (fully_shard gathers and frees parameters around a forward, whatever it returns)."""
+    hooks = nn.modules.module
+    if any(getattr(hooks, "_global" + kind) for kind in _HOOK_KINDS):
+        return True
+    return any(
+        not type(getattr(hook, "__self__", None)).__module__.startswith("torch.distributed.fsdp.")
+        for m in modules
+        for kind in _HOOK_KINDS
+        for hook in getattr(m, kind).values()
+    )
+
+
 def chosen_indices(indices: int | Sequence[int] | None, n: int, what: str) -> list[int]:
     """Sorted distinct indices into n `what`s (blocks, stages): all (None), the last k (an int),
     or the listed ones (negative from the end); a ValueError naming an index out of range."""
@@ -241,17 +259,17 @@ class Mlp(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.fc1(x)
-        if cpu_kernels.infers(h) and self.act.approximate == "none" and not self._hooked():
-            h = cpu_kernels.gelu_(h)  # inference on the CPU: vitlab's kernel, in place
+        # inference on the CPU: vitlab's kernel, in place (not where a hook could see fc1's
+        # output, which it overwrites, or expect act, which it skips)
+        if (
+            cpu_kernels.infers(h)
+            and self.act.approximate == "none"
+            and not watched(self.fc1, self.act)
+        ):
+            h = cpu_kernels.gelu_(h)
         else:
             h = self.act(h)
         return self.drop2(self.fc2(self.drop1(h)))
-
-    def _hooked(self) -> bool:
-        """Whether a forward hook could see fc1's output or expects act to run (the kernel
-        overwrites the one and skips the other)."""
-        hooks = (nn.modules.module._global_forward_hooks, self.fc1._forward_hooks)
-        return any(hooks) or bool(self.act._forward_hooks or self.act._forward_pre_hooks)
 
 
 class LayerNorm(nn.LayerNorm):

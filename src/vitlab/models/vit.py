@@ -30,7 +30,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vitlab.config import ConfigError, check_keys, pair, validate
-from vitlab.models.layers import Block, LayerNorm, PatchEmbed, chosen_indices, lecun_normal_
+from vitlab.models.layers import (
+    Block,
+    LayerNorm,
+    PatchEmbed,
+    chosen_indices,
+    lecun_normal_,
+    watched,
+)
 from vitlab.models.pos_embed import POS_EMBEDS
 from vitlab.models.stems import ConvStem, ResNetStem, stem_problem
 
@@ -169,12 +176,6 @@ class PreLogits(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.act(self.fc(x))
-
-
-def _watches(hook: Callable) -> bool:
-    """Whether a module hook may look at the rows a module returns: any hook but FSDP's."""
-    owner = type(getattr(hook, "__self__", None)).__module__
-    return not owner.startswith("torch.distributed.fsdp.")
 
 
 class VisionTransformer(nn.Module):
@@ -345,12 +346,7 @@ class VisionTransformer(nn.Module):
         returns) do not count."""
         if self.config.pool != "token" or not self.blocks:
             return None
-        hooks = nn.modules.module
-        kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-        watched = [*self.blocks[-1].modules(), self.norm]
-        if any(getattr(hooks, "_global" + kind) for kind in kinds) or any(
-            _watches(hook) for m in watched for kind in kinds for hook in getattr(m, kind).values()
-        ):
+        if watched(*self.blocks[-1].modules(), self.norm):
             return None
         return self.num_prefix_tokens
 
