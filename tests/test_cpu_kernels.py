@@ -54,6 +54,24 @@ def test_gelu_matches_the_erf_formula_in_float64_in_place(n) -> None:
     torch.testing.assert_close(same.double(), expected, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("n", [7, 4096, 20_001])
+def test_gelu_in_training_matches_the_erf_formulas_gradient_in_float64(n) -> None:
+    """With autograd: in place on a tensor that needs a gradient, whose backward multiplies by
+    the derivative the forward wrote; against autograd through F.gelu in float64."""
+    torch.manual_seed(n)
+    a = (torch.randn(n) * 4).requires_grad_()
+    grad = torch.randn(n)
+    h = a * 1.0  # not a leaf
+    out = cpu_kernels.gelu_(h)
+    assert out is h and out.grad_fn is not None
+    (da,) = torch.autograd.grad(out, a, grad)
+    a64 = a.detach().double().requires_grad_()
+    expected = F.gelu(a64)
+    (expected_da,) = torch.autograd.grad(expected, a64, grad.double())
+    torch.testing.assert_close(out.detach().double(), expected.detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(da.double(), expected_da, atol=2e-6, rtol=1e-5)
+
+
 def test_gelu_keeps_nan_and_the_formulas_infinities() -> None:
     """NaN stays NaN; x / 2 (1 + erf(x / sqrt 2)) is +inf at +inf and NaN at -inf (inf x 0)."""
     x = torch.tensor([float("nan"), float("inf"), float("-inf"), -30.0, 0.0, 30.0, 1e30, -1e30])
@@ -63,15 +81,17 @@ def test_gelu_keeps_nan_and_the_formulas_infinities() -> None:
 
 
 def test_the_kernels_refuse_what_they_cannot_take() -> None:
-    for bad in (
-        torch.randn(16).half(),
-        torch.randn(16).double(),
-        torch.randn(16, requires_grad=True),
-    ):
+    for bad in (torch.randn(16).half(), torch.randn(16).double()):
         with pytest.raises(ValueError, match="gelu_"):
             cpu_kernels.gelu_(bad)
         with pytest.raises(ValueError, match="layer_norm"):
             cpu_kernels.layer_norm(bad, torch.ones(16), torch.zeros(16), 1e-5)
+    with pytest.raises(ValueError, match="layer_norm"):
+        cpu_kernels.layer_norm(
+            torch.randn(16, requires_grad=True), torch.ones(16), torch.zeros(16), 1e-5
+        )
+    with pytest.raises(RuntimeError, match="leaf Variable"):  # in place, as PyTorch's own ops
+        cpu_kernels.gelu_(torch.randn(16, requires_grad=True))
     with pytest.raises(ValueError, match="no gradient"):  # a weight that wants one
         cpu_kernels.layer_norm(
             torch.randn(16), torch.ones(16, requires_grad=True), torch.zeros(16), 1e-5
@@ -117,8 +137,8 @@ def test_same_bits_on_one_and_two_threads() -> None:
 
 
 def test_when_the_model_takes_them(monkeypatch) -> None:
-    """Inference (no_grad) only, float32, the erf GELU, widths a multiple of 8; the model's
-    logits match PyTorch's operators."""
+    """float32, the erf GELU (in training too), LayerNorm in inference (no_grad) only, widths a
+    multiple of 8; the model's logits match PyTorch's operators."""
     calls = count_calls(monkeypatch, cpu_kernels, "layer_norm", "gelu_")
 
     def used(model: torch.nn.Module, images: torch.Tensor, grad: bool = False) -> list[str]:
@@ -130,7 +150,7 @@ def test_when_the_model_takes_them(monkeypatch) -> None:
     model = VisionTransformer(tiny_config(embed_dim=32, num_heads=2)).eval()
     images = torch.randn(2, 3, 16, 16)
     assert used(model, images) == ["gelu_", "layer_norm"]
-    assert used(model, images, grad=True) == []  # training or autograd: PyTorch's
+    assert used(model, images, grad=True) == ["gelu_"]  # with autograd: LayerNorm is PyTorch's
     assert used(VisionTransformer(tiny_config(act="gelu_tanh")).eval(), images) == ["layer_norm"]
     odd = VisionTransformer(tiny_config(embed_dim=36, num_heads=2, mlp_dim=70)).eval()
     assert used(odd, images) == ["gelu_"]  # LayerNorm's width in whole vectors only
@@ -158,6 +178,37 @@ def test_when_the_model_takes_them(monkeypatch) -> None:
         with cpu_kernels.use_kernel(False):
             reference = nano(x)
     torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_training_through_the_gelu_kernel_gives_pytorchs_gradients(monkeypatch) -> None:
+    """A training step's gradients with GELU on the kernel (in place on fc1's output) match
+    PyTorch's GELU; a hook on act gets PyTorch's GELU in its block."""
+    calls = count_calls(monkeypatch, cpu_kernels, "gelu_")
+    torch.manual_seed(0)
+    model = VisionTransformer(tiny_config(embed_dim=32, num_heads=2)).train()
+    torch.nn.init.normal_(model.head.weight, std=0.1)
+    images, labels = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3])
+
+    def grads() -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        F.cross_entropy(model(images), labels).backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    on = grads()
+    assert len(calls) == len(model.blocks)
+    calls.clear()
+    with cpu_kernels.use_kernel(False):
+        off = grads()
+    assert not calls
+    for name, grad in on.items():
+        torch.testing.assert_close(grad, off[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert any(g.abs().sum() > 0 for k, g in on.items() if "fc1" in k)
+    seen = []
+    handle = model.blocks[0].mlp.act.register_forward_hook(lambda m, i, o: seen.append(o))
+    hooked = grads()
+    handle.remove()
+    assert len(seen) == 1 and len(calls) == len(model.blocks) - 1  # that block: PyTorch's
+    torch.testing.assert_close(hooked["blocks.0.mlp.fc1.weight"], off["blocks.0.mlp.fc1.weight"])
 
 
 def test_layer_norm_without_affine_or_over_two_dimensions_runs_pytorch() -> None:

@@ -3,10 +3,12 @@ loading, the switch, and running one kernel's work over PyTorch's threads.
 
 - attention for short sequences, forward and backward (csrc/attention.c; cpu_attention.py says
   when it runs);
-- LayerNorm and GELU (the erf form) for inference (csrc/norm_gelu.c): under torch.no_grad /
-  inference_mode, float32 on the CPU. PyTorch's LayerNorm takes 2.8x as long over rows this
-  short (D = 64, 128); GELU alone runs at 0.5-1.4x PyTorch's depending on the host, level with
-  it in the model, in place on fc1's output (no new tensor; BENCHMARKS.md, issue 16).
+- LayerNorm for inference (csrc/norm_gelu.c): under torch.no_grad / inference_mode, float32 on
+  the CPU. PyTorch's takes 2.8x as long over rows this short (D = 64, 128);
+- GELU (the erf form), in place on fc1's output, for inference and training: with autograd the
+  same pass writes the derivative, so the backward is one product (PyTorch's recomputes erf and
+  exp): forward and backward 1.5x PyTorch's alone, about 1.02-1.04x a training step of the 28 px
+  ViTs (BENCHMARKS.md, issue 16).
 
 They run when the CPU has AVX2 (PyTorch dispatches its AVX2 or AVX-512 kernels; Linux or macOS),
 the tensors are plain float32 outside autocast (not traced or transformed by torch.jit,
@@ -43,6 +45,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 from torch.autograd import forward_ad
+from torch.autograd.function import once_differentiable
 
 _CSRC = Path(__file__).with_name("csrc")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
@@ -56,8 +59,8 @@ _SIGNATURES = {  # the last argument: threads; every kernel returns 0, or -1 whe
     "vitlab_attention_backward": [_pointer] * 4 + [_int] * 4 + [_float, _int],
     # x, weight, bias, y | D, eps, rows
     "vitlab_layer_norm": [_pointer] * 4 + [_int, _float, _int, _int],
-    # x | n
-    "vitlab_gelu": [_pointer] + [_int, _int],
+    # x, y, slope | n
+    "vitlab_gelu": [_pointer] * 3 + [_int, _int],
     "vitlab_openmp": [],  # 1 where built with OpenMP
 }
 
@@ -121,20 +124,46 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
 
 
 def gelu_(x: Tensor) -> Tensor:
-    """x becomes F.gelu(x) (the erf form), in place; float32, no autograd, contiguous."""
-    _check_takes(x, "gelu_")
+    """x becomes F.gelu(x) (the erf form), in place; float32 on the CPU, contiguous. Where x
+    needs a gradient, differentiable once: the pass also writes GELU'(x) (the exp inside erf
+    serves the density too), which the backward multiplies the gradient by (PyTorch's recomputes
+    erf and exp from the input it keeps)."""
+    _check_takes(x, "gelu_", grad=True)
     if not x.is_contiguous():
         raise ValueError("gelu_ needs a contiguous tensor")
-    run("vitlab_gelu", [x], (x.numel(),), (x.numel() + 7) // 8, grain=2048)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Gelu.apply(x)
+    _gelu(x, x, None)
     return x
 
 
-def _check_takes(x: Tensor, what: str, *params: Tensor) -> None:
+class _Gelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        slope = torch.empty_like(x)
+        _gelu(x, x, slope)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(slope)
+        return x
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (slope,) = ctx.saved_tensors
+        return grad * slope
+
+
+def _gelu(x: Tensor, out: Tensor, slope: Tensor | None) -> None:
+    """out = GELU(x) (out may be x) and, given slope, slope = GELU'(x); contiguous float32."""
+    run("vitlab_gelu", [x, out, slope], (x.numel(),), (x.numel() + 7) // 8, grain=2048)
+
+
+def _check_takes(x: Tensor, what: str, *params: Tensor, grad: bool = False) -> None:
     """A ValueError unless the kernel `what` can take x (and its params): float32 on the CPU, no
-    autograd through it (the kernels record no gradient), the library built."""
+    autograd through it unless it records a gradient (`grad`), the library built."""
     if x.device.type != "cpu" or x.dtype != torch.float32:
         raise ValueError(f"{what} computes float32 on the CPU, got {x.dtype} on {x.device}")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params)):
+    if not grad and torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params)):
         raise ValueError(f"{what} records no gradient: call it under torch.no_grad()")
     if library() is None:
         raise ValueError(f"{what}: vitlab's CPU kernels are not built here")

@@ -132,6 +132,12 @@ def watched(*modules: nn.Module) -> bool:
     )
 
 
+def plain_linear(module: nn.Module) -> bool:
+    """Whether module is an nn.Linear as PyTorch defines it (not a quantised, parametrised or
+    wrapped one, no forward of its own), so its weight and bias can be used directly."""
+    return type(module) is nn.Linear and "forward" not in vars(module)
+
+
 def chosen_indices(indices: int | Sequence[int] | None, n: int, what: str) -> list[int]:
     """Sorted distinct indices into n `what`s (blocks, stages): all (None), the last k (an int),
     or the listed ones (negative from the end); a ValueError naming an index out of range."""
@@ -200,9 +206,7 @@ class Attention(nn.Module):
         """Whether q and (k, v) can be projected apart: a plain nn.Linear (not a quantised or
         wrapped one, no forward of its own), no relative-position bias (RelativePositionBias
         takes every row of q)."""
-        qkv = self.qkv
-        plain = type(qkv) is nn.Linear and "forward" not in vars(qkv)
-        return plain and not return_attention and self.rel_pos is None
+        return plain_linear(self.qkv) and not return_attention and self.rel_pos is None
 
     def _first_rows(self, x: Tensor, n: int) -> Tensor:
         """The first n tokens' outputs (B, n, D): q projected for those rows only, k and v for
@@ -258,18 +262,21 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.fc1(x)
-        # inference on the CPU: vitlab's kernel, in place (not where a hook could see fc1's
-        # output, which it overwrites, or expect act, which it skips)
-        if (
-            cpu_kernels.infers(h)
-            and self.act.approximate == "none"
-            and not watched(self.fc1, self.act)
-        ):
-            h = cpu_kernels.gelu_(h)
+        if self._on_kernel(x):  # fc1's (rows, M) output, not a view: GELU in place on it
+            h = F.linear(x.reshape(-1, x.shape[-1]), self.fc1.weight, self.fc1.bias)
+            h = cpu_kernels.gelu_(h).view(*x.shape[:-1], h.shape[-1])
         else:
-            h = self.act(h)
+            h = self.act(self.fc1(x))
         return self.drop2(self.fc2(self.drop1(h)))
+
+    def _on_kernel(self, x: Tensor) -> bool:
+        """Whether GELU runs on vitlab's kernel (cpu_kernels.gelu_), in place on fc1's output:
+        float32 on the CPU, the erf form, a plain fc1, and no hook that could see fc1's output
+        (which it overwrites) or expect act (which it skips)."""
+        if not cpu_kernels.usable(x):  # first: shapes are not read under tracing
+            return False
+        erf = self.act.approximate == "none"
+        return erf and plain_linear(self.fc1) and not watched(self.fc1, self.act)
 
 
 class LayerNorm(nn.LayerNorm):

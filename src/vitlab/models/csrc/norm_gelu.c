@@ -1,4 +1,5 @@
-/* LayerNorm and GELU (the erf form) in float32 for x86 CPUs with AVX2 + FMA, for inference.
+/* LayerNorm (for inference) and GELU (the erf form; with its derivative for training) in float32
+ * for x86 CPUs with AVX2 + FMA.
  * Built and loaded with attention.c by vitlab/models/cpu_kernels.py; its docstring says when
  * they run. Work is split by rows (LayerNorm) or by vectors of 8 (GELU) over `threads` threads
  * (SPLIT in kernels.h); every element is computed by the same code whatever the split. Both
@@ -49,9 +50,10 @@ static int norm_rows(const float *x, const float *w, const float *b, float *y, i
     return 0;
 }
 
-/* GELU of 8 floats: x / 2 (1 + erf(x / sqrt 2)), erf by Abramowitz and Stegun 7.1.26 (absolute
- * error below 1.5e-7; +inf gives +inf, -inf NaN as the formula does). */
-ALWAYS_INLINE __m256 gelu8(__m256 x) {
+/* erf(x / sqrt 2) of 8 floats by Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7;
+ * +inf gives 1, -inf NaN as the formula does), and exp(-x^2 / 2), the exp it computes on the way
+ * (GELU's derivative takes it too). */
+ALWAYS_INLINE __m256 erf8(__m256 x, __m256 *gauss) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256 z = _mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f));
     const __m256 a = _mm256_andnot_ps(sign, z); /* |z| */
@@ -63,25 +65,38 @@ ALWAYS_INLINE __m256 gelu8(__m256 x) {
     p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
     p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
     p = _mm256_mul_ps(p, t);
+    *gauss = exp8(_mm256_mul_ps(_mm256_sub_ps(sign, a), a)); /* exp(-z^2) */
     /* erf(|z|) = 1 - p exp(-z^2); erf keeps z's sign */
-    const __m256 e = _mm256_fnmadd_ps(p, exp8(_mm256_mul_ps(_mm256_sub_ps(sign, a), a)),
-                                      _mm256_set1_ps(1.0f));
-    const __m256 erf = _mm256_or_ps(e, _mm256_and_ps(sign, z));
-    return _mm256_mul_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.5f)), _mm256_add_ps(erf, _mm256_set1_ps(1.0f)));
+    const __m256 e = _mm256_fnmadd_ps(p, *gauss, _mm256_set1_ps(1.0f));
+    return _mm256_or_ps(e, _mm256_and_ps(sign, z));
 }
 
-/* Elements [8 start, min(8 end, n)) of x become their GELU, in place (the last vector may be
- * partial). */
-static int gelu_vectors(float *x, int64_t n, int64_t start, int64_t end) {
+/* GELU of 8 floats: x / 2 (1 + erf(x / sqrt 2)); with `slope`, also its derivative there,
+ * Phi(x) + x phi(x) = (1 + erf(x / sqrt 2)) / 2 + x exp(-x^2 / 2) / sqrt(2 pi). */
+ALWAYS_INLINE __m256 gelu8(__m256 x, __m256 *slope) {
+    __m256 gauss;
+    const __m256 cdf = _mm256_mul_ps(_mm256_add_ps(erf8(x, &gauss), _mm256_set1_ps(1.0f)),
+                                     _mm256_set1_ps(0.5f));
+    if (slope)
+        *slope = _mm256_fmadd_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.39894228040143268f)), gauss, cdf);
+    return _mm256_mul_ps(x, cdf);
+}
+
+/* Elements [8 start, min(8 end, n)) of x: y becomes their GELU (y may be x) and, where slope is
+ * not NULL, slope its derivative (the last vector may be partial). */
+static int gelu_vectors(const float *x, float *y, float *slope, int64_t n, int64_t start,
+                        int64_t end) {
     for (int64_t i = start; i < end; i++) {
-        float *p = x + 8 * i;
-        const int64_t left = n - 8 * i;
+        const int64_t at = 8 * i, left = n - at;
+        __m256 d;
         if (left >= 8) {
-            _mm256_storeu_ps(p, gelu8(_mm256_loadu_ps(p)));
+            _mm256_storeu_ps(y + at, gelu8(_mm256_loadu_ps(x + at), slope ? &d : NULL));
+            if (slope) _mm256_storeu_ps(slope + at, d);
         } else {
             const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left),
                                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-            _mm256_maskstore_ps(p, mask, gelu8(_mm256_maskload_ps(p, mask)));
+            _mm256_maskstore_ps(y + at, mask, gelu8(_mm256_maskload_ps(x + at, mask), slope ? &d : NULL));
+            if (slope) _mm256_maskstore_ps(slope + at, mask, d);
         }
     }
     return 0;
@@ -96,8 +111,9 @@ int vitlab_layer_norm(const float *x, const float *w, const float *b, float *y, 
 /* 1 where built with OpenMP, else 0 (cpu_kernels.py warns: one thread). */
 int vitlab_openmp(void) { return openmp_built(); }
 
-/* x = GELU(x), in place, for the n floats of x, on `threads` threads. */
-int vitlab_gelu(float *x, int64_t n, int64_t threads) {
-    SPLIT((n + 7) / 8, threads, gelu_vectors(x, n, start, end));
+/* y = GELU(x) (y may be x: in place) for the n floats of x and, where slope is not NULL, slope =
+ * GELU'(x) (what the backward multiplies the gradient by), on `threads` threads. */
+int vitlab_gelu(const float *x, float *y, float *slope, int64_t n, int64_t threads) {
+    SPLIT((n + 7) / 8, threads, gelu_vectors(x, y, slope, n, start, end));
 }
 
