@@ -323,3 +323,35 @@ def test_distilled_model_averages_its_two_heads() -> None:
     expected = (model.head(tokens[:, 0]) + model.head_dist(tokens[:, 1])) / 2
     assert torch.allclose(model(x), expected)
     assert torch.allclose(model.forward_head(tokens, pre_logits=True), tokens[:, :2].mean(1))
+
+
+@pytest.mark.parametrize("in_chans", [1, 3])
+def test_patch_embedding_as_a_matrix_product_is_the_convolution(in_chans: int, monkeypatch) -> None:
+    """One input channel on the CPU in float32: the patches' pixels times the flattened kernel
+    (layers.PatchEmbed.project), not the conv; outputs and the kernel's gradients are the conv's
+    in float64. Three channels, or a hook on the conv: the conv itself."""
+    torch.manual_seed(0)
+    embed = VisionTransformer(tiny_config(in_chans=in_chans, img_size=12, patch_size=4)).patch_embed
+    x = torch.randn(3, in_chans, 12, 12)
+    grad = torch.randn(3, 9, embed.proj.out_channels)
+    conv = torch.nn.Conv2d(in_chans, embed.proj.out_channels, 4, stride=4).double()
+    conv.load_state_dict(embed.proj.state_dict())
+    expected = conv(x.double()).flatten(2).transpose(1, 2)
+    expected.backward(grad.double())
+    calls = []
+    conv_forward = torch.nn.Conv2d.forward
+    monkeypatch.setattr(
+        torch.nn.Conv2d, "forward", lambda m, t: calls.append(m) or conv_forward(m, t)
+    )
+    out = embed(x)
+    assert out.shape == (3, 9, embed.proj.out_channels)
+    assert len(calls) == (in_chans != 1)  # the conv runs for three channels only
+    out.backward(grad)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    for mine, ref in ((embed.proj.weight, conv.weight), (embed.proj.bias, conv.bias)):
+        torch.testing.assert_close(mine.grad.double(), ref.grad, atol=1e-5, rtol=1e-5)
+    seen = []
+    handle = embed.proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    torch.testing.assert_close(embed(x), out, atol=1e-5, rtol=1e-5)
+    handle.remove()
+    assert seen == [(3, embed.proj.out_channels, 3, 3)]  # a watched conv runs as itself

@@ -130,7 +130,7 @@ class SwinPatchEmbed(PatchEmbed):
 
     def forward(self, x: Tensor) -> Tensor:
         self.check_input(x)
-        return self.norm(self.proj(x).permute(0, 2, 3, 1))  # (B, gh, gw, D)
+        return self.norm(self.project(x))  # (B, gh, gw, D)
 
 
 class WindowAttention(nn.Module):
