@@ -37,9 +37,10 @@ INT8_AGREEMENT = 0.95  # share of the test images whose top-1 class is unchanged
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """A tiny ViT (8x8 digits, D=32, 2 layers) trained 4 epochs: real logits, real accuracy."""
+    """A tiny ViT (8x8 digits, D=32, 2 layers) trained 12 epochs (about 2 s): real logits, an
+    accuracy (about 80-90%) whose margins do not hang on float rounding."""
     out = tmp_path_factory.mktemp("runs") / "tiny"
-    assert main(["train", "--out", str(out), *TINY_MODEL, "train.epochs=4"]) == 0
+    assert main(["train", "--out", str(out), *TINY_MODEL, "train.epochs=12"]) == 0
     return out
 
 

@@ -227,18 +227,25 @@ class Attention(nn.Module):
         return plain_linear(self.qkv) and not return_attention and self.rel_pos is None
 
     def _first_rows(self, x: Tensor, n: int) -> Tensor:
-        """The first n tokens' outputs (B, n, D): q projected for those rows only, k and v for
-        every row (the qkv weight's row blocks)."""
-        d = x.shape[-1]
-        w_q, w_kv = self.qkv.weight.split([d, 2 * d])  # one gradient, not two zero-filled ones
-        b_q, b_kv = (None, None) if self.qkv.bias is None else self.qkv.bias.split([d, 2 * d])
-        q = F.linear(x[:, :n], w_q, b_q)  # (B, n, D)
-        kv = F.linear(x, w_kv, b_kv)  # (B, T, 2D)
-        b, t, _ = kv.shape
-        k, v = kv.reshape(b, t, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q = q.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, n, d)
-        out, _ = self._heads(q, k, v, None, False)
-        return self.proj_drop(self.proj(out))
+        """The first n tokens' outputs (B, n, D), no other token's q, k or v formed. For a query
+        row q of a head, q . k_t = x_t . (W_k^T q) + q . b_k, whose last term is the same for
+        every t and leaves the softmax as it is; sum_t p_t v_t = (sum_t p_t x_t) W_v^T +
+        (sum_t p_t) b_v. So the tokens x are multiplied by n H vectors of width D, twice,
+        instead of by the (D, 2D) key and value projection."""
+        b, t, d = x.shape
+        h, hd = self.num_heads, self.head_dim
+        w_q, w_k, w_v = self.qkv.weight.view(3, h, hd, d).unbind(0)  # one gradient for qkv
+        q = F.linear(
+            x[:, :n], w_q.reshape(d, d), None if self.qkv.bias is None else self.qkv.bias[:d]
+        )
+        u = torch.einsum("bihc,hcD->bihD", q.view(b, n, h, hd) * self.scale, w_k)
+        probs = (u.reshape(b, n * h, d) @ x.transpose(1, 2)).softmax(dim=-1)  # (B, n H, T)
+        probs = F.dropout(probs, self.attn_drop if self.training else 0.0, self.training)
+        z = (probs @ x).view(b, n, h, d)  # sum_t p_t x_t for each query row and head
+        out = torch.einsum("bihD,hcD->bihc", z, w_v)  # (B, n, H, d)
+        if self.qkv.bias is not None:  # the weights sum to 1 but where dropout zeroed some
+            out = out + probs.sum(dim=-1).view(b, n, h, 1) * self.qkv.bias[2 * d :].view(h, hd)
+        return self.proj_drop(self.proj(out.reshape(b, n, d)))
 
     def _attend(self, qkv: Tensor, return_attention: bool) -> tuple[Tensor, Tensor | None]:
         """PyTorch's attention over qkv (B, T, 3D): the output (B, T, D) and, with
