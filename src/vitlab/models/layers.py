@@ -125,8 +125,9 @@ class PatchEmbed(nn.Module):
     def _as_product(self, x: Tensor) -> bool:
         if self.in_chans != 1 or not cpu_kernels.usable(x):
             return False
-        plain = type(self.proj) is nn.Conv2d and "forward" not in vars(self.proj)
-        return plain and self.proj.padding == (0, 0) and not watched(self.proj)
+        conv, p = self.proj, self.patch_size
+        patchify = conv.kernel_size == conv.stride == (p, p) and conv.padding == (0, 0)
+        return plain(conv, nn.Conv2d) and patchify and not watched(conv)
 
 
 # --- the encoder block ---------------------------------------------------------------------------
@@ -150,10 +151,10 @@ def watched(*modules: nn.Module) -> bool:
     )
 
 
-def plain_linear(module: nn.Module) -> bool:
-    """Whether module is an nn.Linear as PyTorch defines it (not a quantised, parametrised or
-    wrapped one, no forward of its own), so its weight and bias can be used directly."""
-    return type(module) is nn.Linear and "forward" not in vars(module)
+def plain(module: nn.Module, kind: type[nn.Module] = nn.Linear) -> bool:
+    """Whether module is a `kind` as PyTorch defines it (not a quantised, parametrised or wrapped
+    one, no forward of its own), so its weight and bias can be used directly."""
+    return type(module) is kind and "forward" not in vars(module)
 
 
 def chosen_indices(indices: int | Sequence[int] | None, n: int, what: str) -> list[int]:
@@ -224,7 +225,7 @@ class Attention(nn.Module):
         """Whether q and (k, v) can be projected apart: a plain nn.Linear (not a quantised or
         wrapped one, no forward of its own), no relative-position bias (RelativePositionBias
         takes every row of q)."""
-        return plain_linear(self.qkv) and not return_attention and self.rel_pos is None
+        return plain(self.qkv) and not return_attention and self.rel_pos is None
 
     def _first_rows(self, x: Tensor, n: int) -> Tensor:
         """The first n tokens' outputs (B, n, D), no other token's q, k or v formed. For a query
@@ -232,7 +233,7 @@ class Attention(nn.Module):
         every t and leaves the softmax as it is; sum_t p_t v_t = (sum_t p_t x_t) W_v^T +
         (sum_t p_t) b_v. So the tokens x are multiplied by n H vectors of width D, twice,
         instead of by the (D, 2D) key and value projection."""
-        b, t, d = x.shape
+        b, _, d = x.shape
         h, hd = self.num_heads, self.head_dim
         w_q, w_k, w_v = self.qkv.weight.view(3, h, hd, d).unbind(0)  # one gradient for qkv
         q = F.linear(
@@ -301,7 +302,7 @@ class Mlp(nn.Module):
         if not cpu_kernels.usable(x):  # first: shapes are not read under tracing
             return False
         erf = self.act.approximate == "none"
-        return erf and plain_linear(self.fc1) and not watched(self.fc1, self.act)
+        return erf and plain(self.fc1) and not watched(self.fc1, self.act)
 
 
 class LayerNorm(nn.LayerNorm):
