@@ -236,6 +236,40 @@ def test_head_only_saves_the_last_blocks_other_rows(distilled: bool) -> None:
         assert _linear_flops(model, x) - flops == saved
 
 
+@pytest.mark.parametrize(("qkv_bias", "prefix"), [(True, 1), (False, 1), (True, 2)])
+def test_first_rows_without_keys_and_values_match_the_full_attention(
+    qkv_bias: bool, prefix: int, monkeypatch
+) -> None:
+    """The last block's class-token rows (Attention._first_rows: no key or value formed) equal
+    the full attention's first rows, with and without qkv's bias, for DeiT's two rows, and with
+    attention dropout in training (a dropout whose mask depends on the value alone, so both
+    paths drop the same weights; the value bias is then scaled by the kept weights' sum), in
+    the outputs and in every parameter's and the input's gradient."""
+    torch.manual_seed(0)
+    attn = VisionTransformer(tiny_config(qkv_bias=qkv_bias, attn_dropout=0.2)).blocks[0].attn
+    attn.train()
+
+    def keep(p: torch.Tensor, rate: float = 0.5, training: bool = True, inplace: bool = False):
+        return p * (p > 0.05) / (1 - rate) if training and rate else p
+
+    monkeypatch.setattr(torch.nn.functional, "dropout", keep)
+    x = torch.randn(3, 17, 32, requires_grad=True)
+    grad = torch.randn(3, prefix, 32)
+    results = []
+    for queries in (prefix, None):  # the first rows; every row (the explicit path), then cut
+        attn.zero_grad()
+        x.grad = None
+        out = attn(x, return_attention=queries is None, queries=queries)[0][:, :prefix]
+        out.backward(grad)
+        results.append([out.detach(), x.grad, *(p.grad.clone() for p in attn.parameters())])
+    cut, full = results
+    assert cut[0].shape == (3, prefix, 32)
+    for a, b in zip(cut, full, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    if qkv_bias:
+        assert attn.qkv.bias.grad[32:64].abs().max() < 1e-6  # k's bias: the softmax ignores it
+
+
 def test_head_only_falls_back_where_rows_cannot_be_cut() -> None:
     """Where q cannot be projected apart (relative positions, a qkv with a forward of its own,
     a quantised one) the last block's attention computes every row and keeps the class token's

@@ -72,6 +72,18 @@ def test_gelu_in_training_matches_the_erf_formulas_gradient_in_float64(n) -> Non
     torch.testing.assert_close(da.double(), expected_da, atol=2e-6, rtol=1e-5)
 
 
+def test_gelu_in_place_on_a_tensor_autograd_saved_makes_its_backward_raise() -> None:
+    """As PyTorch's in-place operators: a tensor kept for another operation's backward, changed
+    in place by gelu_ with grad mode on, makes that backward raise instead of giving a wrong
+    gradient."""
+    w = torch.randn(8, requires_grad=True)
+    h = torch.randn(8)
+    y = (w * h).sum()  # autograd keeps h
+    cpu_kernels.gelu_(h)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
 def test_gelu_keeps_nan_and_the_formulas_infinities() -> None:
     """NaN stays NaN; x / 2 (1 + erf(x / sqrt 2)) is +inf at +inf and NaN at -inf (inf x 0)."""
     x = torch.tensor([float("nan"), float("inf"), float("-inf"), -30.0, 0.0, 30.0, 1e30, -1e30])
@@ -90,8 +102,11 @@ def test_the_kernels_refuse_what_they_cannot_take() -> None:
         cpu_kernels.layer_norm(
             torch.randn(16, requires_grad=True), torch.ones(16), torch.zeros(16), 1e-5
         )
+    leaf = torch.randn(16, requires_grad=True)
+    before = leaf.detach().clone()
     with pytest.raises(RuntimeError, match="leaf Variable"):  # in place, as PyTorch's own ops
-        cpu_kernels.gelu_(torch.randn(16, requires_grad=True))
+        cpu_kernels.gelu_(leaf)
+    assert torch.equal(leaf.detach(), before)  # refused untouched
     with pytest.raises(ValueError, match="no gradient"):  # a weight that wants one
         cpu_kernels.layer_norm(
             torch.randn(16), torch.ones(16, requires_grad=True), torch.zeros(16), 1e-5
@@ -209,6 +224,16 @@ def test_training_through_the_gelu_kernel_gives_pytorchs_gradients(monkeypatch) 
     handle.remove()
     assert len(seen) == 1 and len(calls) == len(model.blocks) - 1  # that block: PyTorch's
     torch.testing.assert_close(hooked["blocks.0.mlp.fc1.weight"], off["blocks.0.mlp.fc1.weight"])
+
+
+def test_an_mlp_with_another_activation_trains_on_pytorchs_operators() -> None:
+    """Swapping the MLP's activation (a ReLU: no `approximate`) leaves it to PyTorch's."""
+    model = VisionTransformer(tiny_config(embed_dim=32, num_heads=2)).train()
+    for block in model.blocks:
+        block.mlp.act = torch.nn.ReLU()
+    model(torch.randn(2, 3, 16, 16)).sum().backward()
+    mlp, tokens = model.blocks[0].mlp, torch.randn(2, 17, 32)
+    torch.testing.assert_close(mlp(tokens), mlp.fc2(torch.relu(mlp.fc1(tokens))))
 
 
 def test_layer_norm_without_affine_or_over_two_dimensions_runs_pytorch() -> None:

@@ -96,7 +96,7 @@ def _transformed(x: Tensor) -> bool:
 
 
 def infers(x: Tensor) -> bool:
-    """Whether LayerNorm or GELU over x may run on the kernels: no autograd (torch.no_grad or
+    """Whether LayerNorm over x may run on the kernel: no autograd (torch.no_grad or
     inference_mode) and a usable tensor (layer_norm also needs a width that is a multiple of 8)."""
     return not torch.is_grad_enabled() and usable(x)
 
@@ -125,15 +125,24 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
 
 def gelu_(x: Tensor) -> Tensor:
     """x becomes F.gelu(x) (the erf form), in place; float32 on the CPU, contiguous. Where x
-    needs a gradient, differentiable once: the pass also writes GELU'(x) (the exp inside erf
-    serves the density too), which the backward multiplies the gradient by (PyTorch's recomputes
-    erf and exp from the input it keeps)."""
+    needs a gradient, differentiable once (a second derivative raises): the pass also writes
+    GELU'(x) (the exp inside erf serves the density too), which the backward multiplies the
+    gradient by (PyTorch's recomputes erf and exp from the input it keeps). As PyTorch's in-place
+    operators: a leaf that needs a gradient is refused untouched, and where autograd saved x
+    for another operation's backward, that backward raises."""
     _check_takes(x, "gelu_", grad=True)
     if not x.is_contiguous():
         raise ValueError("gelu_ needs a contiguous tensor")
-    if torch.is_grad_enabled() and x.requires_grad:
+    grad = torch.is_grad_enabled()
+    if grad and x.requires_grad:
+        if x.is_leaf:
+            raise RuntimeError(
+                "gelu_: a leaf Variable that requires grad cannot be changed in place"
+            )
         return _Gelu.apply(x)
-    _gelu(x, x, None)
+    _gelu(x, None)
+    if grad:  # autograd may have saved x: its version says it changed
+        torch.autograd.graph.increment_version(x)
     return x
 
 
@@ -141,7 +150,7 @@ class _Gelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
         slope = torch.empty_like(x)
-        _gelu(x, x, slope)
+        _gelu(x, slope)
         ctx.mark_dirty(x)
         ctx.save_for_backward(slope)
         return x
@@ -153,9 +162,9 @@ class _Gelu(torch.autograd.Function):
         return grad * slope
 
 
-def _gelu(x: Tensor, out: Tensor, slope: Tensor | None) -> None:
-    """out = GELU(x) (out may be x) and, given slope, slope = GELU'(x); contiguous float32."""
-    run("vitlab_gelu", [x, out, slope], (x.numel(),), (x.numel() + 7) // 8, grain=2048)
+def _gelu(x: Tensor, slope: Tensor | None) -> None:
+    """x = GELU(x), in place, and, given slope, slope = GELU'(x); contiguous float32."""
+    run("vitlab_gelu", [x, x, slope], (x.numel(),), (x.numel() + 7) // 8, grain=2048)
 
 
 def _check_takes(x: Tensor, what: str, *params: Tensor, grad: bool = False) -> None:

@@ -110,10 +110,12 @@ class PatchEmbed(nn.Module):
         return self.project(x).flatten(1, 2)  # (B, N, D)
 
     def project(self, x: Tensor) -> Tensor:
-        """Every patch's linear map: (B, C, H, W) -> (B, gh, gw, D). On the CPU in float32 with
-        one input channel, as the matrix product (B N, P P) x (P P, D) of the patches' pixels,
-        which runs 2-4x faster than oneDNN's convolution there (BENCHMARKS.md, issue 16); the
-        conv otherwise (and where a hook watches it, or it is not a plain nn.Conv2d)."""
+        """Every patch's linear map: (B, C, H, W) -> (B, gh, gw, D). With one input channel, in
+        float32 on a CPU where vitlab's kernels run (cpu_kernels.usable: AVX2, outside autocast,
+        tracing and torch.func, the switch on), as the matrix product (B N, P P) x (P P, D) of the
+        patches' pixels, which runs 2-4x faster than oneDNN's convolution there (BENCHMARKS.md,
+        issue 16); the conv otherwise (and where a hook watches it, or it is not a plain
+        nn.Conv2d)."""
         if not self._as_product(x):
             return self.proj(x).permute(0, 2, 3, 1)
         b, c, h, w = x.shape
@@ -127,7 +129,7 @@ class PatchEmbed(nn.Module):
             return False
         conv, p = self.proj, self.patch_size
         patchify = conv.kernel_size == conv.stride == (p, p) and conv.padding == (0, 0)
-        return plain(conv, nn.Conv2d) and patchify and not watched(conv)
+        return plain(conv, nn.Conv2d) and patchify and conv.dilation == (1, 1) and not watched(conv)
 
 
 # --- the encoder block ---------------------------------------------------------------------------
@@ -222,9 +224,9 @@ class Attention(nn.Module):
         return self.proj_drop(self.proj(out)), attn  # (B, T, D)
 
     def _splits(self, return_attention: bool) -> bool:
-        """Whether q and (k, v) can be projected apart: a plain nn.Linear (not a quantised or
-        wrapped one, no forward of its own), no relative-position bias (RelativePositionBias
-        takes every row of q)."""
+        """Whether the first rows can be computed from the qkv weight's blocks (_first_rows): a
+        plain nn.Linear (not a quantised or wrapped one, no forward of its own), no
+        relative-position bias (RelativePositionBias takes every row of q)."""
         return plain(self.qkv) and not return_attention and self.rel_pos is None
 
     def _first_rows(self, x: Tensor, n: int) -> Tensor:
@@ -241,11 +243,15 @@ class Attention(nn.Module):
         )
         u = torch.einsum("bihc,hcD->bihD", q.view(b, n, h, hd) * self.scale, w_k)
         probs = (u.reshape(b, n * h, d) @ x.transpose(1, 2)).softmax(dim=-1)  # (B, n H, T)
-        probs = F.dropout(probs, self.attn_drop if self.training else 0.0, self.training)
+        dropped = self.training and self.attn_drop > 0
+        probs = F.dropout(probs, self.attn_drop, training=True) if dropped else probs
         z = (probs @ x).view(b, n, h, d)  # sum_t p_t x_t for each query row and head
         out = torch.einsum("bihD,hcD->bihc", z, w_v)  # (B, n, H, d)
-        if self.qkv.bias is not None:  # the weights sum to 1 but where dropout zeroed some
-            out = out + probs.sum(dim=-1).view(b, n, h, 1) * self.qkv.bias[2 * d :].view(h, hd)
+        if self.qkv.bias is not None:
+            b_v = self.qkv.bias[2 * d :].view(h, hd)
+            if dropped:  # the kept weights no longer sum to 1
+                b_v = probs.sum(dim=-1).view(b, n, h, 1) * b_v
+            out = out + b_v
         return self.proj_drop(self.proj(out.reshape(b, n, d)))
 
     def _attend(self, qkv: Tensor, return_attention: bool) -> tuple[Tensor, Tensor | None]:
@@ -301,7 +307,7 @@ class Mlp(nn.Module):
         (which it overwrites) or expect act (which it skips)."""
         if not cpu_kernels.usable(x):  # first: shapes are not read under tracing
             return False
-        erf = self.act.approximate == "none"
+        erf = plain(self.act, nn.GELU) and self.act.approximate == "none"
         return erf and plain(self.fc1) and not watched(self.fc1, self.act)
 
 

@@ -324,9 +324,9 @@ class VisionTransformer(nn.Module):
     ) -> Tensor:
         """(B, C, H, W) -> (B, T, D) final tokens (after the last LayerNorm); `corrupt` as in
         _embed. `head_only`: with pool='token', only the prefix tokens forward_head reads
-        (B, 1 or 2, D), whose rows alone the last block computes: the same values (the other
-        rows of its q, output projection and MLP are not needed: three quarters of that block's
-        matrix products at MLP ratio 2, five sixths at 4); all tokens with pool='gap'."""
+        (B, 1 or 2, D), whose rows alone the last block computes: the same values to float
+        rounding (the other rows of its q, output projection and MLP are not needed, nor are the
+        keys and values: Attention._first_rows); all tokens with pool='gap'."""
         x = self._embed(x, corrupt)
         rows = self._head_rows() if head_only else None
         last = len(self.blocks) - 1
