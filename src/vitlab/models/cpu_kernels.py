@@ -59,8 +59,8 @@ _SIGNATURES = {  # the last argument: threads; every kernel returns 0, or -1 whe
     "vitlab_attention_backward": [_pointer] * 4 + [_int] * 4 + [_float, _int],
     # x, weight, bias, y | D, eps, rows
     "vitlab_layer_norm": [_pointer] * 4 + [_int, _float, _int, _int],
-    # x, y, slope | n
-    "vitlab_gelu": [_pointer] * 3 + [_int, _int],
+    # x, slope | n
+    "vitlab_gelu": [_pointer] * 2 + [_int, _int],
     "vitlab_openmp": [],  # 1 where built with OpenMP
 }
 
@@ -164,7 +164,7 @@ class _Gelu(torch.autograd.Function):
 
 def _gelu(x: Tensor, slope: Tensor | None) -> None:
     """x = GELU(x), in place, and, given slope, slope = GELU'(x); contiguous float32."""
-    run("vitlab_gelu", [x, x, slope], (x.numel(),), (x.numel() + 7) // 8, grain=2048)
+    run("vitlab_gelu", [x, slope], (x.numel(),), (x.numel() + 7) // 8, grain=2048)
 
 
 def _check_takes(x: Tensor, what: str, *params: Tensor, grad: bool = False) -> None:

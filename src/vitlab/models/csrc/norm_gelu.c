@@ -82,20 +82,19 @@ ALWAYS_INLINE __m256 gelu8(__m256 x, __m256 *slope) {
     return _mm256_mul_ps(x, cdf);
 }
 
-/* Elements [8 start, min(8 end, n)) of x: y becomes their GELU (y may be x) and, where slope is
- * not NULL, slope its derivative (the last vector may be partial). */
-static int gelu_vectors(const float *x, float *y, float *slope, int64_t n, int64_t start,
-                        int64_t end) {
+/* Elements [8 start, min(8 end, n)) of x become their GELU, in place, and, where slope is not
+ * NULL, slope their derivative (the last vector may be partial). */
+static int gelu_vectors(float *x, float *slope, int64_t n, int64_t start, int64_t end) {
     for (int64_t i = start; i < end; i++) {
         const int64_t at = 8 * i, left = n - at;
         __m256 d;
         if (left >= 8) {
-            _mm256_storeu_ps(y + at, gelu8(_mm256_loadu_ps(x + at), slope ? &d : NULL));
+            _mm256_storeu_ps(x + at, gelu8(_mm256_loadu_ps(x + at), slope ? &d : NULL));
             if (slope) _mm256_storeu_ps(slope + at, d);
         } else {
             const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left),
                                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-            _mm256_maskstore_ps(y + at, mask, gelu8(_mm256_maskload_ps(x + at, mask), slope ? &d : NULL));
+            _mm256_maskstore_ps(x + at, mask, gelu8(_mm256_maskload_ps(x + at, mask), slope ? &d : NULL));
             if (slope) _mm256_maskstore_ps(slope + at, mask, d);
         }
     }
@@ -111,9 +110,9 @@ int vitlab_layer_norm(const float *x, const float *w, const float *b, float *y, 
 /* 1 where built with OpenMP, else 0 (cpu_kernels.py warns: one thread). */
 int vitlab_openmp(void) { return openmp_built(); }
 
-/* y = GELU(x) (y may be x: in place) for the n floats of x and, where slope is not NULL, slope =
- * GELU'(x) (what the backward multiplies the gradient by), on `threads` threads. */
-int vitlab_gelu(const float *x, float *y, float *slope, int64_t n, int64_t threads) {
-    SPLIT((n + 7) / 8, threads, gelu_vectors(x, y, slope, n, start, end));
+/* x = GELU(x), in place, for the n floats of x and, where slope is not NULL, slope = GELU'(x)
+ * (what the backward multiplies the gradient by), on `threads` threads. */
+int vitlab_gelu(float *x, float *slope, int64_t n, int64_t threads) {
+    SPLIT((n + 7) / 8, threads, gelu_vectors(x, slope, n, start, end));
 }
 
