@@ -9,8 +9,6 @@ loading, the switch, and running one kernel's work over PyTorch's threads.
   same pass writes the derivative, so the backward is one product (PyTorch's recomputes erf and
   exp): forward and backward 1.5x PyTorch's alone, about 1.02-1.04x a training step of the 28 px
   ViTs (BENCHMARKS.md, issue 16).
-- not C: linear layers for inference on oneDNN with packed weights and the bias fused (linear),
-  under the same conditions and switch.
 
 They run when the CPU has AVX2 (PyTorch dispatches its AVX2 or AVX-512 kernels; Linux or macOS),
 the tensors are plain float32 outside autocast (not traced or transformed by torch.jit,
