@@ -236,68 +236,6 @@ def test_an_mlp_with_another_activation_trains_on_pytorchs_operators() -> None:
     torch.testing.assert_close(mlp(tokens), mlp.fc2(torch.relu(mlp.fc1(tokens))))
 
 
-def test_linear_for_inference_packs_once_and_repacks_a_changed_weight(monkeypatch) -> None:
-    """cpu_kernels.linear in inference: F.linear's result (against float64) for 2-D, 3-D, empty
-    and non-contiguous inputs, with and without bias, the weight packed once; packed again when
-    the weight changes in place or is given new data; PyTorch's F.linear with autograd, for a
-    weight over PACKED_MAX elements, or with the kernels off."""
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(64, 96)
-    packs = count_calls(monkeypatch, torch.ops.mkldnn, "_reorder_linear_weight")
-
-    def check(x: torch.Tensor, bias: bool = True) -> None:
-        b = layer.bias if bias else None
-        with torch.no_grad():
-            out = cpu_kernels.linear(x, layer.weight, b)
-        b64 = None if b is None else b.double()
-        expected = F.linear(x.double(), layer.weight.double(), b64)
-        assert out.shape == expected.shape and out.dtype == torch.float32
-        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
-
-    for x in (torch.randn(5, 64), torch.randn(2, 7, 64), torch.randn(0, 64),
-              torch.randn(7, 2, 64).transpose(0, 1)):  # fmt: skip
-        check(x)
-    check(torch.randn(3, 64), bias=False)
-    assert len(packs) == 1  # once for all of them
-    with torch.no_grad():
-        layer.weight.mul_(-2.0)  # in place: a new version
-    check(torch.randn(4, 64))
-    layer.weight.data = torch.randn(96, 64)  # new data, the same version
-    check(torch.randn(4, 64))
-    assert len(packs) == 3
-    linear = count_calls(monkeypatch, torch.ops.mkldnn, "_linear_pointwise")
-    x = torch.randn(4, 64, requires_grad=True)
-    cpu_kernels.linear(x, layer.weight, layer.bias).sum().backward()  # autograd: PyTorch's
-    assert x.grad is not None
-    big = torch.nn.Linear(1024, cpu_kernels.PACKED_MAX // 1024 + 1)
-    with torch.no_grad():
-        torch.testing.assert_close(cpu_kernels.linear(x, layer.weight, layer.bias), layer(x))
-        cpu_kernels.linear(torch.randn(2, 1024), big.weight, big.bias)
-        with cpu_kernels.use_kernel(False):
-            cpu_kernels.linear(x, layer.weight, layer.bias)
-    assert len(linear) == 1  # only the no-grad call of the small layer with the kernels on
-
-
-def test_the_models_linear_layers_take_oneDNN_in_inference_unless_watched(monkeypatch) -> None:
-    """In inference the ViT's qkv, output projection and MLP layers multiply through
-    cpu_kernels.linear (the same logits as PyTorch's), except a layer a hook watches."""
-    model = VisionTransformer(tiny_config(embed_dim=32, num_heads=2, depth=2)).eval()
-    torch.nn.init.normal_(model.head.weight, std=0.1)
-    x = torch.randn(2, 3, 16, 16)
-    calls = count_calls(monkeypatch, torch.ops.mkldnn, "_linear_pointwise")
-    with torch.no_grad():
-        logits = model(x)
-        with cpu_kernels.use_kernel(False):
-            torch.testing.assert_close(logits, model(x), atol=1e-5, rtol=1e-5)
-    assert len(calls) == 4 + 2  # block 0: qkv, proj, fc1, fc2; the last block: fc1, fc2
-    seen = []
-    calls.clear()
-    hook = model.blocks[0].attn.qkv.register_forward_hook(lambda m, i, o: seen.append(o.shape))
-    with hook, torch.no_grad():
-        model(x)
-    assert seen == [(2, 17, 96)] and len(calls) == 5
-
-
 def test_layer_norm_without_affine_or_over_two_dimensions_runs_pytorch() -> None:
     x = torch.randn(3, 4, 16)
     with torch.no_grad():

@@ -83,10 +83,10 @@ def param_breakdown(model: VisionTransformer) -> dict[str, int]:
 
 
 def matrix_products(model: torch.nn.Module, x: torch.Tensor) -> Counter[tuple[int, int, int]]:
-    """(M, K, N) -> how often model(x) multiplies an M x K matrix by a K x N one (mm, addmm and
-    oneDNN's linear: the linear layers as the model runs them, a ViT's last block with its rows
-    cut), inference, recorded below autograd by a dispatch mode (module hooks would change what
-    a ViT computes, and FlopCounterMode sets global ones)."""
+    """(M, K, N) -> how often model(x) multiplies an M x K matrix by a K x N one (mm and addmm:
+    the linear layers as the model runs them, a ViT's last block with its rows cut), inference,
+    recorded below autograd by a dispatch mode (module hooks would change what a ViT computes,
+    and FlopCounterMode sets global ones)."""
     seen: Counter[tuple[int, int, int]] = Counter()
 
     class Record(TorchDispatchMode):
@@ -94,9 +94,6 @@ def matrix_products(model: torch.nn.Module, x: torch.Tensor) -> Counter[tuple[in
             if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
                 a, b = args[-2:]
                 seen[(a.shape[0], a.shape[1], b.shape[1])] += 1
-            elif func is torch.ops.mkldnn._linear_pointwise.default:  # cpu_kernels.linear
-                x, w = args[:2]  # x (..., K), the packed weight (N, K)
-                seen[(x.numel() // x.shape[-1], x.shape[-1], w.shape[0])] += 1
             return func(*args, **(kwargs or {}))
 
     with Record(), torch.no_grad():

@@ -43,11 +43,9 @@ from functools import cache
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
-from torch.utils.weak import WeakIdKeyDictionary
 
 _CSRC = Path(__file__).with_name("csrc")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
@@ -123,32 +121,6 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     rows = x.numel() // width
     run("vitlab_layer_norm", tensors, (width, eps, rows), rows, grain=64)
     return out
-
-
-# weight -> (its version, address and storage when packed, its oneDNN-packed copy), while the
-# weight lives; by identity (a tensor's == is elementwise). The storage is held so that its
-# address cannot be reused: a weight given new data (`.data = ...`, no version bump) is packed
-# again.
-_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-PACKED_MAX = 1 << 20  # weights up to this many elements (4 MB) get a packed copy
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """F.linear(x, weight, bias); for inference where the kernels run (infers(x)), a float32
-    weight of at most PACKED_MAX elements multiplies on oneDNN with the weight packed once into
-    its blocked layout (packed again when the weight changes) and the bias added as the product
-    is written, where PyTorch's addmm first copies the bias into every row of the output, a pass
-    over it (BENCHMARKS.md, issue 16). The packed copy lives as long as the weight."""
-    small = weight.dim() == 2 and weight.numel() <= PACKED_MAX
-    floats = weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
-    if not (small and floats and infers(x)):
-        return F.linear(x, weight, bias)
-    state = (weight._version, weight.data_ptr())
-    cached = _PACKED.get(weight)
-    if cached is None or cached[0] != state:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        cached = _PACKED[weight] = (state, weight.untyped_storage(), packed)
-    return torch.ops.mkldnn._linear_pointwise(x, cached[2], bias, "none", [], "")
 
 
 def gelu_(x: Tensor) -> Tensor:

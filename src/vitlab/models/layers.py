@@ -159,14 +159,6 @@ def plain(module: nn.Module, kind: type[nn.Module] = nn.Linear) -> bool:
     return type(module) is kind and "forward" not in vars(module)
 
 
-def linear(layer: nn.Linear, x: Tensor) -> Tensor:
-    """layer(x); in inference where vitlab's CPU kernels run, a plain layer no hook watches
-    multiplies through cpu_kernels.linear (oneDNN, the weight packed once, the bias fused)."""
-    if cpu_kernels.infers(x) and plain(layer) and not watched(layer):
-        return cpu_kernels.linear(x, layer.weight, layer.bias)
-    return layer(x)
-
-
 def chosen_indices(indices: int | Sequence[int] | None, n: int, what: str) -> list[int]:
     """Sorted distinct indices into n `what`s (blocks, stages): all (None), the last k (an int),
     or the listed ones (negative from the end); a ValueError naming an index out of range."""
@@ -221,7 +213,7 @@ class Attention(nn.Module):
         of the output are not computed."""
         if queries is not None and self._splits(return_attention):
             return self._first_rows(x, queries), None
-        qkv = linear(self.qkv, x)  # (B, T, 3D)
+        qkv = self.qkv(x)  # (B, T, 3D)
         plain = self.rel_pos is None and not (self.training and self.attn_drop > 0)
         if plain and not return_attention and cpu_attention.applies(qkv, self.num_heads):
             out, attn = cpu_attention.attention(qkv, self.num_heads, self.scale), None
@@ -229,7 +221,7 @@ class Attention(nn.Module):
             out, attn = self._attend(qkv, return_attention)
         if queries is not None:  # every row's attention computed, the first rows kept
             out, attn = out[:, :queries], None if attn is None else attn[:, :, :queries]
-        return self.proj_drop(linear(self.proj, out)), attn  # (B, T, D)
+        return self.proj_drop(self.proj(out)), attn  # (B, T, D)
 
     def _splits(self, return_attention: bool) -> bool:
         """Whether the first rows can be computed from the qkv weight's blocks (_first_rows): a
@@ -303,11 +295,11 @@ class Mlp(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self._on_kernel(x):  # fc1's (rows, M) output, not a view: GELU in place on it
-            h = cpu_kernels.linear(x.reshape(-1, x.shape[-1]), self.fc1.weight, self.fc1.bias)
+            h = F.linear(x.reshape(-1, x.shape[-1]), self.fc1.weight, self.fc1.bias)
             h = cpu_kernels.gelu_(h).view(*x.shape[:-1], h.shape[-1])
         else:
             h = self.act(self.fc1(x))
-        return self.drop2(linear(self.fc2, self.drop1(h)))
+        return self.drop2(self.fc2(self.drop1(h)))
 
     def _on_kernel(self, x: Tensor) -> bool:
         """Whether GELU runs on vitlab's kernel (cpu_kernels.gelu_), in place on fc1's output:
