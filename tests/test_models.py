@@ -7,7 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import vitlab
-from tests.helpers import randomize_head, tiny_config
+from tests.helpers import count_calls, randomize_head, tiny_config
 from vitlab.analysis.cost import macs_by_part
 from vitlab.models import cpu_kernels
 from vitlab.models.registry import build_model
@@ -340,11 +340,7 @@ def test_patch_embedding_as_a_matrix_product_is_the_convolution(in_chans: int, m
     conv.load_state_dict(embed.proj.state_dict())
     expected = conv(x.double()).flatten(2).transpose(1, 2)
     expected.backward(grad.double())
-    calls = []
-    conv_forward = torch.nn.Conv2d.forward
-    monkeypatch.setattr(
-        torch.nn.Conv2d, "forward", lambda m, t: calls.append(m) or conv_forward(m, t)
-    )
+    calls = count_calls(monkeypatch, torch.nn.Conv2d, "forward")
     out = embed(x)
     assert out.shape == (3, 9, embed.proj.out_channels)
     product = in_chans == 1 and cpu_kernels.library() is not None  # where the kernels run

@@ -214,8 +214,9 @@ class Attention(nn.Module):
         if queries is not None and self._splits(return_attention):
             return self._first_rows(x, queries), None
         qkv = self.qkv(x)  # (B, T, 3D)
-        plain = self.rel_pos is None and not (self.training and self.attn_drop > 0)
-        if plain and not return_attention and cpu_attention.applies(qkv, self.num_heads):
+        # bare: no relative-position bias, no attention dropout
+        bare = self.rel_pos is None and not (self.training and self.attn_drop > 0)
+        if bare and not return_attention and cpu_attention.applies(qkv, self.num_heads):
             out, attn = cpu_attention.attention(qkv, self.num_heads, self.scale), None
         else:
             out, attn = self._attend(qkv, return_attention)
