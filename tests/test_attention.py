@@ -10,7 +10,8 @@ import torch
 from tests.helpers import tiny_config
 from vitlab.analysis.cost import matrix_products
 from vitlab.formats.timm import timm_to_vitlab
-from vitlab.models.layers import Attention
+from vitlab.models import layers
+from vitlab.models.layers import Attention, Block
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
 
@@ -340,3 +341,57 @@ def test_fsdp_hooks_leave_the_rows_cut(tmp_path) -> None:
             torch.testing.assert_close(model(x), want, atol=1e-5, rtol=0)
     finally:
         dist.destroy_process_group()
+
+
+# --- inference a part of the batch at a time (layers.batch_chunk) -------------------------------
+
+
+@pytest.mark.parametrize(("distilled", "pool"), [(False, "token"), (True, "token"), (False, "gap")])
+def test_inference_takes_the_batch_in_parts_with_the_same_outputs(
+    distilled: bool, pool: str, monkeypatch
+) -> None:
+    """In inference on the CPU the encoder takes the batch a part at a time (about CHUNK_BYTES
+    of the widest activation, qkv's output here, a part): each image's logits and tokens are
+    those of a forward over it alone. With autograd, or a hook that watches a block or the final
+    norm, the whole batch at once, as the hook expects."""
+    torch.manual_seed(0)
+    cfg = tiny_config(distilled=distilled, pool=pool, class_token=pool == "token")
+    model = VisionTransformer(cfg).eval()
+    torch.nn.init.normal_(model.head.weight)
+    x = torch.randn(5, 3, 16, 16)
+    tokens = 16 + model.num_prefix_tokens
+    monkeypatch.setattr(layers, "CHUNK_BYTES", 2 * tokens * 96 * 4)  # two images' qkv output
+    monkeypatch.setattr(layers, "CHUNK_ROWS", tokens)  # parts of one image allowed
+    sizes: list[int] = []
+    real = Block.forward
+    monkeypatch.setattr(
+        Block, "forward", lambda blk, t, *a, **k: sizes.append(len(t)) or real(blk, t, *a, **k)
+    )
+    with torch.no_grad():
+        alone = torch.cat([model(x[i : i + 1]) for i in range(5)])
+        features = torch.cat([model.forward_features(x[i : i + 1]) for i in range(5)])
+        sizes.clear()
+        torch.testing.assert_close(model(x), alone, atol=1e-5, rtol=0)
+        assert sizes == [2, 2, 2, 2, 1, 1]  # three parts of at most two images, two blocks each
+        torch.testing.assert_close(model.forward_features(x), features, atol=1e-5, rtol=0)
+    with torch.inference_mode():
+        sizes.clear()
+        torch.testing.assert_close(model(x), alone, atol=1e-5, rtol=0)
+        assert sizes == [2, 2, 2, 2, 1, 1]
+    sizes.clear()
+    with torch.enable_grad():  # autograd: one pass
+        torch.testing.assert_close(model(x).detach(), alone, atol=1e-5, rtol=0)
+    assert sizes == [5, 5]
+    seen: list[int] = []
+    with torch.no_grad(), model.norm.register_forward_hook(lambda m, i, o: seen.append(len(o))):
+        sizes.clear()
+        torch.testing.assert_close(model(x), alone, atol=1e-5, rtol=0)
+    assert sizes == [5, 5] and seen == [5]
+    # the batch fits: one part; parts of at least two images: two parts, not five
+    for bytes_, rows in ((5 * tokens * 96 * 4, tokens), (tokens * 96 * 4, 2 * tokens)):
+        monkeypatch.setattr(layers, "CHUNK_BYTES", bytes_)
+        monkeypatch.setattr(layers, "CHUNK_ROWS", rows)
+        with torch.no_grad():
+            sizes.clear()
+            model(x)
+        assert sizes == ([5, 5] if rows == tokens else [3, 3, 2, 2])

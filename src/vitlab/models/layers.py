@@ -159,6 +159,31 @@ def plain(module: nn.Module, kind: type[nn.Module] = nn.Linear) -> bool:
     return type(module) is kind and "forward" not in vars(module)
 
 
+CHUNK_BYTES = 8 << 20  # of the widest activation a part (measured: BENCHMARKS.md, issue 16)
+CHUNK_ROWS = 2048  # the fewest token rows a part: the products keep their pace
+
+
+def batch_chunk(x: Tensor, width: int, modules: Sequence[nn.Module]) -> int | None:
+    """How many images of the tokens x (B, T, D) the encoder blocks should take at a time in
+    float32 inference on a CPU: parts whose widest activation (B T rows of `width` floats)
+    is at most CHUNK_BYTES, and at least CHUNK_ROWS rows, stay in cache between a block's
+    operations and keep the allocator from returning and faulting in memory every forward.
+    None: the whole batch at once (it fits; autograd, autocast, another device or dtype;
+    tracing or compiling; or a hook on `modules` that would see parts of the batch). Each
+    image is computed as in the batch."""
+    if torch.is_grad_enabled() or type(x) is not Tensor or x.device.type != "cpu":
+        return None
+    if x.dtype != torch.float32 or x.dim() != 3 or torch.is_autocast_enabled("cpu"):
+        return None  # under bf16 autocast: 1.09x at micro, 0.96x at nano batch 256
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return None
+    b, t = x.shape[:2]
+    parts = min(math.ceil(b * t * width * 4 / CHUNK_BYTES), b * t // CHUNK_ROWS)
+    if parts < 2 or watched(*modules):
+        return None
+    return math.ceil(b / parts)
+
+
 def chosen_indices(indices: int | Sequence[int] | None, n: int, what: str) -> list[int]:
     """Sorted distinct indices into n `what`s (blocks, stages): all (None), the last k (an int),
     or the listed ones (negative from the end); a ValueError naming an index out of range."""

@@ -34,6 +34,7 @@ from vitlab.models.layers import (
     Block,
     LayerNorm,
     PatchEmbed,
+    batch_chunk,
     chosen_indices,
     lecun_normal_,
     watched,
@@ -185,14 +186,10 @@ class VisionTransformer(nn.Module):
         super().__init__()
         cfg = self.config = config
         d = cfg.embed_dim
-        if cfg.stem == "conv":
-            self.patch_embed = ConvStem(
-                cfg.img_hw, cfg.patch_size, cfg.in_chans, d, cfg.stem_width, cfg.stem_depths
-            )
-        elif cfg.stem == "resnet":
-            self.patch_embed = ResNetStem(
-                cfg.img_hw, cfg.patch_size, cfg.in_chans, d, cfg.stem_width, cfg.stem_depths
-            )
+        stem = {"conv": ConvStem, "resnet": ResNetStem}.get(cfg.stem)
+        if stem is not None:
+            args = (cfg.img_hw, cfg.patch_size, cfg.in_chans, d, cfg.stem_width, cfg.stem_depths)
+            self.patch_embed = stem(*args)
         else:
             self.patch_embed = PatchEmbed(cfg.img_hw, cfg.patch_size, cfg.in_chans, d)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.class_token else None
@@ -283,16 +280,12 @@ class VisionTransformer(nn.Module):
     def no_weight_decay(self) -> set[str]:
         """Names of the parameters AdamW should not decay: biases, norm scales, the class token and
         the position embeddings (absolute tables and relative offset tables)."""
-        names = set()
-        for name, p in self.named_parameters():
-            if (
-                p.ndim <= 1
-                or name in ("cls_token", "dist_token")
-                or name.startswith("pos_embed.")
-                or "rel_pos" in name
-            ):
-                names.add(name)
-        return names
+        tokens = ("cls_token", "dist_token")
+        return {
+            name
+            for name, p in self.named_parameters()
+            if p.ndim <= 1 or name in tokens or name.startswith("pos_embed.") or "rel_pos" in name
+        }
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -329,6 +322,14 @@ class VisionTransformer(nn.Module):
         keys and values: Attention._first_rows); all tokens with pool='gap'."""
         x = self._embed(x, corrupt)
         rows = self._head_rows() if head_only else None
+        widest = max(3 * self.config.embed_dim, self.config.mlp_dim)  # qkv's or fc1's output
+        chunk = batch_chunk(x, widest, [*self.blocks.modules(), self.norm])
+        if chunk is None:
+            return self._encode(x, rows)
+        return torch.cat([self._encode(part, rows) for part in x.split(chunk)])  # in cache
+
+    def _encode(self, x: Tensor, rows: int | None) -> Tensor:
+        """The blocks and final norm over x (B, T, D); the last block's first `rows` rows only."""
         last = len(self.blocks) - 1
         for i, blk in enumerate(self.blocks):
             queries = rows if i == last else None
