@@ -4,6 +4,8 @@ computing the class token's rows only (head_only)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -352,8 +354,9 @@ def test_inference_takes_the_batch_in_parts_with_the_same_outputs(
 ) -> None:
     """In inference on the CPU the encoder takes the batch a part at a time (about CHUNK_BYTES
     of the widest activation, qkv's output here, a part): each image's logits and tokens are
-    those of a forward over it alone. With autograd, or a hook that watches a block or the final
-    norm, the whole batch at once, as the hook expects."""
+    those of a forward over it alone. With autograd, a hook that watches a block or the final
+    norm (it sees the whole batch, as it expects), or glibc's allocator tuned, the whole batch
+    at once."""
     torch.manual_seed(0)
     cfg = tiny_config(distilled=distilled, pool=pool, class_token=pool == "token")
     model = VisionTransformer(cfg).eval()
@@ -362,6 +365,7 @@ def test_inference_takes_the_batch_in_parts_with_the_same_outputs(
     tokens = 16 + model.num_prefix_tokens
     monkeypatch.setattr(layers, "CHUNK_BYTES", 2 * tokens * 96 * 4)  # two images' qkv output
     monkeypatch.setattr(layers, "CHUNK_ROWS", tokens)  # parts of one image allowed
+    monkeypatch.setattr(layers, "allocator_returns_memory", lambda: True)  # glibc's defaults
     sizes: list[int] = []
     real = Block.forward
     monkeypatch.setattr(
@@ -387,6 +391,12 @@ def test_inference_takes_the_batch_in_parts_with_the_same_outputs(
         sizes.clear()
         torch.testing.assert_close(model(x), alone, atol=1e-5, rtol=0)
     assert sizes == [5, 5] and seen == [5]
+    monkeypatch.setattr(layers, "allocator_returns_memory", lambda: False)  # tuned: one part
+    with torch.no_grad():
+        sizes.clear()
+        model(x)
+    assert sizes == [5, 5]
+    monkeypatch.setattr(layers, "allocator_returns_memory", lambda: True)
     # the batch fits: one part; parts of at least two images: two parts, not five
     for bytes_, rows in ((5 * tokens * 96 * 4, tokens), (tokens * 96 * 4, 2 * tokens)):
         monkeypatch.setattr(layers, "CHUNK_BYTES", bytes_)
@@ -395,3 +405,23 @@ def test_inference_takes_the_batch_in_parts_with_the_same_outputs(
             sizes.clear()
             model(x)
         assert sizes == ([5, 5] if rows == tokens else [3, 3, 2, 2])
+
+
+def test_the_allocator_counts_as_returning_memory_until_tuned() -> None:
+    """runtime.allocator_returns_memory(), which batch_chunk reads: true with glibc's defaults,
+    false after tune_allocator() (the vitlab command's start) and with a user's own setting."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's allocator only")
+    code = (
+        "from vitlab.runtime import allocator_returns_memory as r, tune_allocator as t; "
+        "print(r(), t(), r())"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUN"))}
+    for extra, want in (({}, "True True False"), ({"MALLOC_TOP_PAD_": "0"}, "False False False")):
+        run = subprocess.run([sys.executable, "-c", code], env={**env, **extra},
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        assert run.stdout.split() == want.split()

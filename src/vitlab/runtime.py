@@ -182,6 +182,25 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _ALLOCATOR = {_M_MMAP_THRESHOLD: 1 << 30, _M_TRIM_THRESHOLD: 1 << 30, _M_TOP_PAD: 1 << 28}
 _OLD_GLIBC_MMAP_MAX = 32 << 20  # glibc before 2.35 refuses a larger mmap threshold
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+_allocator = {"tuned": False}  # set by tune_allocator()
+
+
+def allocator_returns_memory() -> bool:
+    """Whether glibc's allocator runs with its defaults here, returning large freed blocks to the
+    OS (faulted in again at the next allocation): not after tune_allocator(), nor with a user's
+    own settings, nor with another C library (where it is not known)."""
+    return not _allocator["tuned"] and _glibc_defaults()
+
+
+@cache
+def _glibc_defaults() -> bool:
+    """glibc's malloc without a user's settings (the environment, which it reads at start)."""
+    import os
+    import platform
+
+    if platform.libc_ver()[0] != "glibc" or any(k in os.environ for k in _USER_SETTINGS):
+        return False
+    return "glibc.malloc." not in os.environ.get("GLIBC_TUNABLES", "")
 
 
 def tune_allocator() -> bool:
@@ -197,14 +216,8 @@ def tune_allocator() -> bool:
     (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_, or glibc.malloc tunables)
     win; elsewhere than glibc this does nothing. True when every setting was applied."""
     import ctypes
-    import os
-    import platform
 
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    if any(k in os.environ for k in _USER_SETTINGS):
-        return False
-    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+    if not _glibc_defaults():
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
@@ -213,4 +226,5 @@ def tune_allocator() -> bool:
     applied = [mallopt(param, value) == 1 for param, value in _ALLOCATOR.items()]
     if not applied[0]:  # an older glibc: the largest threshold it takes
         applied[0] = mallopt(_M_MMAP_THRESHOLD, _OLD_GLIBC_MMAP_MAX) == 1
+    _allocator["tuned"] = any(applied)
     return all(applied)

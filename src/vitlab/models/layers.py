@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from vitlab.models import cpu_attention, cpu_kernels
 from vitlab.models.pos_embed import Grid, RelativePositionBias
-from vitlab.runtime import random_stream
+from vitlab.runtime import allocator_returns_memory, random_stream
 
 
 class BlockConfig(Protocol):
@@ -165,12 +165,14 @@ CHUNK_ROWS = 2048  # the fewest token rows a part: the products keep their pace
 
 def batch_chunk(x: Tensor, width: int, modules: Sequence[nn.Module]) -> int | None:
     """How many images of the tokens x (B, T, D) the encoder blocks should take at a time in
-    float32 inference on a CPU: parts whose widest activation (B T rows of `width` floats)
-    is at most CHUNK_BYTES, and at least CHUNK_ROWS rows, stay in cache between a block's
-    operations and keep the allocator from returning and faulting in memory every forward.
-    None: the whole batch at once (it fits; autograd, autocast, another device or dtype;
-    tracing or compiling; or a hook on `modules` that would see parts of the batch). Each
-    image is computed as in the batch."""
+    float32 inference on a CPU while glibc's allocator has its defaults
+    (runtime.allocator_returns_memory): it returns large freed blocks to the OS, and every
+    forward faults them in again. Parts whose widest activation (B T rows of `width` floats) is
+    at most CHUNK_BYTES are served from memory the allocator keeps (and stay in cache), at least
+    CHUNK_ROWS rows a part. None: the whole batch at once (it fits; the allocator tuned, as the
+    vitlab command does; autograd, autocast, another device or dtype; tracing or compiling; or a
+    hook on `modules` that would see parts of the batch). Each image is computed as in the
+    batch."""
     if torch.is_grad_enabled() or type(x) is not Tensor or x.device.type != "cpu":
         return None
     if x.dtype != torch.float32 or x.dim() != 3 or torch.is_autocast_enabled("cpu"):
@@ -179,7 +181,7 @@ def batch_chunk(x: Tensor, width: int, modules: Sequence[nn.Module]) -> int | No
         return None
     b, t = x.shape[:2]
     parts = min(math.ceil(b * t * width * 4 / CHUNK_BYTES), b * t // CHUNK_ROWS)
-    if parts < 2 or watched(*modules):
+    if parts < 2 or not allocator_returns_memory() or watched(*modules):
         return None
     return math.ceil(b / parts)
 
