@@ -14,7 +14,8 @@ The paper's hybrid (§3.1) is `stem="resnet"`: tokens from a BiT ResNet's featur
 (models/stems.py), patch_size being the ResNet's stride.
 
 forward() with pool='token' computes in the last block only the prefix tokens' rows, all the
-head reads (forward_features' head_only): the same logits, less work.
+head reads (forward_features' head_only): the same logits, less work. In float32 CPU inference
+under glibc's default allocator the blocks take a large batch in parts (layers.batch_chunk).
 """
 
 from __future__ import annotations
