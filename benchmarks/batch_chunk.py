@@ -1,18 +1,20 @@
 """Float32 inference of vitlab's ViTs with the encoder taking a large batch a part at a time
-(models/layers.batch_chunk, the default: parts of about CHUNK_BYTES of the widest activation and
-at least CHUNK_ROWS token rows) against the whole batch at once, interleaved in one process, with
-timm's twin of the same weights timed in the same loop (as model_speed.py's inference rows).
+(models/layers.batch_chunk, the default under glibc's default allocator: parts of about
+CHUNK_BYTES of the widest activation and about CHUNK_ROWS token rows at least) against the whole
+batch at once, interleaved in one process, with timm's twin of the same weights timed in the same
+loop (as model_speed.py's inference rows).
 
     .venv/bin/python benchmarks/batch_chunk.py --isa avx2
     .venv/bin/python benchmarks/batch_chunk.py --models vit_micro_patch4_28@128 Ti/16@64 --isa avx2
     .venv/bin/python benchmarks/batch_chunk.py --allocator tuned --no-timm
 
 A model is NAME[:field=value,...]@BATCH (model_speed.py's names). `--allocator tuned` sets glibc's
-allocator as the vitlab command does (runtime.tune_allocator); by default it is left as a user's
-own script has it. `--no-timm` times vitlab's two variants alone in the process: the allocator's
-state then is vitlab's own (timm's allocations raise glibc's thresholds for both). Prints one JSON
-line a model: milliseconds a forward, parts_gain (the whole batch's time over the parts'), and the
-ratios to timm. Results go in BENCHMARKS.md (issue 16).
+allocator as the vitlab command does (runtime.tune_allocator) and takes the parts anyway (vitlab
+takes them under the default allocator only), to show what they would give there; by default the
+allocator is left as a user's own script has it. `--no-timm` times vitlab's two variants alone
+in the process: the allocator's state then is vitlab's own (timm's allocations raise glibc's
+thresholds for both). Prints one JSON line a model: milliseconds a forward, parts_gain (the whole
+batch's time over the parts'), and the ratios to timm. Results go in BENCHMARKS.md (issue 16).
 """
 
 from __future__ import annotations
@@ -54,8 +56,10 @@ def main() -> None:
     parser.add_argument("--isa", choices=("native", "avx2"), default="native")
     args = parser.parse_args()
     hold_to(args.isa)
-    if args.allocator == "tuned" and not tune_allocator():
-        raise SystemExit("glibc's allocator could not be tuned here")
+    if args.allocator == "tuned":
+        if not tune_allocator():
+            raise SystemExit("glibc's allocator could not be tuned here")
+        layers.allocator_returns_memory = lambda: True  # parts all the same: what they would give
     print(json.dumps({**machine(), "isa": args.isa, "allocator": args.allocator}))
     torch.manual_seed(0)
     for spec in args.models:

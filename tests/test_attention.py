@@ -348,6 +348,21 @@ def test_fsdp_hooks_leave_the_rows_cut(tmp_path) -> None:
 # --- inference a part of the batch at a time (layers.batch_chunk) -------------------------------
 
 
+def _parts_of_two(monkeypatch: pytest.MonkeyPatch, tokens: int) -> list[int]:
+    """Parts of at most two images of `tokens` tokens (a 32-wide tiny model: qkv's output is the
+    widest), glibc's allocator taken as at its defaults; the returned list gets the batch size
+    of every block's call."""
+    monkeypatch.setattr(layers, "CHUNK_BYTES", 2 * tokens * 96 * 4)  # two images' qkv output
+    monkeypatch.setattr(layers, "CHUNK_ROWS", tokens)  # parts of one image allowed
+    monkeypatch.setattr(layers, "allocator_returns_memory", lambda: True)
+    sizes: list[int] = []
+    real = Block.forward
+    monkeypatch.setattr(
+        Block, "forward", lambda blk, t, *a, **k: sizes.append(len(t)) or real(blk, t, *a, **k)
+    )
+    return sizes
+
+
 @pytest.mark.parametrize(("distilled", "pool"), [(False, "token"), (True, "token"), (False, "gap")])
 def test_inference_takes_the_batch_in_parts_with_the_same_outputs(
     distilled: bool, pool: str, monkeypatch
@@ -363,14 +378,7 @@ def test_inference_takes_the_batch_in_parts_with_the_same_outputs(
     torch.nn.init.normal_(model.head.weight)
     x = torch.randn(5, 3, 16, 16)
     tokens = 16 + model.num_prefix_tokens
-    monkeypatch.setattr(layers, "CHUNK_BYTES", 2 * tokens * 96 * 4)  # two images' qkv output
-    monkeypatch.setattr(layers, "CHUNK_ROWS", tokens)  # parts of one image allowed
-    monkeypatch.setattr(layers, "allocator_returns_memory", lambda: True)  # glibc's defaults
-    sizes: list[int] = []
-    real = Block.forward
-    monkeypatch.setattr(
-        Block, "forward", lambda blk, t, *a, **k: sizes.append(len(t)) or real(blk, t, *a, **k)
-    )
+    sizes = _parts_of_two(monkeypatch, tokens)
     with torch.no_grad():
         alone = torch.cat([model(x[i : i + 1]) for i in range(5)])
         features = torch.cat([model.forward_features(x[i : i + 1]) for i in range(5)])
@@ -407,10 +415,44 @@ def test_inference_takes_the_batch_in_parts_with_the_same_outputs(
         assert sizes == ([5, 5] if rows == tokens else [3, 3, 2, 2])
 
 
-def test_the_allocator_counts_as_returning_memory_until_tuned() -> None:
+def test_inference_keeps_the_batch_whole_where_a_part_could_differ(monkeypatch) -> None:
+    """The whole batch at once where a part's result or what a user observes could differ from
+    its share of the whole batch: a model in training mode under no_grad (DropPath's draws),
+    dynamically quantised linear layers (one activation scale per call), a hook on a layer
+    inside a block, a global hook; a batch of one image is never cut."""
+    torch.manual_seed(0)
+    model = VisionTransformer(tiny_config(drop_path=0.5)).eval()
+    sizes = _parts_of_two(monkeypatch, 17)
+    x = torch.randn(5, 3, 16, 16)
+    quant = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    with torch.no_grad():
+        model(x)
+        assert sizes == [2, 2, 2, 2, 1, 1]  # parts, as the other cases would without the cause
+        for run, want in (
+            (lambda: model.train()(x), [5, 5]),
+            (lambda: quant(x), [5, 5]),
+            (lambda: model.eval()(x[:1]), [1, 1]),
+        ):
+            sizes.clear()
+            run()
+            assert sizes == want
+        for handle in (
+            model.blocks[0].attn.qkv.register_forward_hook(lambda *a: None),
+            torch.nn.modules.module.register_module_forward_hook(lambda *a: None),
+        ):
+            sizes.clear()
+            with handle:
+                model(x)
+            assert sizes == [5, 5]
+
+
+def test_the_allocator_counts_as_returning_memory_until_tuned(tmp_path) -> None:
     """runtime.allocator_returns_memory(), which batch_chunk reads: true with glibc's defaults,
-    false after tune_allocator() (the vitlab command's start) and with a user's own setting."""
+    false after tune_allocator() (the vitlab command's start), with a user's own setting of a
+    threshold vitlab sets (which tune_allocator then leaves), and with another malloc preloaded;
+    another glibc tunable changes nothing."""
     import platform
+    import shutil
     import subprocess
     import sys
 
@@ -421,7 +463,18 @@ def test_the_allocator_counts_as_returning_memory_until_tuned() -> None:
         "print(r(), t(), r())"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUN"))}
-    for extra, want in (({}, "True True False"), ({"MALLOC_TOP_PAD_": "0"}, "False False False")):
+    cases = [({}, "True True False"), ({"MALLOC_TOP_PAD_": "0"}, "False False False")]
+    cases.append(({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, "False False False"))
+    cases.append(({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, "True True False"))
+    if shutil.which("cc"):  # another malloc preloaded (as jemalloc would be): not glibc's
+        (tmp_path / "m.c").write_text(
+            "#include <stddef.h>\nextern void *__libc_malloc(size_t);\n"
+            "void *malloc(size_t n) { return __libc_malloc(n); }\n"
+        )
+        lib = tmp_path / "m.so"
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", lib, tmp_path / "m.c"], check=True)
+        cases.append(({"LD_PRELOAD": str(lib)}, "False False False"))
+    for extra, want in cases:
         run = subprocess.run([sys.executable, "-c", code], env={**env, **extra},
                              capture_output=True, text=True, check=True)  # fmt: skip
-        assert run.stdout.split() == want.split()
+        assert run.stdout.split() == want.split(), extra

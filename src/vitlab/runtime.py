@@ -182,25 +182,37 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _ALLOCATOR = {_M_MMAP_THRESHOLD: 1 << 30, _M_TRIM_THRESHOLD: 1 << 30, _M_TOP_PAD: 1 << 28}
 _OLD_GLIBC_MMAP_MAX = 32 << 20  # glibc before 2.35 refuses a larger mmap threshold
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+_USER_TUNABLES = ("mmap_threshold", "trim_threshold", "top_pad")  # glibc.malloc.NAME
 _allocator = {"tuned": False}  # set by tune_allocator()
 
 
 def allocator_returns_memory() -> bool:
     """Whether glibc's allocator runs with its defaults here, returning large freed blocks to the
     OS (faulted in again at the next allocation): not after tune_allocator(), nor with a user's
-    own settings, nor with another C library (where it is not known)."""
+    own settings, another allocator preloaded (jemalloc, tcmalloc), or another C library (where
+    it is not known)."""
     return not _allocator["tuned"] and _glibc_defaults()
 
 
 @cache
 def _glibc_defaults() -> bool:
-    """glibc's malloc without a user's settings (the environment, which it reads at start)."""
+    """glibc's malloc, not another one preloaded, without a user's settings of the thresholds
+    vitlab sets (the environment, which glibc reads at start only)."""
+    import ctypes
     import os
     import platform
 
     if platform.libc_ver()[0] != "glibc" or any(k in os.environ for k in _USER_SETTINGS):
         return False
-    return "glibc.malloc." not in os.environ.get("GLIBC_TUNABLES", "")
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if any(f"glibc.malloc.{name}" in tunables for name in _USER_TUNABLES):
+        return False
+    try:  # the malloc every library calls is libc's own, not an interposed one
+        called, own = ctypes.CDLL(None).malloc, ctypes.CDLL("libc.so.6").malloc
+    except (OSError, AttributeError):
+        return False
+    address = ctypes.cast(called, ctypes.c_void_p).value
+    return address == ctypes.cast(own, ctypes.c_void_p).value
 
 
 def tune_allocator() -> bool:

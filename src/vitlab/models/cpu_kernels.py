@@ -85,12 +85,12 @@ def usable(x: Tensor) -> bool:
         return False
     if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
         return False  # under bf16 autocast, PyTorch's operators as before
-    if torch.jit.is_tracing() or torch.compiler.is_compiling() or _transformed(x):
+    if torch.jit.is_tracing() or torch.compiler.is_compiling() or transformed(x):
         return False
     return library() is not None
 
 
-def _transformed(x: Tensor) -> bool:
+def transformed(x: Tensor) -> bool:
     """Whether x is wrapped by torch.func (vmap, grad, jacrev) or forward-mode AD is on."""
     return torch._C._functorch.is_functorch_wrapped_tensor(x) or forward_ad._current_level >= 0
 

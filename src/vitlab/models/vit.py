@@ -323,11 +323,13 @@ class VisionTransformer(nn.Module):
         keys and values: Attention._first_rows); all tokens with pool='gap'."""
         x = self._embed(x, corrupt)
         rows = self._head_rows() if head_only else None
-        widest = max(3 * self.config.embed_dim, self.config.mlp_dim)  # qkv's or fc1's output
-        chunk = batch_chunk(x, widest, [*self.blocks.modules(), self.norm])
-        if chunk is None:
+        cfg = self.config  # the widest activation: qkv's or fc1's output, or relative biases
+        relative = cfg.num_heads * x.shape[1] if cfg.pos_embed == "relative" else 0
+        widest = max(3 * cfg.embed_dim, cfg.mlp_dim, relative)
+        parts = batch_chunk(x, widest, self.blocks, self.norm)
+        if parts is None:
             return self._encode(x, rows)
-        return torch.cat([self._encode(part, rows) for part in x.split(chunk)])  # in cache
+        return torch.cat([self._encode(part, rows) for part in x.tensor_split(parts)])
 
     def _encode(self, x: Tensor, rows: int | None) -> Tensor:
         """The blocks and final norm over x (B, T, D); the last block's first `rows` rows only."""
