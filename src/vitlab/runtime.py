@@ -225,8 +225,9 @@ def tune_allocator() -> bool:
     measured on 2 cores). With thresholds of 1 GiB the heap keeps what a step frees, so a
     process's memory stays at its peak rather than rising and falling (DataLoader workers, forked
     from it, inherit the setting). The vitlab command calls this at start; a user's own settings
-    (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_, or glibc.malloc tunables)
-    win; elsewhere than glibc this does nothing. True when every setting was applied."""
+    (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_, or the same glibc.malloc
+    tunables) and another malloc preloaded (jemalloc, tcmalloc) win; elsewhere than glibc this
+    does nothing. True when every setting was applied."""
     import ctypes
 
     if not _glibc_defaults():
