@@ -72,11 +72,12 @@ class Features:
 
 def represent(model: nn.Module, images: Tensor, kind: str) -> Tensor:
     """(B, C, H, W) normalised images -> (B, D) features of `kind` (FEATURE_KINDS)."""
-    if kind == "prelogits" and family_of(model.config) == "vit":  # the tokens the head reads
+    family = family_of(model.config)
+    if kind == "prelogits" and family == "vit":  # the tokens the head reads
         tokens = model.forward_features(images, head_only=True)
     else:
         tokens = model.forward_features(images)  # (B, T, D); a Swin's map (B, h, w, D)
-    if kind == "gap" and family_of(model.config) == "cnn":
+    if kind == "gap" and family == "cnn":
         kind = "prelogits"  # a CNN's pooled vector is its (B, C, h, w) map's mean already
     if kind == "prelogits":
         return model.forward_head(tokens, pre_logits=True)  # (B, num_features)

@@ -34,9 +34,9 @@ MAX_TOKENS = 128  # measured faster up to 128 tokens on two threads (one: forwar
 def applies(qkv: Tensor, heads: int) -> bool:
     """Whether attention over `qkv` (B, T, 3D), the qkv projection's output, runs on the kernel
     (the caller has checked there is no bias and no dropout)."""
-    if not cpu_kernels.usable(qkv):  # first: shapes are not read under tracing
+    if not cpu_kernels.usable(qkv):  # first (float32 on the CPU): shapes unread under tracing
         return False
-    return _reason_not(qkv, heads) is None and qkv.shape[1] <= MAX_TOKENS
+    return _shape_reason(qkv, heads) is None and qkv.shape[1] <= MAX_TOKENS
 
 
 def attention(qkv: Tensor, heads: int, scale: float) -> Tensor:
@@ -55,6 +55,11 @@ def _reason_not(qkv: Tensor, heads: int) -> str | None:
     """What the kernel needs that qkv lacks, or None."""
     if qkv.device.type != "cpu" or qkv.dtype != torch.float32:
         return f"it computes float32 on the CPU, got {qkv.dtype} on {qkv.device}"
+    return _shape_reason(qkv, heads)
+
+
+def _shape_reason(qkv: Tensor, heads: int) -> str | None:
+    """What the kernel needs of qkv's shape that it lacks, or None."""
     if qkv.dim() != 3 or qkv.shape[-1] % (3 * heads):
         return f"expected (B, T, 3 x {heads} heads x d), got {tuple(qkv.shape)}"
     if qkv.shape[-1] // (3 * heads) % 8:
