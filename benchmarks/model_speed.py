@@ -36,6 +36,11 @@ vitlab runs them) on its own, forward (inference) and forward plus the backward'
 (training): matmul_*_ms, and *_ceiling, timm's time over that: the ratio to timm vitlab's step
 would reach if everything but its matrix products took no time.
 
+`--packed` adds vitlab's inference as `vitlab eval` / `predict` run it (eval.backends.prepare:
+a copy whose float32 CPU linear layers have their weights packed once for oneDNN,
+models/packed.py), timed interleaved: vitlab_packed_infer_* columns, infer_packed_gain (over
+vitlab's default model(x)) and infer_packed_ratio (timm's time over it); inference only.
+
 `--all-rows` adds vitlab's ViT computing every token's row in its last block as timm's does
 (forward() computes only the class token's rows there, VisionTransformer.forward_features'
 head_only): vitlab_rows_* columns and head_only_gain. MFU counts every row's FLOPs for all.
@@ -70,6 +75,7 @@ from vitlab.config import OptimConfig
 from vitlab.eval.backends import BatchParts
 from vitlab.formats.timm import timm_model_args, vitlab_to_timm
 from vitlab.models.cpu_kernels import use_kernel
+from vitlab.models.packed import pack_linear
 from vitlab.models.registry import family_of
 from vitlab.runtime import use_bf16
 from vitlab.train.engine import classification
@@ -315,6 +321,13 @@ def main() -> None:
         "kernel_gain",
     )
     parser.add_argument(
+        "--packed",
+        action="store_true",
+        help="also time vitlab's inference as vitlab eval / predict run it (linear weights "
+        "packed once for oneDNN), interleaved: vitlab_packed_infer_* columns, "
+        "infer_packed_gain and infer_packed_ratio",
+    )
+    parser.add_argument(
         "--all-rows",
         action="store_true",
         help="also time vitlab's ViT computing every token's row in its last block, as timm's "
@@ -383,7 +396,9 @@ def main() -> None:
             rows = copy.deepcopy(ours)
             rows.blocks[-1].register_forward_hook(lambda *_: None)
             pair.append(("vitlab_rows", rows))
-        opts = {lib: None if args.infer_only  # no training step to take
+        if args.packed:  # the same weights, packed: inference only
+            pair.append(("vitlab_packed", pack_linear(ours)))
+        opts = {lib: None if args.infer_only or lib == "vitlab_packed"  # no training step
                 else optimizer(m, "timm" if lib == "timm" else "vitlab", args.optimizer)
                 for lib, m in pair}  # fmt: skip
         nhwc_inputs = {"vitlab_cl", "vitlab_bt"} if args.channels_last else set()
@@ -402,11 +417,16 @@ def main() -> None:
             if "vitlab_sdpa" in fns:
                 fns["vitlab_sdpa"] = without_kernel(fns["vitlab_sdpa"])
             for i, kind in enumerate(("infer",) if args.infer_only else ("infer", "train")):
-                secs = median_seconds({lib: f[i] for lib, f in fns.items()}, args.steps)
+                timed = {lib: f[i] for lib, f in fns.items()
+                         if kind == "infer" or lib != "vitlab_packed"}  # fmt: skip
+                secs = median_seconds(timed, args.steps)
                 for lib, s in secs.items():
                     row[f"{lib}_{kind}_img_s"] = round(batch / s, 1)
                     row[f"{lib}_{kind}_mfu"] = round(flops[kind] / s / peaks[bf16], 3)
                 row[f"{kind}_ratio"] = round(secs["timm"] / secs["vitlab"], 3)
+                if "vitlab_packed" in secs:
+                    row["infer_packed_gain"] = round(secs["vitlab"] / secs["vitlab_packed"], 3)
+                    row["infer_packed_ratio"] = round(secs["timm"] / secs["vitlab_packed"], 3)
                 for other in ("cl", "bt"):
                     if f"vitlab_{other}" in secs:
                         gain = secs["vitlab"] / secs[f"vitlab_{other}"]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vitlab.models import cpu_attention, cpu_kernels
+from vitlab.models.packed import PackedLinear
 from vitlab.models.pos_embed import Grid, RelativePositionBias
 from vitlab.runtime import allocator_returns_memory, random_stream
 
@@ -159,6 +160,11 @@ def plain(module: nn.Module, kind: type[nn.Module] = nn.Linear) -> bool:
     return type(module) is kind and "forward" not in vars(module)
 
 
+def linear(module: nn.Module) -> bool:
+    """A plain nn.Linear, or its packed form for inference (models/packed.py)."""
+    return plain(module) or plain(module, PackedLinear)
+
+
 CHUNK_BYTES = 8 << 20  # of the widest activation a part (measured: BENCHMARKS.md, issue 16)
 CHUNK_ROWS = 2048  # about the fewest token rows a part: the products keep their pace
 
@@ -262,9 +268,9 @@ class Attention(nn.Module):
 
     def _splits(self, return_attention: bool) -> bool:
         """Whether the first rows can be computed from the qkv weight's blocks (_first_rows): a
-        plain nn.Linear (not a quantised or wrapped one, no forward of its own), no
+        plain or packed nn.Linear (not a quantised or wrapped one, no forward of its own), no
         relative-position bias (RelativePositionBias takes every row of q)."""
-        return plain(self.qkv) and not return_attention and self.rel_pos is None
+        return linear(self.qkv) and not return_attention and self.rel_pos is None
 
     def _first_rows(self, x: Tensor, n: int) -> Tensor:
         """The first n tokens' outputs (B, n, D), no other token's q, k or v formed. For a query
@@ -332,20 +338,19 @@ class Mlp(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self._on_kernel(x):  # fc1's (rows, M) output, not a view: GELU in place on it
-            h = F.linear(x.reshape(-1, x.shape[-1]), self.fc1.weight, self.fc1.bias)
-            h = cpu_kernels.gelu_(h).view(*x.shape[:-1], h.shape[-1])
+            h = cpu_kernels.gelu_(self.fc1(x.reshape(-1, x.shape[-1]))).view(*x.shape[:-1], -1)
         else:
             h = self.act(self.fc1(x))
         return self.drop2(self.fc2(self.drop1(h)))
 
     def _on_kernel(self, x: Tensor) -> bool:
         """Whether GELU runs on vitlab's kernel (cpu_kernels.gelu_), in place on fc1's output:
-        float32 on the CPU, the erf form, a plain fc1, and no hook that could see fc1's output
-        (which it overwrites) or expect act (which it skips)."""
+        float32 on the CPU, the erf form, a plain or packed fc1, and no hook that could see fc1's
+        output (which it overwrites) or expect act (which it skips)."""
         if not cpu_kernels.usable(x):  # first: shapes are not read under tracing
             return False
         erf = plain(self.act, nn.GELU) and self.act.approximate == "none"
-        return erf and plain(self.fc1) and not watched(self.fc1, self.act)
+        return erf and linear(self.fc1) and not watched(self.fc1, self.act)
 
 
 class LayerNorm(nn.LayerNorm):
