@@ -39,7 +39,8 @@ would reach if everything but its matrix products took no time.
 `--packed` adds vitlab's inference as `vitlab eval` / `predict` run it (eval.backends.prepare:
 a copy whose float32 CPU linear layers have their weights packed once for oneDNN,
 models/packed.py), timed interleaved: vitlab_packed_infer_* columns, infer_packed_gain (over
-vitlab's default model(x)) and infer_packed_ratio (timm's time over it); inference only.
+vitlab's default model(x)) and infer_packed_ratio (timm's time over it); float32 inference only,
+and only for a model with a layer large enough to be packed (PACK_BYTES).
 
 `--all-rows` adds vitlab's ViT computing every token's row in its last block as timm's does
 (forward() computes only the class token's rows there, VisionTransformer.forward_features'
@@ -75,7 +76,7 @@ from vitlab.config import OptimConfig
 from vitlab.eval.backends import BatchParts
 from vitlab.formats.timm import timm_model_args, vitlab_to_timm
 from vitlab.models.cpu_kernels import use_kernel
-from vitlab.models.packed import pack_linear
+from vitlab.models.packed import PACK_BYTES, pack_linear
 from vitlab.models.registry import family_of
 from vitlab.runtime import use_bf16
 from vitlab.train.engine import classification
@@ -397,7 +398,11 @@ def main() -> None:
             rows.blocks[-1].register_forward_hook(lambda *_: None)
             pair.append(("vitlab_rows", rows))
         if args.packed:  # the same weights, packed: inference only
-            pair.append(("vitlab_packed", pack_linear(ours)))
+            packed = pack_linear(ours)
+            if packed is ours:
+                print(f"{name}: no linear layer of {PACK_BYTES:,} bytes or more: nothing packed")
+            else:
+                pair.append(("vitlab_packed", packed))
         opts = {lib: None if args.infer_only or lib == "vitlab_packed"  # no training step
                 else optimizer(m, "timm" if lib == "timm" else "vitlab", args.optimizer)
                 for lib, m in pair}  # fmt: skip
@@ -417,8 +422,8 @@ def main() -> None:
             if "vitlab_sdpa" in fns:
                 fns["vitlab_sdpa"] = without_kernel(fns["vitlab_sdpa"])
             for i, kind in enumerate(("infer",) if args.infer_only else ("infer", "train")):
-                timed = {lib: f[i] for lib, f in fns.items()
-                         if kind == "infer" or lib != "vitlab_packed"}  # fmt: skip
+                timed = {lib: f[i] for lib, f in fns.items()  # packed: fp32 inference only
+                         if lib != "vitlab_packed" or (kind == "infer" and not bf16)}  # fmt: skip
                 secs = median_seconds(timed, args.steps)
                 for lib, s in secs.items():
                     row[f"{lib}_{kind}_img_s"] = round(batch / s, 1)

@@ -4,6 +4,8 @@ cannot run, and `vitlab eval` / `predict` running the packed copy."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ from vitlab.config import ModelSection
 from vitlab.eval.backends import prepare
 from vitlab.eval.classification import evaluate
 from vitlab.formats.vitlab import CheckpointMeta
+from vitlab.models import cpu_kernels
 from vitlab.models import packed as packing
 from vitlab.models.packed import PackedLinear, pack_linear
 from vitlab.models.registry import build_model, config_of
@@ -97,32 +100,59 @@ def test_where_the_packed_weight_cannot_serve_the_plain_product_runs() -> None:
     ],
 )  # fmt: skip
 def test_a_packed_copy_gives_the_models_outputs_and_leaves_it_alone(
-    name, overrides, shape, pack_all
+    name, overrides, shape, pack_all, monkeypatch
 ) -> None:
+    """The copy's logits are the model's to 1e-5 with every linear layer on oneDNN's product
+    (counted), in eval mode throughout; the model keeps its layers and weights; an empty batch
+    gives an empty output; a copy of the copy (deepcopy) packs its own and agrees."""
     model = randomized(name, **overrides)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     packed = pack_linear(model)
-    assert packed is not model and not packed.training
+    assert packed is not model and not any(m.training for m in packed.modules())
     linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     assert linears and all(type(packed.get_submodule(n)) is PackedLinear for n in linears)
     assert all(type(model.get_submodule(n)) is nn.Linear for n in linears)  # the model: as it was
+    took = []
+    takes = PackedLinear.takes
+    monkeypatch.setattr(
+        PackedLinear, "takes", lambda self, x: took.append(takes(self, x)) or took[-1]
+    )
     x = torch.randn(shape)
     with torch.no_grad():
         want, got = model(x), packed(x)
+        assert packed(x[:0]).shape == (0, want.shape[1])
+    assert took and all(took)  # every packed layer's call ran on the packed weight
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert want.abs().max() > 0.1  # real logits, not a zero head
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     assert packed.state_dict().keys() == model.state_dict().keys()  # the packed copies unsaved
+    again = copy.deepcopy(packed)
+    took.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), want, rtol=1e-5, atol=1e-5)
+    assert took and all(took)
 
 
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="no AVX2 CPU or no C compiler here")
 def test_the_vit_keeps_its_shortcuts_on_packed_layers(pack_all) -> None:
     """The MLP's in-place GELU kernel and the last block's class-token rows (_first_rows) take a
-    packed layer as they take nn.Linear: a packed copy computes what the model computes."""
+    packed layer as they take nn.Linear (their outputs: the test above)."""
     packed = pack_linear(randomized("vit_nano_patch4_28", depth=2))
     x = torch.randn(4, 50, 64)
     with torch.no_grad():
         assert packed.blocks[0].mlp._on_kernel(x)
         assert packed.blocks[1].attn._splits(return_attention=False)
+
+
+def test_packing_under_inference_mode_packs() -> None:
+    """pack_linear called inside torch.inference_mode (as a caller of prepare may) still packs,
+    and the packed layer runs there."""
+    layers = nn.Sequential(nn.Linear(512, 512))
+    with torch.inference_mode():
+        packed = pack_linear(layers)
+        x = torch.randn(3, 512)
+        assert type(packed[0]) is PackedLinear and packed[0].takes(x)
+        torch.testing.assert_close(packed(x), layers(x), rtol=1e-5, atol=1e-5)
 
 
 def test_only_large_weights_are_packed() -> None:
@@ -147,7 +177,10 @@ def test_what_cannot_be_packed_is_left_as_it_is(monkeypatch, pack_all) -> None:
         packed(torch.randn(2, 1, 28, 28))
     assert seen == [(2, 50, 64)]
     assert pack_linear(model.double()) is model
-    assert pack_linear(nn.Sequential(nn.Conv2d(1, 2, 3))).training  # nothing to pack: itself
+    convs = nn.Sequential(nn.Conv2d(1, 2, 3))
+    assert pack_linear(convs) is convs  # nothing to pack: itself
+    with torch.backends.mkldnn.flags(enabled=False):  # switched off by the user
+        assert pack_linear(model) is model
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     model = randomized("vit_nano_patch4_28", depth=1)
     assert pack_linear(model) is model

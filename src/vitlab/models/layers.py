@@ -122,8 +122,8 @@ class PatchEmbed(nn.Module):
         b, c, h, w = x.shape
         p = self.patch_size
         patches = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
-        weight = self.proj.weight
-        return F.linear(patches.reshape(b, h // p, w // p, -1), weight.flatten(1), self.proj.bias)
+        patches = patches.reshape(b, h // p, w // p, c * p * p)  # not -1: an empty batch has 0
+        return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)
 
     def _as_product(self, x: Tensor) -> bool:
         if self.in_chans != 1 or not cpu_kernels.usable(x):
@@ -338,7 +338,8 @@ class Mlp(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self._on_kernel(x):  # fc1's (rows, M) output, not a view: GELU in place on it
-            h = cpu_kernels.gelu_(self.fc1(x.reshape(-1, x.shape[-1]))).view(*x.shape[:-1], -1)
+            h = self.fc1(x.reshape(-1, x.shape[-1]))
+            h = cpu_kernels.gelu_(h).view(*x.shape[:-1], h.shape[-1])
         else:
             h = self.act(self.fc1(x))
         return self.drop2(self.fc2(self.drop1(h)))

@@ -8,9 +8,10 @@ predict` (eval.backends.prepare) run a packed copy of the model; the model is le
 
 A packed copy is a snapshot for inference, as torch.jit.freeze makes one: its weights are its
 own (not the model's), it packs them once, and a packed weight changed in place (its version
-counter moves) or moved (.to(), a copy) makes that layer fall back to the plain product. Autograd,
-autocast, another dtype or device, tracing and compiling take the plain product too. A write that
-PyTorch does not count (through `.data`, or numpy) is not seen: pack again after one.
+counter moves) or moved (.to()) makes that layer fall back to the plain product; a copy of it
+(deepcopy, pickle) packs its own. Autograd, autocast, another dtype or device, tracing, compiling
+and torch.func take the plain product too. A write that PyTorch does not count (through `.data`,
+or numpy) is not seen: pack again after one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vitlab.models import cpu_kernels
+
 log = logging.getLogger(__name__)
 
 ROWS_HINT = 1024  # the rows oneDNN packs for; measured level from 128 to 3,200 rows
@@ -30,18 +33,36 @@ PACK_BYTES = 1 << 20  # the smallest weight packed (float32: 262,144 values, e.g
 
 class PackedLinear(nn.Linear):
     """An nn.Linear whose weight oneDNN packed once: the same weight and bias (frozen, no
-    gradient), the same outputs to float rounding; float32 inference on a CPU runs oneDNN's inner
-    product on the packed copy, anything else PyTorch's linear."""
+    gradient; `linear`'s own tensors with share=True, else copies), the same outputs to float
+    rounding, the same mode; float32 inference on a CPU runs oneDNN's inner product on the packed
+    copy, anything else PyTorch's linear. A copy of the module (deepcopy, pickle) packs again."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, share: bool = False) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=False)
+        own = (lambda t: t.detach()) if share else (lambda t: t.detach().clone())
+        self.weight = nn.Parameter(own(linear.weight), requires_grad=False)
         bias = linear.bias
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
-        # not a buffer: state_dict and .to() leave it; the weight it was packed from, as it was
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, ROWS_HINT)
-        self.packed_from = (self.weight.data_ptr(), self.weight._version)
+        self.bias = None if bias is None else nn.Parameter(own(bias), requires_grad=False)
+        self.train(linear.training)
+        self._pack()
+
+    def _pack(self) -> None:
+        # not buffers: state_dict and .to() leave them. The weight as packed is kept (its memory
+        # cannot be reused for another weight while this holds it) with its version then.
+        with torch.inference_mode(False):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, ROWS_HINT)
+        self.packed_from, self.packed_version = self.weight.detach(), self.weight._version
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)  # oneDNN's packed tensor cannot be copied or pickled
+        for name in ("packed", "packed_from", "packed_version"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._pack()
 
     def forward(self, x: Tensor) -> Tensor:
         if self.takes(x):
@@ -50,16 +71,17 @@ class PackedLinear(nn.Linear):
 
     def takes(self, x: Tensor) -> bool:
         """Whether the packed weight computes this call: float32 inference on the CPU, the weight
-        as packed (the same memory, no in-place change since: .to() or a copy of the module
-        moves it), no tracing or compiling."""
+        as packed (the same memory, no in-place change since: .to() gives it new memory), no
+        tracing, compiling or torch.func / forward-mode AD."""
         if torch.is_grad_enabled() or type(x) is not Tensor or x.device.type != "cpu":
             return False
         if x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
             return False
-        if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        if torch.jit.is_tracing() or torch.compiler.is_compiling() or cpu_kernels.transformed(x):
             return False
-        weight = self.weight
-        return weight.dtype == x.dtype and (weight.data_ptr(), weight._version) == self.packed_from
+        w = self.weight
+        same = w.data_ptr() == self.packed_from.data_ptr() and w._version == self.packed_version
+        return w.dtype == x.dtype and same
 
 
 HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -81,21 +103,22 @@ def packable(module: nn.Module) -> bool:
 
 
 def pack_linear(model: nn.Module) -> nn.Module:
-    """A copy of `model` (its mode kept) with every packable nn.Linear (a plain float32 CPU one
-    of at least PACK_BYTES) replaced by a PackedLinear; `model` itself unchanged. Where there is
-    none, or oneDNN cannot pack here (a PyTorch built without it, a CPU it does not support),
-    `model` itself."""
+    """A copy of `model` (its modes kept) with every packable nn.Linear (a plain float32 CPU one
+    of at least PACK_BYTES) replaced by a PackedLinear on the copy's weights; `model` itself
+    unchanged. Where there is none, or oneDNN cannot pack here (a PyTorch built without it or
+    with it switched off, a CPU it does not support), `model` itself."""
     if not any(packable(m) for m in model.modules()):
         return model
-    if not torch.backends.mkldnn.is_available():
-        log.info("oneDNN is not available: linear layers run unpacked")
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        log.info("oneDNN is not available or switched off: linear layers run unpacked")
         return model
-    packed = copy.deepcopy(model)
+    with torch.inference_mode(False):  # the copy's tensors: not inference tensors
+        packed = copy.deepcopy(model)
+    layers = [(parent, name, child) for parent in packed.modules()
+              for name, child in parent.named_children() if packable(child)]  # fmt: skip
     try:
-        for parent in list(packed.modules()):
-            for name, child in list(parent.named_children()):
-                if packable(child):
-                    setattr(parent, name, PackedLinear(child))
+        for parent, name, child in layers:
+            setattr(parent, name, PackedLinear(child, share=True))
     except RuntimeError as e:  # oneDNN refuses the layout or the CPU
         log.info("oneDNN cannot pack the linear layers here (%s): they run unpacked", e)
         return model
