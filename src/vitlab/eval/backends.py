@@ -66,7 +66,7 @@ def prepare(
     (ViewAverage). batch_threads > 1 (torch on the CPU) cuts each batch into that many parts,
     each run on its own thread (BatchParts). torch without int8 runs a copy of the model whose
     large float32 CPU linear layers have their weights packed for oneDNN (pack_linear: the same
-    outputs to float rounding; B/16 1.08-1.12x faster)."""
+    outputs to float rounding; B/16 1.08-1.14x faster)."""
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}: choose from {', '.join(BACKENDS)}")
     if tta not in TTA_MODES:

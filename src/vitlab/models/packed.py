@@ -2,7 +2,7 @@
 its own blocked format, and PyTorch's linear (MKL's GEMM) re-packs the weight at every call and
 first copies the bias into every row of the output. Past about a megabyte of weight that costs
 measurably: packing each such weight once makes float32 CPU inference of B/16 at batch 8
-1.08-1.12x faster; below it (the small ViTs' layers, which stay in cache) packing measured
+1.08-1.14x faster; below it (the small ViTs' layers, which stay in cache) packing measured
 0.93-1.01x, so those stay PyTorch's linear (BENCHMARKS.md, issue 16). `vitlab eval` and `vitlab
 predict` (eval.backends.prepare) run a packed copy of the model; the model is left as it is.
 
