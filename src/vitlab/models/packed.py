@@ -79,9 +79,8 @@ class PackedLinear(nn.Linear):
             return False
         if torch.jit.is_tracing() or torch.compiler.is_compiling() or cpu_kernels.transformed(x):
             return False
-        w = self.weight
-        same = w.data_ptr() == self.packed_from.data_ptr() and w._version == self.packed_version
-        return w.dtype == x.dtype and same
+        w = self.weight  # another dtype or device (.to()) is new memory: packed_from holds the old
+        return w.data_ptr() == self.packed_from.data_ptr() and w._version == self.packed_version
 
 
 HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -107,18 +106,19 @@ def pack_linear(model: nn.Module) -> nn.Module:
     of at least PACK_BYTES) replaced by a PackedLinear on the copy's weights; `model` itself
     unchanged. Where there is none, or oneDNN cannot pack here (a PyTorch built without it or
     with it switched off, a CPU it does not support), `model` itself."""
-    if not any(packable(m) for m in model.modules()):
+    names = [name for name, m in model.named_modules() if name and packable(m)]  # not the root
+    if not names:
         return model
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         log.info("oneDNN is not available or switched off: linear layers run unpacked")
         return model
     with torch.inference_mode(False):  # the copy's tensors: not inference tensors
         packed = copy.deepcopy(model)
-    layers = [(parent, name, child) for parent in packed.modules()
-              for name, child in parent.named_children() if packable(child)]  # fmt: skip
     try:
-        for parent, name, child in layers:
-            setattr(parent, name, PackedLinear(child, share=True))
+        for name in names:
+            parent, _, attr = name.rpartition(".")
+            layer = PackedLinear(packed.get_submodule(name), share=True)
+            setattr(packed.get_submodule(parent), attr, layer)
     except RuntimeError as e:  # oneDNN refuses the layout or the CPU
         log.info("oneDNN cannot pack the linear layers here (%s): they run unpacked", e)
         return model
