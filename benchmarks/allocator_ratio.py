@@ -1,9 +1,9 @@
 """Float32 inference of vitlab's small ViTs against timm's twin (model_speed.py's timm_twin, the
 same weights), interleaved in one process, under glibc's default allocator or, with
 `--allocator tuned`, under runtime.tune_allocator() (what the `vitlab` command sets) for both
-libraries. Prints each library's median time a forward, its page faults a forward (getrusage)
-and timm / vitlab. vitlab's own paths are as in model_speed.py (batch parts only under the
-default allocator).
+libraries. Prints each library's median time a forward (model_speed.median_seconds, after five
+warm-up calls each), its page faults a timed forward (getrusage) and timm / vitlab. vitlab's own
+paths are as in model_speed.py (batch parts only under the default allocator).
 
     .venv/bin/python benchmarks/allocator_ratio.py --isa avx2
     .venv/bin/python benchmarks/allocator_ratio.py --isa avx2 --allocator tuned
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import resource
-import time
+from collections.abc import Callable
 
 import torch
-from model_speed import AVX2_ENV, hold_to, parse_model, timm_twin
+from model_speed import AVX2_ENV, hold_to, median_seconds, parse_model, timm_twin
 
 import vitlab
 from vitlab.runtime import tune_allocator
@@ -24,13 +24,15 @@ from vitlab.runtime import tune_allocator
 MODELS = ["vit_nano_patch4_28:stem=conv", "vit_micro_patch4_28", "vit_nano_patch4_28"]
 
 
-def timed(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, int]:
-    """Seconds and page faults of one forward."""
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    start = time.perf_counter()
-    model(x)
-    seconds = time.perf_counter() - start
-    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+def counting(model: torch.nn.Module, x: torch.Tensor, faults: list[int]) -> Callable[[], None]:
+    """A forward of model on x that adds its page faults (getrusage) to faults[0]."""
+
+    def forward() -> None:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        model(x)
+        faults[0] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    return forward
 
 
 def main() -> None:
@@ -52,15 +54,19 @@ def main() -> None:
         twin = timm_twin(model).eval()
         cfg = model.config
         x = torch.randn(args.batch, cfg.in_chans, *cfg.img_hw)
-        runs: dict[str, list[tuple[float, int]]] = {"vitlab": [], "timm": []}
+        counts = {"vitlab": [0], "timm": [0]}
+        fns = {
+            "vitlab": counting(model, x, counts["vitlab"]),
+            "timm": counting(twin, x, counts["timm"]),
+        }
         with torch.inference_mode():
-            for _ in range(5):
-                model(x), twin(x)
-            for _ in range(args.rounds):
-                runs["vitlab"].append(timed(model, x))
-                runs["timm"].append(timed(twin, x))
-        med = {k: sorted(s for s, _ in v)[len(v) // 2] * 1e3 for k, v in runs.items()}
-        faults = {k: sum(f for _, f in v) / len(v) for k, v in runs.items()}
+            for fn in fns.values():
+                for _ in range(5):
+                    fn()
+            counts["vitlab"][0] = counts["timm"][0] = 0  # the timed calls' faults only
+            seconds = median_seconds(fns, args.rounds, warmup=0)
+        med = {k: v * 1e3 for k, v in seconds.items()}
+        faults = {k: v[0] / args.rounds for k, v in counts.items()}
         print(
             f"{spec} @ {args.batch}: "
             f"vitlab {med['vitlab']:.2f} ms ({faults['vitlab']:.0f} faults), "
