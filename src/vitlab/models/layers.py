@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vitlab.models import cpu_attention, cpu_kernels
-from vitlab.models.packed import PackedLinear
+from vitlab.models.packed import HOOKS, PackedLinear, plain
 from vitlab.models.pos_embed import Grid, RelativePositionBias
 from vitlab.runtime import allocator_returns_memory, random_stream
 
@@ -136,28 +136,19 @@ class PatchEmbed(nn.Module):
 # --- the encoder block ---------------------------------------------------------------------------
 
 
-_HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
 def watched(*modules: nn.Module) -> bool:
     """Whether a hook (forward or backward; global, or on one of `modules`) may look at what
     they compute, so a shortcut that changes it must not run. FSDP's own hooks do not count
     (fully_shard gathers and frees parameters around a forward, whatever it returns)."""
     hooks = nn.modules.module
-    if any(getattr(hooks, "_global" + kind) for kind in _HOOK_KINDS):
+    if any(getattr(hooks, "_global" + kind) for kind in HOOKS):
         return True
     return any(
         not type(getattr(hook, "__self__", None)).__module__.startswith("torch.distributed.fsdp.")
         for m in modules
-        for kind in _HOOK_KINDS
+        for kind in HOOKS
         for hook in getattr(m, kind).values()
     )
-
-
-def plain(module: nn.Module, kind: type[nn.Module] = nn.Linear) -> bool:
-    """Whether module is a `kind` as PyTorch defines it (not a quantised, parametrised or wrapped
-    one, no forward of its own), so its weight and bias can be used directly."""
-    return type(module) is kind and "forward" not in vars(module)
 
 
 def linear(module: nn.Module) -> bool:

@@ -86,13 +86,18 @@ class PackedLinear(nn.Linear):
 HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
+def plain(module: nn.Module, kind: type[nn.Module] = nn.Linear) -> bool:
+    """Whether module is a `kind` as PyTorch defines it (not a quantised, parametrised or wrapped
+    one, no forward of its own), so its weight and bias can be used directly."""
+    return type(module) is kind and "forward" not in vars(module)
+
+
 def packable(module: nn.Module) -> bool:
     """A plain float32 nn.Linear on the CPU (not a subclass, quantised or wrapped layer) with no
     hook of its own (a packed copy is a new module: the hooks would be lost) and a weight of at
     least PACK_BYTES."""
     return (
-        type(module) is nn.Linear
-        and "forward" not in vars(module)
+        plain(module)
         and not any(getattr(module, kind) for kind in HOOKS)
         and type(module.weight) is nn.Parameter
         and module.weight.dtype == torch.float32
