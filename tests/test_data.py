@@ -26,7 +26,7 @@ from vitlab.data import (
     make_loader,
     train_val_split,
 )
-from vitlab.data.datasets import DatasetError, read_idx, scan_image_folder
+from vitlab.data.datasets import DatasetError, read_digits, read_idx, scan_image_folder
 from vitlab.data.loader import PADDING, BatchPlan
 from vitlab.data.transforms import random_erase, random_hflip, random_shift
 
@@ -503,6 +503,25 @@ def test_augmentations_shapes_and_mixed_labels() -> None:
     expected = (split.images[:32].float() / 255).sub(0.3).div(0.4)
     small = Preprocessing((8, 8), 1, (0.3,), (0.4,))
     torch.testing.assert_close(next(iter(make_loader(split, 32, small)))[0], expected)
+
+
+def test_digits_are_scikit_learns_read_without_its_loader(monkeypatch) -> None:
+    """read_digits reads scikit-learn's CSV file itself (importing scikit-learn costs a small run
+    1.5-3 s of its start) and gives load_digits' arrays; without that file, load_digits'."""
+    import importlib.util
+
+    import sklearn.datasets
+
+    reference = sklearn.datasets.load_digits()
+    with monkeypatch.context() as m:
+        m.setattr(sklearn.datasets, "load_digits", lambda: pytest.fail("load_digits was called"))
+        images, labels = read_digits()
+    assert images.shape == (1797, 8, 8) and np.array_equal(images, reference.images)
+    assert np.array_equal(labels, reference.target) and labels.dtype == np.int64
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no file to read
+    images, labels = read_digits()
+    assert np.array_equal(images, reference.images) and np.array_equal(labels, reference.target)
+    assert load_split("digits", "train").images.max() == 255  # 16 scaled to 0-255
 
 
 def test_validation_split_is_seeded_and_disjoint() -> None:
