@@ -94,13 +94,21 @@ def tiny_config(**overrides: object) -> ViTConfig:
     return ViTConfig(**base)
 
 
-def run_with_fresh_kernel_cache(script: str, cache: Path, **env: str) -> list[str]:
-    """`script`'s stdout lines, run by a fresh Python whose home and cache folder are `cache` (so
-    vitlab's CPU kernels are built anew there), with `env` added."""
+def fresh_kernel_cache(cache: Path, **env: str) -> dict[str, str]:
+    """The environment of a fresh Python whose home and cache folder are `cache` (so vitlab's CPU
+    kernels are built anew there), with `env` added."""
     base = {**os.environ, "HOME": str(cache), "XDG_CACHE_HOME": str(cache)}
     base.pop("VITLAB_CPU_KERNELS", None)
+    return {**base, **env}
+
+
+def run_with_fresh_kernel_cache(script: str, cache: Path, **env: str) -> list[str]:
+    """`script`'s stdout lines, run by a fresh Python in fresh_kernel_cache(cache, **env)."""
     done = subprocess.run(
-        [sys.executable, "-c", script], env={**base, **env}, capture_output=True, text=True
+        [sys.executable, "-c", script],
+        env=fresh_kernel_cache(cache, **env),
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
@@ -134,6 +142,30 @@ def kill_tree(proc: subprocess.Popen) -> tuple[str, str]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return proc.communicate()  # what it wrote before
+
+
+def run_together(
+    *jobs: tuple[list[str], dict[str, str] | None], timeout: float = 300
+) -> list[subprocess.CompletedProcess]:
+    """Independent commands (argv, environment or None: this one's) started at once and waited
+    for, their output captured as text. A fresh Python spends seconds importing torch on one core,
+    so a second core takes the next one meanwhile (the suite's wall time, not its work, is what CI
+    limits). Every process is killed if one is still running when this returns or raises."""
+    procs = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for argv, env in jobs
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        for p, (out, err) in zip(procs, outputs)
+    ]
 
 
 def tiny_checkpoint(dst: Path, seed: int = 0, **overrides: object) -> Path:

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import tiny_config
+from tests.helpers import run_together, tiny_config
 from vitlab.analysis.cost import matrix_products
 from vitlab.formats.timm import timm_to_vitlab
 from vitlab.models import layers
@@ -474,7 +474,7 @@ def test_the_allocator_counts_as_returning_memory_until_tuned(tmp_path) -> None:
         lib = tmp_path / "m.so"
         subprocess.run(["cc", "-shared", "-fPIC", "-o", lib, tmp_path / "m.c"], check=True)
         cases.append(({"LD_PRELOAD": str(lib)}, "False False False"))
-    for extra, want in cases:
-        run = subprocess.run([sys.executable, "-c", code], env={**env, **extra},
-                             capture_output=True, text=True, check=True)  # fmt: skip
+    runs = run_together(*[([sys.executable, "-c", code], {**env, **extra}) for extra, _ in cases])
+    for (extra, want), run in zip(cases, runs):
+        assert run.returncode == 0, run.stderr
         assert run.stdout.split() == want.split(), extra

@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.helpers import run_together
 from vitlab import create_model, load_pretrained
 from vitlab.cli.main import main
 from vitlab.models.checkpoint import save_pretrained
@@ -97,16 +98,19 @@ def test_hub_names_use_the_offline_cache(tmp_path: Path) -> None:
     save_for_hf(ref, repo / "snapshots" / revision, safe_serialization=True)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
-    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    r = vitlab("convert", "timm/vit_tiny_test", str(tmp_path / "out"), env=env)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    cli = [sys.executable, "-m", "vitlab", "convert"]
+    r, missing = run_together(  # at once
+        ([*cli, "timm/vit_tiny_test", str(tmp_path / "out")], env),
+        ([*cli, "google/vit-not-cached", str(tmp_path / "o2")], env),
+    )
     assert r.returncode == 0, r.stderr
     model = load_pretrained(tmp_path / "out")
     x = torch.randn(1, 3, 224, 224)
     with torch.no_grad():
         assert (model(x) - ref(x)).abs().max() <= 1e-4
-    r = vitlab("convert", "google/vit-not-cached", str(tmp_path / "o2"), env=env)
-    assert r.returncode == 2
-    assert "cannot get google/vit-not-cached" in r.stderr and "cache" in r.stderr
+    assert missing.returncode == 2
+    assert "cannot get google/vit-not-cached" in missing.stderr and "cache" in missing.stderr
 
 
 def fill_hub_cache(cache: Path, repo_id: str, folder: Path, revision: str) -> None:
@@ -204,11 +208,14 @@ def test_export_onnx_and_torch_export_match_pytorch(tmp_path: Path) -> None:
     pre = Preprocessing((28, 28), 1, (0.3,), (0.4,))
     model.preprocessing, model.classes = pre, list("abcdefghij")
     save_pretrained(model, tmp_path / "ck")
-    r = vitlab(
-        "export", str(tmp_path / "ck"), "--onnx", str(tmp_path / "m.onnx"), "--dynamic-batch",
-        "--torch-export", str(tmp_path / "m.pt2"),
+    cli = [sys.executable, "-m", "vitlab", "export", str(tmp_path / "ck")]
+    r, nothing_asked = run_together(  # at once; the second names no format
+        ([*cli, "--onnx", str(tmp_path / "m.onnx"), "--dynamic-batch",
+          "--torch-export", str(tmp_path / "m.pt2")], dict(os.environ)),
+        (cli, dict(os.environ)),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
+    assert nothing_asked.returncode == 2, nothing_asked.stderr
     assert "onnxruntime matches PyTorch" in r.stdout
     x = torch.randn(7, 1, 28, 28)  # a batch size the export never saw
     with torch.no_grad():
@@ -221,7 +228,6 @@ def test_export_onnx_and_torch_export_match_pytorch(tmp_path: Path) -> None:
     program = torch.export.load(str(tmp_path / "m.pt2")).module()
     with torch.no_grad():
         assert (program(x) - want).abs().max() <= 1e-4
-    assert vitlab("export", str(tmp_path / "ck")).returncode == 2
 
 
 def test_predict_applies_the_weights_preprocessing_like_transformers(tmp_path: Path) -> None:
@@ -291,12 +297,16 @@ def test_cli_notes_are_log_lines_that_q_hides_and_python_warnings_filters_do_not
     torch.save(ref.state_dict(), tmp_path / "w.pth")
     dst = str(tmp_path / "out")
     ignore = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    r = vitlab("convert", str(tmp_path / "w.pth"), dst, env=ignore)
+    cli = [sys.executable, "-m", "vitlab"]
+    src = str(tmp_path / "w.pth")
+    r, quiet, verbose = run_together(  # three independent commands at once
+        ([*cli, "convert", src, dst], ignore),
+        ([*cli, "-q", "convert", src, dst + "q"], dict(os.environ)),
+        ([*cli, "convert", "-v", src, dst + "v"], dict(os.environ)),
+    )
     assert r.returncode == 0, r.stderr
     notes = [x for x in r.stderr.splitlines() if "assuming num_heads=1" in x]
     assert len(notes) == 1 and notes[0].startswith("vitlab: warning: "), r.stderr
     assert "log.warning" not in r.stderr and ".py:" not in r.stderr
-    r = vitlab("-q", "convert", str(tmp_path / "w.pth"), dst + "q")
-    assert r.returncode == 0 and "assuming num_heads" not in r.stderr, r.stderr
-    r = vitlab("convert", "-v", str(tmp_path / "w.pth"), dst + "v")
-    assert "[vitlab.models.checkpoint]" in r.stderr, r.stderr
+    assert quiet.returncode == 0 and "assuming num_heads" not in quiet.stderr, quiet.stderr
+    assert "[vitlab.models.checkpoint]" in verbose.stderr, verbose.stderr

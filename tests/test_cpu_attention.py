@@ -4,13 +4,14 @@ and off it, and the cases it leaves to F.scaled_dot_product_attention."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
 import torch
 
 import vitlab
-from tests.helpers import count_calls, run_with_fresh_kernel_cache, tiny_config
+from tests.helpers import count_calls, fresh_kernel_cache, run_together, tiny_config
 from vitlab.models import cpu_attention, cpu_kernels
 from vitlab.models.vit import VisionTransformer
 
@@ -255,15 +256,22 @@ def test_a_failed_build_falls_back_with_a_warning(tmp_path) -> None:
         "print([str(x.message) for x in w])\n"
     )
 
-    def run(**extra: str) -> list[str]:
-        return run_with_fresh_kernel_cache(script, tmp_path, **extra)
-
-    applies, batch, messages = run(CC="/nonexistent/cc")
+    cases = {"no_cc": {"CC": "/nonexistent/cc"}, "off": {"VITLAB_CPU_KERNELS": "0"}}
+    if cpu_kernels.library() is not None:
+        cases["built"] = {}
+    jobs = [  # at once, each with a cache of its own
+        ([sys.executable, "-c", script], fresh_kernel_cache(tmp_path / name, **extra))
+        for name, extra in cases.items()
+    ]
+    runs = dict(zip(cases, run_together(*jobs)))
+    for name, run in runs.items():
+        assert run.returncode == 0, f"{name}: {run.stderr}"
+    applies, batch, messages = runs["no_cc"].stdout.splitlines()
     assert (applies, batch) == ("False", "1")
     assert "could not be built" in messages and "/nonexistent/cc" in messages
-    applies, _, messages = run(VITLAB_CPU_KERNELS="0")
+    applies, _, messages = runs["off"].stdout.splitlines()
     assert applies == "False" and "could not be built" not in messages
-    if cpu_kernels.library() is not None:
-        applies, _, messages = run()
+    if "built" in runs:
+        applies, _, messages = runs["built"].stdout.splitlines()
         assert applies == "True" and "could not be built" not in messages
-        assert list((tmp_path / "vitlab" / "kernels").glob("kernels-*.so"))
+        assert list((tmp_path / "built" / "vitlab" / "kernels").glob("kernels-*.so"))

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import run_together
 from tests.test_train import FAST
 from vitlab import load_checkpoint
 from vitlab.train.state import load_train_state, load_weights, resolve_checkpoint
@@ -79,11 +81,25 @@ def survived(run: Path, straight: Path) -> None:
 def test_kill_9_around_checkpoint_writes_keeps_a_loadable_checkpoint(tmp_path: Path) -> None:
     epochs, rng = 3, random.Random(0)
     straight = tmp_path / "straight"
-    subprocess.run([*TRAIN, f"train.epochs={epochs}", "--out", str(straight)], check=True,
-                   capture_output=True)  # fmt: skip
-    for trial, delay in enumerate((0.0, rng.uniform(0.0, 0.05))):  # saves take ~25-50 ms
-        run = tmp_path / f"killed{trial}"
-        kill_during_save(run, epochs, epoch=2, delay=delay)
+    # the uninterrupted run alongside the killed ones (one thread each: two cores take both)
+    uninterrupted = subprocess.Popen(
+        [*TRAIN, f"train.epochs={epochs}", "--out", str(straight)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        killed = []
+        for trial, delay in enumerate((0.0, rng.uniform(0.0, 0.05))):  # saves take ~25-50 ms
+            killed.append(tmp_path / f"killed{trial}")
+            kill_during_save(killed[-1], epochs, epoch=2, delay=delay)
+        _, err = uninterrupted.communicate(timeout=300)
+        assert uninterrupted.returncode == 0, err[-2000:]
+    finally:
+        if uninterrupted.poll() is None:
+            uninterrupted.kill()
+            uninterrupted.communicate()
+    for run in killed:
         survived(run, straight)
 
 
@@ -137,18 +153,20 @@ def test_a_save_past_the_file_size_limit_fails_clearly_and_keeps_the_previous(tm
     state = (run / "checkpoints/last/state.pt").stat().st_size
     assert weights < state
     before = {w: checkpoint(run, w)[0] for w in ("best", "last")}
-    for limit in (weights // 2, (weights + state) // 2):
-        out = subprocess.run(
-            [sys.executable, "-c", RESUME_UNDER_LIMIT, str(run), str(limit)],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+    limits = {run: weights // 2, shutil.copytree(run, tmp_path / "copy"): (weights + state) // 2}
+    outs = run_together(  # each limit on its own copy of the run, at once
+        *[
+            ([sys.executable, "-c", RESUME_UNDER_LIMIT, str(r), str(n)], None)
+            for r, n in limits.items()
+        ]
+    )
+    for folder, out in zip(limits, outs):
+        assert out.returncode == 0, out.stderr[-2000:]
         report = json.loads(out.stdout.strip().splitlines()[-1])
         assert report["error"] and "CheckpointWriteError" in report["error"], report
         assert "CheckpointError" in report["error"]
         assert "file-size limit was hit" in report["message"], report
-        assert_previous_intact(run, before, report["message"])
+        assert_previous_intact(folder, before, report["message"])
 
 
 def test_a_full_disk_fails_clearly_and_keeps_the_previous(tmp_path: Path) -> None:

@@ -232,20 +232,35 @@ def test_resume_drops_metrics_of_epochs_the_checkpoint_does_not_hold(tmp_path: P
 
 
 def test_ctrl_c_saves_and_resume_finishes_identically(tmp_path: Path) -> None:
-    args = [sys.executable, "-m", "vitlab", "train", *FAST, "train.epochs=6"]
+    # one thread each: the uninterrupted run trains alongside (two 2-thread processes on two
+    # cores wait on each other's threads)
+    args = [sys.executable, "-m", "vitlab", "train", *FAST, "train.epochs=6", "train.threads=1"]
     straight = tmp_path / "straight"
-    subprocess.run([*args, "--out", str(straight)], check=True, capture_output=True)
+    uninterrupted = subprocess.Popen(
+        [*args, "--out", str(straight)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     stopped = tmp_path / "stopped"
     proc = subprocess.Popen(
         [*args, "--out", str(stopped)], stderr=subprocess.PIPE, text=True, bufsize=1
     )
-    for line in proc.stderr:  # interrupt as soon as the first epoch is done
-        if line.startswith("epoch 1:"):
-            time.sleep(0.3)
-            proc.send_signal(signal.SIGINT)
-            break
-    rest = proc.stderr.read()
-    assert proc.wait(timeout=120) == 130, rest
+    try:
+        for line in proc.stderr:  # interrupt as soon as the first epoch is done
+            if line.startswith("epoch 1:"):
+                time.sleep(0.3)
+                proc.send_signal(signal.SIGINT)
+                break
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == 130, rest
+        err = uninterrupted.communicate(timeout=300)[1]
+        assert uninterrupted.returncode == 0, err[-2000:]
+    finally:
+        for p in (proc, uninterrupted):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
     assert "checkpoint saved" in rest and "--resume" in rest
     state = torch.load(stopped / "checkpoints/last/state.pt", weights_only=True)
     assert state["epoch"] < 6
@@ -350,22 +365,28 @@ def test_finetune_at_another_resolution_with_a_new_head(
     assert model.pos_embed.weight.shape == (1, 1 + 64, 64)
 
 
+# SGD: Adam would turn the float noise in the key bias's (mathematically zero) gradient into
+# full-size steps, so two summation orders drift apart there
+TWO_RANKS = [*FAST, "train.epochs=2", "data.val_fraction=0", "train.precision=fp32",
+             "optim.name=sgd", "optim.lr=0.05"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One process's run of TWO_RANKS, which both strategies below are held to (one run for both:
+    a process's start is most of its time)."""
+    run = tmp_path_factory.mktemp("one_process") / "single"
+    cmd = [sys.executable, "-m", "vitlab", "train", "--out", str(run), *TWO_RANKS]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return run
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_processes_equal_one_process(tmp_path: Path, strategy: str) -> None:
+def test_two_processes_equal_one_process(tmp_path: Path, strategy: str, single: Path) -> None:
     """torchrun with 2 CPU processes (gloo) against one process with the same global batch."""
-    # SGD: Adam would turn the float noise in the key bias's (mathematically zero) gradient
-    # into full-size steps, so two summation orders drift apart there
-    common = [*FAST, "train.epochs=2", "data.val_fraction=0", "train.precision=fp32",
-              "optim.name=sgd", "optim.lr=0.05"]  # fmt: skip
-    single = tmp_path / "single"
-    subprocess.run(
-        [sys.executable, "-m", "vitlab", "train", "--out", str(single), *common],
-        check=True,
-        capture_output=True,
-    )
     multi = tmp_path / strategy
     port = 29533 if strategy == "ddp" else 29534
-    proc = torchrun_train(multi, *common, f"train.strategy={strategy}", port=port, timeout=None)
+    proc = torchrun_train(multi, *TWO_RANKS, f"train.strategy={strategy}", port=port, timeout=None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stderr
     a, b = weights_of(single), weights_of(multi)
