@@ -7,20 +7,27 @@ then the number of optimizer steps N is planned (plan_steps) from the time the c
 running (`vitlab train`: since its process started; train() called in a longer-lived process: since
 the call), the time per step, an estimate of each epoch's end (validation + checkpoints) and of the
 test split, less a safety margin. At the first epoch end after that, whose cost is then measured,
-N is planned once more. Then every CHECK_EVERY steps the latest steps' pace is compared with the
-plan's, and when it differs by more than DRIFT (a shared machine's neighbours come and go) N is
-planned again at that pace, longer or shorter, at any point of the run. A stall between two steps
-of an epoch (a paused process, a suspended laptop: one step longer than all others of its window
-together, typical_step) is left out of the pace, its time only lost: N is planned again; so is it
-after an epoch end that took a window's steps longer than the plan's estimate. (A stall at the
-first epoch end is taken for every epoch end's cost: the plan stays short for the rest of the
-run.)
+N is planned once more. Then every CHECK_EVERY steps the pace of as many of the latest steps as
+the plan has left (at least CHECK_EVERY, at most PACE_STEPS: the future is predicted from a past
+about as long as it) is compared with the plan's, and when it differs by more than DRIFT (a shared
+machine's neighbours come and go) N is planned again at that pace, longer or shorter, at any point
+of the run. (Paced on the latest CHECK_EVERY steps alone, a 2-hour run on a shared 2-core machine
+was planned 411 times, in its first 6 epochs between 48 and 116 epochs: one 10-second window's
+pace swung 0.5-1.3x from the next.) A
+stall between two steps of an epoch (a paused process, a suspended laptop: one step longer than all
+others of its window together, typical_step) is left out of the pace, its time only lost: N is
+planned again; so is it after an epoch end that took a window's steps longer than the plan's
+estimate. (A stall at the first epoch end is taken for every epoch end's cost: the plan stays
+short for the rest of the run.)
 The schedule (warm-up as configured, at most a fifth of the steps, then the configured decay) is
 laid over the first plan's N, its warm-up kept step for step. A longer plan stretches what is left
 of it over the steps left: the learning rate goes on from where it is (late in the run the decay
 slows instead of being undone). A shorter plan first moves along it to where the step would be had
-the run been planned that short from the start (a step down: the decay comes early), then goes on
-from there.
+the run been planned that short from the start (a step down: the decay comes early, and a run cut
+short still ends annealed), then goes on from there. So plans that swing short and long again
+ratchet the schedule ahead, which pacing on a long window keeps rare (the run above ended with its
+learning rate 16% under the cosine over the steps it took half-way through, 25% at three
+quarters).
 train.epochs is not used: the run trains ceil(N / steps per epoch) epochs, the last one possibly
 partial. The decision points depend on step numbers only, so every rank plans at the same step;
 rank 0's plan is broadcast.
@@ -60,6 +67,7 @@ MARGIN_S = 1.0
 TAIL_S = 2.0  # after the test split: curves.png, results.json, exit
 CHECK_EVERY = 50  # the plan is checked every this many steps against their pace
 DRIFT = 0.05  # and made again when the latest steps are this much slower or faster
+PACE_STEPS = 5000  # the most latest steps a pace is taken over (a 2-hour CPU run: ~17 minutes)
 STUB = 0.05  # a last epoch shorter than this share of one is dropped
 FORWARD = 1 / 3  # an evaluation image costs about this share of a training image (no backward)
 PLAN_FILE = "time_budget.json"
@@ -150,6 +158,7 @@ class TimeBudget:
         self.last: tuple[int, float] | None = None  # (step, time) at the previous lr_at
         self.steps: list[float] = []  # seconds of timed steps
         self.recent: deque[float] = deque(maxlen=CHECK_EVERY)  # the latest of them
+        self.history: deque[float] = deque(maxlen=PACE_STEPS)  # steps' seconds: the pace
         self.ends: list[float] = []  # seconds of measured epoch ends
         self.stalled = 0.0  # seconds epoch ends took past the plan's estimate, not yet planned for
         self.total: int | None = None
@@ -202,6 +211,7 @@ class TimeBudget:
                 if not self.final:  # what the plans before the first epoch end use
                     self.steps.append(gap)
                 self.recent.append(gap)
+                self.history.append(gap)
         self.last = (step, now)
         if self.total is None and step == self.first + SKIP_STEPS + TIMED_STEPS:
             self._plan(step, self._costs, final=bool(self.ends))  # final: an epoch end measured
@@ -211,7 +221,8 @@ class TimeBudget:
         elif self.total is not None and step % CHECK_EVERY == 0:
             lost = (typical_step(self.recent)[1] if self.recent else 0.0) + self.stalled
             why = f"after a stall of {lost:.0f} s" if lost else "the steps' pace changed"
-            self._plan(step, self._paced, final=True, note=f" (planned again: {why})")
+            paced = lambda: self._paced(step)  # noqa: E731
+            self._plan(step, paced, final=True, note=f" (planned again: {why})")
             self.stalled = 0.0  # planned for (on rank 0; every rank forgets it alike)
             if lost:  # the stall is planned for (or the plan kept): not counted again
                 self.recent.clear()
@@ -226,15 +237,18 @@ class TimeBudget:
             end = self.val_images * per_image + 0.2
         return Costs(step, end, self.test_images * per_image * self.test_factor + TAIL_S)
 
-    def _paced(self) -> Costs | None:
-        """The plan's costs scaled to the latest steps' pace when that differs by more than
-        DRIFT, or when a stall lost time (None: on plan)."""
+    def _paced(self, step: int) -> Costs | None:
+        """The plan's costs scaled to the pace of the latest steps, as many as the plan has left
+        (at least CHECK_EVERY), when that differs by more than DRIFT, or when a stall lost time
+        (None: on plan)."""
         was, stalled = self.planned, self.stalled
         if was is None:
             return None
         if len(self.recent) < CHECK_EVERY // 2:  # too few steps to pace: a stall at an epoch end
             return was if stalled else None  # costs its time at the plan's pace
-        now, lost = typical_step(self.recent)
+        lost = typical_step(self.recent)[1]  # a stall among the latest steps
+        left = max(CHECK_EVERY, (self.total or 0) - step)
+        now = typical_step(list(self.history)[-left:], CHECK_EVERY)[0]
         if abs(now / was.step - 1) <= DRIFT and not lost and not stalled:
             return None
         k = now / was.step
@@ -315,11 +329,12 @@ class TimeBudget:
         self.cfg.train.epochs = math.ceil(total / self.spe)
 
 
-def typical_step(seconds: Sequence[float]) -> tuple[float, float]:
+def typical_step(seconds: Sequence[float], count: int | None = None) -> tuple[float, float]:
     """(mean seconds of the steps leaving out stalls, the seconds the stalls lost over that mean).
-    A stall: a step longer than the median times the steps' count, about all the others together
-    (a paused process, not the machine's jitter: a slow step now and then stays in the mean)."""
-    limit = statistics.median(seconds) * len(seconds)
+    A stall: a step longer than the median times the steps' count (or `count`), about all the
+    others of a window together (a paused process, not the machine's jitter: a slow step now and
+    then stays in the mean)."""
+    limit = statistics.median(seconds) * (count or len(seconds))
     kept = [s for s in seconds if s <= limit]
     mean = sum(kept) / len(kept)
     return mean, sum(s - mean for s in seconds if s > limit)
