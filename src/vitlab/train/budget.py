@@ -11,14 +11,13 @@ N is planned once more. Then every CHECK_EVERY steps the pace of as many of the 
 the plan has left (at least CHECK_EVERY, at most PACE_STEPS: the future is predicted from a past
 about as long as it) is compared with the plan's, and when it differs by more than DRIFT (a shared
 machine's neighbours come and go) N is planned again at that pace, longer or shorter, at any point
-of the run. (Paced on the latest CHECK_EVERY steps alone, a 2-hour run on a shared 2-core machine
-was planned 411 times, in its first 6 epochs between 48 and 116 epochs: one 10-second window's
-pace swung 0.5-1.3x from the next.) A
-stall between two steps of an epoch (a paused process, a suspended laptop: one step longer than all
-others of its window together, typical_step) is left out of the pace, its time only lost: N is
-planned again; so is it after an epoch end that took a window's steps longer than the plan's
-estimate. (A stall at the first epoch end is taken for every epoch end's cost: the plan stays
-short for the rest of the run.)
+of the run. (Paced on the latest CHECK_EVERY steps alone, a 2-hour run alone on a shared 2-core
+machine was planned 411 times; another, 16 times in its first 3 epochs, between 76 and 109 epochs:
+one 10-second window's pace swung 0.7-1.3x from the next.) A stall between two steps of an epoch
+(a paused process, a suspended laptop: one step longer than all others of its window together,
+typical_step) is left out of the pace, its time only lost: N is planned again; so is it after an
+epoch end that took a window's steps longer than the plan's estimate. (A stall at the first epoch
+end is taken for every epoch end's cost: the plan stays short for the rest of the run.)
 The schedule (warm-up as configured, at most a fifth of the steps, then the configured decay) is
 laid over the first plan's N, its warm-up kept step for step. A longer plan stretches what is left
 of it over the steps left: the learning rate goes on from where it is (late in the run the decay
