@@ -38,9 +38,14 @@ TRAIN_IMAGES = 1438  # digits' training split (1,797 less the seeded 359 test im
 
 def torchrun(command: str, spec: dict, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `worker(command, spec)` on 2 ranks (standalone: a free port of its own)."""
+    return finish(start(command, spec), command, timeout)
+
+
+def start(command: str, spec: dict) -> subprocess.Popen:
+    """`worker(command, spec)` started on 2 ranks; finish() waits for it."""
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [*args, "-m", "tests.test_distributed", command, json.dumps(spec)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -48,6 +53,13 @@ def torchrun(command: str, spec: dict, timeout: float = 300) -> subprocess.Compl
         text=True,
         env=env,
     )
+
+
+def finish(
+    proc: subprocess.Popen, command: str, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Wait for a start()ed run: its output, or a failed test (its processes killed) if it hung
+    or failed."""
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -221,8 +233,17 @@ def test_ranks_draw_their_own_randomness_reproducibly_and_resume_exactly(tmp_pat
     and resumed on 2 ranks ends with the weights of the straight run (each rank's stream saved)."""
     common = [*FAST, *SGD, *RANDOM, "train.batch_size=64", "train.epochs=2"]
     straight, halted = tmp_path / "straight", tmp_path / "halted"
-    torchrun("probe", {"out": str(straight), "overrides": common})
-    torchrun("probe", {"out": str(halted), "overrides": [*common, "train.stop_at_epoch=1"]})
+    both = [  # at once: their start-ups are most of their time
+        start("probe", {"out": str(straight), "overrides": common}),
+        start("probe", {"out": str(halted), "overrides": [*common, "train.stop_at_epoch=1"]}),
+    ]
+    try:
+        for proc in both:
+            finish(proc, "probe")
+    finally:
+        for proc in both:
+            if proc.poll() is None:
+                kill_tree(proc)
     torchrun("probe", {"out": str(halted), "overrides": common, "resume": True})
     a = [torch.load(straight / f"probe{r}.pt", weights_only=True) for r in (0, 1)]
     b = [torch.load(halted / f"probe{r}.pt", weights_only=True) for r in (0, 1)]
