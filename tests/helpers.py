@@ -145,23 +145,26 @@ def kill_tree(proc: subprocess.Popen) -> tuple[str, str]:
 
 
 def run_together(
-    *jobs: tuple[list[str], dict[str, str] | None], timeout: float = 300
+    *jobs: tuple[list[str], dict[str, str] | None], timeout: float = 600
 ) -> list[subprocess.CompletedProcess]:
     """Independent commands (argv, environment or None: this one's) started at once and waited
     for, their output captured as text. A fresh Python spends seconds importing torch on one core,
     so a second core takes the next one meanwhile (the suite's wall time, not its work, is what CI
-    limits). Every process is killed if one is still running when this returns or raises."""
-    procs = [
-        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        for argv, env in jobs
-    ]
+    limits). Whatever is still running when this returns or raises is killed, with every process
+    it started."""
+    procs: list[subprocess.Popen] = []
     try:
+        for argv, env in jobs:
+            procs.append(
+                subprocess.Popen(
+                    argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+                )
+            )
         outputs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
-                p.communicate()
+                kill_tree(p)
     return [
         subprocess.CompletedProcess(p.args, p.returncode, out, err)
         for p, (out, err) in zip(procs, outputs)

@@ -181,9 +181,12 @@ def test_a_noisy_machine_neither_swings_the_plan_nor_ratchets_the_schedule(
         monkeypatch, tmp_path, 600, lambda s: swings[s // 50], lrs=lrs
     )
     # paced on the latest 50 steps: 74 plans between 3,438 and 5,867 steps, the rate 35% under
-    assert len(plans) <= 20 and max(plans[2:]) <= 1.15 * min(plans[2:]), plans
+    later = plans[2:] or plans[-1:]  # after the first plan and the first epoch end's
+    assert len(plans) <= 20 and max(later) <= 1.15 * min(later), plans
     cosine = budget_schedule(load_run_config(None, ["optim.lr=0.001"]), len(lrs), 4)
-    for s in range(40, int(0.9 * len(lrs))):  # past the warm-up and the first epoch end
+    # past the warm-up and the first epoch end, up to the last tenth (where the pace is that of
+    # the few steps left, and the cosine near 0)
+    for s in range(40, int(0.9 * len(lrs))):
         assert lrs[s] == pytest.approx(cosine(s), rel=0.08), s
     assert 600 * 0.9 <= length <= 600
 

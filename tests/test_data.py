@@ -505,21 +505,35 @@ def test_augmentations_shapes_and_mixed_labels() -> None:
     torch.testing.assert_close(next(iter(make_loader(split, 32, small)))[0], expected)
 
 
-def test_digits_are_scikit_learns_read_without_its_loader(monkeypatch) -> None:
+def test_digits_are_scikit_learns_read_without_importing_it(monkeypatch) -> None:
     """read_digits reads scikit-learn's CSV file itself (importing scikit-learn costs a small run
-    1.5-3 s of its start) and gives load_digits' arrays; without that file, load_digits'."""
+    1.5-3 s of its start), no import of it made, and gives load_digits' arrays; without that
+    file, load_digits'."""
+    import builtins
     import importlib.util
 
     import sklearn.datasets
 
     reference = sklearn.datasets.load_digits()
+    real_import, real_find_spec = builtins.__import__, importlib.util.find_spec
+
+    def no_sklearn(name, *args, **kwargs):
+        if name == "sklearn" or name.startswith("sklearn."):
+            pytest.fail(f"read_digits imported {name}")
+        return real_import(name, *args, **kwargs)
+
     with monkeypatch.context() as m:
-        m.setattr(sklearn.datasets, "load_digits", lambda: pytest.fail("load_digits was called"))
+        m.setattr(builtins, "__import__", no_sklearn)
         images, labels = read_digits()
     assert images.shape == (1797, 8, 8) and np.array_equal(images, reference.images)
     assert np.array_equal(labels, reference.target) and labels.dtype == np.int64
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no file to read
-    images, labels = read_digits()
+
+    def no_sklearn_found(name, package=None):
+        return None if name == "sklearn" else real_find_spec(name, package)
+
+    with monkeypatch.context() as m:  # no file to read
+        m.setattr(importlib.util, "find_spec", no_sklearn_found)
+        images, labels = read_digits()
     assert np.array_equal(images, reference.images) and np.array_equal(labels, reference.target)
     assert load_split("digits", "train").images.max() == 255  # 16 scaled to 0-255
 

@@ -82,23 +82,21 @@ def test_kill_9_around_checkpoint_writes_keeps_a_loadable_checkpoint(tmp_path: P
     epochs, rng = 3, random.Random(0)
     straight = tmp_path / "straight"
     # the uninterrupted run alongside the killed ones (one thread each: two cores take both)
-    uninterrupted = subprocess.Popen(
-        [*TRAIN, f"train.epochs={epochs}", "--out", str(straight)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    log = tmp_path / "straight.log"
+    with open(log, "w") as f:
+        uninterrupted = subprocess.Popen(
+            [*TRAIN, f"train.epochs={epochs}", "--out", str(straight)], stdout=f, stderr=f
+        )
     try:
         killed = []
         for trial, delay in enumerate((0.0, rng.uniform(0.0, 0.05))):  # saves take ~25-50 ms
             killed.append(tmp_path / f"killed{trial}")
             kill_during_save(killed[-1], epochs, epoch=2, delay=delay)
-        _, err = uninterrupted.communicate(timeout=300)
-        assert uninterrupted.returncode == 0, err[-2000:]
+        assert uninterrupted.wait(timeout=300) == 0, log.read_text()[-2000:]
     finally:
         if uninterrupted.poll() is None:
             uninterrupted.kill()
-            uninterrupted.communicate()
+            uninterrupted.wait()
     for run in killed:
         survived(run, straight)
 

@@ -24,9 +24,9 @@ of it over the steps left: the learning rate goes on from where it is (late in t
 slows instead of being undone). A shorter plan first moves along it to where the step would be had
 the run been planned that short from the start (a step down: the decay comes early, and a run cut
 short still ends annealed), then goes on from there. So plans that swing short and long again
-ratchet the schedule ahead, which pacing on a long window keeps rare (the run above ended with its
-learning rate 16% under the cosine over the steps it took half-way through, 25% at three
-quarters).
+ratchet the schedule ahead, which pacing on a long window keeps rare (in the 411-plan run above
+the learning rate was 16% under the cosine over the steps it took half-way through, 25% under it
+at three quarters).
 train.epochs is not used: the run trains ceil(N / steps per epoch) epochs, the last one possibly
 partial. The decision points depend on step numbers only, so every rank plans at the same step;
 rank 0's plan is broadcast.
@@ -216,9 +216,10 @@ class TimeBudget:
             self._plan(step, self._costs, final=bool(self.ends))  # final: an epoch end measured
         elif self.total is not None and not self.final and self.ends:  # the first epoch end
             self._plan(step, self._costs, final=True, note=" (planned again after an epoch end)")
-            self.recent.clear()  # the new plan's pace is these steps' mean: compare afresh
+            self.recent.clear()  # stalls are looked for in the steps after this plan
         elif self.total is not None and step % CHECK_EVERY == 0:
-            lost = (typical_step(self.recent)[1] if self.recent else 0.0) + self.stalled
+            stalls = typical_step(self.recent, CHECK_EVERY)[1] if self.recent else 0.0
+            lost = stalls + self.stalled
             why = f"after a stall of {lost:.0f} s" if lost else "the steps' pace changed"
             paced = lambda: self._paced(step)  # noqa: E731
             self._plan(step, paced, final=True, note=f" (planned again: {why})")
@@ -245,7 +246,7 @@ class TimeBudget:
             return None
         if len(self.recent) < CHECK_EVERY // 2:  # too few steps to pace: a stall at an epoch end
             return was if stalled else None  # costs its time at the plan's pace
-        lost = typical_step(self.recent)[1]  # a stall among the latest steps
+        lost = typical_step(self.recent, CHECK_EVERY)[1]  # a stall among the latest steps
         left = max(CHECK_EVERY, (self.total or 0) - step)
         now = typical_step(list(self.history)[-left:], CHECK_EVERY)[0]
         if abs(now / was.step - 1) <= DRIFT and not lost and not stalled:
