@@ -20,6 +20,8 @@ from vitlab.cli.main import main
 from vitlab.models.vit import VisionTransformer, ViTConfig
 from vitlab.train.state import load_weights
 
+VITLAB = (sys.executable, "-m", "vitlab")  # the command line's start: this Python's vitlab
+
 # training overrides for a model small and fast enough for the suite: 8x8 digits at their own
 # size, patch 2, D=32, 2 layers
 TINY_MODEL = [

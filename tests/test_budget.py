@@ -8,14 +8,13 @@ import math
 import random
 import resource
 import subprocess
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY_MODEL
+from tests.helpers import TINY_MODEL, VITLAB
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
 from vitlab.duration import parse_duration
@@ -245,7 +244,7 @@ def test_a_budgeted_run_ends_in_time_and_says_what_it_bought(tmp_path: Path) -> 
     out, seconds = tmp_path / "run", 20
     t, cpu = time.perf_counter(), cpu_seconds()
     r = subprocess.run(
-        [sys.executable, "-m", "vitlab", "train", "--out", str(out),
+        [*VITLAB, "train", "--out", str(out),
          f"train.time_budget={seconds}s", "train.threads=1"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

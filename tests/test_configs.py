@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import VITLAB
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, RunConfig, load_run_config
 from vitlab.models.registry import config_of
@@ -79,8 +79,6 @@ def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
     ],
 )
 def test_help_explains_the_options(command: str, words: list[str]) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "vitlab", command, "--help"], capture_output=True, text=True
-    ).stdout
+    out = subprocess.run([*VITLAB, command, "--help"], capture_output=True, text=True).stdout
     for word in words:
         assert word in out, word

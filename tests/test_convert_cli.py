@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import run_together
+from tests.helpers import VITLAB, run_together
 from vitlab import create_model, load_pretrained
 from vitlab.cli.main import main
 from vitlab.models.checkpoint import save_pretrained
@@ -37,7 +36,7 @@ def randomized(name: str, **kw) -> torch.nn.Module:
 
 def vitlab(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "vitlab", *args],
+        [*VITLAB, *args],
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},
@@ -99,7 +98,7 @@ def test_hub_names_use_the_offline_cache(tmp_path: Path) -> None:
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    cli = [sys.executable, "-m", "vitlab", "convert"]
+    cli = [*VITLAB, "convert"]
     r, missing = run_together(  # at once
         ([*cli, "timm/vit_tiny_test", str(tmp_path / "out")], env),
         ([*cli, "google/vit-not-cached", str(tmp_path / "o2")], env),
@@ -208,7 +207,7 @@ def test_export_onnx_and_torch_export_match_pytorch(tmp_path: Path) -> None:
     pre = Preprocessing((28, 28), 1, (0.3,), (0.4,))
     model.preprocessing, model.classes = pre, list("abcdefghij")
     save_pretrained(model, tmp_path / "ck")
-    cli = [sys.executable, "-m", "vitlab", "export", str(tmp_path / "ck")]
+    cli = [*VITLAB, "export", str(tmp_path / "ck")]
     r, nothing_asked = run_together(  # at once; the second names no format
         ([*cli, "--onnx", str(tmp_path / "m.onnx"), "--dynamic-batch",
           "--torch-export", str(tmp_path / "m.pt2")], dict(os.environ)),
@@ -297,7 +296,7 @@ def test_cli_notes_are_log_lines_that_q_hides_and_python_warnings_filters_do_not
     torch.save(ref.state_dict(), tmp_path / "w.pth")
     dst = str(tmp_path / "out")
     ignore = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    cli = [sys.executable, "-m", "vitlab"]
+    cli = [*VITLAB]
     src = str(tmp_path / "w.pth")
     r, quiet, verbose = run_together(  # three independent commands at once
         ([*cli, "convert", src, dst], ignore),

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import VITLAB
 from vitlab.analysis.cost import cost_report, format_cost_report
 from vitlab.cli.main import main
 from vitlab.models.checkpoint import save_pretrained
@@ -110,7 +110,7 @@ def test_models_command(capsys) -> None:
 @pytest.mark.parametrize("command", [[], ["models"], ["cost"]])
 def test_help_documents_every_option(command: list[str]) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "vitlab", *command, "--help"],
+        [*VITLAB, *command, "--help"],
         capture_output=True,
         text=True,
         check=True,

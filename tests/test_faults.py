@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import run_together
+from tests.helpers import VITLAB, run_together
 from tests.test_train import FAST
 from vitlab import load_checkpoint
 from vitlab.train.state import load_train_state, load_weights, resolve_checkpoint
 
 # one thread: with another process busy on a 2-core machine, two torch threads wait on each
 # other (63 img/s against 5,160 img/s with one)
-TRAIN = [sys.executable, "-m", "vitlab", "train", *FAST, "data.val_fraction=0.1", "train.threads=1"]
+TRAIN = [*VITLAB, "train", *FAST, "data.val_fraction=0.1", "train.threads=1"]
 
 
 def checkpoint(run: Path, which: str) -> tuple[dict[str, torch.Tensor], Path]:
@@ -68,7 +68,7 @@ def survived(run: Path, straight: Path) -> None:
     assert state["epoch"] >= 1
     checkpoint(run, "best")
     done = subprocess.run(
-        [sys.executable, "-m", "vitlab", "train", "--resume", str(run)],
+        [*VITLAB, "train", "--resume", str(run)],
         capture_output=True,
         text=True,
     )
@@ -183,7 +183,7 @@ def test_a_full_disk_fails_clearly_and_keeps_the_previous(tmp_path: Path) -> Non
         with open(mount / "filler", "wb") as f:  # leave less room than a second checkpoint
             f.write(b"\0" * max(os.statvfs(mount).f_bavail * 4096 - used // 2, 0))
         out = subprocess.run(
-            [sys.executable, "-m", "vitlab", "train", "--resume", str(run)],
+            [*VITLAB, "train", "--resume", str(run)],
             capture_output=True,
             text=True,
         )

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import check_eval_and_predict, torchrun_train, weights_of
+from tests.helpers import VITLAB, check_eval_and_predict, torchrun_train, weights_of
 from vitlab import load_checkpoint
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
@@ -59,7 +58,7 @@ def test_fsdp_shards_swin_blocks_and_equals_one_process(tmp_path: Path) -> None:
               "optim.name=sgd", "optim.lr=0.05", "model.drop_path=0"]  # fmt: skip
     single, multi = tmp_path / "single", tmp_path / "fsdp"
     subprocess.run(
-        [sys.executable, "-m", "vitlab", "train", "--out", str(single), *common],
+        [*VITLAB, "train", "--out", str(single), *common],
         check=True,
         capture_output=True,
     )

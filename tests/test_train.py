@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY_MODEL, torchrun_train, weights_of
+from tests.helpers import TINY_MODEL, VITLAB, torchrun_train, weights_of
 from vitlab import load_checkpoint, runtime
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
@@ -234,7 +233,7 @@ def test_resume_drops_metrics_of_epochs_the_checkpoint_does_not_hold(tmp_path: P
 def test_ctrl_c_saves_and_resume_finishes_identically(tmp_path: Path) -> None:
     # one thread each: the uninterrupted run trains alongside (two 2-thread processes on two
     # cores wait on each other's threads)
-    args = [sys.executable, "-m", "vitlab", "train", *FAST, "train.epochs=6", "train.threads=1"]
+    args = [*VITLAB, "train", *FAST, "train.epochs=6", "train.threads=1"]
     straight, log = tmp_path / "straight", tmp_path / "straight.log"
     with open(log, "w") as f:
         uninterrupted = subprocess.Popen([*args, "--out", str(straight)], stdout=f, stderr=f)
@@ -260,7 +259,7 @@ def test_ctrl_c_saves_and_resume_finishes_identically(tmp_path: Path) -> None:
     state = torch.load(stopped / "checkpoints/last/state.pt", weights_only=True)
     assert state["epoch"] < 6
     subprocess.run(
-        [sys.executable, "-m", "vitlab", "train", "--resume", str(stopped)],
+        [*VITLAB, "train", "--resume", str(stopped)],
         check=True,
         capture_output=True,
     )
@@ -371,7 +370,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One process's run of TWO_RANKS, which both strategies below are held to (one run for both:
     a process's start is most of its time)."""
     run = tmp_path_factory.mktemp("one_process") / "single"
-    cmd = [sys.executable, "-m", "vitlab", "train", "--out", str(run), *TWO_RANKS]
+    cmd = [*VITLAB, "train", "--out", str(run), *TWO_RANKS]
     subprocess.run(cmd, check=True, capture_output=True)
     return run
 

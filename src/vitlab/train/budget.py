@@ -49,6 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 from vitlab.config import RunConfig
@@ -221,7 +222,7 @@ class TimeBudget:
             stalls = typical_step(self.recent, CHECK_EVERY)[1] if self.recent else 0.0
             lost = stalls + self.stalled
             why = f"after a stall of {lost:.0f} s" if lost else "the steps' pace changed"
-            paced = lambda: self._paced(step)  # noqa: E731
+            paced = lambda: self._paced(step, stalls)  # noqa: E731
             self._plan(step, paced, final=True, note=f" (planned again: {why})")
             self.stalled = 0.0  # planned for (on rank 0; every rank forgets it alike)
             if lost:  # the stall is planned for (or the plan kept): not counted again
@@ -237,18 +238,17 @@ class TimeBudget:
             end = self.val_images * per_image + 0.2
         return Costs(step, end, self.test_images * per_image * self.test_factor + TAIL_S)
 
-    def _paced(self, step: int) -> Costs | None:
+    def _paced(self, step: int, lost: float) -> Costs | None:
         """The plan's costs scaled to the pace of the latest steps, as many as the plan has left
-        (at least CHECK_EVERY), when that differs by more than DRIFT, or when a stall lost time
-        (None: on plan)."""
+        (at least CHECK_EVERY), when that differs by more than DRIFT, or when a stall lost time:
+        `lost` among the latest steps, or self.stalled at epoch ends (None: on plan)."""
         was, stalled = self.planned, self.stalled
         if was is None:
             return None
         if len(self.recent) < CHECK_EVERY // 2:  # too few steps to pace: a stall at an epoch end
             return was if stalled else None  # costs its time at the plan's pace
-        lost = typical_step(self.recent, CHECK_EVERY)[1]  # a stall among the latest steps
         left = max(CHECK_EVERY, (self.total or 0) - step)
-        now = typical_step(list(self.history)[-left:], CHECK_EVERY)[0]
+        now = typical_step(list(islice(reversed(self.history), left)), CHECK_EVERY)[0]
         if abs(now / was.step - 1) <= DRIFT and not lost and not stalled:
             return None
         k = now / was.step
