@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -152,9 +153,10 @@ def run_together(
     """Independent commands (argv, environment or None: this one's) started at once and waited
     for, their output captured as text. A fresh Python spends seconds importing torch on one core,
     so a second core takes the next one meanwhile (the suite's wall time, not its work, is what CI
-    limits). Whatever is still running when this returns or raises is killed, with every process
-    it started."""
+    limits). `timeout` seconds for all of them together, from the start. Whatever is still running
+    when this returns or raises is killed, with every process it started."""
     procs: list[subprocess.Popen] = []
+    deadline = time.monotonic() + timeout
     try:
         for argv, env in jobs:
             procs.append(
@@ -162,7 +164,7 @@ def run_together(
                     argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
                 )
             )
-        outputs = [p.communicate(timeout=timeout) for p in procs]
+        outputs = [p.communicate(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
