@@ -147,6 +147,11 @@ def kill_tree(proc: subprocess.Popen) -> tuple[str, str]:
     return proc.communicate()  # what it wrote before
 
 
+def seconds_to(deadline: float) -> float:
+    """Seconds from now to `deadline` (time.monotonic), 0 once it has passed."""
+    return max(0.0, deadline - time.monotonic())
+
+
 def run_together(
     *jobs: tuple[list[str], dict[str, str] | None], timeout: float = 600
 ) -> list[subprocess.CompletedProcess]:
@@ -164,7 +169,10 @@ def run_together(
                     argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
                 )
             )
-        outputs = [p.communicate(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
+        outputs = [  # one that has ended is read whatever the time
+            p.communicate(timeout=None if p.poll() is not None else seconds_to(deadline))
+            for p in procs
+        ]
     finally:
         for p in procs:
             if p.poll() is None:

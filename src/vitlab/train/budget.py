@@ -248,7 +248,8 @@ class TimeBudget:
         if len(self.recent) < CHECK_EVERY // 2:  # too few steps to pace: a stall at an epoch end
             return was if stalled else None  # costs its time at the plan's pace
         left = max(CHECK_EVERY, (self.total or 0) - step)
-        now = typical_step(list(islice(reversed(self.history), left)), CHECK_EVERY)[0]
+        tail = islice(self.history, max(0, len(self.history) - left), None)  # in order, no copy
+        now = typical_step(list(tail), CHECK_EVERY)[0]
         if abs(now / was.step - 1) <= DRIFT and not lost and not stalled:
             return None
         k = now / was.step
