@@ -296,12 +296,11 @@ def test_cli_notes_are_log_lines_that_q_hides_and_python_warnings_filters_do_not
     torch.save(ref.state_dict(), tmp_path / "w.pth")
     dst = str(tmp_path / "out")
     ignore = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    cli = [*VITLAB]
     src = str(tmp_path / "w.pth")
     r, quiet, verbose = run_together(  # three independent commands at once
-        ([*cli, "convert", src, dst], ignore),
-        ([*cli, "-q", "convert", src, dst + "q"], dict(os.environ)),
-        ([*cli, "convert", "-v", src, dst + "v"], dict(os.environ)),
+        ([*VITLAB, "convert", src, dst], ignore),
+        ([*VITLAB, "-q", "convert", src, dst + "q"], dict(os.environ)),
+        ([*VITLAB, "convert", "-v", src, dst + "v"], dict(os.environ)),
     )
     assert r.returncode == 0, r.stderr
     notes = [x for x in r.stderr.splitlines() if "assuming num_heads=1" in x]
