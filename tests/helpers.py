@@ -57,6 +57,15 @@ def torchrun_train(
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def help_of(capsys: pytest.CaptureFixture, *command: str) -> str:
+    """`vitlab COMMAND --help`'s text, in this process (argparse prints it, then exits 0)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
 def check_eval_and_predict(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`vitlab eval RUN` gives the top-1 the run recorded, and `vitlab predict RUN` answers an
     8x8 grey image (digits' size) with its top 5 classes."""

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import VITLAB
+from tests.helpers import help_of
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, RunConfig, load_run_config
 from vitlab.models.registry import config_of
@@ -78,7 +77,7 @@ def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
         ("predict", ["--topk", "--json", "IMAGE", "--backend", "onnxruntime", "--int8", "--tta"]),
     ],
 )
-def test_help_explains_the_options(command: str, words: list[str]) -> None:
-    out = subprocess.run([*VITLAB, command, "--help"], capture_output=True, text=True).stdout
+def test_help_explains_the_options(command: str, words: list[str], capsys) -> None:
+    out = help_of(capsys, command)
     for word in words:
         assert word in out, word

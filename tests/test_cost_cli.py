@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import VITLAB
+from tests.helpers import help_of
 from vitlab.analysis.cost import cost_report, format_cost_report
 from vitlab.cli.main import main
 from vitlab.models.checkpoint import save_pretrained
@@ -108,13 +107,8 @@ def test_models_command(capsys) -> None:
 
 
 @pytest.mark.parametrize("command", [[], ["models"], ["cost"]])
-def test_help_documents_every_option(command: list[str]) -> None:
-    out = subprocess.run(
-        [*VITLAB, *command, "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+def test_help_documents_every_option(command: list[str], capsys) -> None:
+    out = help_of(capsys, *command)
     expected = {(): ["models", "cost"], ("models",): ["--json", "pattern"]}.get(
         tuple(command), ["--img-size", "--patch-sizes", "--json", "2 N^2 D"]
     )

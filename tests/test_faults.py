@@ -21,11 +21,24 @@ import torch
 from tests.helpers import VITLAB, run_together
 from tests.test_train import FAST
 from vitlab import load_checkpoint
+from vitlab.config import load_run_config
+from vitlab.train.run import train
 from vitlab.train.state import load_train_state, load_weights, resolve_checkpoint
 
 # one thread: with another process busy on a 2-core machine, two torch threads wait on each
 # other (63 img/s against 5,160 img/s with one)
-TRAIN = [*VITLAB, "train", *FAST, "data.val_fraction=0.1", "train.threads=1"]
+OVERRIDES = [*FAST, "data.val_fraction=0.1", "train.threads=1"]
+TRAIN = [*VITLAB, "train", *OVERRIDES]
+
+
+def train_here(run: Path, *overrides: str) -> Path:
+    """A run trained in this process (a run the test starts from, not the command under test:
+    no interpreter to start), this process's torch thread count kept."""
+    threads = torch.get_num_threads()
+    try:
+        return train(load_run_config(None, [*OVERRIDES, *overrides]), out=run)
+    finally:
+        torch.set_num_threads(threads)  # train.threads=1 set it
 
 
 def checkpoint(run: Path, which: str) -> tuple[dict[str, torch.Tensor], Path]:
@@ -60,22 +73,20 @@ def kill_during_save(
     return "".join(lines[-5:])
 
 
-def survived(run: Path, straight: Path) -> None:
-    """After a kill: `last` (weights and training state) and `best` load, and --resume finishes
-    with the weights of the uninterrupted run."""
-    _, folder = checkpoint(run, "last")
-    state = load_train_state(folder)
-    assert state["epoch"] >= 1
-    checkpoint(run, "best")
-    done = subprocess.run(
-        [*VITLAB, "train", "--resume", str(run)],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    a, b = checkpoint(straight, "last")[0], checkpoint(run, "last")[0]
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert (run / "results.json").is_file()
+def survived(runs: list[Path], straight: Path) -> None:
+    """After a kill: each run's `last` (weights and training state) and `best` load, and --resume
+    (the runs at once) finishes with the weights of the uninterrupted run."""
+    for run in runs:
+        _, folder = checkpoint(run, "last")
+        assert load_train_state(folder)["epoch"] >= 1
+        checkpoint(run, "best")
+    resumed = run_together(*[([*VITLAB, "train", "--resume", str(run)], None) for run in runs])
+    a = checkpoint(straight, "last")[0]
+    for run, done in zip(runs, resumed):
+        assert done.returncode == 0, done.stderr[-2000:]
+        b = checkpoint(run, "last")[0]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert (run / "results.json").is_file()
 
 
 def test_kill_9_around_checkpoint_writes_keeps_a_loadable_checkpoint(tmp_path: Path) -> None:
@@ -97,8 +108,7 @@ def test_kill_9_around_checkpoint_writes_keeps_a_loadable_checkpoint(tmp_path: P
         if uninterrupted.poll() is None:
             uninterrupted.kill()
             uninterrupted.wait()
-    for run in killed:
-        survived(run, straight)
+    survived(killed, straight)
 
 
 # --- a disk that fills up ------------------------------------------------------------------------
@@ -120,11 +130,9 @@ except Exception as e:
 """
 
 
-def stopped_run(tmp_path: Path, name: str) -> Path:
-    run = tmp_path / name
-    subprocess.run([*TRAIN, "train.epochs=2", "train.stop_at_epoch=1", "--out", str(run)],
-                   check=True, capture_output=True)  # fmt: skip
-    return run
+def stopped_run(parent: Path, name: str) -> Path:
+    """A run of 2 epochs stopped after the first, in folder `parent / name`."""
+    return train_here(parent / name, "train.epochs=2", "train.stop_at_epoch=1")
 
 
 def assert_previous_intact(run: Path, before: dict[str, dict[str, torch.Tensor]], message: str):
@@ -200,8 +208,7 @@ def test_a_run_killed_mid_swap_of_best_still_serves_its_best(tmp_path: Path) -> 
     evaluated other weights)."""
     run = tmp_path / "run"
     # with EMA, best holds the averaged weights and last the raw ones
-    subprocess.run([*TRAIN, "train.epochs=2", "train.ema=0.9", "--out", str(run)], check=True,
-                   capture_output=True)  # fmt: skip
+    train_here(run, "train.epochs=2", "train.ema=0.9")
     best = load_weights(run / "checkpoints/best/model.safetensors")
     last = load_weights(run / "checkpoints/last/model.safetensors")
     assert any(not torch.equal(best[k], last[k]) for k in best)
