@@ -229,16 +229,18 @@ def test_export_onnx_and_torch_export_match_pytorch(tmp_path: Path) -> None:
         assert (program(x) - want).abs().max() <= 1e-4
 
 
-def test_predict_applies_the_weights_preprocessing_like_transformers(tmp_path: Path) -> None:
+def test_predict_applies_the_weights_preprocessing_like_transformers(
+    tmp_path: Path, capsys
+) -> None:
     model = randomized("vit_nano_patch4_32", num_classes=4)
     model.preprocessing = Preprocessing((32, 32), 3, (0.2, 0.3, 0.4), (0.5, 0.6, 0.7))
     model.classes = ["a", "b", "c", "d"]
     save_pretrained(model, tmp_path / "hf", "hf")
     rng = np.random.default_rng(0)
     Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(tmp_path / "x.png")
-    r = vitlab("predict", str(tmp_path / "hf"), str(tmp_path / "x.png"), "--json", "--topk", "4")
-    assert r.returncode == 0, r.stderr
-    ours = {t["class"]: t["probability"] for t in json.loads(r.stdout)[0]["top"]}
+    args = ["predict", str(tmp_path / "hf"), str(tmp_path / "x.png"), "--json", "--topk", "4"]
+    assert main(args) == 0
+    ours = {t["class"]: t["probability"] for t in json.loads(capsys.readouterr().out)[0]["top"]}
     processor = transformers.ViTImageProcessor.from_pretrained(tmp_path / "hf")
     ref = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
     pixels = processor(Image.open(tmp_path / "x.png"), return_tensors="pt")["pixel_values"]

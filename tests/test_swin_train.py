@@ -4,13 +4,12 @@ with the same weights as one process, and refuses what only a ViT can do."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import VITLAB, check_eval_and_predict, torchrun_train, weights_of
+from tests.helpers import check_eval_and_predict, torchrun_train, weights_of
 from vitlab import load_checkpoint
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
@@ -57,11 +56,7 @@ def test_fsdp_shards_swin_blocks_and_equals_one_process(tmp_path: Path) -> None:
     common = [*TINY_SWIN, "train.epochs=1", "data.val_fraction=0", "train.precision=fp32",
               "optim.name=sgd", "optim.lr=0.05", "model.drop_path=0"]  # fmt: skip
     single, multi = tmp_path / "single", tmp_path / "fsdp"
-    subprocess.run(
-        [*VITLAB, "train", "--out", str(single), *common],
-        check=True,
-        capture_output=True,
-    )
+    train(load_run_config(None, common), out=single)
     proc = torchrun_train(multi, *common, "train.strategy=fsdp", port=29547)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stderr
