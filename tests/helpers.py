@@ -18,7 +18,9 @@ from PIL import Image
 from torch import nn
 
 from vitlab.cli.main import main
+from vitlab.config import RunConfig
 from vitlab.models.vit import VisionTransformer, ViTConfig
+from vitlab.train.run import train
 from vitlab.train.state import load_weights
 
 VITLAB = (sys.executable, "-m", "vitlab")  # the command line's start: this Python's vitlab
@@ -55,6 +57,16 @@ def torchrun_train(
     cmd = [*run, "-m", "vitlab", "train", "--out", str(out), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def train_keeping_threads(cfg: RunConfig, **kwargs) -> Path:
+    """vitlab.train.run.train(cfg, **kwargs) in this process, which keeps its torch thread count
+    (a run's train.threads sets it for the process)."""
+    threads = torch.get_num_threads()
+    try:
+        return train(cfg, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def help_of(capsys: pytest.CaptureFixture, *command: str) -> str:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY_MODEL, VITLAB, torchrun_train, weights_of
+from tests.helpers import TINY_MODEL, VITLAB, torchrun_train, train_keeping_threads, weights_of
 from vitlab import load_checkpoint, runtime
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
@@ -258,11 +258,7 @@ def test_ctrl_c_saves_and_resume_finishes_identically(tmp_path: Path) -> None:
     assert "checkpoint saved" in rest and "--resume" in rest
     state = torch.load(stopped / "checkpoints/last/state.pt", weights_only=True)
     assert state["epoch"] < 6
-    subprocess.run(
-        [*VITLAB, "train", "--resume", str(stopped)],
-        check=True,
-        capture_output=True,
-    )
+    train_keeping_threads(load_run_config(str(stopped / "config.yaml")), resume=stopped)
     a, b = weights_of(straight), weights_of(stopped)
     for k in a:
         assert torch.equal(a[k], b[k]), k
