@@ -70,12 +70,13 @@ def train_keeping_threads(cfg: RunConfig, **kwargs) -> Path:
 
 
 def help_of(capsys: pytest.CaptureFixture, *command: str) -> str:
-    """`vitlab COMMAND --help`'s text, in this process (argparse prints it, then exits 0)."""
+    """`vitlab COMMAND --help`'s text, in this process (argparse prints it, then exits 0), its
+    whitespace collapsed: argparse wraps at the terminal's width, which `pytest -s` lets through."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main([*command, "--help"])
-    assert e.value.code == 0
-    return capsys.readouterr().out
+    assert e.value.code == 0, capsys.readouterr().err
+    return " ".join(capsys.readouterr().out.split())
 
 
 def check_eval_and_predict(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

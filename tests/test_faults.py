@@ -25,9 +25,11 @@ from vitlab.config import load_run_config
 from vitlab.train.state import load_train_state, load_weights, resolve_checkpoint
 
 # one thread: with another process busy on a 2-core machine, two torch threads wait on each
-# other (63 img/s against 5,160 img/s with one)
+# other (63 img/s against 5,160 img/s with one). The runs trained in this process keep it in their
+# config too: their resumes run two at a time.
 OVERRIDES = [*FAST, "data.val_fraction=0.1", "train.threads=1"]
 TRAIN = [*VITLAB, "train", *OVERRIDES]
+RESUME = [*VITLAB, "train", "--resume"]
 
 
 def train_here(run: Path, *overrides: str) -> Path:
@@ -48,9 +50,9 @@ def kill_during_save(
     """Start `vitlab train` (or resume `run`), SIGKILL it `delay` s after it logs epoch `epoch`
     (any epoch: None); the log line comes just before that epoch's best and last checkpoints are
     written. The tail of its log."""
-    start = ["--resume", str(run)] if resume else [f"train.epochs={epochs}", "--out", str(run)]
+    cmd = [*RESUME, str(run)] if resume else [*TRAIN, f"train.epochs={epochs}", "--out", str(run)]
     proc = subprocess.Popen(
-        [*(TRAIN[:4] if resume else TRAIN), *start],
+        cmd,
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -75,7 +77,7 @@ def survived(runs: list[Path], straight: Path) -> None:
         _, folder = checkpoint(run, "last")
         assert load_train_state(folder)["epoch"] >= 1
         checkpoint(run, "best")
-    resumed = run_together(*[([*VITLAB, "train", "--resume", str(run)], None) for run in runs])
+    resumed = run_together(*[([*RESUME, str(run)], None) for run in runs])
     a = checkpoint(straight, "last")[0]
     for run, done in zip(runs, resumed):
         assert done.returncode == 0, done.stderr[-2000:]
@@ -186,7 +188,7 @@ def test_a_full_disk_fails_clearly_and_keeps_the_previous(tmp_path: Path) -> Non
         with open(mount / "filler", "wb") as f:  # leave less room than a second checkpoint
             f.write(b"\0" * max(os.statvfs(mount).f_bavail * 4096 - used // 2, 0))
         out = subprocess.run(
-            [*VITLAB, "train", "--resume", str(run)],
+            [*RESUME, str(run)],
             capture_output=True,
             text=True,
         )

@@ -361,10 +361,15 @@ TWO_RANKS = [*FAST, "train.epochs=2", "data.val_fraction=0", "train.precision=fp
              "optim.name=sgd", "optim.lr=0.05"]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One process's run of TWO_RANKS, which both strategies below are held to."""
+    return train(load_run_config(None, TWO_RANKS), out=tmp_path_factory.mktemp("one") / "single")
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_processes_equal_one_process(tmp_path: Path, strategy: str) -> None:
+def test_two_processes_equal_one_process(tmp_path: Path, strategy: str, single: Path) -> None:
     """torchrun with 2 CPU processes (gloo) against one process with the same global batch."""
-    single = train(load_run_config(None, TWO_RANKS), out=tmp_path / "single")
     multi = tmp_path / strategy
     port = 29533 if strategy == "ddp" else 29534
     proc = torchrun_train(multi, *TWO_RANKS, f"train.strategy={strategy}", port=port, timeout=None)
