@@ -78,7 +78,7 @@ def test_the_budget_plans_from_timed_steps(tmp_path, monkeypatch) -> None:
     cfg = load_run_config(None, ["train.time_budget=31s", "train.epochs=2", "optim.lr=0.001"])
     settings = StepSettings(1, None, lambda step: 0.5, nullcontext)
     clock = [0.0]
-    monkeypatch.setattr(budget.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(budget, "step_clock", lambda: clock[0])
     monkeypatch.setattr(budget, "process_age", lambda: 5.0 + clock[0])
     b = TimeBudget(cfg, settings, 40, 4, (64, 100, 200), tmp_path, Dist(), bf16=False)
     assert cfg.train.epochs == 2 and settings.max_steps is None
@@ -98,10 +98,10 @@ def test_the_budget_plans_from_timed_steps(tmp_path, monkeypatch) -> None:
 
 
 def run_on_a_fake_clock(
-    monkeypatch, tmp_path, seconds: int, pace, spe: int = 40, warmup: int = 4, lrs=None
+    monkeypatch, tmp_path, seconds: int, pace, spe: int = 40, warmup: int = 4, lrs=None, end=1.0
 ) -> tuple[list[int], float]:
     """A TimeBudget of `seconds` driven step by step, `spe` steps an epoch, the process 5 s old at
-    step 0, step s taking pace(s) * 0.1 s and an epoch end pace(s) * 1.0 s. Returns the plans
+    step 0, step s taking pace(s) * 0.1 s and an epoch end pace(s) * `end` s. Returns the plans
     made and the simulated command's length (with the last epoch's end and the test split).
     Checks on the way that the learning rate never rises past the warm-up and rises linearly in
     it however often the plan changes, and that a run resumed from the plan's file has the same
@@ -109,7 +109,7 @@ def run_on_a_fake_clock(
     cfg = load_run_config(None, [f"train.time_budget={seconds}s", "optim.lr=0.001"])
     settings = StepSettings(1, None, lambda step: 0.5, nullcontext)
     clock = [0.0]
-    monkeypatch.setattr(budget.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(budget, "step_clock", lambda: clock[0])
     monkeypatch.setattr(budget, "process_age", lambda: 5.0 + clock[0])
     TimeBudget(cfg, settings, spe, warmup, (64, 100, 200), tmp_path, Dist(), bf16=False)
     step, plans, lrs = 0, [], [] if lrs is None else lrs
@@ -117,7 +117,7 @@ def run_on_a_fake_clock(
         lrs.append(settings.lr_at(step))
         if settings.max_steps is not None and settings.max_steps not in plans:
             plans.append(settings.max_steps)
-        clock[0] += pace(step) * (0.1 + (1.0 if (step + 1) % spe == 0 else 0.0))
+        clock[0] += pace(step) * (0.1 + (end if (step + 1) % spe == 0 else 0.0))
         step += 1
     assert settings.lr_at(step - 1) < 0.001 * 0.001 and settings.lr_at(step) == 0.0
     first = budget.SKIP_STEPS + budget.TIMED_STEPS  # the first plan's step
@@ -133,8 +133,8 @@ def run_on_a_fake_clock(
     for s in range(first, step + 1):  # resumed from any step: the lr the run took there
         assert resumed.lr_at(s) == pytest.approx(lrs[s] if s < step else 0.0, abs=1e-15)
     # after the last step: the last epoch's end, and the test split (200 images at the epoch
-    # end's 100 images a pace(s) * 1.0 s) and 2 s of files
-    return plans, 5.0 + clock[0] + pace(step) * (1.0 + 2.0) + 2.0
+    # end's 100 images a pace(s) * end s) and 2 s of files
+    return plans, 5.0 + clock[0] + pace(step) * end * (1.0 + 2.0) + 2.0
 
 
 def test_a_plan_follows_the_steps_pace(tmp_path, monkeypatch) -> None:
@@ -212,6 +212,33 @@ def test_a_stall_costs_its_time_and_not_the_runs_pace(tmp_path, monkeypatch) -> 
         )
         assert steady[-1] - 300 <= plans_stalled[-1] <= steady[-1] - 200, (stall, spe)
         assert 121.0 * 0.85 <= length <= 121.0, (stall, spe)
+
+
+def test_epochs_longer_than_the_pace_check_still_plan_on_the_measured_epoch_end(
+    tmp_path, monkeypatch
+) -> None:
+    """100 steps an epoch (more than CHECK_EVERY), each epoch end 3 s (validation and
+    checkpoints) where the first plan guesses 0.25 s from the steps: the pace check at step 50
+    once ended the planning of the first epoch end, so the run planned ~1,040 steps and took
+    ~150 s of its 121. Now the first epoch end's cost is measured and planned for (by hand at
+    step 100: 18 s gone, the test split 200 * 0.03 + 2 s; (N - 100) * 0.1 + (ceil(N / 100) - 1)
+    * 3 <= 121 * 0.95 - 1 - 18 - 8 -> N = 769), and the run ends in time."""
+    plans, length = run_on_a_fake_clock(monkeypatch, tmp_path, 121, lambda s: 1.0, spe=100, end=3.0)
+    assert plans[0] > 1000  # planned on the guess
+    assert plans[1] == 769 and plans[-1] == 769
+    assert 121.0 * 0.9 <= length <= 121.0
+
+
+def test_steps_are_timed_on_the_clock_the_budget_counts(monkeypatch) -> None:
+    """A sleeping laptop: the budget counts the process's age on the clock that goes on while the
+    machine sleeps, so the steps are timed on it too (on perf_counter's, which stops, a suspend
+    between two steps was no stall, and the command ended that much late). Linux: /proc/uptime's
+    clock, CLOCK_BOOTTIME; elsewhere the wall clock, as process_age's fallback."""
+    if Path("/proc/uptime").is_file():
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        assert budget.step_clock() == pytest.approx(uptime, abs=0.1)
+    monkeypatch.delattr(budget.time, "CLOCK_BOOTTIME", raising=False)
+    assert budget.step_clock() == pytest.approx(time.time(), abs=0.1)
 
 
 def test_a_plan_written_before_schedules_were_anchored_resumes_on_its_own_steps(tmp_path):

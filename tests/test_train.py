@@ -211,6 +211,7 @@ def test_out_naming_an_existing_run_is_refused_unless_overwritten(tmp_path: Path
     assert "old run" in (out / "metrics.jsonl").read_text()
     assert main([*args, "--overwrite"]) == 0
     assert "old run" not in (out / "metrics.jsonl").read_text()
+    (out / "time_budget.json").write_text('{"steps": 3, "final": true}\n')  # an old plan
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     assert (out / "notes.txt").read_text() == "the user's own file"  # not a run file: kept
     empty = tmp_path / "empty"
@@ -219,6 +220,11 @@ def test_out_naming_an_existing_run_is_refused_unless_overwritten(tmp_path: Path
 
 
 def test_resume_drops_metrics_of_epochs_the_checkpoint_does_not_hold(tmp_path: Path) -> None:
+    assert not (out / "time_budget.json").exists()  # a later --resume would keep its plan
+    alone = tmp_path / "plan-only"  # a run stopped before its first checkpoint
+    alone.mkdir()
+    (alone / "time_budget.json").write_text('{"steps": 3, "final": true}\n')
+    assert main(["train", *FAST, "train.epochs=1", "--out", str(alone)]) == 2
     """A kill after an epoch's metrics line but before its checkpoint: that epoch is trained
     again on resume, and logged once."""
     run = train(cfg("train.epochs=3", "train.stop_at_epoch=1"), out=tmp_path / "r")

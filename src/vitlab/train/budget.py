@@ -54,6 +54,7 @@ from pathlib import Path
 
 from vitlab.config import RunConfig
 from vitlab.duration import parse_duration
+from vitlab.formats.base import write_text
 from vitlab.runtime import Dist
 from vitlab.train import distributed
 from vitlab.train.build import Data
@@ -85,6 +86,15 @@ def process_age() -> float:
         return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return time.time() - _IMPORTED
+
+
+def step_clock() -> float:
+    """Seconds on a clock that goes on while the machine sleeps, as process_age's does (Linux:
+    CLOCK_BOOTTIME, what /proc/uptime counts; elsewhere the wall clock), so that a suspended
+    laptop's sleep shows between two steps as a stall (perf_counter's monotonic clock stops)."""
+    if hasattr(time, "CLOCK_BOOTTIME"):
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+    return time.time()
 
 
 @dataclass
@@ -188,9 +198,10 @@ class TimeBudget:
         settings.lr_at = self.lr_at
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of step `step` (`step` steps taken); times the steps and plans."""
-        if self.watch:
-            self._observe(step, time.perf_counter())
+        """The learning rate of step `step` (`step` steps taken); times the steps and plans,
+        once a step (the engine asks once per parameter group)."""
+        if self.watch and (self.last is None or self.last[0] != step):
+            self._observe(step, step_clock())
         if self.total is None:
             return self.provisional(step)
         return self.schedule(step)
@@ -223,7 +234,8 @@ class TimeBudget:
             lost = stalls + self.stalled
             why = f"after a stall of {lost:.0f} s" if lost else "the steps' pace changed"
             paced = lambda: self._paced(step, stalls)  # noqa: E731
-            self._plan(step, paced, final=True, note=f" (planned again: {why})")
+            # final only once an epoch end is measured: the first one's plan is still to come
+            self._plan(step, paced, final=bool(self.ends), note=f" (planned again: {why})")
             self.stalled = 0.0  # planned for (on rank 0; every rank forgets it alike)
             if lost:  # the stall is planned for (or the plan kept): not counted again
                 self.recent.clear()
@@ -295,7 +307,7 @@ class TimeBudget:
             "estimates_s": {k: round(v, 3) for k, v in vars(costs).items()},  # Costs' fields
             "schedule": {"span": self.span, "pieces": [list(p) for p in self.pieces]},
         }
-        self.file.write_text(json.dumps(plan) + "\n")
+        write_text(self.file, json.dumps(plan) + "\n")  # atomic: --resume reads it
         print(
             f"time budget {self.text}: {total:,} steps ({epochs:.1f} epochs) at "
             f"{speed:,.0f} img/s{note}",

@@ -23,6 +23,7 @@ RUN_FILES = (
     "results.json",
     "tensorboard",
     "features",  # vitlab fewshot / probe caches
+    "time_budget.json",  # train.time_budget's plan (vitlab.train.budget.PLAN_FILE)
 )
 
 
