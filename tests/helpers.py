@@ -18,7 +18,7 @@ from PIL import Image
 from torch import nn
 
 from vitlab.cli.main import main
-from vitlab.config import RunConfig
+from vitlab.config import RunConfig, load_run_config
 from vitlab.models.vit import VisionTransformer, ViTConfig
 from vitlab.train.run import train
 from vitlab.train.state import load_weights
@@ -67,6 +67,13 @@ def train_keeping_threads(cfg: RunConfig, **kwargs) -> Path:
         return train(cfg, **kwargs)
     finally:
         torch.set_num_threads(threads)
+
+
+def resume(run: Path, *overrides: str, keep_threads: bool = False) -> Path:
+    """Continue `run` in this process as `vitlab train --resume RUN [overrides]` does: the run's
+    own config.yaml plus the overrides (keep_threads: through train_keeping_threads)."""
+    cfg = load_run_config(str(run / "config.yaml"), overrides)
+    return (train_keeping_threads if keep_threads else train)(cfg, resume=run)
 
 
 def help_of(capsys: pytest.CaptureFixture, *command: str) -> str:

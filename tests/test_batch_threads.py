@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import vitlab
-from tests.helpers import TINY_MODEL, weights_of
+from tests.helpers import TINY_MODEL, resume, weights_of
 from vitlab.config import ConfigError, load_run_config
 from vitlab.runtime import drawing_from
 from vitlab.train.engine import classification
@@ -137,7 +137,7 @@ def test_training_with_batch_threads(tmp_path) -> None:
     straight = train(cfg(*dropping), out=tmp_path / "straight")
     again = train(cfg(*dropping), out=tmp_path / "again")
     half = train(cfg(*dropping, "train.stop_at_epoch=1"), out=tmp_path / "half")
-    resumed = train(load_run_config(str(half / "config.yaml")), resume=half)
+    resumed = resume(half)
     s, g, r = weights_of(straight), weights_of(again), weights_of(resumed)
     for k in s:
         assert torch.equal(s[k], g[k]) and torch.equal(s[k], r[k]), k
@@ -162,7 +162,7 @@ def test_each_batch_draws_from_its_own_seed_again_on_resume(tmp_path, monkeypatc
     assert len(straight) == 2 * 22 and len(set(straight)) == len(straight)  # 1,438 images
     seeds.clear()
     half = train(cfg(*common, "train.stop_at_epoch=1"), out=tmp_path / "half")
-    train(load_run_config(str(half / "config.yaml")), resume=half)
+    resume(half)
     assert seeds == straight
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.helpers import check_eval_and_predict, torchrun_train, weights_of
+from tests.helpers import check_eval_and_predict, resume, torchrun_train, weights_of
 from vitlab import create_model, load_checkpoint, save_pretrained
 from vitlab.analysis.cost import cost_report, format_cost_report
 from vitlab.cli.main import main
@@ -354,7 +354,7 @@ def test_a_cnn_run_learns_and_resumes_exactly(cnn_run: Path, tmp_path: Path) -> 
     result = json.loads((cnn_run / "results.json").read_text())
     assert result["num_images"] == 359 and result["top1"] > 0.3  # chance: 0.1
     half = train(run_config("train.epochs=2", "train.stop_at_epoch=1"), out=tmp_path / "half")
-    resumed = train(load_run_config(str(half / "config.yaml")), resume=half)
+    resumed = resume(half)
     a, b = weights_of(cnn_run), weights_of(resumed)
     assert a.keys() == b.keys() and "layer4.1.bn2.running_var" in a
     for k in a:  # BatchNorm statistics and counters included

@@ -15,7 +15,7 @@ import torch
 import yaml
 from torch.nn import functional as F
 
-from tests.helpers import TINY_MODEL, tiny_checkpoint, torchrun_train, weights_of
+from tests.helpers import TINY_MODEL, resume, tiny_checkpoint, torchrun_train, weights_of
 from vitlab import load_checkpoint
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, DistillConfig, load_run_config
@@ -198,7 +198,7 @@ def test_resume_with_a_teacher_is_exact(teacher: Path, tmp_path: Path, capsys) -
     assert "teacher: " in (half / "config.yaml").read_text()
     copy = tmp_path / "copy"
     shutil.copytree(half, copy)
-    resumed = train(load_run_config(str(half / "config.yaml")), resume=half)
+    resumed = resume(half)
     for which in ("last", "best"):  # best: the EMA weights
         a, b = weights_of(straight, which), weights_of(resumed, which)
         assert a.keys() == b.keys()
@@ -211,7 +211,7 @@ def test_resume_with_a_teacher_is_exact(teacher: Path, tmp_path: Path, capsys) -
     tree = yaml.safe_load((copy / "config.yaml").read_text())
     tree["distill"]["teacher"] = str(moved)
     (copy / "config.yaml").write_text(yaml.safe_dump(tree))
-    train(load_run_config(str(copy / "config.yaml")), resume=copy)
+    resume(copy)
     assert "holds other weights than when the run started" in capsys.readouterr().err
 
 

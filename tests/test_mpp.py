@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY_MODEL, torchrun_train, weights_of
+from tests.helpers import TINY_MODEL, resume, torchrun_train, weights_of
 from vitlab import load_checkpoint
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, MPPConfig, load_run_config
@@ -189,7 +189,7 @@ def test_pretraining_resumes_exactly(tmp_path: Path) -> None:
     extra = ["train.epochs=3", "mpp.target=patch_l2", "model.drop_path=0.1"]
     straight = train(cfg(*extra), out=tmp_path / "straight")
     half = train(cfg(*extra, "train.stop_at_epoch=1"), out=tmp_path / "half")
-    resumed = train(load_run_config(str(half / "config.yaml")), resume=half)
+    resumed = resume(half)
     a, b = weights_of(straight), weights_of(resumed)
     for k in a:
         assert torch.equal(a[k], b[k]), k

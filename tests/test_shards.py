@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY_MODEL, weights_of
+from tests.helpers import TINY_MODEL, resume, weights_of
 from tests.test_trainer_state import CtrlCAtCheck, write_image_folder
 from vitlab.cli.main import main
 from vitlab.config import DataConfig, load_run_config
@@ -304,9 +304,7 @@ def test_train_from_shards_interrupted_mid_epoch_resumes_exactly(tmp_path, monke
     with pytest.raises(TrainingStopped, match="stopped at epoch 2"):
         train(cfg, out=tmp_path / "stopped")
     monkeypatch.undo()
-    resumed = train(
-        load_run_config(str(tmp_path / "stopped" / "config.yaml")), resume=tmp_path / "stopped"
-    )
+    resumed = resume(tmp_path / "stopped")
     for which in ("last", "best"):
         a, b = weights_of(straight, which), weights_of(resumed, which)
         assert all(torch.equal(a[k], b[k]) for k in a), which

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import check_eval_and_predict, torchrun_train, weights_of
+from tests.helpers import check_eval_and_predict, resume, torchrun_train, weights_of
 from vitlab import load_checkpoint
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
@@ -38,7 +38,7 @@ def test_a_swin_run_learns_and_resumes_exactly(tmp_path: Path) -> None:
     result = json.loads((straight / "results.json").read_text())
     assert result["num_images"] == 359 and result["top1"] > 0.5  # chance: 0.1
     half = train(cfg(*extra, "train.stop_at_epoch=1"), out=tmp_path / "half")
-    resumed = train(load_run_config(str(half / "config.yaml")), resume=half)
+    resumed = resume(half)
     a, b = weights_of(straight), weights_of(resumed)
     assert a.keys() == b.keys() and "layers.1.downsample.reduction.weight" in a
     for k in a:

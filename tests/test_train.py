@@ -15,7 +15,13 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY_MODEL, VITLAB, torchrun_train, train_keeping_threads, weights_of
+from tests.helpers import (
+    TINY_MODEL,
+    VITLAB,
+    resume,
+    torchrun_train,
+    weights_of,
+)
 from vitlab import load_checkpoint, runtime
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
@@ -115,7 +121,7 @@ def test_resume_is_exact(tmp_path: Path) -> None:
     half = train(cfg(*extra, "train.epochs=4", "train.stop_at_epoch=2"), out=tmp_path / "half")
     assert len((half / "metrics.jsonl").read_text().splitlines()) == 2
     assert not (half / "results.json").exists()
-    resumed = train(load_run_config(str(half / "config.yaml")), resume=half)
+    resumed = resume(half)
     a, b = weights_of(straight), weights_of(resumed)
     assert a.keys() == b.keys()
     for k in a:
@@ -172,7 +178,7 @@ def test_a_new_length_on_resume_is_refused_unless_extended(tmp_path: Path, capsy
     assert "train.epochs=6 differs from the run's 4" in err and "--extend" in err
     assert (run / "metrics.jsonl").read_text() == before  # nothing trained, nothing lost
     with pytest.raises(ConfigError, match="--extend"):
-        train(load_run_config(str(run / "config.yaml"), ["train.epochs=3"]), resume=run)
+        resume(run, "train.epochs=3")
     assert main(["train", "--resume", str(run), "train.epochs=6", "--extend"]) == 0
     err = capsys.readouterr().err
     assert "extending the run from 4 to 6 epochs" in err
@@ -205,32 +211,32 @@ def test_out_naming_an_existing_run_is_refused_unless_overwritten(tmp_path: Path
     capsys.readouterr()
     (out / "metrics.jsonl").write_text('{"epoch": 1, "marker": "old run"}\n')
     (out / "notes.txt").write_text("the user's own file")
+    (out / "time_budget.json").write_text('{"steps": 3, "final": true}\n')  # an old plan
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "already holds a run" in err and "--resume" in err and "--overwrite" in err
     assert "old run" in (out / "metrics.jsonl").read_text()
     assert main([*args, "--overwrite"]) == 0
     assert "old run" not in (out / "metrics.jsonl").read_text()
-    (out / "time_budget.json").write_text('{"steps": 3, "final": true}\n')  # an old plan
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     assert (out / "notes.txt").read_text() == "the user's own file"  # not a run file: kept
+    assert not (out / "time_budget.json").exists()  # a later --resume would keep its plan
+    alone = tmp_path / "plan-only"  # a run stopped before its first checkpoint
+    alone.mkdir()
+    (alone / "time_budget.json").write_text('{"steps": 3, "final": true}\n')
+    assert main(["train", *FAST, "train.epochs=1", "--out", str(alone)]) == 2
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["train", *FAST, "train.epochs=1", "--out", str(empty)]) == 0
 
 
 def test_resume_drops_metrics_of_epochs_the_checkpoint_does_not_hold(tmp_path: Path) -> None:
-    assert not (out / "time_budget.json").exists()  # a later --resume would keep its plan
-    alone = tmp_path / "plan-only"  # a run stopped before its first checkpoint
-    alone.mkdir()
-    (alone / "time_budget.json").write_text('{"steps": 3, "final": true}\n')
-    assert main(["train", *FAST, "train.epochs=1", "--out", str(alone)]) == 2
     """A kill after an epoch's metrics line but before its checkpoint: that epoch is trained
     again on resume, and logged once."""
     run = train(cfg("train.epochs=3", "train.stop_at_epoch=1"), out=tmp_path / "r")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"epoch": 2, "train_loss": 9.0}\n{"epoch": 3, "tr')  # and a torn line
-    train(load_run_config(str(run / "config.yaml")), resume=run)
+    resume(run)
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2, 3]
     assert records[1]["train_loss"] != 9.0
@@ -264,7 +270,7 @@ def test_ctrl_c_saves_and_resume_finishes_identically(tmp_path: Path) -> None:
     assert "checkpoint saved" in rest and "--resume" in rest
     state = torch.load(stopped / "checkpoints/last/state.pt", weights_only=True)
     assert state["epoch"] < 6
-    train_keeping_threads(load_run_config(str(stopped / "config.yaml")), resume=stopped)
+    resume(stopped, keep_threads=True)
     a, b = weights_of(straight), weights_of(stopped)
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -280,7 +286,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path: Path, monk
 
     monkeypatch.setattr(formats_base, "save_file", die)
     with pytest.raises(state_mod.CheckpointWriteError, match="simulated.*is intact"):
-        train(load_run_config(str(run / "config.yaml")), resume=run)
+        resume(run)
     monkeypatch.undo()
     after = load_weights(resolve_checkpoint(last))
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -296,7 +302,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path: Path, monk
 
     monkeypatch.setattr(state_mod.os, "replace", die_before_the_new_one_lands)
     with pytest.raises((OSError, state_mod.CheckpointWriteError), match="mid-swap"):
-        train(load_run_config(str(run / "config.yaml")), resume=run)
+        resume(run)
     monkeypatch.undo()
     assert not last.exists() and calls
     assert resolve_checkpoint(last).parent.name == ".last.old"
@@ -316,7 +322,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, 
 
     monkeypatch.setattr(torch.nn.functional, "cross_entropy", poisoned)
     with pytest.raises(NonFiniteLoss, match=r"loss became nan at step \d+ \(epoch 2, batch 5\)"):
-        train(load_run_config(str(run / "config.yaml")), resume=run)
+        resume(run)
     monkeypatch.undo()
     after = weights_of(run)
     assert all(torch.equal(before[k], after[k]) for k in before)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY_MODEL, weights_of
+from tests.helpers import TINY_MODEL, resume, weights_of
 from vitlab.config import DataConfig, load_run_config
 from vitlab.data import BatchAugment, Preprocessing, load_split, make_loader
 from vitlab.train import run as run_mod
@@ -110,9 +110,7 @@ def test_image_folder_run_interrupted_mid_epoch_resumes_exactly(tmp_path, monkey
     # checks 1-4 in epoch 1, the 7th before epoch 2's third batch
     state = load_train_state(tmp_path / "stopped" / "checkpoints" / "last")
     assert (state["epoch"], state["batch"], state["step"]) == (1, 2, 6)
-    resumed = train(
-        load_run_config(str(tmp_path / "stopped" / "config.yaml")), resume=tmp_path / "stopped"
-    )
+    resumed = resume(tmp_path / "stopped")
     for which in ("last", "best"):
         a, b = weights_of(straight, which), weights_of(resumed, which)
         for k in a:
@@ -152,7 +150,7 @@ def test_channels_last_trains_the_same_model_in_nhwc_memory(tmp_path, monkeypatc
     straight = train(cfg(*nhwc), out=tmp_path / "straight")
     assert seen == {(False, True, False, True)}
     half = train(cfg(*nhwc, "train.stop_at_epoch=1"), out=tmp_path / "half")
-    resumed = train(load_run_config(str(half / "config.yaml")), resume=half)
+    resumed = resume(half)
     nchw_half = train(cfg(*common, "train.stop_at_epoch=1"), out=tmp_path / "nchw_half")
     flipped = train(cfg(*nhwc), resume=nchw_half)  # the Python API takes any config
     a, b = weights_of(default), weights_of(straight)
@@ -214,7 +212,7 @@ def test_resume_after_an_epoch_with_a_dropped_partial_window_is_exact(tmp_path) 
     straight = train(cfg(*common), out=tmp_path / "straight")
     half = train(cfg(*common, "train.stop_at_epoch=1"), out=tmp_path / "half")
     assert load_train_state(half / "checkpoints" / "last")["step"] == 6
-    resumed = train(load_run_config(str(half / "config.yaml")), resume=half)
+    resumed = resume(half)
     a, b = weights_of(straight), weights_of(resumed)
     for k in a:
         assert torch.equal(a[k], b[k]), k
