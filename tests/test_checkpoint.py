@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.helpers import tiny_checkpoint
 from vitlab import load_pretrained
 from vitlab.formats.timm import REGISTERED, timm_hybrid_arch, timm_model_args, vitlab_to_timm
 from vitlab.models.checkpoint import CheckpointError, load_checkpoint, save_pretrained
@@ -493,6 +494,22 @@ def test_truncated_files_are_named(kind: str, tmp_path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=str(path)):
         load_pretrained(path)
+
+
+def test_a_runs_damaged_best_checkpoint_is_named_with_its_last(tmp_path: Path) -> None:
+    """A run whose checkpoints/best/model.safetensors was cut short (a bad copy): the error names
+    that file and the run's last checkpoint, instead of "holds no weights" for the run folder;
+    the last one loads."""
+    run = tmp_path / "run"
+    for which in ("best", "last"):
+        tiny_checkpoint(run / "checkpoints" / which)
+    best = run / "checkpoints" / "best" / "model.safetensors"
+    best.write_bytes(best.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="is not a readable safetensors") as e:
+        load_checkpoint(run)
+    assert str(best) in str(e.value) and str(run / "checkpoints" / "last") in str(e.value)
+    model, _ = load_checkpoint(run / "checkpoints" / "last")
+    assert model.config.num_classes == 10
 
 
 def test_not_a_checkpoint_and_mismatches_are_named(tmp_path: Path) -> None:

@@ -105,6 +105,31 @@ def test_feature_kinds_and_channel_conversion() -> None:
         match_channels(rgb, pre.__class__((8, 8), 2, (0.5,) * 2, (0.5,) * 2), "c")
 
 
+def test_eval_repeats_grey_images_for_an_rgb_model(tmp_path: Path) -> None:
+    """`vitlab eval CKPT --data digits` with a 3-channel model: the grey images are repeated to
+    RGB (it once failed in normalisation with a traceback), and it scores exactly as the 1-channel
+    model whose patch weights are the RGB model's summed over the channels (repeated input,
+    per-channel normalisation alike) scores on the grey images themselves."""
+    from vitlab.eval.run import evaluate_checkpoint
+
+    rgb = VisionTransformer(ViTConfig(img_size=8, patch_size=2, in_chans=3, num_classes=10,
+                                      embed_dim=16, depth=1, num_heads=2, mlp_dim=32))  # fmt: skip
+    torch.nn.init.normal_(rgb.head.weight, std=0.5)
+    grey = VisionTransformer(rgb.config.replace(in_chans=1))
+    state = rgb.state_dict()
+    state["patch_embed.proj.weight"] = state["patch_embed.proj.weight"].sum(1, keepdim=True)
+    grey.load_state_dict(state)
+    save_pretrained(rgb, tmp_path / "rgb")
+    save_pretrained(grey, tmp_path / "grey")
+    got, want = (
+        evaluate_checkpoint(str(tmp_path / name), data="digits", out=tmp_path, device="cpu")
+        for name in ("rgb", "grey")
+    )
+    assert got["num_images"] == want["num_images"] == 359
+    assert got["top1"] == want["top1"] and got["confusion"] == want["confusion"]
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
 # --- the cache -----------------------------------------------------------------------------------
 
 

@@ -32,9 +32,9 @@ import torch
 from torch import Tensor, nn
 
 from vitlab.config import DataConfig
-from vitlab.data import ArraySplit, DatasetError, make_loader
-from vitlab.data.datasets import Split, load_run_split
-from vitlab.eval.run import data_config, run_config_of, run_folder
+from vitlab.data import DatasetError, make_loader
+from vitlab.data.datasets import load_run_split
+from vitlab.eval.run import data_config, match_channels, run_config_of, run_folder
 from vitlab.formats.base import (
     CheckpointError,
     load_weights,
@@ -130,29 +130,6 @@ def extract(
     if not xs:
         raise DatasetError("the split has no images to extract features from")
     return torch.cat(xs), torch.cat(ys)
-
-
-def match_channels(split: Split, pre: Preprocessing, name: str) -> Split:
-    """`split` with as many channels as the model takes: grey images are repeated to RGB, RGB
-    images converted to grey (ITU-R 601 luma, as PIL's convert('L')); image files are read in
-    the model's mode anyway. Any other pair is a DatasetError naming both."""
-    if not isinstance(split, ArraySplit):
-        return split
-    have, want = split.images.shape[1], pre.in_chans
-    if have == want:
-        return split
-    if have == 1:
-        images = split.images.expand(-1, want, -1, -1)
-    elif have == 3 and want == 1:
-        from torchvision.transforms.v2 import functional as TF
-
-        images = TF.rgb_to_grayscale(split.images)
-    else:
-        raise DatasetError(
-            f"{name} has {have}-channel images and the model's preprocessing takes {want} "
-            "channels: only grey -> any and RGB -> grey are converted"
-        )
-    return ArraySplit(images, split.labels, split.classes)
 
 
 # --- the cache -----------------------------------------------------------------------------------

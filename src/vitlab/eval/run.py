@@ -9,12 +9,13 @@ import torch
 import yaml
 
 from vitlab.config import DataConfig, RunConfig
-from vitlab.data import make_loader
-from vitlab.data.datasets import DatasetError, load_run_split, read_image
+from vitlab.data import ArraySplit, make_loader
+from vitlab.data.datasets import DatasetError, Split, load_run_split, read_image
 from vitlab.eval.backends import backend_device, describe, prepare
 from vitlab.eval.classification import evaluate, format_confusion, save_confusion_png
 from vitlab.formats.vitlab import vitlab_weights
 from vitlab.models.checkpoint import load_checkpoint
+from vitlab.preprocessing import Preprocessing
 from vitlab.runtime import pick_device
 
 
@@ -40,6 +41,29 @@ def data_config(run_cfg: RunConfig | None, data: str | None, data_dir: str | Non
     if data and data != cfg.name:
         cfg = DataConfig(name=data, split_seed=cfg.split_seed, val_fraction=cfg.val_fraction)
     return dataclasses.replace(cfg, dir=data_dir) if data_dir else cfg
+
+
+def match_channels(split: Split, pre: Preprocessing, name: str) -> Split:
+    """`split` with as many channels as the model takes: grey images are repeated to RGB, RGB
+    images converted to grey (ITU-R 601 luma, as PIL's convert('L')); image files are read in
+    the model's mode anyway. Any other pair is a DatasetError naming both."""
+    if not isinstance(split, ArraySplit):
+        return split
+    have, want = split.images.shape[1], pre.in_chans
+    if have == want:
+        return split
+    if have == 1:
+        images = split.images.expand(-1, want, -1, -1)
+    elif have == 3 and want == 1:
+        from torchvision.transforms.v2 import functional as TF
+
+        images = TF.rgb_to_grayscale(split.images)
+    else:
+        raise DatasetError(
+            f"{name} has {have}-channel images and the model's preprocessing takes {want} "
+            "channels: only grey -> any and RGB -> grey are converted"
+        )
+    return ArraySplit(images, split.labels, split.classes)
 
 
 def evaluate_checkpoint(
@@ -74,6 +98,7 @@ def evaluate_checkpoint(
     cfg = data_config(run_cfg, data, data_dir)
     name = cfg.name
     part = load_run_split(cfg, "val" if split == "val" else "test", meta.classes or None)
+    part = match_channels(part, meta.preprocessing, name)  # e.g. grey images, an RGB model
     if len(part.classes) != meta.config.num_classes:
         raise DatasetError(
             f"{name} has {len(part.classes)} classes, the checkpoint's model has "

@@ -49,11 +49,18 @@ _FOLDER_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_
 
 def _files_in(folder: Path, hub_name: str | None = None) -> Files:
     try:  # a vitlab run or checkpoint folder
-        weights = resolve_checkpoint(folder)
-        if Files(weights).metadata().get("format") == "vitlab":
-            return Files(weights, hub_name=hub_name)
+        weights: Path | None = resolve_checkpoint(folder)
     except CheckpointError:
-        pass
+        weights = None
+    if weights is not None:
+        try:  # a damaged file is named, not passed over for the folder's other files
+            if Files(weights).metadata().get("format") == "vitlab":
+                return Files(weights, hub_name=hub_name)
+        except CheckpointError as e:
+            last = weights.parents[1] / "last" / weights.name
+            if weights.parent.name == "best" and last.is_file():
+                raise CheckpointError(f"{e}; the run's last checkpoint is {last.parent}") from None
+            raise
     found = [folder / n for n in _FOLDER_WEIGHTS if (folder / n).is_file()]
     if not found:
         found = sorted(
