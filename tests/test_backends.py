@@ -97,6 +97,21 @@ def test_predict_with_each_backend(trained, tmp_path, capsys) -> None:
     assert tops[1][0]["probability"] == pytest.approx(tops[0][0]["probability"], abs=1e-5)
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["eval", "RUN", "--batch-size", "0"], ["eval", "RUN", "--batch-threads", "0"],
+     ["predict", "RUN", "x.png", "--topk", "-1"]],
+)  # fmt: skip
+def test_counts_below_one_are_refused_by_name(argv, capsys) -> None:
+    """A batch size of 0 once ended in a ZeroDivisionError traceback, a negative --topk in an
+    IndexError: now argparse's usage error, naming the option and the value."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {argv[-2]}: expected a whole number >= 1" in err
+    assert f"got '{argv[-1]}'" in err
+
+
 def test_flip_tta_averages_each_image_with_its_mirror_image(trained, digits, tmp_path,
                                                             capsys) -> None:  # fmt: skip
     model, meta = load_checkpoint(trained)

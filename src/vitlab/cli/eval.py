@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="test",
         help="test split (default), or the run's validation split carved from train",
     )
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=positive_int, default=256)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(
         "--out",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from vitlab.cli.eval import add_backend_arguments
+from vitlab.cli.eval import add_backend_arguments, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", metavar="RUN_OR_CKPT")
     p.add_argument("images", nargs="+", metavar="IMAGE")
-    p.add_argument("--topk", type=int, default=5, help="classes to show per image (default 5)")
+    p.add_argument(
+        "--topk", type=positive_int, default=5, help="classes to show per image (default 5)"
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     add_backend_arguments(p)
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per image")
