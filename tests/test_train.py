@@ -102,8 +102,19 @@ def test_predict_cli_on_image_files(trained_run: Path, tmp_path: Path, capsys) -
     assert hits >= 2
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"nope")
-    assert main(["predict", str(trained_run), str(bad)]) == 2
-    assert "cannot read image" in capsys.readouterr().err
+    # an unreadable file among readable ones: named, exit code 2, and the others still classified
+    assert (
+        main(["predict", str(trained_run), paths[0], str(bad), paths[1], "--topk", "3", "--json"])
+        == 2
+    )
+    out, err = capsys.readouterr()
+    assert f"cannot read image {bad}" in err
+    again = json.loads(out)
+    assert [r["image"] for r in again] == [paths[0], str(bad), paths[1]]
+    assert again[0] == results[0] and again[2] == results[1] and "cannot read" in again[1]["error"]
+    assert main(["predict", str(trained_run), str(bad), paths[0]]) == 2
+    out, err = capsys.readouterr()
+    assert "cannot read image" in err and out.startswith(paths[0]) and str(bad) not in out
 
 
 def test_resume_is_exact(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from vitlab.cli.eval import add_backend_arguments, positive_int
 
@@ -40,11 +41,15 @@ def run(args: argparse.Namespace) -> int:
         int8=args.int8,
         tta=args.tta,
     )
+    failed = [r for r in results if "error" in r]
+    for r in failed:
+        print(f"vitlab predict: error: {r['error']}", file=sys.stderr)
     if args.json:
         print(json.dumps(results, indent=2))
-        return 0
-    for r in results:
-        print(r["image"])
-        for p in r["top"]:
-            print(f"  {100 * p['probability']:6.2f}%  {p['class']}")
-    return 0
+    else:
+        for r in results:
+            if "top" in r:
+                print(r["image"])
+                for p in r["top"]:
+                    print(f"  {100 * p['probability']:6.2f}%  {p['class']}")
+    return 2 if failed else 0

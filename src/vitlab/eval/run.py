@@ -165,7 +165,8 @@ def predict_files(
     tta: str = "none",
 ) -> list:
     """Top-k classes with probabilities for each image file, run by `backend` with test-time
-    augmentation `tta` (vitlab.eval.backends); unreadable files are reported."""
+    augmentation `tta` (vitlab.eval.backends): {"image", "top"} for each, in order; a file that
+    cannot be read gives {"image", "error"} and the others are still classified."""
     dev = _device(device, backend, int8)
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:
@@ -175,7 +176,11 @@ def predict_files(
     results = []
     for path in images:
         pre = meta.preprocessing
-        x = pre.pil(read_image(path, "L" if pre.in_chans == 1 else "RGB"))  # or DatasetError
+        try:
+            x = pre.pil(read_image(path, "L" if pre.in_chans == 1 else "RGB"))
+        except DatasetError as e:
+            results.append({"image": path, "error": str(e)})
+            continue
         with torch.no_grad():
             probs = model(x[None].to(dev)).float().softmax(dim=1)[0]
         top = probs.topk(k)
