@@ -97,6 +97,22 @@ def test_predict_with_each_backend(trained, tmp_path, capsys) -> None:
     assert tops[1][0]["probability"] == pytest.approx(tops[0][0]["probability"], abs=1e-5)
 
 
+def test_exports_leave_the_callers_model_as_it_was(tmp_path) -> None:
+    """export_onnx (also behind prepare(..., "onnxruntime")) and export_program once turned the
+    caller's model to float32, CPU and eval mode in place: a bf16 model in training came back
+    changed."""
+    from vitlab.models.export import export_onnx, export_program
+
+    cfg = config_of(ModelSection("vit_nano_patch4_28", {"depth": 1}))
+    model = build_model(cfg).to(torch.bfloat16).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    meta = CheckpointMeta(cfg, Preprocessing((28, 28), 1, (0.5,), (0.5,)), list("abcdefghij"))
+    export_onnx(model, meta, tmp_path / "m.onnx")
+    export_program(model, meta, tmp_path / "m.pt2")
+    assert model.training and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize(
     "argv",
     [["eval", "RUN", "--batch-size", "0"], ["eval", "RUN", "--batch-threads", "0"],

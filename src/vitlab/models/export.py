@@ -3,6 +3,7 @@ PyTorch) and a torch.export program (.pt2). Both carry the preprocessing and cla
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -44,6 +45,12 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
     return diff
 
 
+def _float_copy(model: VisionTransformer) -> VisionTransformer:
+    """A float32 CPU copy of `model` in eval mode: exporting leaves the caller's model as it was
+    (a bf16 or GPU model being trained)."""
+    return copy.deepcopy(model).float().cpu().eval()
+
+
 def export_onnx(
     model: VisionTransformer, meta: CheckpointMeta, out: Path, dynamic_batch: bool = False
 ) -> dict[str, float | int]:
@@ -57,7 +64,7 @@ def export_onnx(
             f"ONNX export needs onnx, onnxscript and onnxruntime ({e}): "
             "pip install 'vitlab[export]'"
         ) from None
-    model = model.float().cpu().eval()
+    model = _float_copy(model)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     x = _inputs(model, 2)
@@ -93,7 +100,7 @@ def export_program(
 ) -> dict[str, float | int]:
     """Write a torch.export program (`torch.export.load(out).module()(images)`), reload it and
     compare with the model."""
-    model = model.float().cpu().eval()
+    model = _float_copy(model)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     program = torch.export.export(
