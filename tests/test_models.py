@@ -10,6 +10,7 @@ import vitlab
 from tests.helpers import count_calls, randomize_head, tiny_config
 from vitlab.analysis.cost import macs_by_part
 from vitlab.models import cpu_kernels
+from vitlab.models.layers import DropPath
 from vitlab.models.registry import build_model
 from vitlab.models.vit import VisionTransformer
 
@@ -163,8 +164,21 @@ def test_gelu_tanh_activation() -> None:
     assert VisionTransformer(tiny_config()).blocks[0].mlp.act.approximate == "none"
 
 
+def test_drop_path_drops_whole_samples_and_rescales_the_kept() -> None:
+    """Each sample's branch is zeroed with probability p or kept scaled by 1 / (1 - p), so its
+    expectation is the branch itself; in eval the branch passes unchanged."""
+    drop = DropPath(0.25).train()
+    out = drop(torch.ones(4000, 3, 5))
+    per_sample = out.flatten(1)
+    assert ((per_sample == 0).all(1) | (per_sample == 1 / 0.75).all(1)).all()  # whole samples
+    assert (per_sample[:, 0] > 0).float().mean().item() == pytest.approx(0.75, abs=0.03)
+    assert out.mean().item() == pytest.approx(1.0, abs=0.04)
+    x = torch.randn(6, 4)
+    assert torch.equal(drop.eval()(x), x)
+
+
 def test_drop_path_rates_rise_linearly_and_only_act_in_training() -> None:
-    model = VisionTransformer(tiny_config(depth=5, drop_path=0.4, dropout=0.1))
+    model = VisionTransformer(tiny_config(depth=5, drop_path=0.4))  # no dropout: drop path alone
     rates = [blk.drop_path1.p for blk in model.blocks]
     assert rates == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
     x = torch.randn(4, 3, 16, 16)

@@ -1,4 +1,5 @@
-"""What a run carries from step to step: compiled training keeps its EMA and its accumulation,
+"""What a run carries from step to step: the EMA's update by hand, compiled training keeps its EMA
+and its accumulation,
 image-folder runs (augmented in DataLoader workers) resume exactly from the middle of an epoch, and
 channels-last runs keep their memory layout through a resume."""
 
@@ -17,6 +18,7 @@ from tests.helpers import TINY_MODEL, resume, weights_of
 from vitlab.config import DataConfig, load_run_config
 from vitlab.data import BatchAugment, Preprocessing, load_split, make_loader
 from vitlab.train import run as run_mod
+from vitlab.train.optim import EMA
 from vitlab.train.run import TrainingStopped, train
 from vitlab.train.state import load_train_state
 
@@ -27,6 +29,27 @@ EXACT = ["train.precision=fp32", "optim.name=sgd", "optim.lr=0.05", "data.val_fr
 
 def cfg(*overrides: str):
     return load_run_config(None, [*FAST, *overrides])
+
+
+def test_the_ema_update_by_hand() -> None:
+    """ema = d ema + (1 - d) w for every floating-point tensor, BatchNorm's running statistics
+    included and its integer batch count left out (as timm's ModelEmaV3); apply_to puts the
+    averages in the model and hands back the raw weights."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    ema = EMA(model, 0.9)
+    model.train()(torch.randn(8, 2) * 3 + 1)  # running_mean / var move
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ema.update(model)
+    now = {k: v.clone() for k, v in model.state_dict().items()}
+    assert "1.num_batches_tracked" not in ema.state_dict()
+    for k, v in ema.state_dict().items():
+        torch.testing.assert_close(v, 0.9 * start[k] + 0.1 * now[k], msg=k)
+    assert not torch.equal(ema.state_dict()["1.running_mean"], start["1.running_mean"])
+    raw = ema.apply_to(model)
+    torch.testing.assert_close(model[0].weight, 0.9 * start["0.weight"] + 0.1 * now["0.weight"])
+    torch.testing.assert_close(raw["0.weight"], now["0.weight"])
 
 
 def test_compiled_training_with_ema_and_accumulation_equals_the_larger_batch(tmp_path) -> None:
