@@ -5,9 +5,7 @@ Run folder:
     config.yaml           the resolved config
     metrics.jsonl         one JSON line per epoch
     checkpoints/last/     model.safetensors + state.pt (resume from here)
-    checkpoints/best/     the best validation accuracy so far (the EMA weights when train.ema);
-                          without a validation split the lowest training loss, without an
-                          accuracy (mpp's patch_l2) the lowest validation loss
+    checkpoints/best/     best validation top-1 (no split: lowest train loss); EMA's if train.ema
     curves.png            loss and accuracy per epoch
     results.json          the test split's metrics for the best checkpoint
     tensorboard/          when tensorboard is installed
