@@ -92,14 +92,15 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
         default="torch",
         help="torch: eager PyTorch (default); onnxruntime: the model exported to ONNX (checked "
         "against PyTorch within 1e-4) and run by an onnxruntime CPU session (needs pip install "
-        "'vitlab[export]')",
+        "'vitlab[export]'; a distilled model's per-head top-1 is not reported with it)",
     )
     p.add_argument(
         "--int8",
         action="store_true",
         help="int8 dynamic quantisation of the linear layers' weights (torch: torch.ao "
         "quantize_dynamic; onnxruntime: its quantize_dynamic of the exported MatMul/Gemm "
-        "weights); CPU only, not for CNNs",
+        "weights); CPU only, not for CNNs; a distilled model's per-head top-1 is not reported "
+        "with it",
     )
     p.add_argument(
         "--tta",
