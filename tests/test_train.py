@@ -350,7 +350,9 @@ def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
         train(cfg("model.num_classes=5"), out=tmp_path / "c")
     with pytest.raises(ConfigError, match="channels_last with train.strategy=fsdp"):
         train(cfg("train.channels_last=true", "train.strategy=fsdp"), out=tmp_path / "e")
-    assert not any((tmp_path / x).exists() for x in "acde")
+    with pytest.raises(ConfigError, match="random_resized_crop and data.crop_padding are two"):
+        train(cfg("data.random_resized_crop=true", "data.crop_padding=2"), out=tmp_path / "f")
+    assert not any((tmp_path / x).exists() for x in "acdef")
 
 
 def test_finetune_at_another_resolution_with_a_new_head(

@@ -3,9 +3,10 @@
 Shifts (a random crop of the zero-padded image), flips and random erasing run on whole batches
 as tensor operations, each image with its own random draw from torchvision's distributions: a
 tenth of what torchvision's transforms cost image by image (1.4 against 18 ms for 128 images of
-28 x 28). Random resized crops and RandAugment run per image, from torchvision.transforms.v2
-(the shift and flip with them, in torchvision's order); then whole batches are resized, scaled to
-[0, 1], normalised, randomly erased and mixed (mixup / cutmix, with mixed soft labels)."""
+28 x 28). Images are first resized to the model's size (unless a random resized crop makes
+that size); random resized crops and RandAugment run per image, from torchvision.transforms.v2
+(the shift and flip with them, in torchvision's order); then whole batches are scaled to [0, 1],
+normalised, randomly erased and mixed (mixup / cutmix, with mixed soft labels)."""
 
 from __future__ import annotations
 

@@ -54,6 +54,11 @@ def resolve_model_config(
             "train.channels_last with train.strategy=fsdp is not supported (FSDP2 shards only "
             "contiguous parameters): use train.strategy=ddp, or leave channels_last off"
         )
+    if cfg.data.random_resized_crop and cfg.data.crop_padding:  # the padded crop was dropped
+        raise ConfigError(
+            "data.random_resized_crop and data.crop_padding are two crops of the training images: "
+            "set one of them"
+        )
     if cfg.train.batch_threads > 1:
         check_batch_threads(cfg, mc)
     if mc.num_classes != classes:
