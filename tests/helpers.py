@@ -18,8 +18,9 @@ from PIL import Image
 from torch import nn
 
 from vitlab.cli.main import main
-from vitlab.config import RunConfig, load_run_config
+from vitlab.config import RunConfig
 from vitlab.models.vit import VisionTransformer, ViTConfig
+from vitlab.train.folder import resume_config
 from vitlab.train.run import train
 from vitlab.train.state import load_weights
 
@@ -71,8 +72,9 @@ def train_keeping_threads(cfg: RunConfig, **kwargs) -> Path:
 
 def resume(run: Path, *overrides: str, keep_threads: bool = False) -> Path:
     """Continue `run` in this process as `vitlab train --resume RUN [overrides]` does: the run's
-    own config.yaml plus the overrides (keep_threads: through train_keeping_threads)."""
-    cfg = load_run_config(str(run / "config.yaml"), overrides)
+    own config.yaml plus the overrides, which may change only its length (keep_threads: through
+    train_keeping_threads)."""
+    cfg = resume_config(run, list(overrides))
     return (train_keeping_threads if keep_threads else train)(cfg, resume=run)
 
 

@@ -89,12 +89,15 @@ def process_age() -> float:
 
 
 def step_clock() -> float:
-    """Seconds on a clock that goes on while the machine sleeps, as process_age's does (Linux:
-    CLOCK_BOOTTIME, what /proc/uptime counts; elsewhere the wall clock), so that a suspended
-    laptop's sleep shows between two steps as a stall (perf_counter's monotonic clock stops)."""
+    """Seconds on a clock that goes on while the machine sleeps, as process_age's does, so that
+    a suspended laptop's sleep shows between two steps as a stall (perf_counter's stops on Linux):
+    Linux's CLOCK_BOOTTIME (what /proc/uptime counts), macOS's CLOCK_MONOTONIC (which counts
+    sleep there), else perf_counter (Windows; fine-grained, unlike its wall clock)."""
     if hasattr(time, "CLOCK_BOOTTIME"):
         return time.clock_gettime(time.CLOCK_BOOTTIME)
-    return time.time()
+    if sys.platform == "darwin":
+        return time.clock_gettime(time.CLOCK_MONOTONIC)
+    return time.perf_counter()
 
 
 @dataclass
@@ -241,7 +244,7 @@ class TimeBudget:
                 self.recent.clear()
 
     def _costs(self) -> Costs:
-        step, _ = typical_step(self.steps)
+        step, _ = typical_step(self.steps, CHECK_EVERY)  # a stall: a window's steps, not an epoch's
         per_image = step / self.batch * FORWARD
         if self.ends:
             end = sum(self.ends) / len(self.ends)
