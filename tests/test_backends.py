@@ -98,9 +98,8 @@ def test_predict_with_each_backend(trained, tmp_path, capsys) -> None:
 
 
 def test_exports_leave_the_callers_model_as_it_was(tmp_path) -> None:
-    """export_onnx (also behind prepare(..., "onnxruntime")) and export_program once turned the
-    caller's model to float32, CPU and eval mode in place: a bf16 model in training came back
-    changed."""
+    """export_onnx and export_program once turned the caller's model to float32, CPU and eval
+    mode in place: a bf16 model in training came back changed."""
     from vitlab.models.export import export_onnx, export_program
 
     cfg = config_of(ModelSection("vit_nano_patch4_28", {"depth": 1}))

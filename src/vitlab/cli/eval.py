@@ -16,7 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "reads) on a dataset split. Prints top-1, top-5, loss, per-class accuracy "
         "and the confusion matrix, and saves the confusion matrix as a PNG. For a distilled "
         "model (DeiT), whose top-1 is its two heads' average, also each head's top-1 alone "
-        "(top1_cls, top1_dist).",
+        "(top1_cls, top1_dist; by the eager float32 torch backend only: not with --int8, "
+        "--backend onnxruntime, --tta or --batch-threads).",
     )
     p.add_argument("checkpoint", metavar="RUN_OR_CKPT")
     p.add_argument("--data", help="dataset name (default: the run's data.name, else digits)")
@@ -92,15 +93,14 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
         default="torch",
         help="torch: eager PyTorch (default); onnxruntime: the model exported to ONNX (checked "
         "against PyTorch within 1e-4) and run by an onnxruntime CPU session (needs pip install "
-        "'vitlab[export]'; a distilled model's per-head top-1 is not reported with it)",
+        "'vitlab[export]')",
     )
     p.add_argument(
         "--int8",
         action="store_true",
         help="int8 dynamic quantisation of the linear layers' weights (torch: torch.ao "
         "quantize_dynamic; onnxruntime: its quantize_dynamic of the exported MatMul/Gemm "
-        "weights); CPU only, not for CNNs; a distilled model's per-head top-1 is not reported "
-        "with it",
+        "weights); CPU only, not for CNNs",
     )
     p.add_argument(
         "--tta",
