@@ -53,6 +53,23 @@ def test_rollout_of_identity_attention_is_the_identity() -> None:
     torch.testing.assert_close(out, torch.full((2, 5), 1 / 5))
 
 
+def test_rollout_by_hand_on_two_layers_that_do_not_commute() -> None:
+    """Abnar & Zuidema's rollout, written out: each layer's heads averaged, the identity added,
+    rows re-normalised, the later layer's matrix on the left (identity attention cannot tell the
+    order); the class token's row over the patches."""
+    torch.manual_seed(0)
+    first, second = (torch.rand(1, 2, 4, 4).softmax(-1) for _ in range(2))
+
+    def step(a):
+        m = a[0].mean(0) + torch.eye(4)
+        return m / m.sum(-1, keepdim=True)
+
+    want = step(second) @ step(first)
+    got = attention_rollout([first, second], num_prefix_tokens=1)
+    torch.testing.assert_close(got, want[0, 1:][None].float())
+    assert not torch.allclose(got, (step(first) @ step(second))[0, 1:][None].float())
+
+
 def test_sincos_similarity_is_higher_near_than_far() -> None:
     model = VisionTransformer(tiny_config(pos_embed="sincos2d", img_size=32, embed_dim=64))
     sim = pos_embed_similarity(model)
@@ -64,11 +81,20 @@ def test_sincos_similarity_is_higher_near_than_far() -> None:
 
 
 def test_embedding_filters_are_orthonormal_principal_components() -> None:
+    torch.manual_seed(0)  # distinct eigenvalues: each component is defined up to its sign
     model = VisionTransformer(tiny_config(in_chans=3))
     f = embedding_filters(model, k=5)
     assert f.shape == (5, 3, 4, 4)
     flat = f.reshape(5, -1)
     torch.testing.assert_close(flat @ flat.T, torch.eye(5), atol=1e-5, rtol=0)
+    # the top five principal components of the D filters, as scikit-learn's PCA finds them (each
+    # up to its sign)
+    from sklearn.decomposition import PCA
+
+    w = model.patch_embed.proj.weight.detach().reshape(model.config.embed_dim, -1).double()
+    pca = PCA(n_components=5).fit(w.numpy())
+    dots = (flat.double() * torch.from_numpy(pca.components_)).sum(1).abs()
+    torch.testing.assert_close(dots, torch.ones(5, dtype=torch.float64), atol=1e-4, rtol=0)
 
 
 def test_statistics_hold_one_layer_of_attention_at_a_time() -> None:

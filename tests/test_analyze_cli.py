@@ -137,6 +137,27 @@ def test_index_html_renders_in_headless_chromium_with_every_image(runs, tmp_path
     assert images_loaded(out / "index.html", tmp_path / "p2") == f"{count - 1}/{count}"
 
 
+def test_image_files_are_cropped_once_for_weights_with_a_crop_pct(tmp_path) -> None:
+    """Weights with timm's crop_pct (resize to img_size / crop_pct, centre crop): the model sees
+    the image the page shows under its rollout map, which is what timm's evaluation transform
+    (Preprocessing.pil, PIL's resize) gives; the input was once cropped a second time, a 1.14x
+    zoom that moved the map off the image."""
+    import torch
+
+    from vitlab.analysis.report import load_images
+    from vitlab.preprocessing import Preprocessing
+
+    pre = Preprocessing((32, 32), 3, (0.5,) * 3, (0.5,) * 3, crop_pct=0.875)
+    ramp = np.linspace(0, 255, 48, dtype=np.float32)  # smooth: the resizers agree to a level
+    pixels = np.stack([np.add.outer(ramp[:40], ramp) / 2] * 3, axis=-1).astype(np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "ramp.png")
+    images = load_images(pre, [str(tmp_path / "ramp.png")], None, None, 1)
+    torch.testing.assert_close(images.inputs, pre.normalize(images.display))
+    with Image.open(tmp_path / "ramp.png") as im:
+        reference = pre.pil(im)
+    assert (images.inputs[0] - reference).abs().max().item() < 0.04
+
+
 @pytest.mark.parametrize("pool", ["token", "gap"])
 @pytest.mark.parametrize("kind", ["learned", "learned_2d", "relative", "sincos2d", "none"])
 def test_every_position_kind_and_pooling_at_another_resolution(tmp_path, kind, pool) -> None:
@@ -155,6 +176,9 @@ def test_every_position_kind_and_pooling_at_another_resolution(tmp_path, kind, p
     data = json.loads((tmp_path / "analysis.json").read_text())
     assert np.array(data["mean_attention_distance"]).shape == (2, 4)
     assert data["grid"] == [3, 5] and len(data["rollout"]["a"]) == 15
+    # a gap head with a class token: the maps are that token's row, and the page says so
+    assert any("class token's row" in n for n in data["notes"]) == (pool == "gap")
+    assert not any("mean over patch queries" in n for n in data["notes"])
     has_vectors = kind in ("learned", "learned_2d", "sincos2d")
     assert (tmp_path / "pos_embed_similarity.png").exists() == has_vectors
     assert all((tmp_path / r).is_file() for r in referenced(index))

@@ -90,7 +90,7 @@ def pos_embed_similarity(model: VisionTransformer) -> Tensor:
         raise ValueError(
             f"position embeddings of kind {model.config.pos_embed!r} have no per-patch vectors"
         )
-    v = F.normalize(vectors.detach().float(), dim=-1)
+    v = F.normalize(vectors.detach().float().cpu(), dim=-1)
     rows, cols = model.config.grid
     return (v @ v.T).reshape(rows * cols, rows, cols)
 
@@ -101,7 +101,7 @@ def embedding_filters(model: VisionTransformer | SwinTransformer, k: int = 28) -
     stem = getattr(model.config, "stem", "patch")  # a Swin always embeds linear patches
     if stem != "patch":
         raise ValueError(f"a {stem} stem has no P x P linear embedding filters")
-    w = model.patch_embed.proj.weight.detach().float()  # (D, C, P, P)
+    w = model.patch_embed.proj.weight.detach().float().cpu()  # (D, C, P, P)
     d, c, p, _ = w.shape
     flat = w.reshape(d, c * p * p)
     flat = flat - flat.mean(dim=0, keepdim=True)

@@ -47,7 +47,7 @@ def load_images(
             except (OSError, UnidentifiedImageError) as e:
                 raise DatasetError(f"cannot read image {path}: {e}") from None
         display = torch.stack(shown)
-        return Images([Path(f).name for f in files], display, pre.batch(display))
+        return Images([Path(f).name for f in files], display, pre.normalize(display))
     split = load_split(data or "digits", "test", data_dir)
     if not isinstance(split, ArraySplit):
         raise DatasetError("analyze --data takes in-memory datasets; pass folders via --images")
@@ -57,7 +57,7 @@ def load_images(
         )
     display = pre.resize(split.images[:n])
     names = [f"{data}-test-{i}-{split.classes[y]}" for i, y in enumerate(split.labels[:n].tolist())]
-    return Images(names, display, pre.batch(display))
+    return Images(names, display, pre.normalize(display))  # the shown pixels, not cropped again
 
 
 @torch.no_grad()
@@ -69,18 +69,15 @@ def attention_statistics(
     depth = len(model.blocks)
     sums = torch.zeros(depth, cfg.num_heads, dtype=torch.float64)
     maps = []
+    device = next(model.parameters()).device  # analyze --device's; the results on the CPU
     for batch in inputs.split(batch_size):
         rollout = None
-        for i, _, attn in model.iter_intermediates(batch, return_attention=True):
-            sums[i] += (
-                len(batch)
-                * mean_attention_distance(
-                    attn, cfg.grid, cfg.patch_size, cfg.num_prefix_tokens
-                ).double()
-            )
+        for i, _, attn in model.iter_intermediates(batch.to(device), return_attention=True):
+            dist = mean_attention_distance(attn, cfg.grid, cfg.patch_size, cfg.num_prefix_tokens)
+            sums[i] += len(batch) * dist.double().cpu()
             rollout = rollout_step(rollout, attn, head_fusion)
             del attn  # one layer's maps at a time
-        maps.append(rollout_map(rollout, cfg.num_prefix_tokens))
+        maps.append(rollout_map(rollout, cfg.num_prefix_tokens).cpu())
     return (sums / len(inputs)).float(), torch.cat(maps)
 
 
@@ -207,8 +204,10 @@ def analyze(
                 f"map, map over the input.",
             )
         )
-    if cfg.pool == "gap" or not cfg.class_token:
+    if not cfg.num_prefix_tokens:
         report.notes.append("no class token: rollout maps are the mean over patch queries")
+    elif cfg.pool == "gap":
+        report.notes.append("rollout maps: the class token's row (the gap head does not read it)")
     result = {
         "image_size": list(cfg.img_hw),
         "patch_size": cfg.patch_size,

@@ -138,8 +138,9 @@ def swin_attention_statistics(
 
     handles = [b.attn.register_forward_pre_hook(hook(k)) for k, (_, _, b) in enumerate(blocks)]
     try:
+        device = next(model.parameters()).device  # the model's; the statistics come to the CPU
         for batch in inputs.split(batch_size):
-            model.forward_features(batch)
+            model.forward_features(batch.to(device))
     finally:
         for handle in handles:
             handle.remove()

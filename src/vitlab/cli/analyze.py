@@ -30,7 +30,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="mean",
         help="how rollout fuses the heads of each layer (default mean; ViTs only)",
     )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="where the model's forward passes run: auto | cpu | cuda | cuda:N (the figures are "
+        "made on the CPU)",
+    )
     p.add_argument("--out", type=Path, required=True, help="folder for the figures and index.html")
     p.set_defaults(run=run)
 
@@ -45,7 +50,6 @@ def run(args: argparse.Namespace) -> int:
     if args.num_images < 1:
         raise ValueError(f"--num-images must be at least 1, got {args.num_images}")
     model, meta = load_checkpoint(args.checkpoint, device=pick_device(args.device, "--device"))
-    model = model.cpu()
     weights = vitlab_weights(args.checkpoint)  # a vitlab run's folder holds the data config
     run_cfg = run_config_of(weights) if weights else None
     data = args.data or (run_cfg.data.name if run_cfg else "digits")
