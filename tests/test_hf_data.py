@@ -66,6 +66,11 @@ def test_splits_chosen_labels_checked_greyscale_stats(tmp_path: Path) -> None:
                          ).save_to_disk(str(tmp_path / "dd"))  # fmt: skip
     assert len(load_split(f"hf:{tmp_path / 'dd'}", "test")) == 9
     assert len(load_split(f"hf:{tmp_path / 'dd'}#validation", "all")) == 9
+    # one split, named validation: carved into training and test, not both the whole split
+    one = f"hf:{tmp_path / 'dd'}#validation"
+    fit, held = load_split(one, "train"), load_split(one, "test")
+    assert len(fit) + len(held) == 9 and len(held) >= 1
+    assert set(fit.rows.tolist()).isdisjoint(held.rows.tolist())
     with pytest.raises(DatasetError, match="no split 'nope': it has \\['test', 'train'"):
         load_split(f"hf:{tmp_path / 'dd'}#nope", "all")
     with pytest.raises(DatasetError, match="6 labels are not class indices .row 0: -1; negative"):

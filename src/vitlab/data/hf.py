@@ -130,9 +130,9 @@ def load_hf(
     import datasets
 
     splits = _open(spec)
-    named = [n for n in ("test", "validation", "val") if n in splits]
-    test = next((n for n in named if _labelled(splits[n], keys[1])), None)
     train = "train" if "train" in splits else next(iter(splits))
+    named = [n for n in ("test", "validation", "val") if n in splits and n != train]
+    test = next((n for n in named if _labelled(splits[n], keys[1])), None)  # never the training one
     if split == "all" and len(splits) > 1 and test is None:
         raise DatasetError(f"hf:{spec} has splits {sorted(splits)}: which is the test split? "
                            f"name it: hf:{spec}#SPLIT")  # fmt: skip
