@@ -112,6 +112,13 @@ def test_download_checks_sha256_and_writes_atomically(no_fashion_anywhere, monke
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         monkeypatch.setattr(download, "FASHION_MIRROR", f"http://127.0.0.1:{server.server_port}/")
+        cut = served / "t10k-images-idx3-ubyte.gz"  # a download cut short: once a bare EOFError
+        whole = cut.read_bytes()
+        cut.write_bytes(whole[: len(whole) // 2])
+        monkeypatch.setattr(download, "FASHION_SHA256", digests)
+        with pytest.raises(DatasetError, match="the download is incomplete"):
+            download.find_or_fetch_fashion_mnist(None)
+        cut.write_bytes(whole)
         bad = dict(digests, **{"t10k-labels-idx1-ubyte.gz": "0" * 64})
         monkeypatch.setattr(download, "FASHION_SHA256", bad)
         with pytest.raises(DatasetError, match="does not match"):

@@ -9,6 +9,7 @@ import os
 import tempfile
 import urllib.error
 import urllib.request
+import zlib
 from pathlib import Path
 
 FASHION_MIRROR = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
@@ -87,7 +88,10 @@ def _fetch(url: str, dest: Path, expected_sha256: str) -> None:
                     bar.update(len(chunk))
             out.flush()
             os.fsync(out.fileno())
-        digest = payload_sha256(Path(tmp))
+        try:
+            digest = payload_sha256(Path(tmp))
+        except (EOFError, zlib.error) as e:  # a connection dropped mid-file: no error from read()
+            raise OSError(f"{url}: the download is incomplete or not gzip data ({e})") from None
         if digest != expected_sha256:
             raise OSError(f"{url}: SHA-256 {digest} does not match the expected {expected_sha256}")
         os.replace(tmp, dest)
