@@ -19,6 +19,7 @@ from PIL import Image
 
 from vitlab.config import DataConfig
 from vitlab.data import (
+    ArraySplit,
     BatchAugment,
     Preprocessing,
     download,
@@ -553,6 +554,17 @@ def test_validation_split_is_seeded_and_disjoint() -> None:
     assert len(a_train) + len(a_val) == len(full)
     test = load_split("digits", "test")
     assert len(test) + len(full) == 1797
+    # images that name their own index: the two parts are disjoint, cover the split, and another
+    # seed draws another validation part
+    ids = torch.zeros(50, 1, 2, 2, dtype=torch.uint8)
+    ids[:, 0, 0, 0] = torch.arange(50)
+    numbered = ArraySplit(ids, torch.arange(50) % 5, list("abcde"))
+    fit, val = train_val_split(numbered, 0.2, seed=0)
+    fit_ids, val_ids = (set(part.images[:, 0, 0, 0].tolist()) for part in (fit, val))
+    assert len(val_ids) == 10 and fit_ids.isdisjoint(val_ids)
+    assert fit_ids | val_ids == set(range(50))
+    other = set(train_val_split(numbered, 0.2, seed=1)[1].images[:, 0, 0, 0].tolist())
+    assert other != val_ids
 
 
 def test_rank_slices_cover_the_single_process_batches() -> None:
