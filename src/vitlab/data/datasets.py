@@ -340,8 +340,14 @@ def load_split(
     raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(NAMES)}")
 
 
-def _listed(names: list[str]) -> str:
+def named(names: list[str]) -> str:
+    """Class names for an error message (the first 12 of many)."""
     return repr(names) if len(names) <= 12 else f"{names[:12]!r} ... ({len(names)} classes)"
+
+
+def numbered(classes: list[str]) -> bool:
+    """Whether the classes are only their indices ("0", "1", ...), not names."""
+    return classes == [str(i) for i in range(len(classes))]
 
 
 def match_classes(test: Split, classes: list[str], name: str) -> Split:
@@ -349,11 +355,11 @@ def match_classes(test: Split, classes: list[str], name: str) -> Split:
     class indices (numbered classes, no more than training has); else a DatasetError naming both."""
     if test.classes == classes:
         return test
-    numbered = test.classes == [str(i) for i in range(len(test.classes))]
-    if numbered and len(test.classes) <= len(classes) and not isinstance(test, ArraySplit):
+    fits = len(test.classes) <= len(classes) and not isinstance(test, ArraySplit)
+    if numbered(test.classes) and fits:
         return replace(test, classes=list(classes))
-    raise DatasetError(f"data.test={name} has the classes {_listed(test.classes)}, the training "
-                       f"split {_listed(classes)}: a test split is labelled with the training "
+    raise DatasetError(f"data.test={name} has the classes {named(test.classes)}, the training "
+                       f"split {named(classes)}: a test split is labelled with the training "
                        f"split's classes, in its order")  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import torch
@@ -10,7 +11,14 @@ import yaml
 
 from vitlab.config import DataConfig, RunConfig
 from vitlab.data import ArraySplit, make_loader
-from vitlab.data.datasets import DatasetError, Split, load_run_split, read_image
+from vitlab.data.datasets import (
+    DatasetError,
+    Split,
+    load_run_split,
+    named,
+    numbered,
+    read_image,
+)
 from vitlab.eval.backends import backend_device, describe, prepare
 from vitlab.eval.classification import evaluate, format_confusion, save_confusion_png
 from vitlab.formats.vitlab import vitlab_weights
@@ -66,6 +74,31 @@ def match_channels(split: Split, pre: Preprocessing, name: str) -> Split:
     return ArraySplit(images, split.labels, split.classes)
 
 
+def align_classes(split: Split, classes: list[str], num_classes: int, name: str) -> Split:
+    """`split` labelled in the order of the checkpoint's `classes`: as it is when the names agree
+    or either side only numbers its classes (then the counts must agree); relabelled when the
+    same names come in another order; else a DatasetError naming both."""
+    have = split.classes
+    if len(have) != num_classes:
+        raise DatasetError(
+            f"{name} has {len(have)} classes, the checkpoint's model has {num_classes}"
+        )
+    if not classes or have == classes or numbered(have) or numbered(classes):
+        return split
+    if sorted(have) == sorted(classes) and hasattr(split, "labels"):
+        order = torch.tensor([classes.index(c) for c in have])
+        return dataclasses.replace(split, labels=order[split.labels], classes=list(classes))
+    raise DatasetError(
+        f"{name} has the classes {named(have)}, the checkpoint {named(classes)}: a dataset "
+        "is scored against a checkpoint with the same class names (in any order) or numbered ones"
+    )
+
+
+def _slug(name: str) -> str:
+    """A dataset name as part of a file name (imagefolder:/data/x -> imagefolder-data-x)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
+
+
 def evaluate_checkpoint(
     checkpoint: str,
     data: str | None = None,
@@ -99,18 +132,16 @@ def evaluate_checkpoint(
     name = cfg.name
     part = load_run_split(cfg, "val" if split == "val" else "test", meta.classes or None)
     part = match_channels(part, meta.preprocessing, name)  # e.g. grey images, an RGB model
-    if len(part.classes) != meta.config.num_classes:
-        raise DatasetError(
-            f"{name} has {len(part.classes)} classes, the checkpoint's model has "
-            f"{meta.config.num_classes}"
-        )
+    part = align_classes(part, meta.classes, meta.config.num_classes, name)
     loader = make_loader(part, batch_size, meta.preprocessing)
     runner = prepare(model, meta, backend, int8, tta=tta, batch_threads=batch_threads)
     metrics = evaluate(runner, loader, meta.config.num_classes, dev)
     target = Path(out) if out else (run or Path("."))
     target.mkdir(parents=True, exist_ok=True)
     augmented = tta != "none"
-    png = target / f"confusion_matrix_{split}{f'_tta-{tta}' if augmented else ''}.png"
+    other = run_cfg is None or name != run_cfg.data.name  # not the run's own split: not its PNG
+    stem = f"confusion_matrix{f'_{_slug(name)}' if other else ''}_{split}"
+    png = target / f"{stem}{f'_tta-{tta}' if augmented else ''}.png"
     title = f"{name} {split}{f' (TTA {tta})' if augmented else ''}"
     save_confusion_png(
         metrics["confusion"], meta.classes, png, f"{title}: top-1 {100 * metrics['top1']:.2f}%"

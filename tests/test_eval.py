@@ -1,0 +1,79 @@
+"""`vitlab eval` on another dataset than the run's: labels follow the checkpoint's class names,
+names that do not match are an error, and the run's own confusion matrix is left alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.helpers import TINY_MODEL
+from vitlab import load_checkpoint
+from vitlab.cli.main import main
+from vitlab.data import load_split
+from vitlab.data.datasets import DatasetError
+from vitlab.eval.run import evaluate_checkpoint
+from vitlab.models.checkpoint import save_pretrained
+
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A tiny ViT trained 12 epochs on digits (about 2 s), classes numbered 0-9."""
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    assert main(["train", "--out", str(out), *TINY_MODEL, "train.epochs=12"]) == 0
+    return out
+
+
+def digits_folder(root: Path, names: list[str]) -> Path:
+    """digits' test images as PNGs in root/{train,test}/NAME/, class i in folder names[i]."""
+    test = load_split("digits", "test")
+    for part in ("train", "test"):
+        for i, (image, label) in enumerate(zip(test.images, test.labels.tolist(), strict=True)):
+            folder = root / part / names[label]
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image[0].numpy().astype(np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+def test_another_datasets_labels_follow_the_checkpoints_class_names(run, tmp_path, capsys):
+    """The folder's classes come sorted by name (eight, five, four, ...), the checkpoint's in
+    digit order: the same images score as on digits itself, class by class."""
+    model, _ = load_checkpoint(run)
+    model.classes = WORDS
+    save_pretrained(model, tmp_path / "named")
+    folder = digits_folder(tmp_path / "words", WORDS)
+    assert load_split(f"imagefolder:{folder}", "test").classes[:3] == ["eight", "five", "four"]
+    own = evaluate_checkpoint(str(run))
+    other = evaluate_checkpoint(
+        str(tmp_path / "named"), data=f"imagefolder:{folder}", out=tmp_path / "out"
+    )
+    assert other["classes"] == WORDS and other["num_images"] == own["num_images"] == 359
+    assert other["confusion"] == own["confusion"]  # rows and columns in the checkpoint's order
+    assert other["top1"] == own["top1"] > 0.5
+
+    letters = digits_folder(tmp_path / "letters", list("abcdefghij"))
+    with pytest.raises(DatasetError, match=r"has the classes \['a', 'b'.*the checkpoint \['zero'"):
+        evaluate_checkpoint(str(tmp_path / "named"), data=f"imagefolder:{letters}")
+    with pytest.raises(DatasetError, match="has 10 classes, the checkpoint's model has 3"):
+        model.reset_classifier(3)
+        model.classes = ["a", "b", "c"]
+        save_pretrained(model, tmp_path / "three")
+        evaluate_checkpoint(str(tmp_path / "three"), data=f"imagefolder:{letters}")
+
+
+def test_another_datasets_confusion_png_does_not_replace_the_runs(run, tmp_path, capsys):
+    assert main(["eval", str(run), "--json"]) == 0
+    own = Path(json.loads(capsys.readouterr().out)["confusion_png"])
+    assert own == run / "confusion_matrix_test.png"
+    before = own.read_bytes()
+    folder = digits_folder(tmp_path / "imgs", [str(i) for i in range(10)])
+    assert main(["eval", str(run), "--data", f"imagefolder:{folder}", "--json"]) == 0
+    other = Path(json.loads(capsys.readouterr().out)["confusion_png"])
+    assert other.parent == run and other.is_file() and other != own
+    assert other.name.startswith("confusion_matrix_imagefolder-") and "_test" in other.name
+    assert own.read_bytes() == before
