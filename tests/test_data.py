@@ -565,6 +565,13 @@ def test_validation_split_is_seeded_and_disjoint() -> None:
     assert fit_ids | val_ids == set(range(50))
     other = set(train_val_split(numbered, 0.2, seed=1)[1].images[:, 0, 0, 0].tolist())
     assert other != val_ids
+    # a fraction that rounds to no image still carves one (and leaves one to train on)
+    fit, val = train_val_split(numbered.subset(torch.arange(4)), 0.1, seed=0)
+    assert (len(fit), len(val)) == (3, 1)
+    fit, val = train_val_split(numbered.subset(torch.arange(2)), 0.9, seed=0)
+    assert (len(fit), len(val)) == (1, 1)
+    with pytest.raises(DatasetError, match=r"from 1 training image\(s\): it needs at least 2"):
+        train_val_split(numbered.subset(torch.arange(1)), 0.1, seed=0)
 
 
 def test_rank_slices_cover_the_single_process_batches() -> None:

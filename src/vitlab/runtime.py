@@ -171,9 +171,12 @@ def _set_threads(threads: int) -> None:
 
 
 def seeded_split(n: int, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
-    """(kept, carved) index tensors: a seeded `fraction` of range(n) carved out."""
+    """(kept, carved) index tensors: a seeded `fraction` of range(n) carved out, rounded, and at
+    least one item on each side when 0 < fraction < 1 and n >= 2."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     k = int(round(n * fraction))
+    if 0 < fraction < 1 and n >= 2:
+        k = min(n - 1, max(1, k))
     return perm[k:].sort().values, perm[:k].sort().values
 
 

@@ -425,5 +425,10 @@ def train_val_split(train: Split, fraction: float, seed: int) -> tuple[Split, Sp
         return train, None
     if isinstance(train, ShardSplit):
         return carve_shards(train, fraction, seed)
+    if len(train) < 2:
+        raise DatasetError(
+            f"data.val_fraction={fraction} carves a validation split from {len(train)} training "
+            "image(s): it needs at least 2; add images, or set data.val_fraction=0"
+        )
     kept, carved = seeded_split(len(train), fraction, seed)
     return train.subset(kept), train.subset(carved)
