@@ -96,6 +96,17 @@ def test_analyze_image_files_of_any_size_and_mode(runs, tmp_path, capsys) -> Non
     bad.write_bytes(b"nope")
     assert main(["analyze", str(runs["token"]), "--images", str(bad), "--out", str(out)]) == 2
     assert "cannot read image" in capsys.readouterr().err
+    # two files of one name in two folders: both analysed, under two names
+    (tmp_path / "other").mkdir()
+    twin = tmp_path / "other" / "img0.png"
+    Image.fromarray(np.full((8, 8), 255, dtype=np.uint8)).save(twin)
+    assert main([*args[:3], files[0], str(twin), "--out", str(out)]) == 0
+    capsys.readouterr()
+    rollout = json.loads((out / "analysis.json").read_text())["rollout"]
+    assert list(rollout) == ["img0.png", "img0-2.png"]
+    assert rollout["img0.png"] != rollout["img0-2.png"]
+    assert main([*args, "--num-images", "2"]) == 2  # a count it cannot use is refused
+    assert "--num-images counts a dataset's test images" in capsys.readouterr().err
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -23,7 +23,7 @@ from vitlab.analysis.attention import (
 from vitlab.analysis.page import Images, Report, plot_filters, pyplot, write_index
 from vitlab.analysis.swin_report import analyze_swin
 from vitlab.data import load_split
-from vitlab.data.datasets import ArraySplit, DatasetError
+from vitlab.data.datasets import ArraySplit, DatasetError, read_image
 from vitlab.models.cnn import CNN
 from vitlab.models.swin import SwinTransformer
 from vitlab.models.vit import VisionTransformer
@@ -33,21 +33,15 @@ from vitlab.preprocessing import Preprocessing
 def load_images(
     pre: Preprocessing, files: list[str] | None, data: str | None, data_dir: str | None, n: int
 ) -> Images:
-    """Image files (any format, size, mode), or the first n test images of a dataset."""
-    from PIL import Image, UnidentifiedImageError
+    """Image files (any format, size, mode), named by their file names (made unique), or the
+    first n test images of a dataset."""
     from torchvision.transforms.v2 import functional as TF
 
     if files:
-        shown = []
-        for path in files:
-            try:
-                with Image.open(path) as im:
-                    rgb = im.convert("L" if pre.in_chans == 1 else "RGB")
-                    shown.append(pre.resize(TF.pil_to_tensor(rgb)[None])[0])
-            except (OSError, UnidentifiedImageError) as e:
-                raise DatasetError(f"cannot read image {path}: {e}") from None
+        mode = "L" if pre.in_chans == 1 else "RGB"
+        shown = [pre.resize(TF.pil_to_tensor(read_image(f, mode))[None])[0] for f in files]
         display = torch.stack(shown)
-        return Images([Path(f).name for f in files], display, pre.normalize(display))
+        return Images(unique_names(files), display, pre.normalize(display))
     split = load_split(data or "digits", "test", data_dir)
     if not isinstance(split, ArraySplit):
         raise DatasetError("analyze --data takes in-memory datasets; pass folders via --images")
@@ -58,6 +52,20 @@ def load_images(
     display = pre.resize(split.images[:n])
     names = [f"{data}-test-{i}-{split.classes[y]}" for i, y in enumerate(split.labels[:n].tolist())]
     return Images(names, display, pre.normalize(display))  # the shown pixels, not cropped again
+
+
+def unique_names(files: list[str]) -> list[str]:
+    """Each file's name; a name met before gets -2, -3, ... before its suffix (a/x.png and
+    b/x.png: x.png, x-2.png), so that no image's numbers replace another's in analysis.json."""
+    names: list[str] = []
+    for f in files:
+        path, k = Path(f), 1
+        name = path.name
+        while name in names:
+            k += 1
+            name = f"{path.stem}-{k}{path.suffix}"
+        names.append(name)
+    return names
 
 
 @torch.no_grad()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vitlab.cli.eval import positive_int
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -23,7 +25,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--data", help="dataset whose test images to use (default: the run's)")
     src.add_argument("--images", nargs="+", metavar="FILE", help="image files to analyse")
     p.add_argument("--data-dir", help="where the dataset's files are")
-    p.add_argument("--num-images", type=int, default=8, help="test images to use (default 8)")
+    p.add_argument(
+        "--num-images",
+        type=positive_int,
+        metavar="N",
+        help="the dataset's first N test images (default 8; not with --images: every file is used)",
+    )
     p.add_argument(
         "--head-fusion",
         choices=["mean", "max", "min"],
@@ -47,14 +54,16 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.models.checkpoint import load_checkpoint
     from vitlab.runtime import pick_device
 
-    if args.num_images < 1:
-        raise ValueError(f"--num-images must be at least 1, got {args.num_images}")
+    if args.images and args.num_images is not None:
+        raise ValueError("--num-images counts a dataset's test images; with --images every file "
+                         "given is analysed (drop --num-images)")  # fmt: skip
+    num_images = 8 if args.num_images is None else args.num_images
     model, meta = load_checkpoint(args.checkpoint, device=pick_device(args.device, "--device"))
     weights = vitlab_weights(args.checkpoint)  # a vitlab run's folder holds the data config
     run_cfg = run_config_of(weights) if weights else None
     data = args.data or (run_cfg.data.name if run_cfg else "digits")
     data_dir = args.data_dir or (run_cfg.data.dir if run_cfg else None)
-    images = load_images(meta.preprocessing, args.images, data, data_dir, args.num_images)
+    images = load_images(meta.preprocessing, args.images, data, data_dir, num_images)
     title = f"vitlab analyze: {weights or args.checkpoint}"
     index = analyze(model, meta.preprocessing, images, args.out, title, args.head_fusion)
     print(index)
