@@ -3,6 +3,7 @@ columns found or named, and `vitlab train` from a parquet file end to end."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -86,6 +87,12 @@ def test_splits_chosen_labels_checked_greyscale_stats(tmp_path: Path) -> None:
     assert info.in_chans == 1 and info.mean == (0.449,) and info.std == (0.226,)
     cfg = load_run_config(None, [])
     assert normalization(cfg, info, 1) == ((0.449,), (0.226,))
+    # a colour dataset whose first image happens to be grey is read in colour
+    mixed = table(20).map(lambda r, i: {"image": r["image"].convert("L")} if i == 0 else {},
+                          with_indices=True)  # fmt: skip
+    mixed.to_parquet(str(tmp_path / "mixed.parquet"))
+    split = load_split(f"hf:{tmp_path / 'mixed.parquet'}", "all")
+    assert split.in_chans == 3 and Image.open(io.BytesIO(split.read(0))).mode == "L"
 
 
 def test_data_test_classes_must_be_the_training_splits(tmp_path: Path) -> None:

@@ -165,14 +165,21 @@ def load_hf(
     return full.subset(carved if split == "test" else kept)
 
 
-def _channels(split: HFSplit) -> int:
-    """1 when the first image is greyscale, else 3."""
+def _channels(split: HFSplit, sample: int = 16) -> int:
+    """1 when every one of `sample` images spread over the rows (the first and last included) is
+    greyscale, else 3: a colour dataset whose first image is grey is still read in colour."""
     from PIL import Image
 
     if not len(split):
         raise DatasetError(f"{split.name} has no rows")
-    try:
-        with Image.open(io.BytesIO(split.read(0))) as im:
-            return 1 if im.mode in ("1", "L", "I", "I;16", "F") else 3
-    except Exception as e:
-        raise DatasetError(f"cannot read image {split.where(0)}: {type(e).__name__}: {e}") from None
+    n = len(split)
+    for i in sorted({round(k * (n - 1) / max(1, sample - 1)) for k in range(sample)}):
+        try:
+            with Image.open(io.BytesIO(split.read(i))) as im:
+                if im.mode not in ("1", "L", "I", "I;16", "F"):
+                    return 3
+        except Exception as e:
+            raise DatasetError(
+                f"cannot read image {split.where(i)}: {type(e).__name__}: {e}"
+            ) from None
+    return 1
