@@ -27,7 +27,13 @@ from vitlab.data import (
     make_loader,
     train_val_split,
 )
-from vitlab.data.datasets import DatasetError, read_digits, read_idx, scan_image_folder
+from vitlab.data.datasets import (
+    DatasetError,
+    read_digits,
+    read_idx,
+    read_image,
+    scan_image_folder,
+)
 from vitlab.data.loader import PADDING, BatchPlan
 from vitlab.data.transforms import random_erase, random_hflip, random_shift
 
@@ -234,8 +240,8 @@ def test_image_folder_skips_bad_files_with_warnings(tmp_path: Path, caplog) -> N
 
 
 def test_decode_16_bit_png_and_header_bombs() -> None:
-    """A 16-bit PNG decodes to its high bytes as uint8 (greyscale and as RGB); a JPEG whose header
-    claims 20000 x 10000 pixels is refused before any decoder allocates them."""
+    """A 16-bit PNG or TIFF decodes to its high bytes as uint8 (greyscale and as RGB); a JPEG
+    whose header claims 20000 x 10000 pixels is refused before any decoder allocates them."""
     from vitlab.data.decode import decode_image
 
     deep = np.arange(0, 65536, 257, dtype=np.uint16).reshape(16, 16)  # 0, 257, ..., 65535
@@ -246,6 +252,13 @@ def test_decode_16_bit_png_and_header_bombs() -> None:
     assert torch.equal(grey[0], torch.from_numpy((deep >> 8).astype(np.uint8)))
     rgb = decode_image(out.getvalue(), 3, "deep.png")
     assert rgb.dtype == torch.uint8 and torch.equal(rgb[1], grey[0])
+    # PIL's paths (a 16-bit TIFF in a folder or shard; any file predict / analyze read) agree
+    tiff = io.BytesIO()
+    Image.fromarray(deep).save(tiff, format="TIFF")
+    assert torch.equal(decode_image(tiff.getvalue(), 1, "deep.tif"), grey)
+    assert torch.equal(decode_image(tiff.getvalue(), 3, "deep.tif"), rgb)
+    read = read_image(io.BytesIO(out.getvalue()), "L")
+    assert np.array_equal(np.asarray(read), (deep >> 8).astype(np.uint8))
     out = io.BytesIO()
     Image.new("RGB", (8, 8)).save(out, format="JPEG")
     jpeg = bytearray(out.getvalue())

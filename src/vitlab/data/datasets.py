@@ -34,6 +34,7 @@ from torch import Tensor
 
 from vitlab.config import DataConfig
 from vitlab.data.cifar import read_cifar
+from vitlab.data.decode import pil_convert
 from vitlab.data.download import FASHION_SHA256, DatasetError, find_or_fetch_fashion_mnist
 from vitlab.data.hf import HFSplit, load_hf
 from vitlab.data.shards import ShardSplit, carve_shards, load_shards
@@ -218,13 +219,14 @@ def load_cifar_split(name: str, split: str, data_dir: str | None) -> ArraySplit:
 
 
 def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
-    """The image file at `path` decoded and converted to `mode` ('L', 'RGB'); a DatasetError naming
-    the file when it cannot be (PIL raises OSError, ValueError, DecompressionBombError ...)."""
+    """The image file at `path` decoded and converted to `mode` ('L', 'RGB'; 16-bit greyscale by
+    its high bytes); a DatasetError naming the file when it cannot be (PIL raises OSError,
+    ValueError, DecompressionBombError ...)."""
     from PIL import Image
 
     try:
         with Image.open(path) as im:
-            return im.convert(mode)
+            return pil_convert(im, mode)
     except Exception as e:
         raise DatasetError(f"cannot read image {path}: {type(e).__name__}: {e}") from None
 

@@ -110,13 +110,24 @@ def _size_ok(data: bytes, where: str) -> bool:
     return True
 
 
+def pil_convert(im, mode: str):  # (PIL.Image.Image, 'L' | 'RGB') -> PIL.Image.Image
+    """`im` in `mode`, a 16-bit greyscale image by its high bytes as the PNG path reads it (PIL's
+    convert clips every value above 255 to white)."""
+    if im.mode.startswith("I;16"):
+        import numpy as np
+        from PIL import Image
+
+        im = Image.fromarray((np.asarray(im).astype(np.uint16) >> 8).astype(np.uint8), "L")
+    return im.convert(mode)
+
+
 def _pil_decode(data: bytes, mode: str, where: str) -> Tensor:
     from PIL import Image
     from torchvision.transforms.v2 import functional as TF
 
     try:
         with Image.open(io.BytesIO(data)) as im:
-            return TF.pil_to_tensor(im.convert(mode))
+            return TF.pil_to_tensor(pil_convert(im, mode))
     except Exception as e:  # PIL raises many kinds for bad files
         if "BytesIO" in str(e):  # "cannot identify image file <_io.BytesIO object at 0x...>"
             e = type(e)("not an image file of a format PIL knows")
