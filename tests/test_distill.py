@@ -285,6 +285,28 @@ def test_teachers_that_cannot_teach_the_student_are_refused(teacher: Path, tmp_p
     assert not any((tmp_path / x).exists() for x in "abcdef")
 
 
+def test_a_teacher_with_the_classes_in_another_order_is_reordered(tmp_path: Path) -> None:
+    """The teacher names cat, dog, bird; the student's data bird, cat, dog (an image folder's
+    sorted order): the teacher's logits come in the data's order. Other names are refused;
+    numbered classes are taken by index."""
+    model, meta = load_checkpoint(tiny_checkpoint(tmp_path / "t", num_classes=3))
+    model.classes = ["cat", "dog", "bird"]
+    save_pretrained(model, tmp_path / "named")
+    pre, cpu = meta.preprocessing, torch.device("cpu")
+    x = torch.randn(4, 1, 8, 8)
+    with torch.no_grad():
+        own = model.eval()(x)
+    t = distill.load_teacher(str(tmp_path / "named"), 3, ["bird", "cat", "dog"], pre, cpu)
+    assert torch.equal(t(x), own[:, [2, 0, 1]])
+    assert any("reordered to the data's classes" in n for n in t.notes)
+    same = distill.load_teacher(str(tmp_path / "named"), 3, ["cat", "dog", "bird"], pre, cpu)
+    assert torch.equal(same(x), own) and same.notes == []
+    numbered = distill.load_teacher(str(tmp_path / "named"), 3, ["0", "1", "2"], pre, cpu)
+    assert torch.equal(numbered(x), own)
+    with pytest.raises(ConfigError, match=r"has the classes \['cat', 'dog', 'bird'\], the student"):
+        distill.load_teacher(str(tmp_path / "named"), 3, ["ant", "bee", "cow"], pre, cpu)
+
+
 def test_soft_distillation_accumulates_like_the_larger_batch(teacher: Path, tmp_path) -> None:
     """2 x 32 accumulated == one batch of 64 with a soft teacher (SGD, float32)."""
     common = [f"distill.teacher={teacher}", "distill.type=soft", "distill.tau=2",

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from vitlab.config import ConfigError, DistillConfig, RunConfig
+from vitlab.data.datasets import named, numbered
 from vitlab.eval.classification import distilled_heads
 from vitlab.formats.base import CheckpointError
 from vitlab.models.checkpoint import load_checkpoint
@@ -93,6 +94,7 @@ class Teacher:
                 for v in (student.mean, student.std, own.mean, own.std)
             )  # pixels = x * s_std + s_mean, then (pixels - t_mean) / t_std
             self.shift = (s_std / t_std, (s_mean - t_mean) / t_std)
+        self.order: Tensor | None = None  # teacher logit index of each student class
         self.notes = []
         if self.size is not None:
             h, w = student.img_size
@@ -113,7 +115,8 @@ class Teacher:
             x = x * scale + offset
         if self.size is not None:
             x = F.interpolate(x, self.size, mode=self.mode, antialias=self.mode != "nearest")
-        return self.model(x)
+        logits = self.model(x)
+        return logits if self.order is None else logits[:, self.order]
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -130,7 +133,8 @@ def load_teacher(
 ) -> Teacher:
     """The teacher of distill.teacher=`source` (anything load_checkpoint reads) for a student of
     `num_classes` classes named `classes` that takes inputs as `pre` makes them. A different class
-    count or channel count is a ConfigError; another input size or normalisation is adapted."""
+    count, class names or channel count is a ConfigError; another input size or normalisation is
+    adapted, and the same class names in another order reordered (numbered classes: by index)."""
     try:
         model, meta = load_checkpoint(source, device=device)
     except CheckpointError as e:
@@ -147,12 +151,18 @@ def load_teacher(
             f"has {pre.in_chans}"
         )
     teacher = Teacher(model, str(source), pre, own, device)
-    named = [c for c in meta.classes if not c.isdigit()]
-    if named and meta.classes != classes:
-        i = next(i for i, (a, b) in enumerate(zip(meta.classes, classes)) if a != b)
-        teacher.notes.append(
-            f"warning: the teacher's class {i} is {meta.classes[i]!r}, the data's {classes[i]!r}"
+    have = meta.classes
+    if have == classes or numbered(have) or numbered(classes):
+        return teacher  # the same names, or classes only numbered: taken by index
+    if sorted(have) != sorted(classes):
+        raise ConfigError(
+            f"distill.teacher {source} has the classes {named(have)}, the student's data "
+            f"{named(classes)}: a teacher must name the student's classes (in any order)"
         )
+    teacher.order = torch.tensor([have.index(c) for c in classes], device=device)
+    teacher.notes.append(
+        "the teacher's logits are reordered to the data's classes (the same names in another order)"
+    )
     return teacher
 
 
