@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -85,6 +86,15 @@ def test_feature_kinds_and_channel_conversion() -> None:
     tokens = model.forward_features(x)
     torch.testing.assert_close(represent(model, x, "gap"), tokens[:, 2:].mean(dim=1))
     torch.testing.assert_close(represent(model, x, "prelogits"), (tokens[:, 0] + tokens[:, 1]) / 2)
+    # timm's avg-pooled layout (fc_norm): the final norm comes after pooling, for gap too
+    avg = VisionTransformer(cfg.replace(pool="gap", fc_norm=True)).eval()
+    with torch.no_grad():
+        avg.fc_norm.weight.uniform_(0.5, 2.0)  # not the identity's
+        tokens = avg.forward_features(x)
+        by_hand = torch.nn.functional.layer_norm(
+            tokens[:, 1:].mean(dim=1), (16,), avg.fc_norm.weight, avg.fc_norm.bias, 1e-6
+        )
+    torch.testing.assert_close(represent(avg, x, "gap"), by_hand)
     # 28x28 grey images for a 32x32 RGB model: repeated to three channels and resized
     grey = ArraySplit(torch.randint(0, 256, (5, 1, 28, 28), dtype=torch.uint8), torch.arange(5), [])
     pre = preprocessing_of(model)
@@ -169,6 +179,17 @@ def test_a_runs_features_are_cached_in_the_run_and_reused(run: Path) -> None:
     os.utime(weights, ns=(mtime + 10**9, mtime + 10**9))  # new weights: extracted again
     fresh = Extractor(str(run), device="cpu", progress=False)
     assert not fresh.features("digits", None, "test").cached and fresh.forward_batches == 2
+
+    # an image folder as data.test: its files are part of the key, as data.name's are
+    folder = run.parent / "test-images" / "cls"
+    folder.mkdir(parents=True)
+    (folder / "a.png").write_bytes(b"one")
+    cfg = dataclasses.replace(fresh.dataset(None, None), test=f"imagefolder:{folder.parent}")
+    before = fresh.key(cfg, "test")
+    (folder / "b.png").write_bytes(b"two")  # an image added
+    after = fresh.key(cfg, "test")
+    assert before["test_files"] != after["test_files"]
+    assert after["test"] == f"imagefolder:{folder.parent.resolve()}"
 
 
 def test_damaged_cache_is_extracted_again(run: Path, caplog) -> None:

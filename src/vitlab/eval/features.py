@@ -3,7 +3,8 @@ extracted once per dataset split in float32 and cached as safetensors.
 
     prelogits   the vector the classifier reads (forward_head(pre_logits=True)): the paper's
                 representation (§4.1)
-    gap         the mean of the patch tokens after the final norm, prefix tokens skipped: for
+    gap         the mean of the patch tokens after the final norm, prefix tokens skipped (a model
+                with fc_norm, whose final norm comes after pooling: the norm of the mean): for
                 models whose class token never had a training signal (masked patch prediction)
 
 For a CNN both are the mean of the last stage's map, the vector its classifier reads.
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 
 FEATURE_KINDS = ("prelogits", "gap")
 CACHE_FORMAT = "vitlab-features"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: gap features of a model with fc_norm are normalised
 
 
 @dataclass
@@ -83,7 +84,9 @@ def represent(model: nn.Module, images: Tensor, kind: str) -> Tensor:
         return model.forward_head(tokens, pre_logits=True)  # (B, num_features)
     if kind == "gap":
         tokens = tokens.flatten(1, -2)  # (B, T, D) for both
-        return tokens[:, model.num_prefix_tokens :].mean(dim=1)  # (B, D)
+        pooled = tokens[:, model.num_prefix_tokens :].mean(dim=1)  # (B, D)
+        fc_norm = getattr(model, "fc_norm", None)  # its final norm, after pooling (timm's avg)
+        return pooled if fc_norm is None else fc_norm(pooled)
     raise ValueError(f"features must be one of {', '.join(FEATURE_KINDS)}, got {kind!r}")
 
 
@@ -151,6 +154,15 @@ def source_identity(source: str, weights: Path | None) -> dict[str, Any]:
     if path.is_dir():
         return {"folder": [_stat(p) for p in sorted(path.iterdir()) if p.is_file()]}
     return {"name": source}
+
+
+def _identity(name: str) -> tuple[str, str | None]:
+    """(a dataset name as a cache key takes it, a digest of its files or None): an image folder
+    by its absolute path and folder_digest, anything else by its name alone."""
+    if not name.startswith("imagefolder:"):
+        return name, None
+    root = Path(name.split(":", 1)[1]).expanduser().resolve()
+    return f"imagefolder:{root}", folder_digest(root)
 
 
 def folder_digest(root: Path) -> str:
@@ -265,12 +277,12 @@ class Extractor:
         return data_config(cfg, data, data_dir)
 
     def key(self, cfg: DataConfig, split: str) -> dict[str, Any]:
-        """What the features of one split depend on (an image folder: its absolute path and a
-        digest of its files' names, sizes and times, so added or replaced images count)."""
-        name, folder, seed, files = cfg.name, cfg.dir, cfg.split_seed, None
-        if name.startswith("imagefolder:"):
-            root = Path(name.split(":", 1)[1]).expanduser().resolve()
-            name, files = f"imagefolder:{root}", folder_digest(root)
+        """What the features of one split depend on (an image folder, data.name's or data.test's:
+        its absolute path and a digest of its files' names, sizes and times, so added or replaced
+        images count)."""
+        folder, seed = cfg.dir, cfg.split_seed
+        name, files = _identity(cfg.name)
+        test, test_files = _identity(cfg.test) if cfg.test else (None, None)
         return {
             "version": CACHE_VERSION,
             "weights": source_identity(self.source, self.weights),
@@ -279,7 +291,8 @@ class Extractor:
             "data_dir": str(Path(folder).expanduser().resolve()) if folder else None,
             "split": split,
             "split_seed": seed,
-            "test": cfg.test,
+            "test": test,
+            "test_files": test_files,
             "keys": [cfg.image_key, cfg.label_key],
             "preprocessing": self.preprocessing.to_dict(),
             "features": self.kind,
