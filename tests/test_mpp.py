@@ -98,6 +98,16 @@ def test_model_targets_undo_the_input_normalisation() -> None:
     torch.manual_seed(0)
     predictions, targets = model(normalised)
     assert predictions.shape == (3 * 2, 512) and targets.shape == (3 * 2,)  # 2 of 4 patches each
+    # the targets are the drawn patches' (not the others'), for any corrupted share
+    every = model.targets(normalised)
+    for share in (0.5, 0.25, 0.75):
+        model.mpp_config = MPPConfig(corrupt=share)
+        _, targets = model(normalised, generator=torch.Generator().manual_seed(7))
+        plan = draw_corruption(3, 4, model.mpp_config, "cpu", torch.Generator().manual_seed(7))
+        assert plan.corrupted.sum(dim=1).tolist() == [round(4 * share)] * 3
+        assert torch.equal(targets, every[plan.corrupted])
+        assert not torch.equal(targets, every[~plan.corrupted][: len(targets)])
+    model.mpp_config = MPPConfig()
     l2 = MaskedPatchViT(vit, MPPConfig(target="patch_l2"), mean, std)
     predictions, targets = l2(normalised)
     assert predictions.shape == targets.shape == (6, 3 * 4 * 4)

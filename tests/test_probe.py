@@ -73,6 +73,10 @@ def test_linear_probe_on_separable_features_picks_c_on_held_out_data() -> None:
     best = max(g["val_top1"] for g in r["grid"])
     assert next(g for g in r["grid"] if g["C"] == r["C"])["val_top1"] == best
     assert all(0.0 <= g["val_top1"] <= 1.0 for g in r["grid"])
+    # the test split plays no part in the choice: other test labels, the same grid and C
+    scrambled = np.random.default_rng(3).permutation(test.y.numpy())
+    other = linear_probe(train.x.numpy(), train.y.numpy(), test.x.numpy(), scrambled)
+    assert other["grid"] == r["grid"] and other["C"] == r["C"] and other["top1"] < 0.5
 
 
 # --- extraction ----------------------------------------------------------------------------------
@@ -86,6 +90,14 @@ def test_feature_kinds_and_channel_conversion() -> None:
     tokens = model.forward_features(x)
     torch.testing.assert_close(represent(model, x, "gap"), tokens[:, 2:].mean(dim=1))
     torch.testing.assert_close(represent(model, x, "prelogits"), (tokens[:, 0] + tokens[:, 1]) / 2)
+    # extraction runs the model in eval mode (no dropout, no drop-path) and gives it back as it was
+    noisy = VisionTransformer(cfg.replace(dropout=0.5, drop_path=0.5)).train()
+    labels = torch.arange(2)
+    first, _ = extract(noisy, [(x, labels)], "prelogits", torch.device("cpu"), progress=False)
+    again, _ = extract(noisy, [(x, labels)], "prelogits", torch.device("cpu"), progress=False)
+    assert noisy.training and torch.equal(first, again)
+    with torch.no_grad():
+        torch.testing.assert_close(first, represent(noisy.eval(), x, "prelogits"))
     # timm's avg-pooled layout (fc_norm): the final norm comes after pooling, for gap too
     avg = VisionTransformer(cfg.replace(pool="gap", fc_norm=True)).eval()
     with torch.no_grad():
