@@ -5,6 +5,7 @@ image folder, resume, torchrun), and fine-tuning from its encoder."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -190,6 +191,8 @@ def test_pretraining_learns_colours_and_finetuning_starts_from_its_encoder(
         out=tmp_path / "ft",
     )
     assert json.loads((ft / "results.json").read_text())["num_images"] == 359
+    err = capsys.readouterr().err  # the few labels, and the fully labelled validation split
+    assert re.search(r"label_fraction=0.1 labels 1\d\d training .* keeps all 144 of its", err)
     tuned = weights_of(ft)
     assert tuned["head.weight"].shape == (10, 32)
     assert tuned["blocks.0.attn.qkv.weight"].shape == weights["blocks.0.attn.qkv.weight"].shape

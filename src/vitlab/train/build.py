@@ -201,5 +201,12 @@ def announce(run) -> None:  # a train.run.Run (which imports this module)
     )
     for note in run.notes:
         print(f"fine-tune: {note}", file=sys.stderr)
+    if cfg.data.label_fraction < 1 and data.val is not None:
+        print(
+            f"note: data.label_fraction={cfg.data.label_fraction} labels {len(data.train):,} "
+            f"training images, and the validation split keeps all {len(data.val):,} of its labels "
+            f"to choose the best checkpoint with; data.val_fraction=0 keeps the run to its labels",
+            file=sys.stderr,
+        )
     if run.two_heads:
         distill.announce(run.teacher, cfg.distill)
