@@ -433,7 +433,8 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     # - an arm is measured at its last checkpoint: without its best (nor its measurements), a
     #   finished run is reused and measured again from `last`
     shutil.rmtree(pos / "sincos2d-seed0" / "checkpoints" / "best")
-    (pos / "sincos2d-seed0" / "reproduce.json").write_text("{}")
+    #   (here a reproduce.json cut short, as a kill mid-write left one before writes were atomic)
+    (pos / "sincos2d-seed0" / "reproduce.json").write_text('{"last": {"top1"')
     # - an interrupted run (a checkpoint, no results yet) is resumed, not restarted
     (pos / "none-seed0" / "results.json").unlink()
     # - a finished run whose weights were deleted (to save space) is trained again, not reused
@@ -441,6 +442,7 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert err.count("finished run found, reusing it") == 3
+    assert "sincos2d-seed0/reproduce.json is damaged" in err
     assert "pos-embed/none-seed0: resuming its run" in err
     assert "(2 run folder(s) trained or resumed in it, 3 reused)" in (pos / "report.md").read_text()
     assert "relative-seed0: finished run without checkpoints/last, training it again" in err
@@ -489,6 +491,17 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     err = capsys.readouterr().err
     assert "mpp-finetune-seed0 holds a run of another configuration" in err
     assert "finetune.from" in err
+
+
+def test_a_folder_trained_by_any_of_its_rows_counts_as_trained() -> None:
+    """Two patch-size levels that round to the same steps share a folder: the first row trains
+    it, the second finds it finished; the folder was trained in this experiment."""
+    from vitlab.experiments.report import _reused
+
+    rows = [{"arm": "a", "reused": False}, {"arm": "a", "reused": True}]
+    rows.append({"arm": "b", "reused": True})
+    assert _reused(rows) == "1 run folder(s) trained or resumed in it, 1 reused"
+    assert _reused(rows[1:]).startswith("every run folder found finished")
 
 
 def test_each_seed_is_measured_on_its_own_test_share(tmp_path: Path, monkeypatch) -> None:

@@ -27,6 +27,7 @@ from vitlab.data.datasets import ArraySplit, DatasetError
 from vitlab.eval.features import match_channels
 from vitlab.eval.fewshot import DEFAULT_L2, kshot_accuracies
 from vitlab.experiments.budgets import Budget, Plan, arm_seconds
+from vitlab.formats.base import write_json
 from vitlab.models.checkpoint import load_checkpoint
 from vitlab.models.registry import ModelConfig
 from vitlab.train.build import resolve_model_config
@@ -190,12 +191,22 @@ def subset_size(data: str, fraction: float, seed: int) -> int:
 
 
 def _state(folder: Path) -> dict:
+    """What reproduce.json holds; a damaged one (from before its writes were atomic) is named, and
+    taken as empty: the arm is measured again, its earlier training time lost."""
     path = folder / STATE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        state = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        print(f"vitlab reproduce: warning: {path} is damaged ({e}): measuring the run again",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return {}
+    return state if isinstance(state, dict) else {}
 
 
 def _save_state(folder: Path, state: dict) -> None:
-    (folder / STATE).write_text(json.dumps(state, indent=2) + "\n")
+    write_json(folder / STATE, state)
 
 
 def _same_config(folder: Path, arm: Arm, out: Path) -> None:
@@ -263,6 +274,8 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
                 print(f"{tag}: training {arm.steps} steps of {arm.batch} on {arm.images:,} "
                       f"images", file=sys.stderr, flush=True)  # fmt: skip
                 state = {"source": source} if source else {}
+                if folder.is_dir():  # no earlier measurement outlives the retraining, killed or not
+                    _save_state(folder, state)
                 train(load_run_config(None, arm.config(out)), out=folder, overwrite=True)
         finally:  # stopped (Ctrl-C) or not, the time spent counts
             if (folder / "config.yaml").is_file():

@@ -13,6 +13,7 @@ import torch
 
 from vitlab.experiments.base import Experiment, Summary
 from vitlab.experiments.verdict import Verdict
+from vitlab.formats.base import write_text
 from vitlab.runtime import cpu_has_bf16, pick_device
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -63,7 +64,9 @@ def _table_md(header: list[str], rows: list[list[str]]) -> list[str]:
 def _reused(rows: list[dict]) -> str:
     """How many of the run folders this experiment trained, and how many it found finished
     (by an earlier invocation, or an earlier experiment of `all`: inside reuses pos-embed's)."""
-    folders = {r["arm"]: r.get("reused", False) for r in rows}
+    folders: dict[str, bool] = {}  # reused unless any of its rows trained it (levels can share)
+    for r in rows:
+        folders[r["arm"]] = folders.get(r["arm"], True) and r.get("reused", False)
     reused = sum(folders.values())
     if reused == len(folders):
         return "every run folder found finished, trained before this experiment"
@@ -91,7 +94,7 @@ def write_report(
         **summary.numbers,
         **run,
     }
-    (folder / "results.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    write_text(folder / "results.json", json.dumps(record, indent=2, default=str) + "\n")
     seconds = sum({r["arm"]: r.get("train_seconds") or 0.0 for r in rows}.values())
     facts = [
         f"Budget `{run['budget']}` on `{run['data']}`, {run['seeds']} seed(s) per arm, "
@@ -136,9 +139,9 @@ def write_report(
         + ", ".join(sorted({f"`{r['arm']}`" for r in rows})),
         "",
     ]
-    (folder / "report.md").write_text("\n".join(md))
+    write_text(folder / "report.md", "\n".join(md))
     page = _html(exp, summary, facts)
-    (folder / "report.html").write_text(page)
+    write_text(folder / "report.html", page)
     return {n: folder / n for n in ("results.json", "report.md", "report.html")}
 
 

@@ -12,6 +12,7 @@ from vitlab.experiments import data_scale, inside, mpp, patch_size, pos_embed
 from vitlab.experiments.arms import Arm, Context, run_arm
 from vitlab.experiments.base import Experiment
 from vitlab.experiments.report import machine, write_report
+from vitlab.formats.base import write_text
 
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e
@@ -95,5 +96,5 @@ def run_all(ctx: Context) -> dict[str, dict[str, Path]]:
         outcome = json.loads(paths["results.json"].read_text())["verdict"]["outcome"]
         lines.append(f"| {EXPERIMENTS[name].title} | {outcome} | [{name}/report.md]"
                      f"({name}/report.md) |")  # fmt: skip
-    (ctx.out / "README.md").write_text("\n".join(lines) + "\n")
+    write_text(ctx.out / "README.md", "\n".join(lines) + "\n")
     return reports
