@@ -231,7 +231,11 @@ def test_torchvision_vit_b32_shape(representation_size: int | None, tmp_path: Pa
     randomize(ref)
     torch.save(ref.state_dict(), tmp_path / "vit_b_32.pth")
     model = load_pretrained(tmp_path / "vit_b_32.pth")
-    assert model.preprocessing.crop_pct == 224 / 256
+    from torchvision.models import ViT_B_32_Weights  # its released weights' evaluation transform
+
+    tv = ViT_B_32_Weights.IMAGENET1K_V1.transforms()
+    assert model.preprocessing.crop_pct == tv.crop_size[0] / tv.resize_size[0]
+    assert model.preprocessing.interpolation == tv.interpolation.value == "bilinear"
     seen = {}
     ref.heads.head.register_forward_hook(lambda m, inp, out: seen.update(f=inp[0]))
     x = images(64)

@@ -4,6 +4,7 @@ a user relies on (provenance in vitlab's metadata, the old keyword)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ from safetensors.torch import save_file
 from tests.test_checkpoint import google_arrays, images, randomize
 from vitlab import create_model, formats, load_checkpoint, save_pretrained
 from vitlab.cli.main import main
-from vitlab.formats.base import Files, Source
+from vitlab.formats.base import Files, Source, preprocessing_of
 
 
 def test_every_format_has_the_interface_and_vitlab_writes_four() -> None:
@@ -116,6 +117,63 @@ def test_a_folders_config_files_apply_whatever_format_its_weights_are_in(tmp_pat
     (tmp_path / "t" / "preprocessor_config.json").write_text(json.dumps(processor))
     _, meta = load_checkpoint(tmp_path / "t")  # timm weights, transformers' preprocessing
     assert meta.preprocessing.mean == (0.3,) * 3 and meta.preprocessing.interpolation == "bicubic"
+
+
+def shape(model) -> tuple:
+    c = model.config
+    return c.img_hw, c.patch_size, c.embed_dim, c.depth, c.num_heads, c.mlp_dim, c.pool, c.act
+
+
+def test_a_hub_folders_weights_named_by_path_read_as_the_folder(tmp_path: Path) -> None:
+    """DIR/model.safetensors gives DIR's model: its config.json and preprocessor_config.json."""
+    model = randomize(create_model("vit_micro_patch4_32", num_classes=3))
+    model.preprocessing = dataclasses.replace(
+        preprocessing_of(model), mean=(0.2,) * 3, std=(0.3,) * 3
+    )
+    model.classes = ["a", "b", "c"]
+    for fmt in ("timm", "hf"):
+        save_pretrained(model, tmp_path / fmt, fmt)
+        by_folder, folder_meta = load_checkpoint(tmp_path / fmt)
+        by_file, file_meta = load_checkpoint(tmp_path / fmt / "model.safetensors")
+        assert file_meta.preprocessing == folder_meta.preprocessing, fmt
+        assert file_meta.preprocessing.mean == (0.2,) * 3 and file_meta.classes == model.classes
+        assert shape(by_file) == shape(by_folder) == shape(model), fmt
+
+
+def test_timms_bare_state_dict_reads_back_the_model_vitlab_wrote(tmp_path: Path) -> None:
+    """vit_micro's 4 heads of 32 (not the 64-wide heads a guess would give), its size, pooling
+    and classes survive a bare timm .safetensors, which timm's own load_state_dict still takes."""
+    import timm
+
+    model = randomize(create_model("vit_micro_patch4_32", num_classes=3, pool="gap"))
+    model.classes = ["a", "b", "c"]
+    save_pretrained(model, tmp_path / "m.safetensors", "timm")
+    back, meta = load_checkpoint(tmp_path / "m.safetensors")
+    assert shape(back) == shape(model) and meta.classes == ["a", "b", "c"]
+    x = images(32)
+    with torch.no_grad():
+        assert torch.equal(back(x), model(x))
+    twin = timm.create_model(
+        "vit_base_patch16_224", img_size=32, patch_size=4, embed_dim=128, depth=6, num_heads=4,
+        num_classes=3, global_pool="avg", fc_norm=False, class_token=True, mlp_ratio=2.0,
+    )  # fmt: skip
+    from safetensors.torch import load_file
+
+    twin.load_state_dict(load_file(tmp_path / "m.safetensors"))
+    with torch.no_grad():
+        torch.testing.assert_close(twin.eval()(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_timm_write_over_a_hugging_face_folder_leaves_no_stale_preprocessing(tmp_path) -> None:
+    model = randomize(create_model("vit_nano_patch4_32", num_classes=3))
+    save_pretrained(model, tmp_path / "same", "hf")
+    model.preprocessing = dataclasses.replace(
+        preprocessing_of(model), mean=(0.2,) * 3, interpolation="bilinear"
+    )
+    save_pretrained(model, tmp_path / "same", "timm")
+    assert not (tmp_path / "same" / "preprocessor_config.json").exists()
+    _, meta = load_checkpoint(tmp_path / "same")
+    assert meta.preprocessing.mean == (0.2,) * 3 and meta.preprocessing.interpolation == "bilinear"
 
 
 def test_convert_to_vitlab_keeps_where_the_weights_came_from(tmp_path: Path) -> None:

@@ -14,11 +14,16 @@ value: the file says so in `conv_layer`, and timm builds it only when given the 
 eps=1e-8))` (without it, construction fails rather than giving plain convs the weights). timm's
 stem is the standard one: a small-stem model is written as a state dict only (its 3x3 stem.conv
 does not load into timm's). Reading, a config.json whose model_args describe another ResNetV2
-(pre-activation, another stem padding or conv layer) is refused."""
+(pre-activation, another stem padding or conv layer) is refused.
+
+A bare DST.safetensors (timm's state dict, as timm's load_state_dict takes it) carries what its
+folder's config.json would hold in its header metadata (`timm_config`, which timm ignores), so
+that vitlab reads back the model it wrote (heads, image size, activation, pooling, classes)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,8 @@ from vitlab.models.cnn import CNNConfig
 from vitlab.models.registry import UnknownModelError, family_of, get_config
 from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD
+
+CONFIG_KEY = "timm_config"  # a bare DST.safetensors's header: the config.json a folder would hold
 
 # timm's ResNetV2 without pre-activation (models/stems.py has timm's names)
 _RESNETV2 = (
@@ -115,6 +122,16 @@ def read(files: Files) -> Source:
     src.preprocessing = dict(
         mean=IMAGENET_MEAN, std=IMAGENET_STD, crop_pct=0.9, interpolation="bicubic"
     )
+    header = files.metadata().get(CONFIG_KEY)  # a bare file vitlab wrote: its config.json
+    if header is not None and files.folder is None:
+        try:
+            config = json.loads(header)
+        except ValueError as e:
+            where = f"{files.where}: its {CONFIG_KEY} header"
+            raise CheckpointError(f"{where} is damaged: {e}") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{files.where}: its {CONFIG_KEY} header is no JSON object")
+        read_config(config, src)
     return src  # a folder's config.json: formats.read applies it
 
 
@@ -204,9 +221,6 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
     else:
         (arch, args), state = timm_model_args(cfg), vitlab_to_timm(state)
         classifier = ["head", "head_dist"] if cfg.distilled else "head"
-    if dst.suffix == ".safetensors":
-        write_safetensors(dst, state, {"format": "pt"})
-        return [dst]
     pre = preprocessing_of(model)
     pretrained_cfg = {
         "input_size": [cfg.in_chans, *cfg.img_hw],
@@ -229,8 +243,13 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
     }
     if cfg.num_classes:
         config["label_names"] = classes_of(model)
+    if dst.suffix == ".safetensors":  # timm's bare state dict; its config.json in the header
+        write_safetensors(dst, state, {"format": "pt", CONFIG_KEY: json.dumps(config)})
+        return [dst]
     write_safetensors(dst / WEIGHTS, state, {"format": "pt"})
     write_json(dst / "config.json", config)
+    stale = dst / "preprocessor_config.json"  # an earlier Hugging Face write's: it would apply
+    stale.unlink(missing_ok=True)
     return [dst / WEIGHTS, dst / "config.json"]
 
 

@@ -69,7 +69,9 @@ def read(files: Files) -> Source:
         return src
     src = Source(convert(files.where, torchvision_to_vitlab, tensors), "torchvision",
                  files.where)  # fmt: skip
-    src.preprocessing = dict(mean=IMAGENET_MEAN, std=IMAGENET_STD, crop_pct=224 / 256)
+    src.preprocessing = dict(  # ViT_*_Weights.IMAGENET1K_V1's ImageClassification: bilinear
+        mean=IMAGENET_MEAN, std=IMAGENET_STD, crop_pct=224 / 256, interpolation="bilinear"
+    )
     return src
 
 

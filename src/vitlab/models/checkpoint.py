@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 # --- the files a source names --------------------------------------------------------------------
 
 _FOLDER_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
+_SIDECARS = ("config.json", "preprocessor_config.json")  # what formats.read applies from a folder
 
 
 def _files_in(folder: Path, hub_name: str | None = None) -> Files:
@@ -81,6 +82,10 @@ def _files(source: str | Path) -> Files:
     if path.is_dir():
         return _files_in(path)
     if path.is_file():
+        sidecars = any((path.parent / n).is_file() for n in _SIDECARS)
+        if path.name in _FOLDER_WEIGHTS and sidecars:  # a hub folder's weights, named by file
+            files = _files_in(path.parent)
+            return files if files.weights == path else Files(path, path.parent)
         return Files(path)
     if hub.is_hub_name(str(source)):
         return _files_in(hub.download(str(source)), str(source))
