@@ -70,6 +70,9 @@ def test_convert_with_overrides_and_bad_input(tmp_path: Path, capsys) -> None:
     assert "depth_of_field" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "nothing.pth"), str(tmp_path / "x")]) == 2
     assert "no file or folder" in capsys.readouterr().err
+    # a file where the Hugging Face folder would go: said, not a traceback
+    assert main(["convert", str(tmp_path / "t.pth"), str(tmp_path / "t.pth"), "--to", "hf"]) == 2
+    assert f"cannot write {tmp_path / 't.pth'}" in capsys.readouterr().err
 
 
 def test_convert_to_timm_at_another_resolution_builds_in_timm(tmp_path: Path) -> None:

@@ -176,6 +176,37 @@ def test_a_timm_write_over_a_hugging_face_folder_leaves_no_stale_preprocessing(t
     assert meta.preprocessing.mean == (0.2,) * 3 and meta.preprocessing.interpolation == "bilinear"
 
 
+def test_malformed_hub_files_are_named_not_tracebacks(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    model = randomize(create_model("vit_nano_patch4_32", num_classes=3))
+    save_pretrained(model, tmp_path / "h", "hf")
+    processor = tmp_path / "h" / "preprocessor_config.json"
+    kept = json.loads(processor.read_text())
+    processor.write_text(json.dumps({**kept, "image_mean": [0.5] * 3, "image_std": None}))
+    with pytest.raises(formats.CheckpointError, match="image_mean .* and image_std None are not"):
+        load_checkpoint(tmp_path / "h")
+    # one number for every channel, as transformers allows; PIL's other resample codes are named
+    processor.write_text(json.dumps({**kept, "image_mean": 0.25, "image_std": 0.5, "resample": 1}))
+    _, meta = load_checkpoint(tmp_path / "h")
+    assert meta.preprocessing.mean == (0.25,) * 3 and meta.preprocessing.std == (0.5,) * 3
+    assert any("resample 1" in n for n in meta.info["notes"])
+    processor.write_text(json.dumps(kept))
+    state = load_file(tmp_path / "h" / "model.safetensors")
+    key = next(k for k in state if k.endswith("attention.attention.key.weight"))
+    state[key] = state[key][:, :-1].contiguous()  # a key projection one input column short
+    save_file(state, tmp_path / "h" / "model.safetensors")
+    with pytest.raises(formats.CheckpointError, match=r"h: layer 0: query/key/value weights of"):
+        load_checkpoint(tmp_path / "h")
+    flat = dict(model.state_dict())
+    flat["patch_embed.proj.weight"] = flat["patch_embed.proj.weight"].flatten(1)
+    save_file(flat, tmp_path / "flat.safetensors")
+    with pytest.raises(formats.CheckpointError, match=r"flat.safetensors: patch_embed.proj.weight"):
+        load_checkpoint(tmp_path / "flat.safetensors")
+
+
 def test_convert_to_vitlab_keeps_where_the_weights_came_from(tmp_path: Path) -> None:
     model = randomize(create_model("vit_nano_patch4_32", num_classes=3))
     save_pretrained(model, tmp_path / "t", "timm")

@@ -74,10 +74,13 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.models.swin import SwinConfig
 
     model, meta = load_checkpoint(args.source, args.src_format, **parse_overrides(args.overrides))
-    if args.to == "vitlab":  # keeps where the weights came from in the metadata
-        written = formats.get("vitlab").write(model, args.dest, meta.info)
-    else:
-        written = formats.get(args.to).write(model, args.dest)
+    try:
+        if args.to == "vitlab":  # keeps where the weights came from in the metadata
+            written = formats.get("vitlab").write(model, args.dest, meta.info)
+        else:
+            written = formats.get(args.to).write(model, args.dest)
+    except OSError as e:  # a file where the folder goes, no permission, a full disk
+        raise formats.CheckpointError(f"cannot write {args.dest}: {e}") from None
     cfg = model.config
     if isinstance(cfg, CNNConfig):
         shape = f"{shape_of(cfg)}, {cfg.in_chans}-channel images, {cfg.num_classes} classes"

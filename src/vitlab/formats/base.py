@@ -42,6 +42,18 @@ class FormatError(ValueError):
     """A tensor that has no place in the format being read or written."""
 
 
+def fuse_qkv(parts: Mapping[str, Tensor], kind: str, where: str) -> Tensor:
+    """Separate query, key and value {"q", "k", "v"} weights or biases (`kind`) of one attention
+    layer (`where`) stacked as one qkv tensor; a FormatError naming what is missing or misshapen."""
+    if set(parts) != {"q", "k", "v"}:
+        raise FormatError(f"{where} has {kind}s for {sorted(parts)} of query/key/value")
+    try:
+        return torch.cat([parts["q"], parts["k"], parts["v"]])
+    except RuntimeError:  # shapes that do not stack
+        shapes = [tuple(parts[n].shape) for n in "qkv"]
+        raise FormatError(f"{where}: query/key/value {kind}s of shapes {shapes}") from None
+
+
 @dataclass
 class Files:
     """A checkpoint on disk: its weights file and, when it came in a folder, that folder (where

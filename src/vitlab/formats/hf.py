@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from vitlab.formats import hf_swin
@@ -19,12 +18,12 @@ from vitlab.formats.base import (
     WEIGHTS,
     CheckpointError,
     Files,
-    FormatError,
     Source,
     StateDict,
     classes_of,
     convert,
     cpu_state,
+    fuse_qkv,
     preprocessing_of,
     refuse_swin_v2,
     rename,
@@ -95,9 +94,7 @@ def hf_to_vitlab(state: Mapping[str, Tensor]) -> StateDict:
             rest[key] = value
     out = rename(rest, _RULES + _RULES_V5, "Hugging Face ViT")
     for (layer, kind), qkv in parts.items():
-        if set(qkv) != {"q", "k", "v"}:
-            raise FormatError(f"layer {layer} has {kind}s for {sorted(qkv)} of query/key/value")
-        out[f"blocks.{layer}.attn.qkv.{kind}"] = torch.cat([qkv["q"], qkv["k"], qkv["v"]])
+        out[f"blocks.{layer}.attn.qkv.{kind}"] = fuse_qkv(qkv, kind, f"layer {layer}")
     return out
 
 
@@ -155,11 +152,35 @@ def is_config(cfg: dict[str, Any]) -> bool:
 
 
 def read_processor(processor: dict[str, Any], src: Source) -> None:
-    """Normalisation and resize mode from transformers' preprocessor_config.json."""
-    if "image_mean" in processor:
-        src.preprocessing.update(mean=processor["image_mean"], std=processor["image_std"])
-    src.preprocessing["interpolation"] = _RESAMPLE.get(processor.get("resample", 2), "bilinear")
+    """Normalisation and resize mode from transformers' preprocessor_config.json (a mean or std
+    given as one number: the same for every channel)."""
+    stats = [processor.get(k) for k in ("image_mean", "image_std")]
+    if stats != [None, None]:
+        mean, std = (s if isinstance(s, list) else [s] for s in stats)
+        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in mean + std)
+        if not (numbers and mean and len(mean) == len(std) and min(std) > 0):
+            raise CheckpointError(
+                f"{src.where}: preprocessor_config.json's image_mean {stats[0]!r} and image_std "
+                f"{stats[1]!r} are not one positive std for each mean (lists of numbers)"
+            )
+        chans = _channels(src)
+        if len(mean) == 1 and chans:
+            mean, std = mean * chans, std * chans
+        src.preprocessing.update(mean=mean, std=std)
+    resample = processor.get("resample", 2)
+    if resample not in _RESAMPLE:
+        src.notes.append(
+            f"preprocessor_config.json's resample {resample!r} (PIL's code) is not nearest, "
+            "bilinear or bicubic: resized bilinear"
+        )
+    src.preprocessing["interpolation"] = _RESAMPLE.get(resample, "bilinear")
     src.preprocessing["crop_pct"] = None
+
+
+def _channels(src: Source) -> int | None:
+    """The input channels of the weights' patch embedding (a ViT's or a Swin's), if there."""
+    weight = src.state.get("patch_embed.proj.weight")
+    return int(weight.shape[1]) if weight is not None and weight.ndim == 4 else None
 
 
 def read_config(cfg: dict[str, Any], src: Source) -> None:

@@ -22,10 +22,16 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from vitlab.formats.base import CheckpointError, FormatError, Source, StateDict, rename, unknown
+from vitlab.formats.base import (
+    CheckpointError,
+    Source,
+    StateDict,
+    fuse_qkv,
+    rename,
+    unknown,
+)
 from vitlab.models.swin import SwinConfig
 
 _B = r"encoder\.layers\.(\d+)\.blocks\.(\d+)\."  # a block in transformers' names
@@ -80,16 +86,7 @@ def hf_swin_to_vitlab(state: Mapping[str, Tensor]) -> StateDict:
             rest[key] = value
     out = rename(rest, _RULES, "Hugging Face Swin")
     for (stage, block, kind), qkv in parts.items():
-        if set(qkv) != {"q", "k", "v"}:
-            raise FormatError(
-                f"stage {stage} block {block} has {kind}s for {sorted(qkv)} of query/key/value"
-            )
-        try:
-            fused = torch.cat([qkv["q"], qkv["k"], qkv["v"]])
-        except RuntimeError:  # shapes that do not stack
-            shapes = [tuple(qkv[n].shape) for n in "qkv"]
-            where = f"stage {stage} block {block}"
-            raise FormatError(f"{where}: query/key/value {kind}s of shapes {shapes}") from None
+        fused = fuse_qkv(qkv, kind, f"stage {stage} block {block}")
         out[f"layers.{stage}.blocks.{block}.attn.qkv.{kind}"] = fused
     return out
 

@@ -150,7 +150,11 @@ def _infer_vit(src: Source) -> ViTConfig:
             raise CheckpointError(f"{where}: no {key} tensor, so not a complete ViT checkpoint")
         return s[key]
 
-    d, chans, p, _ = need("patch_embed.proj.weight").shape
+    patch = need("patch_embed.proj.weight")
+    if patch.ndim != 4:
+        raise CheckpointError(f"{where}: patch_embed.proj.weight has shape {tuple(patch.shape)}, "
+                              "expected a conv kernel (D, C, P, P)")  # fmt: skip
+    d, chans, p, _ = patch.shape
     stem = infer_resnet_stem(s, where) or {}  # a hybrid: channels and stride from its ResNet
     if stem:
         chans, p = stem.pop("in_chans"), stem.pop("patch_size")
