@@ -99,6 +99,30 @@ def test_timm_checkpoints_give_timm_outputs(case: str, save: str, tmp_path: Path
     assert model.config.num_classes == 7
 
 
+@pytest.mark.parametrize("size", [(64, 80), (64, 96)])
+def test_a_timm_state_dict_of_a_non_square_grid_loads_at_the_size_named(size, tmp_path) -> None:
+    """A bare state dict trained at 64x80 (4x5 patches, 21 rows) or 64x96 (4x6 patches + the class
+    token: 25 rows, which also read as a 5x5 grid without class-token row) loads at img_size=
+    as timm's model: the table is not resampled."""
+    ref = randomize(
+        timm.create_model("vit_tiny_patch16_224", depth=1, num_classes=5, img_size=size)
+    )
+    save_file(ref.state_dict(), tmp_path / "w.safetensors")
+    model, meta = load_checkpoint(tmp_path / "w.safetensors", img_size=size)
+    assert model.config.img_hw == size and not model.config.no_embed_class
+    x = images(size)
+    with torch.no_grad():
+        close(model(x), ref(x))
+    if size == (64, 80):
+        with pytest.raises(
+            CheckpointError, match=r"21 rows fits no square grid: pass img_size=\(H"
+        ):
+            load_checkpoint(tmp_path / "w.safetensors")
+    else:  # the square reading is taken, and said
+        _, meta = load_checkpoint(tmp_path / "w.safetensors")
+        assert any("non-square grid of 24 patches need img_size" in n for n in meta.info["notes"])
+
+
 def test_timm_folder_carries_preprocessing_and_infers_pooling(tmp_path: Path) -> None:
     from timm.models._hub import save_for_hf
 

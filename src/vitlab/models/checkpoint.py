@@ -129,19 +129,19 @@ def infer_config(src: Source) -> ModelConfig:
 
 
 def _infer(src: Source, img_size: int | tuple[int, int] | None = None) -> ModelConfig:
-    """infer_config; `img_size` is taken as a Swin's trained size when the source states none and
-    its tables fit it (a ViT's size is always in its position table), and as a CNN's when the
-    source states none."""
+    """infer_config; `img_size` is taken as a Swin's or a ViT's trained size when the source states
+    none and its tables fit it (a ViT's position table of that grid: a non-square one cannot be
+    read from the table alone), and as a CNN's when the source states none."""
     if src.config is not None:
         return src.config
     if source_family(src) == "swin":
         return infer_swin_config(src, img_size)
     if source_family(src) == "cnn":
         return infer_cnn_config(src, img_size)
-    return _infer_vit(src)
+    return _infer_vit(src, img_size)
 
 
-def _infer_vit(src: Source) -> ViTConfig:
+def _infer_vit(src: Source, img_size: int | tuple[int, int] | None = None) -> ViTConfig:
     s, hints = src.state, dict(src.hints)
     where = src.where
 
@@ -181,6 +181,9 @@ def _infer_vit(src: Source) -> ViTConfig:
     img = hints.pop("img_size", None)
     if "pos_embed.weight" in s:
         rows = s["pos_embed.weight"].shape[1]
+        if img is None and img_size is not None:  # the size asked for, if the table is its
+            h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
+            img = img_size if rows in ((h // p) * (w // p), (h // p) * (w // p) + prefix) else None
         if img is not None:
             h, w = (img, img) if isinstance(img, int) else img
             n = (h // p) * (w // p)
@@ -196,9 +199,17 @@ def _infer_vit(src: Source) -> ViTConfig:
                 n = rows - prefix
             elif math.isqrt(rows) ** 2 == rows:
                 n, no_embed_class = rows, prefix > 0
+                if prefix:  # or a non-square grid of rows - prefix patches, with prefix rows
+                    k = math.isqrt(rows)
+                    src.notes.append(
+                        f"the position table's {rows} rows are read as a {k}x{k} grid without "
+                        f"rows for the prefix tokens (no_embed_class); weights trained on a "
+                        f"non-square grid of {rows - prefix} patches need img_size=(H, W)"
+                    )
             else:
                 raise CheckpointError(
-                    f"{where}: position table of {rows} rows fits no square grid: pass img_size="
+                    f"{where}: position table of {rows} rows fits no square grid: pass "
+                    f"img_size=(H, W), the size it was trained at"
                 )
             img = math.isqrt(n) * p
     else:
