@@ -10,6 +10,7 @@ import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,12 +45,21 @@ def s(*values: float):
 # --- the rules ---------------------------------------------------------------------------------
 
 
-def test_accuracy_floor_is_twice_the_binomial_error_at_least_a_point() -> None:
-    assert accuracy_floor(100, [s(0.5), s(0.5)]) == pytest.approx(0.1)  # 2 sqrt(.25 / 100)
+def test_accuracy_floor_is_twice_the_binomial_error_of_the_difference_at_least_a_point() -> None:
+    # two accuracies of 0.5 on 100 images: each has variance .25 / 100, their difference twice it
+    assert accuracy_floor(100, [s(0.5), s(0.5)]) == pytest.approx(2 * (2 * 0.25 / 100) ** 0.5)
+    assert accuracy_floor(100, [s(0.5), s(0.5)], compared=4) == pytest.approx(0.2)
     p = 0.85  # the compared arms' mean accuracy
     floor = accuracy_floor(1_000, [s(0.8, 0.8), s(0.9)])
-    assert floor == pytest.approx(2 * (p * (1 - p) / 1_000) ** 0.5)
+    assert floor == pytest.approx(2 * (2 * p * (1 - p) / 1_000) ** 0.5)
     assert accuracy_floor(1_000_000, [s(0.9)]) == 0.01
+    # the floor holds the null: two arms of equal accuracy 0.85 on 1,000 shared-nothing images
+    # differ by more than it in about 5% of draws (2 standard errors), not the 16% a floor sized
+    # for one accuracy lets through
+    rng = np.random.default_rng(0)
+    a, b = rng.binomial(1_000, 0.85, 20_000) / 1_000, rng.binomial(1_000, 0.85, 20_000) / 1_000
+    exceed = np.mean(np.abs(a - b) > accuracy_floor(1_000, [s(0.85), s(0.85)]))
+    assert 0.03 < exceed < 0.07, exceed
 
 
 def test_margin_is_twice_the_largest_spread_or_the_floor_with_one_seed() -> None:

@@ -72,21 +72,25 @@ class Verdict:
         }
 
 
-def accuracy_floor(test_images: int, accuracies: Iterable[Stat]) -> float:
-    """The floor for accuracies measured on `test_images` images: twice the binomial standard
-    error of one accuracy at the compared arms' mean accuracy p, 2 sqrt(p (1 - p) / n), and at
-    least ACC_FLOOR. The arms of one seed are tested on the same images (all of the test split,
-    or the seed's share of it), so the differences the rules compare carry this noise even where
-    the seed spread does not show it."""
+def accuracy_floor(test_images: int, accuracies: Iterable[Stat], compared: int = 2) -> float:
+    """The floor for a difference of `compared` accuracies (2: one arm's against another's; 4: the
+    change of a lead between two sizes) measured on `test_images` images: twice its binomial
+    standard error at the compared arms' mean accuracy p, as if the accuracies' errors were
+    independent, 2 sqrt(compared p (1 - p) / n), and at least ACC_FLOOR. The arms of one seed are
+    tested on the same images (all of the test split, or the seed's share of it), so the seed
+    spread need not show this noise."""
     p = statistics.fmean(s.mean for s in accuracies)
-    return max(ACC_FLOOR, 2 * math.sqrt(max(p * (1 - p), 0.0) / max(test_images, 1)))
+    n = max(test_images, 1)
+    return max(ACC_FLOOR, 2 * math.sqrt(compared * max(p * (1 - p), 0.0) / n))
 
 
 FLOOR_TEXT = (
-    "The accuracy floor is twice the binomial standard error of one accuracy on the test images "
-    "used, 2 sqrt(p (1 - p) / n) at the compared arms' mean accuracy p, and at least 1 pp: the "
-    "arms of a seed share their test images, and with the whole test split so do all seeds, so "
-    "the seed spread need not hold that noise."
+    "The accuracy floor is twice the binomial standard error of the compared difference on the n "
+    "test images used, 2 sqrt(k p (1 - p) / n) for a difference of k accuracies (k = 2, one arm "
+    "against another; 4 for the change of a lead between two sizes) at the compared arms' mean "
+    "accuracy p, as if their errors were independent, and at least 1 pp: the arms of a seed "
+    "share their test images, and with the whole test split so do all seeds, so the seed spread "
+    "need not hold that noise."
 )
 
 
