@@ -88,8 +88,8 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
         seen = ", ".join(f"{n:,}" for n in whole) or "none"
         compared = (
             f"The rule compares only the sizes every arm saw whole at least once (steps x batch "
-            f">= the set: {seen}; the loader drops each epoch's last partial batch, so up to one "
-            f"batch of a set may wait for a later epoch)."
+            f">= the set: {seen}; the loader drops each epoch's last partial batch and the next "
+            f"epoch reshuffles, so up to one batch of a set's images may go unseen)."
             if len(whole) >= 2
             else f"The rule needs two sizes that every arm saw whole at least once, and this "
             f"budget's steps show only {seen} whole: it compares nothing (inconclusive)."
