@@ -405,6 +405,19 @@ def test_timm_layout_written_by_vitlab_loads_in_timm(case: str, tmp_path: Path) 
         close(again(x), model(x))
 
 
+def test_a_distilled_model_with_tanh_gelu_keeps_it_in_timm(tmp_path: Path) -> None:
+    """A DeiT with the JAX reference's tanh GELU (as from a Google .npz): timm builds it so."""
+    cfg = get_config("vit_nano_patch4_32", num_classes=3).replace(distilled=True, act="gelu_tanh")
+    model = randomize(VisionTransformer(cfg)).eval()
+    save_pretrained(model, tmp_path / "out", "timm")
+    again = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
+    x = images(32)
+    with torch.no_grad():
+        exact = VisionTransformer(cfg.replace(act="gelu")).eval()
+        exact.load_state_dict(model.state_dict())  # what timm built before, 3e-5 off: told apart
+        assert (again(x) - model(x)).abs().max() < 2e-6 < (exact(x) - model(x)).abs().max()
+
+
 def at_new_size(name: str) -> ViTConfig:
     """A registered model's config two patches larger than its registered size (a resolution no
     timm name carries), with a 3-way head."""

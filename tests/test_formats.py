@@ -94,6 +94,9 @@ def test_suffixes_in_capitals_are_the_same_formats(tmp_path: Path) -> None:
     (tmp_path / "g.npz").rename(tmp_path / "G.NPZ")
     (tmp_path / "v" / "model.safetensors").rename(tmp_path / "W.SAFETENSORS")
     assert load_checkpoint(tmp_path / "G.NPZ")[1].info["source_format"] == "npz"
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "G.NPZ").rename(tmp_path / "folder" / "G.NPZ")  # found in its folder too
+    assert load_checkpoint(tmp_path / "folder")[1].info["source_format"] == "npz"
     _, meta = load_checkpoint(tmp_path / "W.SAFETENSORS")  # vitlab's, with its metadata
     assert meta.config.num_classes == 3 and meta.preprocessing.mean == (0.5,) * 3
 
@@ -227,3 +230,21 @@ def test_save_pretrained_still_takes_the_old_layout_keyword(tmp_path: Path) -> N
         save_pretrained(model, tmp_path / "y", "hf", layout="timm")
     with pytest.raises(ValueError, match="format must be one of vitlab, timm, hf"):
         save_pretrained(model, tmp_path / "x", "npz")
+
+
+def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from vitlab.formats.base import write_safetensors, write_text
+
+    path = tmp_path / "w.safetensors"
+    write_safetensors(path, {"a": torch.ones(2)}, {})
+    with pytest.raises(ValueError, match="non contiguous"):
+        write_safetensors(path, {"a": torch.ones(4, 4)[:, :2]}, {})
+    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+    assert load_file(path)["a"].shape == (2,)
+    write_text(tmp_path / "t.txt", "old")
+    with pytest.raises(TypeError):
+        write_text(tmp_path / "t.txt", None)  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt", "w.safetensors"]
+    assert (tmp_path / "t.txt").read_text() == "old"

@@ -322,8 +322,12 @@ def write_safetensors(path: Path, tensors: StateDict, metadata: dict[str, str]) 
     """A safetensors file written to a temporary name, fsynced, renamed over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, tmp, metadata=metadata)
-    fsync(tmp)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        fsync(tmp)
+    except BaseException:  # a full disk, a tensor it cannot save, Ctrl-C: no half file left
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     fsync(path.parent)
 
@@ -331,11 +335,16 @@ def write_safetensors(path: Path, tensors: StateDict, metadata: dict[str, str]) 
 def write_text(path: Path, text: str) -> None:
     """Replace `path` with `text` so that a kill at any moment leaves the old or the new file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
+    fsync(path.parent)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -370,7 +370,11 @@ def timm_model_args(cfg: ViTConfig) -> tuple[str, dict[str, Any]]:
         mlp_ratio=timm_mlp_ratio(cfg.embed_dim, cfg.mlp_dim),
         qkv_bias=cfg.qkv_bias,
     )
-    if cfg.distilled:
+    if cfg.layer_scale is not None:
+        args["init_values"] = cfg.layer_scale
+    if cfg.act == "gelu_tanh":
+        args["act_layer"] = "gelu_tanh"
+    if cfg.distilled:  # a DeiT: the class and distillation tokens, token pooling
         return "deit_base_distilled_patch16_224", args
     args.update(
         class_token=cfg.class_token,
@@ -378,8 +382,4 @@ def timm_model_args(cfg: ViTConfig) -> tuple[str, dict[str, Any]]:
         fc_norm=cfg.fc_norm,
         no_embed_class=cfg.no_embed_class,
     )
-    if cfg.layer_scale is not None:
-        args["init_values"] = cfg.layer_scale
-    if cfg.act == "gelu_tanh":
-        args["act_layer"] = "gelu_tanh"
     return (timm_hybrid_arch(cfg) if hybrid else None) or timm_arch(cfg), args

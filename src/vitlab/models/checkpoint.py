@@ -65,7 +65,9 @@ def _files_in(folder: Path, hub_name: str | None = None) -> Files:
     found = [folder / n for n in _FOLDER_WEIGHTS if (folder / n).is_file()]
     if not found:
         found = sorted(
-            p for p in folder.iterdir() if p.suffix in (".safetensors", ".npz", *TORCH_SUFFIXES)
+            p
+            for p in folder.iterdir()
+            if p.suffix.lower() in (".safetensors", ".npz", *TORCH_SUFFIXES)
         )
     if not found:
         raise CheckpointError(
