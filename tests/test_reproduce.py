@@ -9,6 +9,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -555,3 +556,40 @@ def test_each_seed_draws_its_own_subsets(tmp_path: Path) -> None:
     assert torch.equal(a0.train.images, b0.train.images)  # two models, one seed: one subset
     assert not torch.equal(a0.train.images, a1.train.images)
     assert not torch.equal(a0.test.images, a1.test.images)
+
+
+# --- each experiment's verdict from its rows ------------------------------------------------------
+
+DOCS = Path(__file__).parent.parent / "docs" / "reproduction" / "full"
+
+
+def _committed_rows(name: str) -> list[dict]:
+    """The arms of the committed `full` run of `name` (docs/reproduction/full)."""
+    return json.loads((DOCS / name / "results.json").read_text())["arms"]
+
+
+def _judge(name: str, rows: list[dict], tmp_path: Path):
+    ctx = SimpleNamespace(budget="full", data="fashion-mnist", seeds=3)
+    return EXPERIMENTS[name].summarize(ctx, rows, tmp_path).verdict
+
+
+def test_pos_embed_judges_five_shot_accuracy_not_top1(tmp_path: Path) -> None:
+    """The committed run holds on 5-shot accuracy (none 4.1 points below the worst kind with
+    positions). With its top-1 made flat the verdict is the same; with its 5-shot made flat (and
+    top-1 carrying the old 5-shot numbers) it no longer holds: the rule reads 5-shot."""
+    rows = _committed_rows("pos-embed")
+    assert _judge("pos-embed", rows, tmp_path).outcome == HOLDS
+    flat_top1 = [{**r, "top1": 0.5} for r in rows]
+    assert _judge("pos-embed", flat_top1, tmp_path).outcome == HOLDS
+    swapped = [{**r, "top1": r["fewshot5"], "fewshot5": 0.5} for r in rows]
+    assert _judge("pos-embed", swapped, tmp_path).outcome != HOLDS
+
+
+def test_mpp_judges_scratch_below_mpp_below_supervised(tmp_path: Path) -> None:
+    """Scratch 73%, MPP 79%, supervised 85% (committed): holds. The MPP arm's fine-tuned top-1
+    set above the supervised one's: the claim's order breaks and so does the verdict."""
+    rows = _committed_rows("mpp")
+    assert _judge("mpp", rows, tmp_path).outcome == HOLDS
+    ahead = [{**r, "top1": 0.95} if r["group"] == "MPP pre-trained" else r for r in rows]
+    assert {r["group"] for r in rows} >= {"MPP pre-trained"}
+    assert _judge("mpp", ahead, tmp_path).outcome == FAILS
