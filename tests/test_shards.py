@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +127,18 @@ def test_the_order_does_not_depend_on_the_worker_count(balanced: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(images[3:], rest_images, strict=True))
 
 
+def test_fewer_workers_than_asked_are_said(balanced: Path, caplog) -> None:
+    """8 shards make 8 streams; 3 workers cannot share them evenly, so 2 serve them: said."""
+    split = load_split(f"wds:{balanced}/part-{{00..07}}.tar", "train")
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        loader = make_loader(split, 16, PRE, augment=AUG, shuffle=True, workers=3)
+        assert loader.workers == 2
+        assert "data.workers=3: 2 DataLoader worker(s) serve this process's 8 shard" in caplog.text
+        caplog.clear()
+        assert make_loader(split, 16, PRE, augment=AUG, shuffle=True, workers=4).workers == 4
+        assert "DataLoader worker" not in caplog.text
+
+
 def test_evaluation_with_fewer_shards_than_ranks_pads(balanced: Path) -> None:
     """A validation split of 1 shard on 2 ranks: rank 1 reads nothing and yields padding batches
     (labels PADDING), as many as rank 0's real ones; training still refuses it."""
@@ -238,6 +251,47 @@ def test_writer_index_and_errors(tmp_path: Path, balanced: Path) -> None:
         load_split(f"wds:{balanced}/part-{{00..07}}.tar", "test")
     with pytest.raises(DatasetError, match="does not exist"):
         load_split(f"wds:{balanced}/nope-{{0..1}}.tar", "train")
+
+
+def _images(spec: str) -> list[bytes]:
+    """The encoded images of a split's samples, in order (the writer renames the keys)."""
+    split = load_split(spec, "train")
+    return [data for s in range(len(split.urls)) for _, data, _ in split.read(s)]
+
+
+def test_resharding_a_pattern_writes_its_train_split_in_a_seeded_mix(tmp_path, balanced) -> None:
+    """wds:PATTERN names one split: it is written as train only (it used to fail on the test
+    split). The samples come out once each, in an order that --seed sets and that mixes the
+    shards (it used to copy them in order); an output folder inside an image folder is refused
+    before anything is written (it was scanned as one more class)."""
+    pattern = f"wds:{balanced}/part-{{00..07}}.tar"
+    index = write_shards(pattern, tmp_path / "a", 2000, seed=0, progress=False)
+    assert list(index["splits"]) == ["train"] and index["splits"]["train"]["count"] == 128
+    inputs = _images(pattern)
+    shard_of = {data: i // PER_SHARD for i, data in enumerate(inputs)}  # every image differs
+    first = _images(f"wds:{tmp_path / 'a'}")
+    assert sorted(first) == sorted(inputs) and first != inputs
+    assert len({shard_of[d] for d in first[:PER_SHARD]}) >= 4  # one shard's worth mixes shards
+    write_shards(pattern, tmp_path / "b", 2000, seed=1, progress=False)
+    again = _images(f"wds:{tmp_path / 'b'}")
+    assert sorted(again) == sorted(first) and again != first
+    root = write_image_folder(tmp_path / "images", per_class=2)
+    with pytest.raises(DatasetError, match="is inside the image folder"):
+        write_shards(f"imagefolder:{root}", root / "shards", progress=False, workers=0)
+    assert not (root / "shards").exists()
+
+
+def test_a_label_that_is_no_class_index_names_its_sample(tmp_path: Path) -> None:
+    import webdataset as wds
+
+    (tmp_path / "s").mkdir()
+    rng = np.random.default_rng(0)
+    with wds.TarWriter(str(tmp_path / "s" / "p-0.tar")) as w:
+        w.write({"__key__": "good", "png": png(rng, 0), "cls": b"0"})
+        w.write({"__key__": "bad", "png": png(rng, 1), "cls": b"-1"})
+    with pytest.raises(DatasetError, match=r"sample bad in .*p-0.tar: its label -1 is not a class"):
+        split = load_split(f"wds:{tmp_path / 's'}/p-{{0..0}}.tar", "train")  # counted: read
+        list(split.read(0))
 
 
 def test_shards_by_url_over_http_and_file(tmp_path: Path, balanced: Path) -> None:

@@ -73,11 +73,16 @@ class ShardSplit:
         image = _pick(sample, self.image_key, IMAGE_KEYS, f"image of sample {key} in {url}")
         label = _pick(sample, self.label_key, LABEL_KEYS, f"label of sample {key} in {url}")
         try:
-            return image, int(label.decode().strip())
+            value = int(label.decode().strip())
         except (UnicodeDecodeError, ValueError):
             raise DatasetError(
                 f"sample {key} in {url}: its label {label[:20]!r} is not a class index"
             ) from None
+        if value < 0 or (self.classes and value >= len(self.classes)):
+            span = f"0..{len(self.classes) - 1}" if self.classes else ">= 0"
+            raise DatasetError(f"sample {key} in {url}: its label {value} is not a class index "
+                               f"({span})")  # fmt: skip
+        return image, value
 
 
 def _pick(sample: dict, key: str | None, defaults: tuple[str, ...], what: str) -> bytes:
@@ -134,6 +139,15 @@ def _split_of(
     )
 
 
+def is_pattern(spec: str) -> bool:
+    """Whether wds:SPEC names shards by a pattern (one split's) rather than an index (a folder
+    `vitlab data shard` wrote, its index.json, or an index's URL: every split)."""
+    if remote(spec):
+        return not (spec.endswith("/") or spec.endswith(INDEX))
+    path = Path(spec).expanduser()
+    return not (path.is_dir() or path.name == INDEX)
+
+
 def load_shards(spec: str, split: str, keys: tuple[str | None, str | None]) -> ShardSplit:
     """Split `split` ('train', 'test', or 'all': a pattern's every shard) of `wds:SPEC`;
     keys = (data.image_key, data.label_key)."""
@@ -142,7 +156,7 @@ def load_shards(spec: str, split: str, keys: tuple[str | None, str | None]) -> S
         return _split_of(_read_index(url), url[: -len(INDEX)], "test" if split == "all" else split,
                          keys, url)  # fmt: skip
     path = Path(spec).expanduser()
-    if not remote(spec) and (path.is_dir() or path.name == INDEX):
+    if not is_pattern(spec):
         index_path = path / INDEX if path.is_dir() else path
         if not index_path.is_file():
             raise DatasetError(

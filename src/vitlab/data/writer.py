@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,11 +25,12 @@ from vitlab.data.datasets import ArraySplit, FolderSplit, Split, dataset_info, l
 from vitlab.data.decode import available_cores, decode_image, image_format
 from vitlab.data.download import DatasetError
 from vitlab.data.hf import HFSplit
-from vitlab.data.shards import INDEX, ShardSplit
+from vitlab.data.shards import INDEX, ShardSplit, is_pattern
 from vitlab.data.workers import MAX_WORKERS
 
 UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 FORMAT = "vitlab-shards/1"
+SHUFFLE_BUFFER = 10_000  # samples re-sharded shards are mixed through (their encoded bytes)
 log = logging.getLogger(__name__)
 
 
@@ -94,14 +96,13 @@ def samples(
     """(encoded image, extension, label, None) of every sample, or (..., why) for one that does
     not decode; indexed splits in a seeded order, checked by `workers` processes."""
     if isinstance(split, ShardSplit):
-        for s in range(len(split.urls)):
-            for key, data, label in split.read(s):
-                try:
-                    pixels = decode_image(data, in_chans, f"{key} of {split.urls[s]}")
-                except DatasetError as e:
-                    yield b"", "", -1, str(e)
-                else:
-                    yield *_stored(data, pixels), label, None
+        for s, key, data, label in _shuffled(split, seed):
+            try:
+                pixels = decode_image(data, in_chans, f"{key} of {split.urls[s]}")
+            except DatasetError as e:
+                yield b"", "", -1, str(e)
+            else:
+                yield *_stored(data, pixels), label, None
         return
     order = torch.randperm(len(split), generator=torch.Generator().manual_seed(seed)).tolist()
     loader = DataLoader(
@@ -109,6 +110,24 @@ def samples(
         collate_fn=_as_is, prefetch_factor=64 if workers else None,
     )  # fmt: skip
     yield from loader
+
+
+def _shuffled(split: ShardSplit, seed: int) -> Iterator[tuple[int, str, bytes, int]]:
+    """(shard, key, image bytes, label) of every sample of `split`: the shards in a seeded order,
+    their samples through a seeded SHUFFLE_BUFFER-sample shuffle buffer (class-sorted shards come
+    out mixed, one pass, bounded memory)."""
+    rng = random.Random(seed)
+    order = torch.randperm(len(split.urls), generator=torch.Generator().manual_seed(seed))
+    buffer: list[tuple[int, str, bytes, int]] = []
+    for s in order.tolist():
+        for key, data, label in split.read(s):
+            buffer.append((s, key, data, label))
+            if len(buffer) >= SHUFFLE_BUFFER:
+                i = rng.randrange(len(buffer))
+                buffer[i], buffer[-1] = buffer[-1], buffer[i]
+                yield buffer.pop()
+    rng.shuffle(buffer)
+    yield from buffer
 
 
 def _commit(file, path: Path) -> None:
@@ -194,14 +213,24 @@ def write_shards(
     interrupt removes the shards this call wrote."""
     from tqdm import tqdm
 
-    dst.mkdir(parents=True, exist_ok=True)
     if (dst / INDEX).exists():
         raise DatasetError(f"{dst} already holds shards: choose an empty folder")
-    if any(dst.glob("*.tar")) or any(dst.glob(".*.tar.tmp")):
+    if dst.is_dir() and (any(dst.glob("*.tar")) or any(dst.glob(".*.tar.tmp"))):
         raise DatasetError(f"{dst} holds .tar files but no {INDEX}: the remains of an "
                            f"interrupted `vitlab data shard`? Remove them, or choose an empty "
                            f"folder")  # fmt: skip
-    splits = {s: load_split(source, s, data_dir, seed, keys) for s in ("train", "test")}
+    if source.startswith("imagefolder:"):  # dst would be scanned as one more class
+        root = Path(source.split(":", 1)[1]).expanduser().resolve()
+        if dst.resolve().is_relative_to(root):
+            raise DatasetError(f"{dst} is inside the image folder {root}: write the shards "
+                               f"elsewhere")  # fmt: skip
+    splits = {"train": load_split(source, "train", data_dir, seed, keys)}
+    if source.startswith("wds:") and is_pattern(source[4:]):  # one split's shards
+        log.warning("%s names one split's shards: writing them as the train split only (name "
+                    "the test split's source with data.test when training)", source)  # fmt: skip
+    else:
+        splits["test"] = load_split(source, "test", data_dir, seed, keys)
+    dst.mkdir(parents=True, exist_ok=True)
     info = dataset_info(source, splits["train"])
     index = {
         "format": FORMAT,
