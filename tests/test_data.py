@@ -168,11 +168,28 @@ def test_cifar10_from_folder_and_archive(tmp_path: Path) -> None:
     assert train.classes == [f"c{i}" for i in range(10)]
     raw = pickle.loads(cifar_batch(4, 1))
     assert np.array_equal(train.images[:4].numpy().reshape(4, -1), raw[b"data"])
+    assert train.labels[:4].tolist() == raw[b"labels"]  # each image with its own label
+    assert test.labels.tolist() == pickle.loads(cifar_batch(3, 9))[b"labels"]
     (tmp_path / "b").mkdir()
     with tarfile.open(tmp_path / "b" / "cifar-10-python.tar.gz", "w:gz") as tar:
         tar.add(tmp_path / "a" / "cifar-10-batches-py", arcname="cifar-10-batches-py")
     from_tar = load_split("cifar10", "train", str(tmp_path / "b"))
     assert torch.equal(from_tar.images, train.images) and torch.equal(from_tar.labels, train.labels)
+
+
+def test_cifar100_reads_fine_labels_and_their_names(tmp_path: Path) -> None:
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    (folder / "train").write_bytes(cifar_batch(5, 1, key="fine_labels"))
+    (folder / "test").write_bytes(cifar_batch(2, 2, key="fine_labels"))
+    names = [f"f{i}".encode() for i in range(100)]
+    (folder / "meta").write_bytes(pickle.dumps({b"fine_label_names": names}))
+    train = load_split("cifar100", "train", str(tmp_path))
+    raw = pickle.loads(cifar_batch(5, 1, key="fine_labels"))
+    assert train.classes == [f"f{i}" for i in range(100)] and len(train) == 5
+    assert np.array_equal(train.images.numpy().reshape(5, -1), raw[b"data"])
+    assert train.labels.tolist() == raw[b"fine_labels"]
+    assert len(load_split("cifar100", "test", str(tmp_path))) == 2
 
 
 def test_cifar_hostile_pickle_and_missing_files(tmp_path: Path) -> None:

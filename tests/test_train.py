@@ -352,7 +352,11 @@ def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
         train(cfg("train.channels_last=true", "train.strategy=fsdp"), out=tmp_path / "e")
     with pytest.raises(ConfigError, match="random_resized_crop and data.crop_padding are two"):
         train(cfg("data.random_resized_crop=true", "data.crop_padding=2"), out=tmp_path / "f")
-    assert not any((tmp_path / x).exists() for x in "acdef")
+    for magnitude in (31, -1):  # 31 failed at the first batch, -1 ran as the strongest
+        with pytest.raises(ConfigError, match=f"scale 0-30 .*, got {magnitude}"):
+            train(cfg("data.randaugment_ops=2", f"data.randaugment_magnitude={magnitude}"),
+                  out=tmp_path / "g")  # fmt: skip
+    assert not any((tmp_path / x).exists() for x in "acdefg")
 
 
 def test_finetune_at_another_resolution_with_a_new_head(

@@ -59,6 +59,11 @@ def resolve_model_config(
             "data.random_resized_crop and data.crop_padding are two crops of the training images: "
             "set one of them"
         )
+    if not 0 <= cfg.data.randaugment_magnitude <= 30:  # torchvision's 31 bins; 31+ fails later
+        raise ConfigError(
+            f"data.randaugment_magnitude is on torchvision's scale 0-30 (timm's / DeiT's m9 is "
+            f"about 27 here), got {cfg.data.randaugment_magnitude}"
+        )
     if cfg.train.batch_threads > 1:
         check_batch_threads(cfg, mc)
     if mc.num_classes != classes:
