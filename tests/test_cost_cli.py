@@ -48,6 +48,31 @@ def test_cost_json_for_b16_at_224_matches_hand_computed_values(capsys) -> None:
     assert report["forward_macs"] == pytest.approx(17.58e9, rel=2e-3)  # timm/fvcore: 17.58 G
 
 
+def test_relative_positions_add_their_product_to_the_count_of_a_real_forward() -> None:
+    """With relative position embeddings every layer also multiplies its queries by each offset's
+    vector (T^2 D more MACs): torch's FlopCounterMode on a real forward (meta tensors) counts
+    exactly what the report says, and the crossover moves to (4D + 2M) / 3."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = get_config("B/16", pos_embed="relative")
+    with torch.device("meta"):
+        model = build_model(cfg).eval()
+        x = torch.empty(1, 3, 224, 224)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(x)
+    report = cost_report(cfg)
+    assert counter.get_total_flops() == 2 * report["forward_macs"]
+    assert report["forward_macs"] - cost_report(get_config("B/16"))["forward_macs"] == (
+        12 * 197**2 * 768
+    )
+    p16 = {r["patch_size"]: r for r in report["per_layer"]}[16]
+    assert p16["attention_macs"] == 3 * 196**2 * 768
+    assert report["crossover_tokens"] == (4 * 768 + 2 * 3072) // 3 == 3072
+    assert "N = (4D + 2M) / 3 = 3,072" in format_cost_report(report)
+
+
 def test_cost_other_size_and_patch_list() -> None:
     report = cost_report("B/16", img_size=384, patch_sizes=[16, 32])
     assert report["params"]["total"] == 86_859_496

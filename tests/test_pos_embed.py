@@ -3,6 +3,7 @@ kind trains with both pooling modes on real data (scikit-learn's digits)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from sklearn.datasets import load_digits
@@ -91,6 +92,13 @@ def test_sincos_table_is_fixed_and_near_patches_are_more_similar() -> None:
     assert sim[centre, near] > sim[centre, far]
     torch.testing.assert_close(model.pos_embed.table()[0, 1:], sincos_2d((8, 8), 64))
     assert torch.count_nonzero(model.pos_embed.table()[0, 0]) == 0
+    # big_vision's posemb_sincos_2d, written out in numpy on a 3x5 grid (rows y, columns x)
+    h, w, dim = 3, 5, 16
+    y, x = np.mgrid[:h, :w]
+    omega = 1.0 / 10000.0 ** (np.arange(dim // 4) / (dim // 4 - 1))
+    ys, xs = y.flatten()[:, None] * omega[None], x.flatten()[:, None] * omega[None]
+    reference = np.concatenate([np.sin(xs), np.cos(xs), np.sin(ys), np.cos(ys)], axis=1)
+    torch.testing.assert_close(sincos_2d((h, w), dim), torch.tensor(reference, dtype=torch.float32))
 
 
 def test_learned_2d_concatenates_x_and_y_tables() -> None:

@@ -2,9 +2,11 @@
 patch size changes, the parameter breakdown of the real module, and the crossover length.
 
 Per encoder layer with N patch tokens, width D, MLP width M (class token left out of N):
-    attention products (QK^T and AV):      2 N^2 D
+    attention products (QK^T and AV):      2 N^2 D             (3 N^2 D with relative positions:
+                                                                q against each offset's vector)
     linear layers (qkv, out, MLP):         4 N D^2 + 2 N D M   (= 12 N D^2 when M = 4D)
-    crossover (both equal):                N = 2D + M          (= 6D when M = 4D)
+    crossover (both equal):                N = 2D + M          (= 6D when M = 4D; relative
+                                                                positions: (4D + 2M) / 3)
     attention matrix of one layer:         heads x T^2 fp32 numbers, T = N + prefix tokens
 
 A hybrid's ResNet stem (models/stems.py) is counted conv by conv on its "SAME"-padded maps and
@@ -48,13 +50,24 @@ class LayerCost:
     attention_matrix_bytes: int
 
 
+def products(cfg: ViTConfig) -> int:
+    """T x T x D products of one attention layer: QK^T and AV, and with relative position
+    embeddings the queries against each offset's vector (pos_embed.py's bias)."""
+    return 3 if cfg.pos_embed == "relative" else 2
+
+
+def crossover(cfg: ViTConfig) -> int:
+    """Patch tokens N at which one layer's attention products cost its linear layers' MACs."""
+    return round((4 * cfg.embed_dim + 2 * cfg.mlp_dim) / products(cfg))
+
+
 def layer_cost(cfg: ViTConfig, patch_size: int) -> LayerCost:
     """One encoder layer's cost for `cfg`'s width, MLP and heads at another patch size (the image
     is tiled by whole patches; a remainder narrower than a patch is dropped, as the conv does)."""
     h, w = cfg.img_hw
     n = (h // patch_size) * (w // patch_size)
     d, m = cfg.embed_dim, cfg.mlp_dim
-    attention = 2 * n * n * d
+    attention = products(cfg) * n * n * d
     linear = 4 * n * d * d + 2 * n * d * m
     t = n + cfg.num_prefix_tokens
     return LayerCost(
@@ -143,7 +156,7 @@ def macs_by_part(cfg: ViTConfig) -> dict[str, int]:
             patch += h * w * 9 * (c * out + (convs - 1) * out * out)
             c = out
         patch += n * c * d
-    per_layer = 2 * t * t * d + 4 * t * d * d + 2 * t * d * cfg.mlp_dim
+    per_layer = products(cfg) * t * t * d + 4 * t * d * d + 2 * t * d * cfg.mlp_dim
     width = cfg.representation_size or d
     heads = 2 if cfg.distilled else 1
     head = d * cfg.representation_size if cfg.representation_size else 0
@@ -220,7 +233,8 @@ def cost_report(
         "params": params,
         "params_share": {k: v / params["total"] for k, v in params.items() if k != "total"},
         "per_layer": [asdict(layer_cost(cfg, p)) for p in patch_sizes],
-        "crossover_tokens": 2 * cfg.embed_dim + cfg.mlp_dim,
+        "crossover_tokens": crossover(cfg),
+        "attention_products": products(cfg),
         "forward_macs": forward_macs(cfg),
         "macs_by_part": macs_by_part(cfg),
         **stem,
@@ -261,9 +275,10 @@ def format_cost_report(report: dict) -> str:
     lines += table(["part", "params", "share"], rows)
     n = report["crossover_tokens"]
     side = (h * w / n) ** 0.5
+    formula = "2D + M" if report.get("attention_products", 2) == 2 else "(4D + 2M) / 3"
     lines += [
         "",
-        f"Crossover: attention costs as much as the linear layers at N = 2D + M = {n:,} tokens "
+        f"Crossover: attention costs as much as the linear layers at N = {formula} = {n:,} tokens "
         f"(a patch side of {side:.1f} px on {h}x{w}).",
         f"Forward pass: {human(report['forward_macs'])}MACs per image "
         f"({human(2 * report['forward_macs'])}FLOPs), by part:",
