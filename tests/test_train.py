@@ -339,6 +339,29 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, 
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_non_finite_gradients_stop_before_the_step_and_keep_both_checkpoints(tmp_path, monkeypatch):
+    """A finite loss whose gradients are NaN at an epoch's last step: the step is not taken, and
+    neither `last` nor `best` gets NaN weights (they did: the epoch end saved the model)."""
+    run = train(cfg("train.epochs=2", "train.stop_at_epoch=1"), out=tmp_path / "run")
+    before = {w: weights_of(run, w) for w in ("last", "best")}
+    real_ce, calls = torch.nn.functional.cross_entropy, [0]
+
+    def poisoned(logits, target, **kw):  # + sqrt|0 x sum|: adds 0, its gradient is 0 x inf
+        calls[0] += 1
+        loss = real_ce(logits, target, **kw)
+        return loss + (logits.sum() * 0).abs().sqrt() if calls[0] == 20 else loss
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", poisoned)
+    with pytest.raises(
+        NonFiniteLoss, match=r"gradients became nan at step \d+ \(epoch 2, batch 20\)"
+    ):
+        resume(run)
+    monkeypatch.undo()
+    for which, weights in before.items():
+        after = weights_of(run, which)
+        assert all(torch.equal(weights[k], after[k]) for k in weights), which
+
+
 def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a multiple of patch_size 2"):
         train(cfg("model.img_size=9"), out=tmp_path / "d")

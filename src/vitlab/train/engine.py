@@ -23,7 +23,7 @@ from vitlab.train.threads import PARTS, BatchThreads
 
 
 class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or infinite."""
+    """The loss, or the gradients, became NaN or infinite."""
 
 
 @dataclass
@@ -152,8 +152,12 @@ def train_epoch(
             else:
                 threads.add_gradients()
         if last:
-            if settings.clip_grad:
-                nn.utils.clip_grad_norm_(model.parameters(), settings.clip_grad)
+            norm = grad_norm(model, settings.clip_grad)  # clipped to clip_grad, if set
+            if any_rank(not math.isfinite(norm), d, device):  # before a step writes it in
+                raise NonFiniteLoss(
+                    f"the gradients became {norm} at step {pos.step} (epoch {pos.epoch + 1}, "
+                    f"batch {i + 1}), the loss {value}: the weights were not updated"
+                )
             for group in optimizer.param_groups:
                 group["lr"] = settings.lr_at(pos.step)
             optimizer.step()
@@ -176,6 +180,18 @@ def train_epoch(
     # epoch goes on from the random state after it, and so must a run resumed from here
     pos.rng = rng_state(device)
     return _stats(sums, scored, start_time, start_images, d, device), False
+
+
+def grad_norm(model: nn.Module, clip: float | None = None) -> float:
+    """The global 2-norm of the model's gradients (all ranks' shards under FSDP), after clipping
+    them to `clip` when given (inf or NaN when any gradient is)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if clip:
+        norm = nn.utils.clip_grad_norm_(params, clip)
+    else:
+        norm = nn.utils.get_total_norm([p.grad for p in params])
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP's DTensor
+    return float(norm)
 
 
 def _ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
