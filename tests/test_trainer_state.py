@@ -133,11 +133,20 @@ def test_image_folder_run_interrupted_mid_epoch_resumes_exactly(tmp_path, monkey
     # checks 1-4 in epoch 1, the 7th before epoch 2's third batch
     state = load_train_state(tmp_path / "stopped" / "checkpoints" / "last")
     assert (state["epoch"], state["batch"], state["step"]) == (1, 2, 6)
+    assert state["partial"][3] == 2 * 16  # epoch 2's two batches so far, with their figures
     resumed = resume(tmp_path / "stopped")
     for which in ("last", "best"):
         a, b = weights_of(straight, which), weights_of(resumed, which)
         for k in a:
             assert torch.equal(a[k], b[k]), f"{which} {k}"
+    # the resumed epoch's logged figures are the whole epoch's, as the straight run's (they were
+    # the batches after the resume only)
+    logged = [
+        [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        for run in (straight, resumed)
+    ]
+    for key in ("train_loss", "train_acc", "val_loss", "val_acc"):
+        assert logged[1][1][key] == pytest.approx(logged[0][1][key], rel=1e-6), key
 
 
 def test_channels_last_trains_the_same_model_in_nhwc_memory(tmp_path, monkeypatch) -> None:

@@ -34,6 +34,8 @@ class Position:
     batch: int = 0  # batches of it already done
     step: int = 0  # optimizer steps done in all
     rng: dict[str, Tensor] = field(default_factory=dict)  # RNG states at (epoch, batch)
+    # a stopped epoch's totals so far (all ranks): loss sum, right, predictions, images, seconds
+    partial: list[float] = field(default_factory=list)
 
 
 # (model, images, labels) -> (loss, predictions right or None, predictions made)
@@ -114,7 +116,10 @@ def train_epoch(
     usable = len(loader) - len(loader) % accum  # whole accumulation windows only
     sums = [0.0, 0.0, 0.0, 0.0]  # loss sum, right, predictions, images (this rank)
     scored = True  # the objective's predictions are right or wrong (not a regression)
-    start_time, start_images = time.perf_counter(), 0
+    start_time = time.perf_counter()
+    if pos.partial:  # resumed mid-epoch: the epoch's figures go on from the stop's (rank 0 adds)
+        sums = list(pos.partial[:4]) if d.rank == 0 else sums
+        start_time -= pos.partial[4]
     ddp = _ddp(model)
     threads = BatchThreads(model, settings.batch_threads) if settings.batch_threads > 1 else None
     pos.rng = rng_state(device)
@@ -126,7 +131,9 @@ def train_epoch(
             break  # the run's last step (train.max_steps, or time_budget's plan, which may move
             # while the epoch runs): the epoch ends here
         if first and any_rank(stop_requested(), d, device):
-            return _stats(sums, scored, start_time, start_images, d, device), True
+            stats = _stats(sums, scored, start_time, d, device)
+            pos.partial = [*stats.pop("sums"), stats["seconds"]]
+            return stats, True
         x = x.to(device, non_blocking=True, memory_format=settings.memory_format)
         y = y.to(device, non_blocking=True)
         sync = last or ddp is None  # accumulating: no gradient all-reduce until the last
@@ -172,14 +179,16 @@ def train_epoch(
         sums[1] += right.item() if scored else 0.0
         sums[2] += made
         sums[3] += len(y)
-        start_images += len(y)
         if last:
             acc = sums[1] / max(sums[2], 1) if scored else None
             progress({"loss": sums[0] / sums[3], "acc": acc, "batch": i + 1})
     # a batch past the last whole window was drawn (augmented) but not stepped on: the next
     # epoch goes on from the random state after it, and so must a run resumed from here
     pos.rng = rng_state(device)
-    return _stats(sums, scored, start_time, start_images, d, device), False
+    pos.partial = []
+    stats = _stats(sums, scored, start_time, d, device)
+    del stats["sums"]
+    return stats, False
 
 
 def grad_norm(model: nn.Module, clip: float | None = None) -> float:
@@ -208,13 +217,13 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.student if isinstance(model, TwoHeads) else model
 
 
-def _stats(
-    sums: list[float], scored: bool, t0: float, images: int, d: Dist, device: torch.device
-) -> dict:
-    """The epoch's loss per image, accuracy (None for a regression objective), throughput."""
-    loss, right, made, n = all_sum(sums, d, device)
+def _stats(sums: list[float], scored: bool, t0: float, d: Dist, device: torch.device) -> dict:
+    """The epoch's loss per image, accuracy (None for a regression objective), throughput, and
+    the totals over all ranks (`sums`)."""
+    loss, right, made, n = totals = all_sum(sums, d, device)
     seconds = time.perf_counter() - t0
     return {
+        "sums": [float(v) for v in totals],
         "loss": loss / max(n, 1),
         "acc": right / max(made, 1) if scored else None,
         "images": int(n),

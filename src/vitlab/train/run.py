@@ -256,7 +256,8 @@ class Run:
         )  # fmt: skip
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
-        self.pos = Position(state["epoch"], state["batch"], state["step"], self._saved_rng(state))
+        self.pos = Position(state["epoch"], state["batch"], state["step"], self._saved_rng(state),
+                            state.get("partial") or [])  # fmt: skip
         set_rng_state(self.pos.rng, self.device)
         self.best = float(state["best"])
         if self.d.is_main:
@@ -299,14 +300,9 @@ class Run:
 
     def eval_loader(self, split: Split) -> Loader:
         """An evaluation loader of `split` (its workers end with each pass)."""
-        return make_loader(
-            split,
-            max(self.cfg.train.batch_size, 256),
-            self.pre,
-            rank=self.d.rank,
-            world=self.d.world,
-            **loader_options(self.cfg.data, self.device),
-        )
+        size, d = max(self.cfg.train.batch_size, 256), self.d
+        options = loader_options(self.cfg.data, self.device)
+        return make_loader(split, size, self.pre, rank=d.rank, world=d.world, **options)
 
     def evaluate(self, data: Split | Loader, fp32: bool = False) -> dict:
         """Metrics on a split (or its loader), under the run's precision, or in float32 (as
@@ -350,6 +346,7 @@ class Run:
                 "step": self.pos.step,
                 "rng": self.pos.rng,
                 "rng_ranks": rngs,
+                "partial": self.pos.partial,  # a stopped epoch's figures so far
                 "best": self.best,
                 "ema": self.ema.state_dict() if self.ema else None,
                 "teacher": self.teacher.digest if self.teacher else None,
