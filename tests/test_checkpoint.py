@@ -161,6 +161,14 @@ def test_overrides_resample_positions_like_timm_and_replace_the_head(tmp_path: P
     x = images(256)
     with torch.no_grad():
         close(model(x), at256(x))
+    # a square 8x8 table asked for at 64x256 (4x16: as many patches) is resampled, not misread
+    from timm.layers import resample_abs_pos_embed
+
+    square = randomize(timm.create_model("vit_tiny_patch16_224", depth=1, img_size=128))
+    save_file(square.state_dict(), tmp_path / "sq.safetensors")
+    wide = load_pretrained(tmp_path / "sq.safetensors", img_size=(64, 256))
+    table = resample_abs_pos_embed(square.pos_embed, (4, 16), (8, 8), num_prefix_tokens=1)
+    close(wide.pos_embed.weight.detach(), table.detach())
     five = load_pretrained(tmp_path / "w.safetensors", num_classes=5)
     assert five.head.weight.shape == (5, 192) and five.head.weight.abs().sum() == 0
     with torch.no_grad():

@@ -184,8 +184,7 @@ def _infer_vit(src: Source, img_size: int | tuple[int, int] | None = None) -> Vi
     if "pos_embed.weight" in s:
         rows = s["pos_embed.weight"].shape[1]
         if img is None and img_size is not None:  # the size asked for, if the table is its
-            h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
-            img = img_size if rows in ((h // p) * (w // p), (h // p) * (w // p) + prefix) else None
+            img = _asked_grid(rows, prefix, p, img_size)
         if img is not None:
             h, w = (img, img) if isinstance(img, int) else img
             n = (h // p) * (w // p)
@@ -246,6 +245,22 @@ def _infer_vit(src: Source, img_size: int | tuple[int, int] | None = None) -> Vi
         return ViTConfig(**fields)
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{where}: the tensors describe no valid ViT: {e}") from None
+
+
+def _asked_grid(rows: int, prefix: int, p: int, img_size: int | tuple[int, int]):
+    """`img_size` when a position table of `rows` rows can only be its grid: a table that reads
+    as a square grid (with `prefix` rows before it, or none when there are no prefix tokens) is
+    that grid, to be resampled to `img_size` (another grid of as many patches would scramble it);
+    a square one without prefix rows is taken as `img_size`'s grid with prefix rows, else as
+    either reading when the table fits no square grid. None: not `img_size`'s."""
+    h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
+    n = (h // p) * (w // p)
+    side = math.isqrt(rows - prefix) if rows > prefix else -1
+    if side * side == rows - prefix:  # square, with its prefix rows (or no prefix tokens)
+        return None
+    if math.isqrt(rows) ** 2 == rows:  # square without prefix rows, or a grid of rows - prefix
+        return img_size if rows == n + prefix else None
+    return img_size if rows in (n, n + prefix) else None
 
 
 _AFTER_LOADING = ("img_size", "window_size", "num_classes", "in_chans")
