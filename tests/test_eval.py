@@ -4,6 +4,7 @@ names that do not match are an error, and the run's own confusion matrix is left
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ def digits_folder(root: Path, names: list[str]) -> Path:
     return root
 
 
-def test_another_datasets_labels_follow_the_checkpoints_class_names(run, tmp_path, capsys):
+def test_another_datasets_labels_follow_the_checkpoints_class_names(run, tmp_path, caplog):
     """The folder's classes come sorted by name (eight, five, four, ...), the checkpoint's in
     digit order: the same images score as on digits itself, class by class."""
     model, _ = load_checkpoint(run)
@@ -56,14 +57,34 @@ def test_another_datasets_labels_follow_the_checkpoints_class_names(run, tmp_pat
     assert other["confusion"] == own["confusion"]  # rows and columns in the checkpoint's order
     assert other["top1"] == own["top1"] > 0.5
 
+    # no name shared (another naming of the same classes): by index, with a warning
     letters = digits_folder(tmp_path / "letters", list("abcdefghij"))
-    with pytest.raises(DatasetError, match=r"has the classes \['a', 'b'.*the checkpoint \['zero'"):
-        evaluate_checkpoint(str(tmp_path / "named"), data=f"imagefolder:{letters}")
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        by_index = evaluate_checkpoint(str(tmp_path / "named"), data=f"imagefolder:{letters}")
+    assert by_index["confusion"] == own["confusion"] and "share no class name" in caplog.text
+    # some names shared, some not: no way to tell which class is which
+    mixed = digits_folder(tmp_path / "mixed", [*WORDS[:5], *"fghij"])
+    with pytest.raises(DatasetError, match=r"some names are shared, some not"):
+        evaluate_checkpoint(str(tmp_path / "named"), data=f"imagefolder:{mixed}")
     with pytest.raises(DatasetError, match="has 10 classes, the checkpoint's model has 3"):
         model.reset_classifier(3)
         model.classes = ["a", "b", "c"]
         save_pretrained(model, tmp_path / "three")
         evaluate_checkpoint(str(tmp_path / "three"), data=f"imagefolder:{letters}")
+
+
+def test_class_names_are_matched_by_name_before_numbers_by_index() -> None:
+    """A folder of classes 0..11 lists them as text sorts ("10" before "2"): matched by name to a
+    checkpoint's 0..11, not taken by index."""
+    from vitlab.data.datasets import name_order
+
+    numbers = [str(i) for i in range(12)]
+    folder = sorted(numbers)  # 0, 1, 10, 11, 2, ...
+    order, note = name_order(folder, numbers, "x")
+    assert [numbers[k] for k in order] == folder and note is None
+    assert name_order(["0", "1"], ["cat", "dog"], "x") == (None, None)  # numbered: by index
+    with pytest.raises(DatasetError, match="repeated"):
+        name_order(["crane", "crane", "ant"], ["crane", "ant", "crane2"], "x")
 
 
 def test_another_datasets_confusion_png_does_not_replace_the_runs(run, tmp_path, capsys):

@@ -352,6 +352,28 @@ def numbered(classes: list[str]) -> bool:
     return classes == [str(i) for i in range(len(classes))]
 
 
+def name_order(have: list[str], want: list[str], what: str) -> tuple[list[int] | None, str | None]:
+    """How classes named `have` map onto as many classes named `want`: (None, None) by index, the
+    same list or either side only numbered ("0", "1", ...); (order, None) when the same unique
+    names come in another order (numbers as text sorted, "10" before "2", included): have[i] is
+    want[order[i]]; (None, note) when no name is shared (another naming: by index, the note says
+    so). Names partly shared, or repeated and reordered, are a DatasetError naming both (`what`:
+    the two sides, for the message)."""
+    if have == want:
+        return None, None
+    if sorted(have) == sorted(want) and len(set(have)) == len(have):
+        return [want.index(c) for c in have], None
+    if numbered(have) or numbered(want):
+        return None, None
+    if not set(have) & set(want):
+        return None, (f"{what} share no class name ({named(have)} and {named(want)}): taken by "
+                      f"index, class i as class i")  # fmt: skip
+    raise DatasetError(
+        f"{what} name classes {named(have)} and {named(want)}: some names are "
+        f"shared, some not (or repeated): a class cannot be matched by its name"
+    )
+
+
 def match_classes(test: Split, classes: list[str], name: str) -> Split:
     """`test` (data.test's source) labelled by the training split's classes: the same list, or
     class indices (numbered classes, no more than training has); else a DatasetError naming both."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from pathlib import Path
 
@@ -15,8 +16,7 @@ from vitlab.data.datasets import (
     DatasetError,
     Split,
     load_run_split,
-    named,
-    numbered,
+    name_order,
     read_image,
 )
 from vitlab.eval.backends import backend_device, describe, prepare
@@ -25,6 +25,8 @@ from vitlab.formats.vitlab import vitlab_weights
 from vitlab.models.checkpoint import load_checkpoint
 from vitlab.preprocessing import Preprocessing
 from vitlab.runtime import pick_device
+
+log = logging.getLogger(__name__)
 
 
 def run_folder(weights: Path) -> Path | None:
@@ -75,23 +77,28 @@ def match_channels(split: Split, pre: Preprocessing, name: str) -> Split:
 
 
 def align_classes(split: Split, classes: list[str], num_classes: int, name: str) -> Split:
-    """`split` labelled in the order of the checkpoint's `classes`: as it is when the names agree
-    or either side only numbers its classes (then the counts must agree); relabelled when the
-    same names come in another order; else a DatasetError naming both."""
+    """`split` labelled in the order of the checkpoint's `classes` (datasets.name_order): as it
+    is, relabelled when the same names come in another order, by index with a warning when no
+    name is shared; the counts must agree."""
     have = split.classes
     if len(have) != num_classes:
         raise DatasetError(
             f"{name} has {len(have)} classes, the checkpoint's model has {num_classes}"
         )
-    if not classes or have == classes or numbered(have) or numbered(classes):
+    if not classes:
         return split
-    if sorted(have) == sorted(classes) and hasattr(split, "labels"):
-        order = torch.tensor([classes.index(c) for c in have])
-        return dataclasses.replace(split, labels=order[split.labels], classes=list(classes))
-    raise DatasetError(
-        f"{name} has the classes {named(have)}, the checkpoint {named(classes)}: a dataset "
-        "is scored against a checkpoint with the same class names (in any order) or numbered ones"
-    )
+    order, note = name_order(have, classes, f"{name} and the checkpoint")
+    if note:
+        log.warning("%s", note)
+    if order is None:
+        return split
+    if not hasattr(split, "labels"):  # shards: labels are read with the images
+        raise DatasetError(
+            f"{name} names the checkpoint's classes in another order, and shards cannot be "
+            "relabelled: write them in the checkpoint's class order"
+        )
+    index = torch.tensor(order)
+    return dataclasses.replace(split, labels=index[split.labels], classes=list(classes))
 
 
 def _slug(name: str) -> str:

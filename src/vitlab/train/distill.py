@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from vitlab.config import ConfigError, DistillConfig, RunConfig
-from vitlab.data.datasets import named, numbered
+from vitlab.data.datasets import DatasetError, name_order
 from vitlab.eval.classification import distilled_heads
 from vitlab.formats.base import CheckpointError
 from vitlab.models.checkpoint import load_checkpoint
@@ -133,8 +133,9 @@ def load_teacher(
 ) -> Teacher:
     """The teacher of distill.teacher=`source` (anything load_checkpoint reads) for a student of
     `num_classes` classes named `classes` that takes inputs as `pre` makes them. A different class
-    count, class names or channel count is a ConfigError; another input size or normalisation is
-    adapted, and the same class names in another order reordered (numbered classes: by index)."""
+    count or channel count, or class names partly shared, is a ConfigError; another input size or
+    normalisation is adapted, the same class names in another order reordered (datasets.name_order;
+    numbered classes, or names none of which are shared: by index, the latter with a warning)."""
     try:
         model, meta = load_checkpoint(source, device=device)
     except CheckpointError as e:
@@ -151,18 +152,18 @@ def load_teacher(
             f"has {pre.in_chans}"
         )
     teacher = Teacher(model, str(source), pre, own, device)
-    have = meta.classes
-    if have == classes or numbered(have) or numbered(classes):
-        return teacher  # the same names, or classes only numbered: taken by index
-    if sorted(have) != sorted(classes):
-        raise ConfigError(
-            f"distill.teacher {source} has the classes {named(have)}, the student's data "
-            f"{named(classes)}: a teacher must name the student's classes (in any order)"
+    try:  # where each of the student's classes is among the teacher's
+        order, note = name_order(classes, meta.classes, "the student's data and the teacher")
+    except DatasetError as e:
+        raise ConfigError(f"distill.teacher {source}: {e}") from None
+    if note:
+        teacher.notes.append(f"warning: {note}")
+    if order is not None:
+        teacher.order = torch.tensor(order, device=device)
+        teacher.notes.append(
+            "the teacher's logits are reordered to the data's classes (the same names in another "
+            "order)"
         )
-    teacher.order = torch.tensor([have.index(c) for c in classes], device=device)
-    teacher.notes.append(
-        "the teacher's logits are reordered to the data's classes (the same names in another order)"
-    )
     return teacher
 
 
