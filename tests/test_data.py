@@ -274,6 +274,9 @@ def test_decode_16_bit_png_and_header_bombs() -> None:
     Image.fromarray(deep).save(tiff, format="TIFF")
     assert torch.equal(decode_image(tiff.getvalue(), 1, "deep.tif"), grey)
     assert torch.equal(decode_image(tiff.getvalue(), 3, "deep.tif"), rgb)
+    pgm = io.BytesIO()  # maxval 65535: PIL opens it in mode I
+    Image.fromarray(deep).save(pgm, format="PPM")
+    assert torch.equal(decode_image(pgm.getvalue(), 1, "deep.pgm"), grey)
     read = read_image(io.BytesIO(out.getvalue()), "L")
     assert np.array_equal(np.asarray(read), (deep >> 8).astype(np.uint8))
     out = io.BytesIO()

@@ -111,13 +111,15 @@ def _size_ok(data: bytes, where: str) -> bool:
 
 
 def pil_convert(im, mode: str):  # (PIL.Image.Image, 'L' | 'RGB') -> PIL.Image.Image
-    """`im` in `mode`, a 16-bit greyscale image by its high bytes as the PNG path reads it (PIL's
-    convert clips every value above 255 to white)."""
-    if im.mode.startswith("I;16"):
+    """`im` in `mode`, a 16-bit greyscale image (PIL's I;16 modes, and I, as it opens 16-bit
+    PGM / PPM files) by its high bytes as the PNG path reads it (PIL's convert clips every value
+    above 255 to white)."""
+    if im.mode.startswith("I;16") or im.mode == "I":
         import numpy as np
         from PIL import Image
 
-        im = Image.fromarray((np.asarray(im).astype(np.uint16) >> 8).astype(np.uint8), "L")
+        high = np.clip(np.asarray(im).astype(np.int64) >> 8, 0, 255).astype(np.uint8)
+        im = Image.fromarray(high, "L")
     return im.convert(mode)
 
 
