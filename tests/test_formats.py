@@ -165,6 +165,12 @@ def test_timms_bare_state_dict_reads_back_the_model_vitlab_wrote(tmp_path: Path)
     twin.load_state_dict(load_file(tmp_path / "m.safetensors"))
     with torch.no_grad():
         torch.testing.assert_close(twin.eval()(x), model(x), atol=1e-5, rtol=1e-5)
+    # written over the weights of an earlier Hugging Face folder, its header wins over the
+    # config.json left beside it
+    save_pretrained(create_model("vit_nano_patch4_32", num_classes=5), tmp_path / "d", "hf")
+    save_pretrained(model, tmp_path / "d" / "model.safetensors", "timm")
+    back, meta = load_checkpoint(tmp_path / "d" / "model.safetensors")
+    assert shape(back) == shape(model) and meta.classes == ["a", "b", "c"]
 
 
 def test_a_timm_write_over_a_hugging_face_folder_leaves_no_stale_preprocessing(tmp_path) -> None:

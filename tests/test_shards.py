@@ -259,11 +259,17 @@ def _images(spec: str) -> list[bytes]:
     return [data for s in range(len(split.urls)) for _, data, _ in split.read(s)]
 
 
-def test_resharding_a_pattern_writes_its_train_split_in_a_seeded_mix(tmp_path, balanced) -> None:
+@pytest.mark.parametrize("buffer", [20, 10_000])  # 20: the window slides; 10,000: one shuffle
+def test_resharding_a_pattern_writes_its_train_split_in_a_seeded_mix(
+    tmp_path, balanced, buffer, monkeypatch
+) -> None:
     """wds:PATTERN names one split: it is written as train only (it used to fail on the test
     split). The samples come out once each, in an order that --seed sets and that mixes the
     shards (it used to copy them in order); an output folder inside an image folder is refused
     before anything is written (it was scanned as one more class)."""
+    from vitlab.data import writer
+
+    monkeypatch.setattr(writer, "SHUFFLE_BUFFER", buffer)
     pattern = f"wds:{balanced}/part-{{00..07}}.tar"
     index = write_shards(pattern, tmp_path / "a", 2000, seed=0, progress=False)
     assert list(index["splits"]) == ["train"] and index["splits"]["train"]["count"] == 128
@@ -271,7 +277,8 @@ def test_resharding_a_pattern_writes_its_train_split_in_a_seeded_mix(tmp_path, b
     shard_of = {data: i // PER_SHARD for i, data in enumerate(inputs)}  # every image differs
     first = _images(f"wds:{tmp_path / 'a'}")
     assert sorted(first) == sorted(inputs) and first != inputs
-    assert len({shard_of[d] for d in first[:PER_SHARD]}) >= 4  # one shard's worth mixes shards
+    mixed = len({shard_of[d] for d in first[:PER_SHARD]})  # input shards in one shard's worth
+    assert mixed >= (4 if buffer > len(inputs) else 2), mixed  # a 20-sample window spans 2-3
     write_shards(pattern, tmp_path / "b", 2000, seed=1, progress=False)
     again = _images(f"wds:{tmp_path / 'b'}")
     assert sorted(again) == sorted(first) and again != first
@@ -279,6 +286,12 @@ def test_resharding_a_pattern_writes_its_train_split_in_a_seeded_mix(tmp_path, b
     with pytest.raises(DatasetError, match="is inside the image folder"):
         write_shards(f"imagefolder:{root}", root / "shards", progress=False, workers=0)
     assert not (root / "shards").exists()
+    # beside train/ and test/, which alone are read, it is no class
+    split = tmp_path / "split"
+    for part in ("train", "test"):
+        write_image_folder(split / part, per_class=2)
+    index = write_shards(f"imagefolder:{split}", split / "shards", 2000, progress=False, workers=0)
+    assert index["classes"] == ["class0", "class1", "class2"]
 
 
 def test_a_label_that_is_no_class_index_names_its_sample(tmp_path: Path) -> None:

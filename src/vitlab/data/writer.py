@@ -221,9 +221,11 @@ def write_shards(
                            f"folder")  # fmt: skip
     if source.startswith("imagefolder:"):  # dst would be scanned as one more class
         root = Path(source.split(":", 1)[1]).expanduser().resolve()
-        if dst.resolve().is_relative_to(root):
-            raise DatasetError(f"{dst} is inside the image folder {root}: write the shards "
-                               f"elsewhere")  # fmt: skip
+        split = (root / "train").is_dir()  # train/ and test/ (or val/) are read, not root
+        scanned = [root / n for n in ("train", "test", "val")] if split else [root]
+        if any(dst.resolve().is_relative_to(folder) for folder in scanned):
+            raise DatasetError(f"{dst} is inside the image folder {root}'s images: write the "
+                               f"shards elsewhere")  # fmt: skip
     splits = {"train": load_split(source, "train", data_dir, seed, keys)}
     if source.startswith("wds:") and is_pattern(source[4:]):  # one split's shards
         log.warning("%s names one split's shards: writing them as the train split only (name "

@@ -42,7 +42,7 @@ def read(files: Files, name: str) -> Source:
     whatever format its weights are in: config.json (transformers' or timm's) and
     preprocessor_config.json."""
     src = get(name).read(files)
-    if files.folder is None:
+    if files.folder is None or timm.CONFIG_KEY in files.metadata():  # the file states its own
         return src
     config = files.json("config.json")
     if config is not None:

@@ -123,7 +123,7 @@ def read(files: Files) -> Source:
         mean=IMAGENET_MEAN, std=IMAGENET_STD, crop_pct=0.9, interpolation="bicubic"
     )
     header = files.metadata().get(CONFIG_KEY)  # a bare file vitlab wrote: its config.json
-    if header is not None and files.folder is None:
+    if header is not None:  # it, not a config.json that may lie beside it (formats.read)
         try:
             config = json.loads(header)
         except ValueError as e:
