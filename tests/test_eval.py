@@ -76,7 +76,7 @@ def test_another_datasets_labels_follow_the_checkpoints_class_names(run, tmp_pat
 def test_class_names_are_matched_by_name_before_numbers_by_index() -> None:
     """A folder of classes 0..11 lists them as text sorts ("10" before "2"): matched by name to a
     checkpoint's 0..11, not taken by index."""
-    from vitlab.data.datasets import name_order
+    from vitlab.data.classes import name_order
 
     numbers = [str(i) for i in range(12)]
     folder = sorted(numbers)  # 0, 1, 10, 11, 2, ...

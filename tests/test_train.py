@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import time
@@ -339,26 +341,44 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, 
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_non_finite_gradients_stop_before_the_step_and_keep_both_checkpoints(tmp_path, monkeypatch):
-    """A finite loss whose gradients are NaN at an epoch's last step: the step is not taken, and
-    neither `last` nor `best` gets NaN weights (they did: the epoch end saved the model)."""
+def test_non_finite_gradients_skip_the_step_and_stop_the_run_when_they_persist(
+    tmp_path, monkeypatch, caplog
+):
+    """A finite loss with NaN gradients at an epoch's last step: that step is skipped (weights
+    unchanged, as AMP's scaler skips), said, and neither `last` nor `best` gets NaN weights (the
+    epoch end saved NaN weights over both). Ten in a row and more stop the run, both kept."""
+    import logging
+
     run = train(cfg("train.epochs=2", "train.stop_at_epoch=1"), out=tmp_path / "run")
     before = {w: weights_of(run, w) for w in ("last", "best")}
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
     real_ce, calls = torch.nn.functional.cross_entropy, [0]
 
-    def poisoned(logits, target, **kw):  # + sqrt|0 x sum|: adds 0, its gradient is 0 x inf
-        calls[0] += 1
-        loss = real_ce(logits, target, **kw)
-        return loss + (logits.sum() * 0).abs().sqrt() if calls[0] == 20 else loss
+    def poisoned(at):  # + sqrt|0 x sum|: adds 0, its gradient is 0 x inf
+        def ce(logits, target, **kw):
+            calls[0] += 1
+            loss = real_ce(logits, target, **kw)
+            return loss + (logits.sum() * 0).abs().sqrt() if at(calls[0]) else loss
 
-    monkeypatch.setattr(torch.nn.functional, "cross_entropy", poisoned)
-    with pytest.raises(
-        NonFiniteLoss, match=r"gradients became nan at step \d+ \(epoch 2, batch 20\)"
-    ):
+        return ce
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", poisoned(lambda n: n == 20))
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
         resume(run)
+    assert re.search(r"gradients became nan at step \d+ \(epoch 2, batch 20\).*step skipped",
+                     caplog.text)  # fmt: skip
+    for which in ("last", "best"):
+        after = weights_of(run, which)
+        assert all(torch.isfinite(v).all() for v in after.values()), which
+        assert any(not torch.equal(before[which][k], after[k]) for k in after), which  # trained
+    calls[0] = 0
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", poisoned(lambda n: n >= 5))
+    with pytest.raises(NonFiniteLoss, match=r"gradients became nan at .*batch 15.*11 steps in a"):
+        resume(copy)
     monkeypatch.undo()
     for which, weights in before.items():
-        after = weights_of(run, which)
+        after = weights_of(copy, which)
         assert all(torch.equal(weights[k], after[k]) for k in weights), which
 
 

@@ -12,11 +12,11 @@ import yaml
 
 from vitlab.config import DataConfig, RunConfig
 from vitlab.data import ArraySplit, make_loader
+from vitlab.data.classes import name_order
 from vitlab.data.datasets import (
     DatasetError,
     Split,
     load_run_split,
-    name_order,
     read_image,
 )
 from vitlab.eval.backends import backend_device, describe, prepare
@@ -77,7 +77,7 @@ def match_channels(split: Split, pre: Preprocessing, name: str) -> Split:
 
 
 def align_classes(split: Split, classes: list[str], num_classes: int, name: str) -> Split:
-    """`split` labelled in the order of the checkpoint's `classes` (datasets.name_order): as it
+    """`split` labelled in the order of the checkpoint's `classes` (data.classes.name_order): as it
     is, relabelled when the same names come in another order, by index with a warning when no
     name is shared; the counts must agree."""
     have = split.classes

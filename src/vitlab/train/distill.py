@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from vitlab.config import ConfigError, DistillConfig, RunConfig
-from vitlab.data.datasets import DatasetError, name_order
+from vitlab.data.classes import name_order
+from vitlab.data.datasets import DatasetError
 from vitlab.eval.classification import distilled_heads
 from vitlab.formats.base import CheckpointError
 from vitlab.models.checkpoint import load_checkpoint
@@ -134,8 +135,9 @@ def load_teacher(
     """The teacher of distill.teacher=`source` (anything load_checkpoint reads) for a student of
     `num_classes` classes named `classes` that takes inputs as `pre` makes them. A different class
     count or channel count, or class names partly shared, is a ConfigError; another input size or
-    normalisation is adapted, the same class names in another order reordered (datasets.name_order;
-    numbered classes, or names none of which are shared: by index, the latter with a warning)."""
+    normalisation is adapted, the same class names in another order reordered
+    (data.classes.name_order; numbered classes, or names none of which are shared: by index, the
+    latter with a warning)."""
     try:
         model, meta = load_checkpoint(source, device=device)
     except CheckpointError as e:

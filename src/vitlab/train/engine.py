@@ -3,6 +3,7 @@ checks that keep a run safe (non-finite loss, a stop request), all with explicit
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -20,6 +21,9 @@ from vitlab.train.distill import TwoHeads, distillation_loss
 from vitlab.train.distributed import all_sum, any_rank
 from vitlab.train.optim import EMA
 from vitlab.train.threads import PARTS, BatchThreads
+
+log = logging.getLogger(__name__)
+MAX_SKIPPED_STEPS = 10  # steps in a row with non-finite gradients before the run stops
 
 
 class NonFiniteLoss(RuntimeError):
@@ -117,6 +121,7 @@ def train_epoch(
     sums = [0.0, 0.0, 0.0, 0.0]  # loss sum, right, predictions, images (this rank)
     scored = True  # the objective's predictions are right or wrong (not a regression)
     start_time = time.perf_counter()
+    skips = 0  # optimizer steps skipped in a row for non-finite gradients
     if pos.partial:  # resumed mid-epoch: the epoch's figures go on from the stop's (rank 0 adds)
         sums = list(pos.partial[:4]) if d.rank == 0 else sums
         start_time -= pos.partial[4]
@@ -160,17 +165,22 @@ def train_epoch(
                 threads.add_gradients()
         if last:
             norm = grad_norm(model, settings.clip_grad)  # clipped to clip_grad, if set
-            if any_rank(not math.isfinite(norm), d, device):  # before a step writes it in
-                raise NonFiniteLoss(
-                    f"the gradients became {norm} at step {pos.step} (epoch {pos.epoch + 1}, "
-                    f"batch {i + 1}), the loss {value}: the weights were not updated"
-                )
-            for group in optimizer.param_groups:
-                group["lr"] = settings.lr_at(pos.step)
-            optimizer.step()
+            if any_rank(not math.isfinite(norm), d, device):  # skipped, as AMP's scaler does
+                skips += 1
+                where = f"step {pos.step} (epoch {pos.epoch + 1}, batch {i + 1})"
+                if skips > MAX_SKIPPED_STEPS:
+                    raise NonFiniteLoss(f"the gradients became {norm} at {where}, the loss "
+                                        f"{value}, {skips} steps in a row")  # fmt: skip
+                log.warning("the gradients became %s at %s, the loss %s: step skipped, the "
+                            "weights unchanged", norm, where, value)  # fmt: skip
+            else:
+                skips = 0
+                for group in optimizer.param_groups:
+                    group["lr"] = settings.lr_at(pos.step)
+                optimizer.step()
+                if ema is not None:
+                    ema.update(_unwrap(model))
             optimizer.zero_grad(set_to_none=True)
-            if ema is not None:
-                ema.update(_unwrap(model))
             pos.step += 1
             pos.batch = i + 1
             pos.rng = rng_state(device)
