@@ -60,12 +60,14 @@ def test_another_datasets_labels_follow_the_checkpoints_class_names(run, tmp_pat
     # no name shared (another naming of the same classes): by index, with a warning
     letters = digits_folder(tmp_path / "letters", list("abcdefghij"))
     with caplog.at_level(logging.WARNING, logger="vitlab"):
-        by_index = evaluate_checkpoint(str(tmp_path / "named"), data=f"imagefolder:{letters}")
+        by_index = evaluate_checkpoint(
+            str(tmp_path / "named"), data=f"imagefolder:{letters}", out=tmp_path / "out"
+        )
     assert by_index["confusion"] == own["confusion"] and "share no class name" in caplog.text
     # some names shared, some not: no way to tell which class is which
     mixed = digits_folder(tmp_path / "mixed", [*WORDS[:5], *"fghij"])
     with pytest.raises(DatasetError, match=r"some names are shared, some not"):
-        evaluate_checkpoint(str(tmp_path / "named"), data=f"imagefolder:{mixed}")
+        evaluate_checkpoint(str(tmp_path / "named"), data=f"imagefolder:{mixed}", out=tmp_path)
     with pytest.raises(DatasetError, match="has 10 classes, the checkpoint's model has 3"):
         model.reset_classifier(3)
         model.classes = ["a", "b", "c"]
