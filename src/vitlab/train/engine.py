@@ -171,8 +171,9 @@ def train_epoch(
                 if skips > MAX_SKIPPED_STEPS:
                     raise NonFiniteLoss(f"the gradients became {norm} at {where}, the loss "
                                         f"{value}, {skips} steps in a row")  # fmt: skip
-                log.warning("the gradients became %s at %s, the loss %s: step skipped, the "
-                            "weights unchanged", norm, where, value)  # fmt: skip
+                if d.is_main:  # every rank skips; one says so
+                    log.warning("the gradients became %s at %s, the loss %s: step skipped, the "
+                                "weights unchanged", norm, where, value)  # fmt: skip
             else:
                 skips = 0
                 for group in optimizer.param_groups:
