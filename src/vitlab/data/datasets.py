@@ -280,6 +280,17 @@ def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSpl
     return FolderSplit(files, torch.tensor(labels, dtype=torch.long), list(classes), skipped)
 
 
+def folder_root(name: str) -> Path:
+    """The folder an `imagefolder:PATH` dataset name names."""
+    return Path(name.split(":", 1)[1]).expanduser()
+
+
+def scanned_folders(root: Path) -> list[Path]:
+    """The folders load_folder_split reads class folders from: train/ and test/ or val/ when there
+    is a train/, else the root itself."""
+    return [root / n for n in ("train", "test", "val")] if (root / "train").is_dir() else [root]
+
+
 def load_folder_split(root: Path, split: str, seed: int, whole: bool = False) -> FolderSplit:
     train_dir = root / "train"
     if train_dir.is_dir():
@@ -328,7 +339,7 @@ def load_split(
     if name.startswith("hf:"):
         return load_hf(name[3:], split, keys, seed, whole)
     if split == "all" and name.startswith("imagefolder:"):
-        return scan_image_folder(Path(name.split(":", 1)[1]).expanduser())
+        return scan_image_folder(folder_root(name))
     if split == "all":
         raise DatasetError(f"data.test={name}: a test split of its own is an image folder, shards "
                            f"or a Hugging Face dataset; {name} has its own test split")  # fmt: skip
@@ -339,7 +350,7 @@ def load_split(
     if name in ("cifar10", "cifar100"):
         return load_cifar_split(name, split, data_dir)
     if name.startswith("imagefolder:"):
-        return load_folder_split(Path(name.split(":", 1)[1]).expanduser(), split, seed, whole)
+        return load_folder_split(folder_root(name), split, seed, whole)
     raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(NAMES)}")
 
 

@@ -21,7 +21,15 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from vitlab.data.datasets import ArraySplit, FolderSplit, Split, dataset_info, load_split
+from vitlab.data.datasets import (
+    ArraySplit,
+    FolderSplit,
+    Split,
+    dataset_info,
+    folder_root,
+    load_split,
+    scanned_folders,
+)
 from vitlab.data.decode import available_cores, decode_image, image_format
 from vitlab.data.download import DatasetError
 from vitlab.data.hf import HFSplit
@@ -117,9 +125,10 @@ def _shuffled(split: ShardSplit, seed: int) -> Iterator[tuple[int, str, bytes, i
     their samples through a seeded SHUFFLE_BUFFER-sample shuffle buffer (class-sorted shards come
     out mixed, one pass, bounded memory)."""
     rng = random.Random(seed)
-    order = torch.randperm(len(split.urls), generator=torch.Generator().manual_seed(seed))
+    order = list(range(len(split.urls)))
+    rng.shuffle(order)
     buffer: list[tuple[int, str, bytes, int]] = []
-    for s in order.tolist():
+    for s in order:
         for key, data, label in split.read(s):
             buffer.append((s, key, data, label))
             if len(buffer) >= SHUFFLE_BUFFER:
@@ -220,10 +229,8 @@ def write_shards(
                            f"interrupted `vitlab data shard`? Remove them, or choose an empty "
                            f"folder")  # fmt: skip
     if source.startswith("imagefolder:"):  # dst would be scanned as one more class
-        root = Path(source.split(":", 1)[1]).expanduser().resolve()
-        split = (root / "train").is_dir()  # train/ and test/ (or val/) are read, not root
-        scanned = [root / n for n in ("train", "test", "val")] if split else [root]
-        if any(dst.resolve().is_relative_to(folder) for folder in scanned):
+        root = folder_root(source).resolve()
+        if any(dst.resolve().is_relative_to(folder) for folder in scanned_folders(root)):
             raise DatasetError(f"{dst} is inside the image folder {root}'s images: write the "
                                f"shards elsewhere")  # fmt: skip
     splits = {"train": load_split(source, "train", data_dir, seed, keys)}

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from vitlab.config import DataConfig
 from vitlab.data import DatasetError, make_loader
-from vitlab.data.datasets import load_run_split
+from vitlab.data.datasets import folder_root, load_run_split
 from vitlab.eval.run import data_config, match_channels, run_config_of, run_folder
 from vitlab.formats.base import (
     CheckpointError,
@@ -161,7 +161,7 @@ def _identity(name: str) -> tuple[str, str | None]:
     by its absolute path and folder_digest, anything else by its name alone."""
     if not name.startswith("imagefolder:"):
         return name, None
-    root = Path(name.split(":", 1)[1]).expanduser().resolve()
+    root = folder_root(name).resolve()
     return f"imagefolder:{root}", folder_digest(root)
 
 
