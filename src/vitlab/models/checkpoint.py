@@ -183,8 +183,9 @@ def _infer_vit(src: Source, img_size: int | tuple[int, int] | None = None) -> Vi
     img = hints.pop("img_size", None)
     if "pos_embed.weight" in s:
         rows = s["pos_embed.weight"].shape[1]
+        square = _square_grid(rows, prefix)
         if img is None and img_size is not None:  # the size asked for, if the table is its
-            img = _asked_grid(rows, prefix, p, img_size)
+            img = _asked_grid(rows, prefix, p, img_size, square)
         if img is not None:
             h, w = (img, img) if isinstance(img, int) else img
             n = (h // p) * (w // p)
@@ -194,23 +195,19 @@ def _infer_vit(src: Source, img_size: int | tuple[int, int] | None = None) -> Vi
                     f"{p} has {n} (+{prefix} prefix)"
                 )
             no_embed_class = rows == n and prefix > 0
+        elif square is None:
+            raise CheckpointError(
+                f"{where}: position table of {rows} rows fits no square grid: pass "
+                f"img_size=(H, W), the size it was trained at"
+            )
         else:
-            side = math.isqrt(rows - prefix) if rows > prefix else 0
-            if prefix and side * side == rows - prefix:
-                n = rows - prefix
-            elif math.isqrt(rows) ** 2 == rows:
-                n, no_embed_class = rows, prefix > 0
-                if prefix:  # or a non-square grid of rows - prefix patches, with prefix rows
-                    k = math.isqrt(rows)
-                    src.notes.append(
-                        f"the position table's {rows} rows are read as a {k}x{k} grid without "
-                        f"rows for the prefix tokens (no_embed_class); weights trained on a "
-                        f"non-square grid of {rows - prefix} patches need img_size=(H, W)"
-                    )
-            else:
-                raise CheckpointError(
-                    f"{where}: position table of {rows} rows fits no square grid: pass "
-                    f"img_size=(H, W), the size it was trained at"
+            n, no_embed_class = square
+            if no_embed_class:  # or a non-square grid of rows - prefix patches, with prefix rows
+                k = math.isqrt(rows)
+                src.notes.append(
+                    f"the position table's {rows} rows are read as a {k}x{k} grid without "
+                    f"rows for the prefix tokens (no_embed_class); weights trained on a "
+                    f"non-square grid of {rows - prefix} patches need img_size=(H, W)"
                 )
             img = math.isqrt(n) * p
     else:
@@ -247,19 +244,30 @@ def _infer_vit(src: Source, img_size: int | tuple[int, int] | None = None) -> Vi
         raise CheckpointError(f"{where}: the tensors describe no valid ViT: {e}") from None
 
 
-def _asked_grid(rows: int, prefix: int, p: int, img_size: int | tuple[int, int]):
-    """`img_size` when a position table of `rows` rows can only be its grid: a table that reads
-    as a square grid (with `prefix` rows before it, or none when there are no prefix tokens) is
-    that grid, to be resampled to `img_size` (another grid of as many patches would scramble it);
-    a square one without prefix rows is taken as `img_size`'s grid with prefix rows, else as
-    either reading when the table fits no square grid. None: not `img_size`'s."""
+def _square_grid(rows: int, prefix: int) -> tuple[int, bool] | None:
+    """A position table of `rows` rows read as a square grid: (patches, no_embed_class), with
+    `prefix` rows before the grid's, else (when there are prefix tokens) without them; None when
+    neither is square."""
+    side = math.isqrt(rows - prefix) if rows > prefix else -1
+    if side * side == rows - prefix:
+        return rows - prefix, False
+    if math.isqrt(rows) ** 2 == rows:
+        return rows, prefix > 0
+    return None
+
+
+def _asked_grid(
+    rows: int, prefix: int, p: int, img_size: int | tuple[int, int], square: tuple | None
+):
+    """`img_size` when a position table of `rows` rows (`square`: its square reading) can only
+    be its grid: a square grid with its prefix rows is that grid, to be resampled to `img_size`
+    (another grid of as many patches would scramble it); one square only without its prefix rows
+    is taken as `img_size`'s grid with prefix rows when it has that many; a table that fits no
+    square grid, as either reading. None: not `img_size`'s."""
     h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
     n = (h // p) * (w // p)
-    side = math.isqrt(rows - prefix) if rows > prefix else -1
-    if side * side == rows - prefix:  # square, with its prefix rows (or no prefix tokens)
-        return None
-    if math.isqrt(rows) ** 2 == rows:  # square without prefix rows, or a grid of rows - prefix
-        return img_size if rows == n + prefix else None
+    if square is not None:
+        return img_size if square[1] and rows == n + prefix else None
     return img_size if rows in (n, n + prefix) else None
 
 
