@@ -246,13 +246,22 @@ def test_out_naming_an_existing_run_is_refused_unless_overwritten(tmp_path: Path
 def test_resume_drops_metrics_of_epochs_the_checkpoint_does_not_hold(tmp_path: Path) -> None:
     """A kill after an epoch's metrics line but before its checkpoint: that epoch is trained
     again on resume, and logged once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
     run = train(cfg("train.epochs=3", "train.stop_at_epoch=1"), out=tmp_path / "r")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"epoch": 2, "train_loss": 9.0}\n{"epoch": 3, "tr')  # and a torn line
+    with SummaryWriter(str(run / "tensorboard")) as tb:  # the killed run's TensorBoard event
+        tb.add_scalar("train_loss", 9.0, 2)
     resume(run)
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2, 3]
     assert records[1]["train_loss"] != 9.0
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()  # what TensorBoard shows: each epoch once, the retrained epoch 2's loss
+    logged = [(e.step, round(e.value, 6)) for e in events.Scalars("train_loss")]
+    assert logged == [(r["epoch"], r["train_loss"]) for r in records]
 
 
 def test_ctrl_c_saves_and_resume_finishes_identically(tmp_path: Path) -> None:

@@ -53,7 +53,9 @@ class RunLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(out / "tensorboard"))
+            # events of epochs after the checkpoint are hidden: those epochs are trained again
+            purge = None if resumed_at is None else resumed_at + 1
+            self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=purge)
         except ImportError:
             self.tb = None
 
