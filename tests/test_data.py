@@ -6,6 +6,7 @@ import gzip
 import http.server
 import io
 import logging
+import os
 import pickle
 import struct
 import tarfile
@@ -95,10 +96,12 @@ def no_fashion_anywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path
 
 def test_missing_fashion_mnist_offline_names_both_ways(no_fashion_anywhere, monkeypatch) -> None:
     monkeypatch.setattr(download, "FASHION_MIRROR", "http://127.0.0.1:9/")  # refused at once
+    open_before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(DatasetError) as err:
         load_split("fashion-mnist", "train")
     msg = str(err.value)
     assert "apt-get install dataset-fashion-mnist" in msg and "127.0.0.1:9" in msg
+    assert len(os.listdir("/proc/self/fd")) == open_before  # the temp file's descriptor closed
 
 
 def test_download_checks_sha256_and_writes_atomically(no_fashion_anywhere, monkeypatch) -> None:

@@ -80,7 +80,7 @@ def _fetch(url: str, dest: Path, expected_sha256: str) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
     try:
-        with urllib.request.urlopen(url, timeout=30) as resp, os.fdopen(fd, "wb") as out:
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=30) as resp:
             total = int(resp.headers.get("Content-Length") or 0) or None
             with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name) as bar:
                 while chunk := resp.read(1 << 20):
