@@ -112,6 +112,46 @@ def test_exports_leave_the_callers_model_as_it_was(tmp_path) -> None:
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_relative_positions_export_and_a_failed_check_leaves_no_file(tmp_path, monkeypatch) -> None:
+    """A relative-position ViT's attention (PyTorch's with a bias) once failed the ONNX exporter,
+    so --backend onnxruntime and vitlab export --onnx refused it; and a file that failed its
+    check against PyTorch stayed on disk beside the error."""
+    from vitlab.models import export
+
+    cfg = config_of(ModelSection("vit_nano_patch4_28", {"depth": 2, "pos_embed": "relative"}))
+    model = build_model(cfg).eval()
+    meta = CheckpointMeta(cfg, Preprocessing((28, 28), 1, (0.5,), (0.5,)), list("abcdefghij"))
+    r = export.export_onnx(model, meta, tmp_path / "m.onnx", dynamic_batch=True)
+    assert r["batches_checked"] == [2, 5] and r["max_abs_diff"] <= export.TOLERANCE
+    monkeypatch.setattr(export, "TOLERANCE", -1.0)  # every check fails
+    for write, name in ((export.export_onnx, "bad.onnx"), (export.export_program, "bad.pt2")):
+        with pytest.raises(export.ExportError, match="differs from PyTorch"):
+            write(model, meta, tmp_path / name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def test_an_unsupported_export_is_one_clean_line(tmp_path, capsys) -> None:
+    """The exporter's own failure (here a model whose forward branches on its input's values)
+    was a 100-line traceback from `vitlab export`: now one UnsupportedExport line, exit code 2."""
+    from vitlab.models import export
+
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x
+
+    meta = CheckpointMeta(
+        config_of(ModelSection("vit_nano_patch4_28", {})),
+        Preprocessing((28, 28), 1, (0.5,), (0.5,)), list("abcdefghij"),
+    )  # fmt: skip
+    Branchy.config = meta.config
+    with pytest.raises(export.UnsupportedExport, match="this Branchy cannot be exported to ONNX"):
+        export.export_onnx(Branchy(), meta, tmp_path / "b.onnx")
+    with pytest.raises(export.UnsupportedExport, match="with torch.export"):
+        export.export_program(Branchy(), meta, tmp_path / "b.pt2")
+    assert not list(tmp_path.iterdir())
+    assert isinstance(export.UnsupportedExport("x"), ValueError)  # the CLI's one-line errors
+
+
 @pytest.mark.parametrize(
     "argv",
     [["eval", "RUN", "--batch-size", "0"], ["eval", "RUN", "--batch-threads", "0"],

@@ -184,23 +184,19 @@ class OnnxRuntimeModel(nn.Module):
     def __init__(self, model: nn.Module, meta: CheckpointMeta, int8: bool, threads: int) -> None:
         super().__init__()
         ort = _onnxruntime()
-        from vitlab.models.export import ExportError, export_onnx
+        from vitlab.models.export import ExportError, UnsupportedExport, export_onnx
 
         self._dir = tempfile.TemporaryDirectory(prefix="vitlab-onnx-")
         path = Path(self._dir.name) / "model.onnx"
         name = type(model).__name__
         try:
             export_onnx(model, meta, path, dynamic_batch=True)
+        except UnsupportedExport as e:  # an op or a control flow the exporter lacks
+            raise BackendError(f"--backend onnxruntime: {e}; use --backend torch") from None
         except ExportError as e:
             if "pip install" in str(e):
                 raise BackendError(f"--backend onnxruntime: {e}") from None
             raise BackendError(f"--backend onnxruntime: the {name} exported wrongly: {e}") from None
-        except Exception as e:  # the exporter's own errors: an op or a control flow it lacks
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise BackendError(
-                f"--backend onnxruntime: this {name} cannot be exported to ONNX ({first}); "
-                f"use --backend torch"
-            ) from None
         if int8:
             path = _quantize_onnx(path)
         options = ort.SessionOptions()

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from vitlab.formats.base import fsync
 from vitlab.formats.vitlab import CheckpointMeta
 from vitlab.models.vit import VisionTransformer
 
@@ -17,6 +22,40 @@ TOLERANCE = 1e-4
 
 class ExportError(ValueError):
     """An export that cannot be made, or whose output does not match PyTorch's."""
+
+
+class UnsupportedExport(ExportError):
+    """The exporter lacks an operation or a control flow the model uses."""
+
+
+def _exported(what: str, model: torch.nn.Module, export: Callable[[], object]) -> object:
+    """export(), its own errors (tracebacks many lines long, coloured) as one UnsupportedExport."""
+    try:
+        return export()
+    except ExportError:
+        raise
+    except Exception as e:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+        first = text.splitlines()[0] if text else type(e).__name__
+        raise UnsupportedExport(
+            f"this {type(model).__name__} cannot be exported {what} ({first})"
+        ) from None
+
+
+@contextmanager
+def _checked_file(out: Path) -> Iterator[Path]:
+    """A temporary name beside `out`, renamed over it only when the block (writing and checking
+    the export) succeeds: a file that failed its check, or a half-written one, is not left."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        yield tmp
+        fsync(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out)
+    fsync(out.parent)
 
 
 def _inputs(model: VisionTransformer, batch: int, seed: int = 0) -> torch.Tensor:
@@ -65,33 +104,32 @@ def export_onnx(
             "pip install 'vitlab[export]'"
         ) from None
     model = _float_copy(model)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    x = _inputs(model, 2)
-    torch.onnx.export(
-        model,
-        (x,),
-        str(out),
-        dynamo=True,
-        input_names=["images"],
-        output_names=["logits"],
-        dynamic_shapes=_dynamic(dynamic_batch),
-        external_data=False,
-        verbose=False,
-    )
-    proto = onnx.load(str(out))
-    for key, value in _meta(meta).items():
-        entry = proto.metadata_props.add()
-        entry.key, entry.value = key, value
-    onnx.save(proto, str(out))
-    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
-    worst, batches = 0.0, [2] + ([5] if dynamic_batch else [])
-    for b in batches:
-        xb = _inputs(model, b, seed=b)
-        with torch.no_grad():
-            want = model(xb)
-        got = torch.from_numpy(session.run(None, {"images": xb.numpy()})[0])
-        worst = max(worst, _check(got, want, f"onnxruntime output at batch {b}"))
+    with _checked_file(Path(out)) as tmp:
+        onnx_export = lambda: torch.onnx.export(  # noqa: E731
+            model,
+            (_inputs(model, 2),),
+            str(tmp),
+            dynamo=True,
+            input_names=["images"],
+            output_names=["logits"],
+            dynamic_shapes=_dynamic(dynamic_batch),
+            external_data=False,
+            verbose=False,
+        )
+        _exported("to ONNX", model, onnx_export)
+        proto = onnx.load(str(tmp))
+        for key, value in _meta(meta).items():
+            entry = proto.metadata_props.add()
+            entry.key, entry.value = key, value
+        onnx.save(proto, str(tmp))
+        session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
+        worst, batches = 0.0, [2] + ([5] if dynamic_batch else [])
+        for b in batches:
+            xb = _inputs(model, b, seed=b)
+            with torch.no_grad():
+                want = model(xb)
+            got = torch.from_numpy(session.run(None, {"images": xb.numpy()})[0])
+            worst = max(worst, _check(got, want, f"onnxruntime output at batch {b}"))
     return {"max_abs_diff": worst, "batches_checked": batches}
 
 
@@ -101,17 +139,19 @@ def export_program(
     """Write a torch.export program (`torch.export.load(out).module()(images)`), reload it and
     compare with the model."""
     model = _float_copy(model)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    program = torch.export.export(
-        model, (_inputs(model, 2),), dynamic_shapes=_dynamic(dynamic_batch)
-    )
+    shapes = _dynamic(dynamic_batch)
+    program = _exported(
+        "with torch.export", model,
+        lambda: torch.export.export(model, (_inputs(model, 2),), dynamic_shapes=shapes),
+    )  # fmt: skip
     extra = {"vitlab.json": json.dumps(_meta(meta))}
-    torch.export.save(program, str(out), extra_files=extra)
-    loaded = torch.export.load(str(out)).module()
-    worst, batches = 0.0, [2] + ([5] if dynamic_batch else [])
-    for b in batches:
-        xb = _inputs(model, b, seed=b)
-        with torch.no_grad():
-            worst = max(worst, _check(loaded(xb), model(xb), f"exported program at batch {b}"))
+    with _checked_file(Path(out)) as tmp:
+        torch.export.save(program, str(tmp), extra_files=extra)
+        loaded = torch.export.load(str(tmp)).module()
+        worst, batches = 0.0, [2] + ([5] if dynamic_batch else [])
+        for b in batches:
+            xb = _inputs(model, b, seed=b)
+            with torch.no_grad():
+                got, want = loaded(xb), model(xb)
+            worst = max(worst, _check(got, want, f"exported program at batch {b}"))
     return {"max_abs_diff": worst, "batches_checked": batches}

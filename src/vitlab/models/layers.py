@@ -304,7 +304,14 @@ class Attention(nn.Module):
         return_attention, the probabilities (B, H, n, T)."""
         drop = self.attn_drop if self.training else 0.0
         attn = None
-        if return_attention or (q.device.type == "cpu" and q.dtype == torch.bfloat16):
+        # explicit: asked for the probabilities, bf16 on a CPU, or a bias being exported (the
+        # ONNX exporter cannot decompose PyTorch's attention with a mask)
+        exported_bias = bias is not None and torch.compiler.is_exporting()
+        if (
+            return_attention
+            or exported_bias
+            or (q.device.type == "cpu" and q.dtype == torch.bfloat16)
+        ):
             probs = attention_probs(q, k, self.scale, bias)
             attn = probs if return_attention else None
             out = F.dropout(probs, drop, training=self.training) @ v
