@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from tests.helpers import TINY_MODEL
@@ -100,3 +101,36 @@ def test_another_datasets_confusion_png_does_not_replace_the_runs(run, tmp_path,
     assert other.parent == run and other.is_file() and other != own
     assert other.name.startswith("confusion_matrix_imagefolder-") and "_test" in other.name
     assert own.read_bytes() == before
+
+
+def test_a_class_without_test_images_is_not_scored_zero(run, tmp_path, capsys):
+    """A test split lacking a class once reported that class at 0.00% (0 of 0 read as all
+    wrong); and with 3 classes "top-5" was top-3, always 100%. Checked against scikit-learn."""
+    from sklearn.metrics import recall_score
+
+    model, _ = load_checkpoint(run)
+    model.reset_classifier(3)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(model.head.weight)  # a head that gets some right, some wrong
+    save_pretrained(model, tmp_path / "three")
+    test = load_split("digits", "test")
+    root = tmp_path / "012"
+    for part in ("train", "test"):
+        for i, (image, label) in enumerate(zip(test.images, test.labels.tolist(), strict=True)):
+            if label < 3 and not (part == "test" and label == 1):  # no test image of class 1
+                folder = root / part / str(label)
+                folder.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(image[0].numpy().astype(np.uint8)).save(folder / f"{i}.png")
+    args = ["eval", str(tmp_path / "three"), "--data", f"imagefolder:{root}", "--out", str(root)]
+    assert main([*args, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    truth = [t for t, row in enumerate(r["confusion"]) for p, n in enumerate(row) for _ in range(n)]
+    preds = [p for t, row in enumerate(r["confusion"]) for p, n in enumerate(row) for _ in range(n)]
+    assert set(truth) == {0, 2} and 0 < r["top1"] < 1
+    want = recall_score(truth, preds, labels=[0, 2], average=None)
+    assert r["per_class"][1] is None
+    assert [r["per_class"][0], r["per_class"][2]] == pytest.approx(list(want))
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "top-3 100.00%" in text and "top-5" not in text
+    assert [x.split()[0] for x in text.splitlines() if "n/a (no images)" in x] == ["1"]

@@ -35,7 +35,8 @@ def evaluate(
     d: Dist | None = None,
 ) -> dict:
     """Metrics of `model` over every batch: {"loss", "top1", "top5", "per_class", "confusion",
-    "num_images"} (accuracies in [0, 1]; per_class is a list; confusion[true][predicted]), and
+    "num_images"} (accuracies in [0, 1]; top5 is top-k with k = min(5, num_classes); per_class
+    is a list, None for a class without images; confusion[true][predicted]), and
     for a distilled model (DeiT), whose prediction averages two heads, "top1_cls" and "top1_dist":
     each head's alone. Samples labelled below 0 (the loaders' padding, which keeps ranks stepping
     together) run through the model but are not counted."""
@@ -71,7 +72,10 @@ def evaluate(
     model.train(was_training)
     n = max(totals[2].item(), 1.0)
     per_class_total = confusion.sum(dim=1)
-    per_class = (confusion.diagonal() / per_class_total.clamp(min=1)).tolist()
+    per_class = [  # None: no image of that class was evaluated (not 0%, which means all wrong)
+        hits / total if total else None
+        for hits, total in zip(confusion.diagonal().tolist(), per_class_total.tolist(), strict=True)
+    ]
     heads = {"top1_cls": totals[3].item() / n, "top1_dist": totals[4].item() / n}
     return {
         "loss": totals[0].item() / n,
@@ -82,6 +86,11 @@ def evaluate(
         "confusion": confusion.long().tolist(),
         "num_images": int(totals[2].item()),
     }
+
+
+def top5_name(num_classes: int) -> str:
+    """What "top5" is for `num_classes` classes: top-5, or top-k for fewer than 5 (always 100%)."""
+    return f"top-{min(5, num_classes)}"
 
 
 def format_confusion(confusion: list[list[int]], classes: list[str]) -> str:

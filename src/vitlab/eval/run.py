@@ -20,7 +20,12 @@ from vitlab.data.datasets import (
     read_image,
 )
 from vitlab.eval.backends import backend_device, describe, prepare
-from vitlab.eval.classification import evaluate, format_confusion, save_confusion_png
+from vitlab.eval.classification import (
+    evaluate,
+    format_confusion,
+    save_confusion_png,
+    top5_name,
+)
 from vitlab.formats.vitlab import vitlab_weights
 from vitlab.models.checkpoint import load_checkpoint
 from vitlab.preprocessing import Preprocessing
@@ -170,7 +175,8 @@ def format_report(r: dict) -> str:
         f"{r['checkpoint']} on {r['data']} ({r['split']}, {r['num_images']:,} images), "
         f"backend {r.get('backend', 'torch')}"
         + (f", test-time augmentation {r['tta']}" if r.get("tta", "none") != "none" else ""),
-        f"top-1 {100 * r['top1']:.2f}%   top-5 {100 * r['top5']:.2f}%   loss {r['loss']:.4f}",
+        f"top-1 {100 * r['top1']:.2f}%   {top5_name(len(r['classes']))} {100 * r['top5']:.2f}%"
+        f"   loss {r['loss']:.4f}",
     ]
     if "top1_cls" in r:  # a distilled model (DeiT): top-1 is its two heads' average
         lines.append(
@@ -179,7 +185,8 @@ def format_report(r: dict) -> str:
         )
     lines += ["", "per-class accuracy:"]
     lines += [
-        f"  {c:<16} {100 * a:6.2f}%" for c, a in zip(r["classes"], r["per_class"], strict=True)
+        f"  {c:<16} " + (f"{100 * a:6.2f}%" if a is not None else "   n/a (no images)")
+        for c, a in zip(r["classes"], r["per_class"], strict=True)
     ]
     lines += ["", "confusion matrix (rows: true, columns: predicted):"]
     lines += [format_confusion(r["confusion"], r["classes"]), "", f"saved {r['confusion_png']}"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from vitlab.config import RunConfig
+from vitlab.eval.classification import top5_name
 from vitlab.formats.base import write_text
 
 # what a run writes into its folder (a folder holding any of these holds a run)
@@ -107,7 +108,7 @@ class RunLog:
             what = f"masked patch prediction:{_acc(test['top1'])} loss {test['loss']:.4f} on "
             what += f"{test['num_patches']:,} corrupted patches of {test['num_images']:,} images"
         else:
-            what = f"top-1 {100 * test['top1']:.2f}%{_heads(test)}  top-5 "
+            what = f"top-1 {100 * test['top1']:.2f}%{_heads(test)}  {top5_name(len(classes))} "
             what += f"{100 * test['top5']:.2f}%  loss {test['loss']:.4f} on "
             what += f"{test['num_images']:,} images"
         print(f"test: {what}; run folder {self.out}", file=sys.stderr)
