@@ -46,15 +46,17 @@ def _exported(what: str, model: torch.nn.Module, export: Callable[[], object]) -
 def _checked_file(out: Path) -> Iterator[Path]:
     """A temporary name beside `out`, renamed over it only when the block (writing and checking
     the export) succeeds: a file that failed its check, or a half-written one, is not left."""
+    if out.is_dir():
+        raise ExportError(f"{out} is a folder: name the file to write")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         yield tmp
         fsync(tmp)
+        os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, out)
     fsync(out.parent)
 
 
