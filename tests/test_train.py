@@ -229,11 +229,18 @@ def test_out_naming_an_existing_run_is_refused_unless_overwritten(tmp_path: Path
     err = capsys.readouterr().err
     assert "already holds a run" in err and "--resume" in err and "--overwrite" in err
     assert "old run" in (out / "metrics.jsonl").read_text()
-    assert main([*args, "--overwrite"]) == 0
+    missing = "data.name=imagefolder:" + str(tmp_path / "missing")
+    assert main([*args[:-2], missing, *args[-2:], "--overwrite"]) == 2  # fails on bad input:
+    assert "old run" in (out / "metrics.jsonl").read_text()  # the old run stays whole
+    assert (out / "checkpoints" / "last").is_dir() and (out / "time_budget.json").exists()
+    finetune = "finetune.from=" + str(out)  # read first, then replaced
+    assert main([*args[:-2], finetune, *args[-2:], "--overwrite"]) == 0
     assert "old run" not in (out / "metrics.jsonl").read_text()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     assert (out / "notes.txt").read_text() == "the user's own file"  # not a run file: kept
     assert not (out / "time_budget.json").exists()  # a later --resume would keep its plan
+    assert main(["train", "--resume", str(out), "--overwrite"]) == 2  # once silently ignored
+    assert "drop --config/--out/--overwrite" in capsys.readouterr().err
     alone = tmp_path / "plan-only"  # a run stopped before its first checkpoint
     alone.mkdir()
     (alone / "time_budget.json").write_text('{"steps": 3, "final": true}\n')

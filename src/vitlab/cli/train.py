@@ -64,7 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--overwrite",
         action="store_true",
         help="let --out name a folder that already holds a run, replacing that run's files "
-        "(without it such a folder is refused, so no metrics or checkpoints are lost)",
+        "once the new run is built (data, finetune.from, the teacher loaded: a start that fails "
+        "keeps them); without it such a folder is refused, so no metrics or checkpoints are lost",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=0.001")
     p.set_defaults(run=run)
@@ -77,9 +78,10 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.train.run import TrainingStopped, train
 
     if args.resume is not None:
-        if args.config or args.out:
+        if args.config or args.out or args.overwrite:
             raise ValueError(
-                "--resume takes its config and folder from the run; drop --config/--out"
+                "--resume continues the run in its folder with its config; drop "
+                "--config/--out/--overwrite"
             )
         cfg = resume_config(args.resume, args.overrides)
     else:

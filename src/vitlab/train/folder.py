@@ -3,7 +3,6 @@ length of a run being resumed."""
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -46,7 +45,9 @@ def check_resume_length(run: Path, cfg: RunConfig, extend: bool) -> int:
 
 def claim_run_folder(out: Path, overwrite: bool) -> str | None:
     """Why a new run may not start in `out`: it holds a run, whose metrics and checkpoints would
-    be lost (None: it may). With `overwrite` that run's files are removed instead."""
+    be lost (None: it may). With `overwrite` it may: RunLog removes that run's files once the new
+    run is built (its data, the weights it fine-tunes from, its teacher), so that a start that
+    fails on bad input loses nothing."""
     found = [name for name in RUN_FILES if (out / name).exists()]
     if found and not overwrite:
         return (
@@ -54,12 +55,6 @@ def claim_run_folder(out: Path, overwrite: bool) -> str | None:
             f"`vitlab train --resume {out}`, choose another --out, or pass --overwrite to "
             f"replace it"
         )
-    try:
-        for name in found:
-            path = out / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    except OSError as e:  # returned, not raised: the other ranks wait on rank 0's answer
-        return f"cannot replace the run in {out}: {e}"
     return None
 
 

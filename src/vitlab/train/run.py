@@ -60,9 +60,10 @@ def train(
     """Run cfg; returns the run folder. With `resume` (a run folder, whose saved config cfg must
     be, see vitlab.train.folder.resume_config) training continues exactly where it stopped; a
     different train.epochs is refused unless `extend` (the schedule is then recomputed for it, see
-    Run._extend). An `out` that already holds a run is refused unless `overwrite` (its files are
-    then removed). train.time_budget counts from this call, or from the process's start with
-    `budget_from_process_start` (`vitlab train`: Python's start-up is in the budget too)."""
+    Run._extend). An `out` that already holds a run is refused unless `overwrite` (its files
+    are then removed once the new run is built). train.time_budget counts from this call, or
+    from the process's start with `budget_from_process_start` (`vitlab train`: Python's
+    start-up is in the budget too)."""
     before = 0.0 if budget_from_process_start else budget.process_age()
     if resume is not None:
         out = Path(resume)
@@ -85,7 +86,7 @@ def train(
             refusal = claim_run_folder(Path(out), overwrite) if d.is_main else None
             if distributed.any_rank(refusal is not None, d, device):
                 raise ConfigError(refusal or f"rank 0 refused the run folder {out}")
-        run = Run(cfg, out, resume, device, d, extend, before)
+        run = Run(cfg, out, resume, device, d, extend, before, overwrite)
         if run.fit():  # else stopped as planned (train.stop_at_epoch)
             run.test()
         return run.out
@@ -115,6 +116,7 @@ class Run:
         d: Dist,
         extend: bool = False,
         before: float = 0.0,
+        overwrite: bool = False,
     ) -> None:
         self.cfg, self.device, self.d, self.strategy = cfg, device, d, cfg.train.strategy
         planned = None  # the resumed run's train.epochs, before this command's overrides
@@ -201,7 +203,8 @@ class Run:
         if cfg.train.compile:
             self.train_model = torch.compile(self.train_model)
         self.meta = CheckpointMeta(mc, self.pre, [] if self.mpp else info.classes, {})
-        self.log = RunLog(self.out, cfg, d.is_main, self.pos.epoch if resume is not None else None)
+        resumed_at = self.pos.epoch if resume is not None else None  # --overwrite replaces now:
+        self.log = RunLog(self.out, cfg, d.is_main, resumed_at, overwrite and resume is None)
         if d.is_main:
             build.announce(self)
 
