@@ -498,6 +498,36 @@ def test_round_trip_vitlab_hf_vitlab_is_exact(tmp_path: Path) -> None:
         assert torch.equal(v, back.state_dict()[k]), k
 
 
+def test_a_replaced_head_and_a_new_size_travel_into_every_format(tmp_path: Path) -> None:
+    """A loaded model fine-tuned timm's way (reset_classifier, set_image_size) once kept its old
+    class names and preprocessing size: the HF folder it wrote listed 4 labels beside a 2-class
+    head, which transformers refused, and `.preprocessing` made inputs of the old size."""
+    from vitlab import create_model
+    from vitlab.models.registry import build_model
+
+    model = randomize(create_model("vit_nano_patch4_32", num_classes=4))
+    model.classes = ["cat", "dog", "ship", "frog"]
+    save_pretrained(model, tmp_path / "four")
+    loaded = load_pretrained(tmp_path / "four")
+    loaded.reset_classifier(4)  # the same classes, a new head: the names stay
+    assert loaded.classes == model.classes
+    loaded.reset_classifier(2)
+    loaded.set_image_size(48)
+    assert loaded.classes is None and loaded.preprocessing.img_size == (48, 48)
+    save_pretrained(loaded, tmp_path / "hf", "hf")
+    ref = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf")
+    assert ref.config.id2label == {0: "0", 1: "1"} and ref.config.image_size == 48
+    loaded.classes = ["cat", "dog", "ship", "frog"]  # set by hand, of another count: numbered
+    save_pretrained(loaded, tmp_path / "timm", "timm")
+    assert json.loads((tmp_path / "timm" / "config.json").read_text())["label_names"] == ["0", "1"]
+    for name in ("resnet18_28", "swin_nano_patch2_window7_28"):  # the CNN and the Swin too
+        other = build_model(get_config(name))
+        other.classes, other.preprocessing = list("abcdefghij"), loaded.preprocessing
+        other.reset_classifier(3)
+        other.set_image_size(56)
+        assert other.classes is None and other.preprocessing.img_size == (56, 56), name
+
+
 def test_layouts_that_cannot_hold_a_model_say_why(tmp_path: Path) -> None:
     from vitlab import create_model
 

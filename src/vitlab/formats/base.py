@@ -245,9 +245,10 @@ def preprocessing_of(model: nn.Module) -> Preprocessing:
 
 
 def classes_of(model: nn.Module) -> list[str]:
-    """The model's `.classes`, or the class indices as names."""
-    names = getattr(model, "classes", None)
-    return list(names) if names else [str(i) for i in range(model.config.num_classes)]
+    """The model's `.classes`, or the class indices as names (also when `.classes` names another
+    count: a head replaced by hand)."""
+    names, count = getattr(model, "classes", None), model.config.num_classes
+    return list(names) if names and len(names) == count else [str(i) for i in range(count)]
 
 
 # --- reading -------------------------------------------------------------------------------------

@@ -195,8 +195,9 @@ class CNN(nn.Module):
     def reset_classifier(self, num_classes: int) -> None:
         """Replace the classifier by a zero-initialised one for `num_classes` (0: none), as the ViT
         and the Swin do, so a fine-tuned head starts from zero logits (a model built from a config
-        keeps its library's initialisation instead)."""
+        keeps its library's initialisation instead). Class names of another count are dropped."""
         self.config = self.config.replace(num_classes=num_classes)
+        self.classes = self.classes if len(self.classes or ()) == num_classes else None
         head: nn.Module = nn.Identity()
         if num_classes:
             ref = next(self.parameters())
@@ -223,6 +224,8 @@ class CNN(nn.Module):
         if cfg.uses_small_stem != built:
             cfg = cfg.replace(small_stem=built)
         self.config = cfg
+        if self.preprocessing is not None:
+            self.preprocessing = dataclasses.replace(self.preprocessing, img_size=cfg.img_hw)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each residual block's activations in the backward pass instead of storing

@@ -200,8 +200,9 @@ class SwinTransformer(nn.Module):
 
     def reset_classifier(self, num_classes: int) -> None:
         """Replace the classifier by a zero-initialised one for `num_classes` (0: none), as
-        VisionTransformer.reset_classifier does."""
+        VisionTransformer.reset_classifier does (class names of another count dropped)."""
         self.config = self.config.replace(num_classes=num_classes)
+        self.classes = self.classes if len(self.classes or ()) == num_classes else None
         head: nn.Module = nn.Identity()
         if num_classes:
             ref = self.norm.weight
@@ -227,6 +228,8 @@ class SwinTransformer(nn.Module):
         for i, stage in enumerate(self.layers):
             stage.set_spec(cfg.stage(i))
         self.config = cfg
+        if self.preprocessing is not None:  # inputs are now resized to the new size
+            self.preprocessing = dataclasses.replace(self.preprocessing, img_size=cfg.img_hw)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block's activations in the backward pass instead of storing them."""

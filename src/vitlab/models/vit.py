@@ -257,11 +257,11 @@ class VisionTransformer(nn.Module):
         return head
 
     def reset_classifier(self, num_classes: int) -> None:
-        """Replace the classifier by a zero-initialised one for `num_classes` (0: none)."""
+        """A zero-initialised head for `num_classes` (0: none); class names of another count go."""
         self.config = self.config.replace(num_classes=num_classes)
         self.head = self._new_head(num_classes)
-        if self.head_dist is not None:
-            self.head_dist = self._new_head(num_classes)
+        self.head_dist = self._new_head(num_classes) if self.head_dist is not None else None
+        self.classes = self.classes if len(self.classes or ()) == num_classes else None
 
     def set_image_size(self, img_size: int | tuple[int, int]) -> None:
         """Change the input resolution (same patch size): position embeddings are resampled to the
@@ -273,6 +273,8 @@ class VisionTransformer(nn.Module):
             if blk.attn.rel_pos is not None:
                 blk.attn.rel_pos.set_grid(cfg.grid)
         self.config = cfg
+        if self.preprocessing is not None:  # inputs are now resized to the new size
+            self.preprocessing = dataclasses.replace(self.preprocessing, img_size=cfg.img_hw)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block's activations in the backward pass instead of storing them."""
