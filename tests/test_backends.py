@@ -157,6 +157,24 @@ def test_an_unsupported_export_is_one_clean_line(tmp_path, capsys) -> None:
     assert isinstance(export.UnsupportedExport("x"), ValueError)  # the CLI's one-line errors
 
 
+@pytest.mark.parametrize("device", ["foo", "CPU", "meta", "cuda:x", "cuda:7"])
+def test_device_names_and_output_paths_are_one_line_errors(trained, device, tmp_path, capsys):
+    """A device torch cannot name (or this machine lacks), and an --out that is a file, once
+    ended in tracebacks (RuntimeError, FileExistsError after the whole evaluation)."""
+    assert main(["eval", str(trained), "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitlab eval: error: --device") and "Traceback" not in err
+    assert ("expected auto, cpu, cuda" in err) == (device != "cuda:7")
+    assert main(["train", "--out", str(tmp_path / "r"), f"train.device={device}"]) == 2
+    assert "train.device" in capsys.readouterr().err and not (tmp_path / "r").exists()
+    if device == "foo":
+        (tmp_path / "afile").write_text("mine")
+        assert main(["eval", str(trained), "--out", str(tmp_path / "afile")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("vitlab eval: error:") and "afile" in err
+        assert (tmp_path / "afile").read_text() == "mine"
+
+
 @pytest.mark.parametrize(
     "argv",
     [["eval", "RUN", "--batch-size", "0"], ["eval", "RUN", "--batch-threads", "0"],

@@ -21,14 +21,23 @@ from torch import Tensor
 
 
 def pick_device(name: str, setting: str = "device") -> torch.device:
-    """The device `name` names (`cpu`, `cuda`, `cuda:N`), or for `auto` CUDA where it is
-    available, else the CPU. A CUDA device on a machine without one is a ValueError naming
-    `setting` (what the user set: `train.device`, `--device`)."""
+    """The device `name` names (`cpu`, `cuda`, `cuda:N`, `mps`), or for `auto` CUDA where it is
+    available, else the CPU. Another name, or a device this machine lacks, is a ValueError
+    naming `setting` (what the user set: `train.device`, `--device`)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = torch.device("meta")  # not a device name: refused below
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{setting}={name!r}: expected auto, cpu, cuda, cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{setting}={name} but no CUDA device is available")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"{setting}={name}: this machine has {torch.cuda.device_count()} GPU(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{setting}={name} but no MPS (Apple GPU) device is available")
     return device
 
 

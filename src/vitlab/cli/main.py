@@ -123,5 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, UnknownModelError, ValueError) as e:
         print(f"vitlab {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        print(f"vitlab {args.command}: error: cannot write or read there: {e}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `vitlab models | head`
         return 0
