@@ -319,6 +319,10 @@ def test_batch_threads_give_the_whole_batchs_outputs(trained, digits, capsys) ->
             assert got.is_inference() and torch.allclose(got, want, atol=1e-5), kw
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
             assert prepare(model, meta, "torch", batch_threads=2)(digits).dtype == torch.bfloat16
+        with torch.inference_mode():  # one image, and none (torch.cat of no parts once raised)
+            parts, one = prepare(model, meta, "torch", batch_threads=2), digits[:1]
+            assert torch.allclose(parts(one), prepare(model, meta, "torch")(one), atol=1e-5)
+            assert parts(digits[:0]).shape == (0, 10)
     finally:
         torch.set_num_threads(before)
     assert seen == {2, 1}  # the caller's call ran on two threads, the parts on one each

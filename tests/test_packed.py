@@ -77,6 +77,10 @@ def test_where_the_packed_weight_cannot_serve_the_plain_product_runs() -> None:
     with torch.no_grad():
         packed.double()
         assert not packed.takes(x.double()) and packed(x.double()).dtype == torch.float64
+        twin = copy.deepcopy(packed)  # a float64 copy (oneDNN packs float32 only): plain
+        assert twin.packed is None and not twin.takes(x.double())
+        torch.testing.assert_close(twin(x.double()), packed(x.double()))
+        assert copy.deepcopy(PackedLinear(layer).to("meta")).packed is None
         packed.float()
         assert not packed.takes(x)
         torch.testing.assert_close(packed(x), layer(x))

@@ -118,6 +118,8 @@ class BatchParts(nn.Module):
                 return self.model(part)
 
         parts = [part for part in torch.tensor_split(x, self.n) if len(part)]
+        if len(parts) < 2:  # one image, or none: the model's own call, (0, classes) for none
+            return run(x)
         return torch.cat(list(thread_pool(self.n).map(run, parts)))
 
 

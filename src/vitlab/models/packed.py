@@ -49,10 +49,15 @@ class PackedLinear(nn.Linear):
 
     def _pack(self) -> None:
         # not buffers: state_dict and .to() leave them. The weight as packed is kept (its memory
-        # cannot be reused for another weight while this holds it) with its version then.
+        # cannot be reused for another weight while this holds it) with its version then. Only a
+        # float32 CPU weight is packed: a copy of a moved one (float64, meta, a GPU) has none.
+        w = self.weight
+        if w.dtype != torch.float32 or w.device.type != "cpu":
+            self.packed, self.packed_from, self.packed_version = None, w.detach(), -1
+            return
         with torch.inference_mode(False):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, ROWS_HINT)
-        self.packed_from, self.packed_version = self.weight.detach(), self.weight._version
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT)
+        self.packed_from, self.packed_version = w.detach(), w._version
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)  # oneDNN's packed tensor cannot be copied or pickled
