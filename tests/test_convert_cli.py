@@ -71,8 +71,32 @@ def test_convert_with_overrides_and_bad_input(tmp_path: Path, capsys) -> None:
     assert main(["convert", str(tmp_path / "nothing.pth"), str(tmp_path / "x")]) == 2
     assert "no file or folder" in capsys.readouterr().err
     # a file where the Hugging Face folder would go: said, not a traceback
-    assert main(["convert", str(tmp_path / "t.pth"), str(tmp_path / "t.pth"), "--to", "hf"]) == 2
-    assert f"cannot write {tmp_path / 't.pth'}" in capsys.readouterr().err
+    (tmp_path / "taken").write_text("a file")
+    assert main(["convert", str(tmp_path / "t.pth"), str(tmp_path / "taken"), "--to", "hf"]) == 2
+    assert f"cannot write {tmp_path / 'taken'}" in capsys.readouterr().err
+    # a file name the format does not write as a file (it once became a folder of that name)
+    for to, dst in (("hf", "t.pth"), ("vitlab", "x.pth"), ("hf", "h.safetensors")):
+        assert main(["convert", str(tmp_path / "t.pth"), str(tmp_path / dst), "--to", to]) == 2
+        assert f"names a {Path(dst).suffix} file" in capsys.readouterr().err
+    assert not (tmp_path / "x.pth").exists() and not (tmp_path / "h.safetensors").exists()
+    for bad in ("num_classes=2.5", "num_classes=true", "in_chans=abc", "in_chans=0"):
+        assert main([*args, bad]) == 2  # once 2 classes, 1 class, a ValueError without the key
+        assert f"{bad.partition('=')[0]} must be a whole number" in capsys.readouterr().err
+
+
+def test_convert_refuses_to_write_into_a_runs_checkpoints(tmp_path: Path, capsys) -> None:
+    """Writing timm's layout over a run's checkpoints/best once left a run that eval called
+    weightless and --resume failed on with a traceback."""
+    from tests.helpers import TINY_MODEL
+
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), *TINY_MODEL, "train.epochs=1"]) == 0
+    best = run / "checkpoints" / "best"
+    before = {p: p.read_bytes() for p in best.iterdir()}
+    assert main(["convert", str(run), str(best), "--to", "timm"]) == 2
+    assert "inside the checkpoints of the run" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in best.iterdir()} == before
+    assert main(["convert", str(run), str(run / "timm"), "--to", "timm"]) == 0  # beside them: fine
 
 
 def test_convert_to_timm_at_another_resolution_builds_in_timm(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vitlab import formats
+from vitlab.formats.base import TORCH_SUFFIXES
 
 if TYPE_CHECKING:
     from vitlab.models.swin import SwinConfig
@@ -67,12 +68,37 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+# the files each format writes as DST itself (any other DST is a folder)
+FILE_SUFFIXES = {"vitlab": (".safetensors",), "timm": (".safetensors",), "hf": (),
+                 "torchvision": (".safetensors", *TORCH_SUFFIXES)}  # fmt: skip
+WEIGHT_SUFFIXES = (".safetensors", ".npz", ".onnx", ".pt2", ".json", *TORCH_SUFFIXES)
+
+
+def check_dest(dest: Path, to: str) -> None:
+    """A ValueError for a DST named as a file the format does not write (it would become a
+    folder of that name), or inside a vitlab run's checkpoints (train, eval and --resume read
+    them in vitlab's format)."""
+    if dest.suffix.lower() in WEIGHT_SUFFIXES and dest.suffix not in FILE_SUFFIXES[to]:
+        files = " or ".join(f"DST{s}" for s in FILE_SUFFIXES[to])
+        raise ValueError(
+            f"--to {to} writes {files + ' or ' if files else ''}a folder DST; "
+            f"{dest} names a {dest.suffix} file"
+        )
+    for folder in (p for p in (dest.resolve(), *dest.resolve().parents) if p.name == "checkpoints"):
+        if (folder.parent / "config.yaml").is_file():
+            raise ValueError(
+                f"{dest} is inside the checkpoints of the run {folder.parent}, which vitlab "
+                f"train, eval and --resume read: write the converted checkpoint elsewhere"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     from vitlab.models.checkpoint import load_checkpoint
     from vitlab.models.cnn import CNNConfig
     from vitlab.models.registry import shape_of
     from vitlab.models.swin import SwinConfig
 
+    check_dest(args.dest, args.to)
     model, meta = load_checkpoint(args.source, args.src_format, **parse_overrides(args.overrides))
     try:
         if args.to == "vitlab":  # keeps where the weights came from in the metadata

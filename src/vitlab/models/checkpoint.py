@@ -323,6 +323,11 @@ def load_checkpoint(
     cannot take (another width ...) fails naming the tensors."""
     src = source if isinstance(source, Source) else read_source(source, format)
     check_keys(CONFIGS[source_family(src)], overrides.keys())
+    for key in ("num_classes", "in_chans"):  # applied after loading, not by the config's check
+        value = overrides.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < (key == "in_chans"):
+            raise ConfigError(f"{key} must be a whole number >= {int(key == 'in_chans')}, "
+                              f"got {value!r}")  # fmt: skip
     before = {k: v for k, v in overrides.items() if k not in _AFTER_LOADING}
     src.hints.update(before)  # e.g. num_heads, which no tensor shape tells
     native = _infer(src, overrides.get("img_size"))
