@@ -56,8 +56,9 @@ def test_knn_temperature_weighting_can_overrule_the_majority() -> None:
     assert majority.argmax().item() == 1
     flat = knn_scores(train_x, train_y, query, 2, k=3, temperature=100.0)
     assert flat.argmax().item() == 1  # a high temperature is almost a plain vote
-    with pytest.raises(ValueError, match="k >= 1 and a temperature > 0"):
-        knn_scores(train_x, train_y, query, 2, k=3, temperature=0.0)
+    for bad in (0.0, float("nan"), float("inf")):  # NaN once scored every class NaN, silently
+        with pytest.raises(ValueError, match="k >= 1 and a temperature > 0"):
+            knn_scores(train_x, train_y, query, 2, k=3, temperature=bad)
 
 
 # --- linear --------------------------------------------------------------------------------------
@@ -251,5 +252,6 @@ def test_probe_cli_on_a_run_uses_the_cache_the_second_time(run: Path, capsys) ->
     assert main(["probe", str(run), "--kind", "linear"]) == 0
     out = capsys.readouterr().out
     assert "linear  top-1" in out and "k-NN" not in out
-    assert main(["probe", str(run), "--k", "0"]) == 2
-    assert "vitlab probe: error: k-NN needs --k >= 1" in capsys.readouterr().err
+    for bad in (["--k", "0"], ["--temperature", "nan"]):  # NaN once reported T=nan, exit 0
+        assert main(["probe", str(run), *bad]) == 2
+        assert "vitlab probe: error: k-NN needs --k >= 1" in capsys.readouterr().err

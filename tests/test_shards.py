@@ -425,3 +425,15 @@ if __name__ == "__main__":
     import sys
 
     rank_worker(json.loads(sys.argv[1]))
+
+
+def test_a_shard_size_must_be_a_positive_finite_size(tmp_path: Path, capsys) -> None:
+    """0 once wrote one shard per sample, 1e400 raised OverflowError, '.MB' a bare float error."""
+    from vitlab.data.writer import parse_size
+
+    assert parse_size("1GB") == 10**9 and parse_size("2.5e3") == 2500 and parse_size("2kb") == 2000
+    for bad in ("0", "0MB", "1e400", ".MB", "1e", "-5MB", "5XB"):
+        with pytest.raises(ValueError, match="a positive number of bytes with a unit"):
+            parse_size(bad)
+    assert main(["data", "shard", "digits", str(tmp_path / "s"), "--shard-size", "0"]) == 2
+    assert "got '0'" in capsys.readouterr().err and not (tmp_path / "s").exists()

@@ -45,11 +45,15 @@ log = logging.getLogger(__name__)
 def parse_size(text: str) -> int:
     """'1GB', '500MB', '2.5e8' -> bytes."""
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?B?)\s*", text.upper())
-    if not m or m.group(2) not in UNITS:
+    try:
+        size = float(m.group(1)) * UNITS[m.group(2)] if m else float("nan")
+    except (ValueError, KeyError):  # "." or "1e" is no number, "5XB" no unit
+        size = float("nan")
+    if not 1 <= size < float("inf"):
         raise ValueError(
-            f"a shard size is a number of bytes with a unit (500MB, 1GB), got {text!r}"
+            f"a shard size is a positive number of bytes with a unit (500MB, 1GB), got {text!r}"
         )
-    return int(float(m.group(1)) * UNITS[m.group(2)])
+    return int(size)
 
 
 def _checked(split: Split, i: int, in_chans: int) -> tuple[bytes, str]:

@@ -67,11 +67,15 @@ class RidgeFit:
         return self.scores(x).argmax(axis=1)
 
 
+def check_l2(l2: float) -> None:
+    if not 0 < l2 < float("inf"):  # NaN too
+        raise ValueError(f"l2 must be a positive finite number, got {l2}")
+
+
 def fit_ridge(x: np.ndarray, y: np.ndarray, num_classes: int, l2: float) -> RidgeFit:
     """Least squares from features `x` (N, D) to targets 2 one_hot(y) - 1 with penalty
     l2 ||W||², the features standardised with their own mean and std."""
-    if l2 <= 0:
-        raise ValueError(f"l2 must be positive, got {l2}")
+    check_l2(l2)
     x = np.asarray(x, dtype=np.float64)
     mean, std = x.mean(axis=0), x.std(axis=0) + STD_EPS
     a = design(x, mean, std)  # (N, D + 1)
@@ -157,8 +161,7 @@ def fewshot_checkpoint(
     progress: bool = True,
 ) -> dict[str, Any]:
     """The few-shot report of a checkpoint on a dataset: its results and the protocol."""
-    if l2 <= 0:  # checked before any feature is extracted
-        raise ValueError(f"l2 must be positive, got {l2}")
+    check_l2(l2)  # before any feature is extracted
     check_shots(shots, seeds, np.zeros(0, dtype=np.int64), [])
     extractor = Extractor(source, features, device, batch_size, cache_dir, progress)
     train, test, about = train_and_test(extractor, data, data_dir)

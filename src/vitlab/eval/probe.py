@@ -112,7 +112,7 @@ def knn_scores(
     (N,): the k training features of highest cosine similarity each add exp(sim / T) to their
     class. Computed `chunk` test rows at a time (memory chunk x N); every row's weights are
     scaled by exp(-max sim / T), which leaves its argmax as it is and keeps exp() finite."""
-    if k < 1 or temperature <= 0:
+    if k < 1 or not 0 < temperature < float("inf"):  # NaN too
         raise ValueError(f"k-NN needs k >= 1 and a temperature > 0, got k={k}, T={temperature}")
     train = F.normalize(train_x.float(), dim=1)  # (N, D)
     labels = train_y.long()
@@ -155,7 +155,7 @@ def probe_checkpoint(
     """The linear and / or k-NN probe report of a checkpoint on a dataset."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    if k < 1 or temperature <= 0:  # checked before any feature is extracted
+    if k < 1 or not 0 < temperature < float("inf"):  # before any feature is extracted
         raise ValueError(f"k-NN needs --k >= 1 and --temperature > 0, got {k} and {temperature}")
     extractor = Extractor(source, features, device, batch_size, cache_dir, progress)
     train, test, about = train_and_test(extractor, data, data_dir)
