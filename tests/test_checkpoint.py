@@ -608,6 +608,9 @@ def test_not_a_checkpoint_and_mismatches_are_named(tmp_path: Path) -> None:
         load_pretrained(tmp_path / "ok.safetensors", embed_dim=256, num_heads=4, mlp_dim=768)
     with pytest.raises(CheckpointError, match="no file or folder"):
         load_pretrained(tmp_path / "missing.safetensors")
+    for typo in ("cv/missing.safetensors", "runs/my-run", "ck/w.PTH"):  # relative, mistyped:
+        with pytest.raises(CheckpointError, match=f"no file or folder {typo}"):  # not a Hub query
+            load_pretrained(typo)
 
 
 def test_vitlab_checkpoint_loads_through_the_same_door(tmp_path: Path) -> None:

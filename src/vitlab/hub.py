@@ -11,8 +11,15 @@ from vitlab.formats.base import CheckpointError
 _NAME = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
 
 
+# what a local path (that does not exist) looks like: a weights file, or vitlab's runs folder
+_LOCAL_SUFFIXES = (".safetensors", ".npz", ".bin", ".pth", ".pt", ".ckpt", ".onnx", ".pt2")
+
+
 def is_hub_name(text: str) -> bool:
-    return bool(_NAME.match(text)) and not text.startswith((".", "/"))
+    """Whether `text` is read as a Hub repo (`org/model[@revision]`) rather than a local path:
+    a mistyped `runs/my-run` or `dir/model.safetensors` is not looked up on the Hub."""
+    local = text.startswith((".", "/", "runs/")) or text.lower().endswith(_LOCAL_SUFFIXES)
+    return bool(_NAME.match(text)) and not local
 
 
 def download(name: str) -> Path:
