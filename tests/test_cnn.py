@@ -332,6 +332,8 @@ def test_cost_and_models_commands(capsys) -> None:
     assert rows[3]["small_stem"] and rows[3]["stem_stride"] == 1 and rows[2]["bottleneck"]
     assert main(["models", "resnet*"]) == 0
     assert "25,557,032" in capsys.readouterr().out
+    assert main(["models", "resnet*", "--family", "swin", "--json"]) == 1  # as the table: no match
+    assert json.loads(capsys.readouterr().out) == []
 
 
 # --- a run ---------------------------------------------------------------------------------------

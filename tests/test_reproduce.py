@@ -385,6 +385,8 @@ def test_list_names_every_experiment(capsys) -> None:
     out = capsys.readouterr().out
     for name in ("pos-embed", "data-scale", "patch-size", "inside", "mpp"):
         assert name in out
+    assert main(["reproduce", "--list", "pos-embed"]) == 2  # once ignored the name
+    assert "drop 'pos-embed'" in capsys.readouterr().err
 
 
 def test_unknown_experiment_names_the_valid_ones(capsys) -> None:

@@ -20,13 +20,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     shard = commands.add_parser(
         "shard",
         help="write a dataset as WebDataset shards with a JSON index",
-        description="Write dataset SRC's train and test splits as WebDataset shards under DST "
-        "(an empty or new folder), with a progress bar. Every image is decoded once on the way (by "
-        "--workers processes; wds: sources in this one); one that does not decode is skipped, "
-        "named and counted in the index. Image files keep their bytes; in-memory datasets "
-        "(CIFAR, Fashion-MNIST, digits) and formats other than JPEG / PNG / WebP are stored as "
-        "PNG. Shards are written under temporary names and renamed when whole, index.json last; "
-        "a failure or Ctrl-C removes what the run wrote.",
+        description="Write dataset SRC's train and test splits as WebDataset shards under "
+        "DST (a folder holding no shards yet), with a progress bar. Every image is decoded once"
+        " on the way (by --workers processes; wds: sources in this one); one that does not "
+        "decode is skipped, named and counted in the index. Image files keep their bytes; "
+        "in-memory datasets (CIFAR, Fashion-MNIST, digits) and formats other than JPEG / PNG / "
+        "WebP are stored as PNG. Shards are written under temporary names and renamed when "
+        "whole, index.json last; a failure or Ctrl-C removes what the run wrote.",
         epilog="Example: vitlab data shard imagefolder:/data/imagenet /data/in1k-shards "
         "--shard-size 1GB, then torchrun --nproc_per_node=8 -m vitlab train "
         "data.name=wds:/data/in1k-shards ...",
@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.data.download import DatasetError
     from vitlab.data.writer import parse_size, write_shards
 
+    if (args.image_key or args.label_key) and not args.src.startswith("hf:"):
+        raise ValueError(f"--image-key / --label-key name an hf: dataset's columns; {args.src} "
+                         f"is not one")  # fmt: skip
     try:
         index = write_shards(
             args.src, args.dst, parse_size(args.shard_size), args.data_dir,

@@ -33,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out",
         type=Path,
-        help="where to save confusion_matrix.png (default: the run folder, else the current one)",
+        help="where to save confusion_matrix_SPLIT.png (confusion_matrix_DATA_SPLIT.png with "
+        "--data; default: the run folder, else the current one)",
     )
     add_backend_arguments(p)
     p.add_argument(

@@ -82,9 +82,9 @@ def _cells(r: dict) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     rows = model_rows(args.pattern, args.family)
-    if args.json:
+    if args.json:  # no match: [] and exit code 1, as the table's "no model matches"
         print(json.dumps(rows, indent=2))
-        return 0
+        return 0 if rows else 1
     if not rows:
         print(f"no model matches {args.pattern!r}")
         return 1

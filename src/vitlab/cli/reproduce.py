@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.train.stop import TrainingStopped
 
     if args.list:
+        if args.experiment:
+            raise ValueError(f"--list describes every experiment; drop {args.experiment!r}")
         print(format_list())
         return 0
     if not args.experiment:
