@@ -368,3 +368,21 @@ def test_patch_embedding_as_a_matrix_product_is_the_convolution(in_chans: int, m
     torch.testing.assert_close(embed(x), out, atol=1e-5, rtol=1e-5)
     handle.remove()
     assert seen == [(3, embed.proj.out_channels, 3, 3)]  # a watched conv runs as itself
+
+
+def test_intermediate_indices_take_numpy_and_tensor_ints_and_refuse_the_rest() -> None:
+    """numpy / 0-d tensor indices (what a loop over np.arange gives) once failed with "not
+    iterable", a bool silently meant the last block, a str compared ints with strs."""
+    import numpy as np
+
+    from vitlab.models.layers import chosen_indices
+
+    assert chosen_indices(np.int64(2), 4, "block") == [2, 3] == chosen_indices(2, 4, "block")
+    assert chosen_indices(torch.tensor(1), 4, "block") == [3]
+    assert chosen_indices([np.int32(0), torch.tensor(-1)], 4, "block") == [0, 3]
+    assert chosen_indices(range(2), 4, "block") == [0, 1] == chosen_indices(torch.arange(2), 4, "b")
+    for bad in (2.0, True, "a", [1.0], torch.tensor(1.0), [True]):
+        with pytest.raises(ValueError, match="block indices are an int .* or a sequence of ints"):
+            chosen_indices(bad, 4, "block")
+    with pytest.raises(ValueError, match="block index 4 out of range for a 4-block model"):
+        chosen_indices([np.int64(4)], 4, "block")

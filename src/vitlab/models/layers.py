@@ -6,7 +6,8 @@ width, (gh, gw) the patch grid."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -197,16 +198,31 @@ def chosen_indices(indices: int | Sequence[int] | None, n: int, what: str) -> li
     or the listed ones (negative from the end); a ValueError naming an index out of range."""
     if indices is None:
         return list(range(n))
-    if isinstance(indices, int):
-        if not 0 <= indices <= n:
-            raise ValueError(f"cannot take the last {indices} {what}s of a {n}-{what} model")
-        return list(range(n - indices, n))
+    one = _whole(indices)  # an int, numpy's or a 0-d tensor's
+    if one is not None:
+        if not 0 <= one <= n:
+            raise ValueError(f"cannot take the last {one} {what}s of a {n}-{what} model")
+        return list(range(n - one, n))
+    scalar = isinstance(indices, Tensor) and indices.ndim == 0  # a float one: not iterable
+    items = [_whole(i) for i in indices] if isinstance(indices, Iterable) and not scalar else [None]
+    if None in items or isinstance(indices, str):
+        raise ValueError(
+            f"{what} indices are an int (the last k) or a sequence of ints, got {indices!r}"
+        )
     out = []
-    for i in indices:
+    for i in items:
         if not -n <= i < n:
             raise ValueError(f"{what} index {i} out of range for a {n}-{what} model")
         out.append(i % n)
     return sorted(set(out))
+
+
+def _whole(x: object) -> int | None:
+    """x as an int when it is a whole number (int, numpy's integers, a 0-d integer tensor; not a
+    bool, which would read as 0 or 1), else None."""
+    if isinstance(x, Tensor) and x.ndim == 0 and not x.is_floating_point() and not x.is_complex():
+        x = x.item()
+    return int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else None
 
 
 def attention_probs(q: Tensor, k: Tensor, scale: float, bias: Tensor | None = None) -> Tensor:
