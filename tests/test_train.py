@@ -35,6 +35,7 @@ from vitlab.runtime import use_bf16
 from vitlab.train import run as run_mod
 from vitlab.train import state as state_mod
 from vitlab.train.engine import NonFiniteLoss
+from vitlab.train.folder import resume_config
 from vitlab.train.run import train
 from vitlab.train.state import load_weights, resolve_checkpoint
 
@@ -174,6 +175,9 @@ def test_resume_may_only_change_the_length(tmp_path: Path, capsys) -> None:
     run = train(cfg("train.epochs=1"), out=tmp_path / "r")
     assert main(["train", "--resume", str(run), "optim.lr=0.1"]) == 2
     assert "cannot change optim.lr when resuming" in capsys.readouterr().err
+    saved = load_run_config(str(run / "config.yaml"))
+    same = [f"optim.lr={saved.optim.lr}", f"train.seed={saved.train.seed}"]  # restated: no change
+    assert resume_config(run, same) == saved
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
     assert "no config.yaml" in capsys.readouterr().err
 

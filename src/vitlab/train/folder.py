@@ -15,15 +15,15 @@ RESUMABLE_KEYS = ("train.epochs", "train.stop_at_epoch")
 
 def resume_config(run: Path, overrides: list[str]) -> RunConfig:
     """The saved config of run folder `run`; the overrides may change only the run's length
-    (train.epochs, train.stop_at_epoch)."""
+    (train.epochs, train.stop_at_epoch); others may only restate the saved value."""
     path = Path(run) / "config.yaml"
     if not path.is_file():
         raise CheckpointError(f"cannot resume {run}: it has no config.yaml (not a vitlab run)")
+    saved = load_run_config(str(path), []).to_tree()
     for item in overrides:
-        if item.partition("=")[0] not in RESUMABLE_KEYS:
-            raise ConfigError(
-                f"cannot change {item.partition('=')[0]} when resuming (only {RESUMABLE_KEYS})"
-            )
+        key = item.partition("=")[0]
+        if key not in RESUMABLE_KEYS and load_run_config(str(path), [item]).to_tree() != saved:
+            raise ConfigError(f"cannot change {key} when resuming (only {RESUMABLE_KEYS})")
     return load_run_config(str(path), overrides)
 
 
