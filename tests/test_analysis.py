@@ -119,3 +119,72 @@ def test_statistics_hold_one_layer_of_attention_at_a_time() -> None:
     distances, maps = attention_statistics(model, torch.randn(3, 3, 16, 16))
     assert seen_alive == [0, 0, 0, 0]
     assert distances.shape == (4, 4) and maps.shape == (3, 16)
+
+
+def test_head_fusion_is_checked_and_only_the_chosen_one_computed() -> None:
+    """An unknown fusion is a ValueError naming the choices (once a bare KeyError); each layer
+    reduces the heads once, by the fusion asked for (once all three, then one picked)."""
+    from torch.overrides import TorchFunctionMode
+
+    from vitlab.analysis.attention import rollout_step
+
+    torch.manual_seed(0)
+    attn = torch.rand(2, 3, 5, 5).softmax(-1)
+    with pytest.raises(ValueError, match="head_fusion must be one of mean, max, min, got 'median'"):
+        attention_rollout([attn], num_prefix_tokens=1, head_fusion="median")
+    with pytest.raises(ValueError, match="got 'median'"):
+        rollout_step(None, attn, "median")
+
+    class Calls(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    reductions = {"mean": "mean", "max": "amax", "min": "amin"}
+    for fusion, reduction in reductions.items():
+        with Calls() as calls:
+            got = rollout_step(None, attn, fusion)
+        assert [n for n in calls.names if n in reductions.values()] == [reduction], fusion
+        fused = getattr(attn.double(), reduction)(dim=1) + torch.eye(5, dtype=torch.float64)
+        torch.testing.assert_close(got, fused / fused.sum(-1, keepdim=True))
+
+
+def test_statistics_run_in_eval_mode_and_leave_the_model_as_it_was() -> None:
+    """With dropout and drop path a model in training mode once gave other numbers every call:
+    the statistics are those of eval mode, and every module's own mode comes back after, also
+    when the forward fails."""
+    from vitlab.analysis.report import attention_statistics
+
+    torch.manual_seed(0)
+    model = VisionTransformer(tiny_config(depth=3, dropout=0.3, attn_dropout=0.3, drop_path=0.3))
+    model.blocks[0].eval()  # a part the caller keeps in eval mode
+    x = torch.randn(3, 3, 16, 16)
+    first, second = attention_statistics(model, x), attention_statistics(model, x)
+    modes = {name: m.training for name, m in model.named_modules()}
+    assert model.training and not model.blocks[0].training and model.blocks[1].training
+    reference = attention_statistics(model.eval(), x)
+    model.train()
+    model.blocks[0].eval()
+    for got in (first, second):
+        torch.testing.assert_close(got, reference)
+    with pytest.raises(ValueError, match="expected images with 3 channels"):
+        attention_statistics(model, torch.randn(1, 5, 16, 16))
+    assert {name: m.training for name, m in model.named_modules()} == modes
+
+
+def test_a_model_without_blocks_is_refused_before_anything_is_written(tmp_path) -> None:
+    from vitlab.analysis.page import Images
+    from vitlab.analysis.report import analyze
+    from vitlab.preprocessing import Preprocessing
+
+    model = VisionTransformer(tiny_config(depth=0)).eval()
+    pre = Preprocessing((16, 16), 3, (0.5,) * 3, (0.5,) * 3)
+    display = torch.randint(0, 256, (1, 3, 16, 16), dtype=torch.uint8)
+    images = Images(["a"], display, pre.batch(display))
+    with pytest.raises(ValueError, match="a model without blocks has no attention to analyse"):
+        analyze(model, pre, images, tmp_path / "out", "t")
+    assert not (tmp_path / "out").exists()

@@ -216,3 +216,109 @@ def test_checkpoint_variants_are_analysed(tmp_path, variant) -> None:
     assert len(data["rollout"]["a"]) == model.config.num_patches
     assert (tmp_path / "embedding_filters.png").exists() == (variant.get("stem") != "conv")
     assert all((tmp_path / r).is_file() for r in referenced(index))
+
+
+@pytest.fixture
+def rgb_checkpoint(tmp_path) -> Path:
+    """A tiny RGB ViT for 8x8 images in timm's format: a checkpoint that is no vitlab run."""
+    import torch
+
+    from tests.helpers import tiny_config
+    from vitlab.models.checkpoint import save_pretrained
+    from vitlab.models.vit import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(tiny_config(img_size=8, patch_size=2, num_classes=10))
+    save_pretrained(model, tmp_path / "timm", format="timm")
+    return tmp_path / "timm"
+
+
+def test_an_rgb_checkpoint_is_shown_grey_digits_repeated_to_rgb(rgb_checkpoint, tmp_path, capsys):
+    """The default data of a checkpoint that is no run is digits, grey: it was refused for every
+    RGB model ('digits has 1 channels, the model takes 3'); it is repeated to RGB, as vitlab
+    eval does."""
+    import torch
+
+    from vitlab.analysis.report import load_images
+    from vitlab.data.datasets import load_split
+    from vitlab.preprocessing import Preprocessing
+
+    out = tmp_path / "page"
+    assert main(["analyze", str(rgb_checkpoint), "--num-images", "2", "--out", str(out)]) == 0
+    assert Path(capsys.readouterr().out.strip()) == out / "index.html"
+    data = json.loads((out / "analysis.json").read_text())
+    assert data["num_images"] == 2 and list(data["rollout"])[0].startswith("digits-test-0-")
+    assert (out / "rollout_001.png").is_file()
+    pre = Preprocessing((8, 8), 3, (0.5,) * 3, (0.5,) * 3)
+    images = load_images(pre, None, "digits", None, 3)
+    grey = load_split("digits", "test").images[:3]  # (3, 1, 8, 8)
+    assert torch.equal(images.display, grey.expand(-1, 3, -1, -1))
+
+
+def test_data_the_model_cannot_take_names_the_way_out(tmp_path) -> None:
+    """CIFAR's RGB images for a 2-channel model: no conversion exists; the error says what to
+    pass instead."""
+    from tests.test_data import make_cifar10
+    from vitlab.analysis.report import load_images
+    from vitlab.data.datasets import DatasetError
+    from vitlab.preprocessing import Preprocessing
+
+    make_cifar10(tmp_path / "cifar-10-batches-py")
+    two = Preprocessing((32, 32), 2, (0.5,) * 2, (0.5,) * 2)
+    with pytest.raises(
+        DatasetError, match=r"3-channel images .*pass --images FILE\.\.\. or --data"
+    ):
+        load_images(two, None, "cifar10", str(tmp_path), 2)
+
+
+def test_out_that_cannot_be_a_folder_is_refused_first(rgb_checkpoint, tmp_path, capsys) -> None:
+    """--out naming a file, or a path under one, was a FileExistsError / NotADirectoryError
+    traceback after the analysis ran; it is one line, before the checkpoint is read."""
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    image = tmp_path / "x.png"
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(image)
+    for out, said in [
+        (file, f"{file} is a file: expected a folder"),
+        (file / "x", f"{file / 'x'} cannot be made: {file} is a file, not a folder"),
+    ]:
+        for checkpoint in (rgb_checkpoint, tmp_path / "missing"):
+            args = ["analyze", str(checkpoint), "--images", str(image), "--out", str(out)]
+            assert main(args) == 2
+            err = capsys.readouterr().err
+            assert said in err and len(err.splitlines()) == 1, err
+    assert file.read_text() == "mine"
+
+
+def test_analyze_a_run_on_an_image_folder_and_other_indexable_data(tmp_path, capsys) -> None:
+    """A run trained on imagefolder: failed on its own default data ('analyze --data takes
+    in-memory datasets'); its test split's first files are decoded. A Hugging Face dataset is read
+    the same way; shards, which cannot be indexed, are an error that says what to pass."""
+    from tests.test_hf_data import table
+
+    colours = [(200, 40, 40), (40, 200, 40), (40, 40, 200)]
+    rng = np.random.default_rng(0)
+    for c, colour in enumerate(colours):
+        (tmp_path / "imgs" / f"class{c}").mkdir(parents=True)
+        for i in range(10):
+            pixels = np.clip(rng.normal(colour, 50, (8, 8, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(tmp_path / "imgs" / f"class{c}" / f"{i}.png")
+    folder = f"imagefolder:{tmp_path / 'imgs'}"
+    overrides = [*TINY[:-1], f"data.name={folder}", "train.epochs=1", "train.batch_size=8"]
+    run = train(load_run_config(None, overrides), out=tmp_path / "run")
+    out = tmp_path / "page"
+    assert main(["analyze", str(run), "--num-images", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    data = json.loads((out / "analysis.json").read_text())
+    assert data["num_images"] == 2 and all(n.startswith(f"{folder}-test-") for n in data["rollout"])
+    assert (out / "rollout_001.png").is_file()
+    table(20).to_parquet(str(tmp_path / "t.parquet"))
+    hf = f"hf:{tmp_path / 't.parquet'}"
+    assert main(["analyze", str(run), "--data", hf, "--num-images", "3", "--out", str(out)]) == 0
+    capsys.readouterr()
+    names = list(json.loads((out / "analysis.json").read_text())["rollout"])
+    assert len(names) == 3 and names[0].startswith(f"{hf}-test-0-")
+    shards = f"wds:{tmp_path}/part-{{0..1}}.tar"
+    assert main(["analyze", str(run), "--data", shards, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{shards} streams WebDataset shards" in err and "pass --images FILE..." in err

@@ -70,7 +70,11 @@ def test_relative_positions_add_their_product_to_the_count_of_a_real_forward() -
     p16 = {r["patch_size"]: r for r in report["per_layer"]}[16]
     assert p16["attention_macs"] == 3 * 196**2 * 768
     assert report["crossover_tokens"] == (4 * 768 + 2 * 3072) // 3 == 3072
-    assert "N = (4D + 2M) / 3 = 3,072" in format_cost_report(report)
+    text = format_cost_report(report)
+    assert "N = (4D + 2M) / 3 = 3,072" in text
+    # the table's header gives the count it uses (it once said 2N^2D for every model)
+    assert "attention 3N^2D, linear" in text and "2N^2D" not in text
+    assert "attention 2N^2D, linear" in format_cost_report(cost_report(get_config("B/16")))
 
 
 def test_cost_other_size_and_patch_list() -> None:
@@ -202,3 +206,24 @@ def test_cost_reads_a_run_config_a_run_folder_and_a_checkpoint(
     monkeypatch.chdir(tmp_path)
     assert main(["cost", "B/16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"] == "vit_base_patch16_224"
+
+
+def test_scaling_plot_is_written_where_the_printed_path_says(tmp_path, capsys) -> None:
+    """--out without a suffix once printed PATH while matplotlib wrote PATH.png, and an existing
+    folder was printed as the plot; a path under a file was a traceback."""
+    args = ["cost", "B/16", "--scaling", "--sides", "224,448", "--out"]
+    for given, written in [
+        (tmp_path / "plot", tmp_path / "plot.png"),
+        (tmp_path, tmp_path / "attention_scaling.png"),
+        (tmp_path / "new" / "p.png", tmp_path / "new" / "p.png"),
+    ]:
+        assert main([*args, str(given), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["plot"] == str(written)
+        assert written.is_file() and written.read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "plot").exists()
+    assert main([*args, str(tmp_path / "plot")]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"Plot (log-log): {tmp_path / 'plot.png'}")
+    (tmp_path / "file").write_text("")
+    assert main([*args, str(tmp_path / "file" / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'file'} is a file, not a folder" in err and len(err.splitlines()) == 1

@@ -240,3 +240,25 @@ def test_window_partition_of_the_centres_matches_the_model_layout() -> None:
     centres, _ = window_token_centres((h, w), (m, m), (s, s), 4)
     expected = torch.stack([slots // w, slots % w], dim=-1).double() * 4 + 2
     torch.testing.assert_close(centres, expected)
+
+
+def test_statistics_run_in_eval_mode_and_leave_the_model_as_it_was() -> None:
+    """A Swin comes with drop path (0.1 by default): in training mode the distances were other
+    numbers every call; they are eval mode's, and the model's own modes come back after, also
+    when the forward fails."""
+    model = tiny_swin(img_size=32)
+    assert model.training and model.config.drop_path > 0
+    model.layers[0].eval()  # a part the caller keeps in eval mode
+    modes = {name: m.training for name, m in model.named_modules()}
+    x = torch.randn(4, 3, 32, 32)
+    first, second = (swin_attention_statistics(model, x, [(1, 1)]) for _ in range(2))
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    reference = swin_attention_statistics(model.eval(), x, [(1, 1)])
+    for distances, maps in (first, second):
+        torch.testing.assert_close(distances, reference[0])
+        torch.testing.assert_close(maps, reference[1])
+    model.train()
+    model.layers[0].eval()
+    with pytest.raises(ValueError, match="channels"):
+        swin_attention_statistics(model, torch.randn(1, 5, 32, 32))
+    assert {name: m.training for name, m in model.named_modules()} == modes

@@ -3,12 +3,13 @@ mean attention distance, attention rollout, position-embedding similarity, embed
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from vitlab.models.swin import SwinTransformer
 from vitlab.models.vit import VisionTransformer
@@ -49,13 +50,44 @@ def mean_attention_distance(
     return per_query.mean(dim=(0, 2)).float()
 
 
+HEAD_FUSIONS = ("mean", "max", "min")
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` in eval mode inside (no dropout, no drop path: the same numbers every call); every
+    submodule's own mode as the caller left it after, errors included."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def check_head_fusion(head_fusion: str) -> None:
+    """A ValueError naming the choices unless `head_fusion` is one of HEAD_FUSIONS."""
+    if head_fusion not in HEAD_FUSIONS:
+        raise ValueError(
+            f"head_fusion must be one of {', '.join(HEAD_FUSIONS)}, got {head_fusion!r}"
+        )
+
+
+def fuse_heads(attention: Tensor, head_fusion: Literal["mean", "max", "min"]) -> Tensor:
+    """(B, H, T, T) -> (B, T, T): the heads' mean, max or min (only the one asked for)."""
+    check_head_fusion(head_fusion)
+    if head_fusion == "mean":
+        return attention.mean(dim=1)
+    return attention.amax(dim=1) if head_fusion == "max" else attention.amin(dim=1)
+
+
 def rollout_step(
     rollout: Tensor | None, attention: Tensor, head_fusion: Literal["mean", "max", "min"] = "mean"
 ) -> Tensor:
     """One layer of rollout: fuse heads of (B, H, T, T), add the identity (the residual),
     re-normalise rows, multiply onto the product so far. Returns (B, T, T) in float64."""
-    a = attention.double()
-    fused = {"mean": a.mean(dim=1), "max": a.amax(dim=1), "min": a.amin(dim=1)}[head_fusion]
+    fused = fuse_heads(attention.double(), head_fusion)
     fused = fused + torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
     fused = fused / fused.sum(dim=-1, keepdim=True)
     return fused if rollout is None else fused @ rollout
@@ -74,6 +106,7 @@ def attention_rollout(
     head_fusion: Literal["mean", "max", "min"] = "mean",
 ) -> Tensor:
     """Abnar & Zuidema's rollout through all layers (see rollout_step): (B, N) maps over patches."""
+    check_head_fusion(head_fusion)
     if not attentions:
         raise ValueError("attention_rollout needs at least one layer's attention")
     rollout = None

@@ -249,11 +249,13 @@ def format_cost_report(report: dict) -> str:
         return format_cnn_cost_report(report)
     h, w = report["img_size"]
     d, m, heads = report["embed_dim"], report["mlp_dim"], report["num_heads"]
+    products = report.get("attention_products", 2)  # 3 with relative position embeddings
     lines = [
         f"{report['model']}: {h}x{w} image, width D={d}, MLP M={m}, {heads} heads, "
         f"{report['depth']} layers",
         "",
-        "Cost of one encoder layer by patch size (MACs; attention 2N^2D, linear 4ND^2 + 2NDM):",
+        f"Cost of one encoder layer by patch size (MACs; attention {products}N^2D, linear "
+        "4ND^2 + 2NDM):",
     ]
     rows = [
         [
@@ -275,7 +277,7 @@ def format_cost_report(report: dict) -> str:
     lines += table(["part", "params", "share"], rows)
     n = report["crossover_tokens"]
     side = (h * w / n) ** 0.5
-    formula = "2D + M" if report.get("attention_products", 2) == 2 else "(4D + 2M) / 3"
+    formula = "2D + M" if products == 2 else "(4D + 2M) / 3"
     lines += [
         "",
         f"Crossover: attention costs as much as the linear layers at N = {formula} = {n:,} tokens "

@@ -1,5 +1,6 @@
 """Pieces every analysis page shares: the images analysed, the page's list of figures and notes,
-index.html, matplotlib without a display, and the patch-embedding filter figure."""
+the output folder's check, index.html, matplotlib without a display, and the patch-embedding
+filter figure."""
 
 from __future__ import annotations
 
@@ -22,6 +23,30 @@ class Report:
     out: Path
     files: list[tuple[str, str]] = field(default_factory=list)  # (file, caption)
     notes: list[str] = field(default_factory=list)
+
+
+def blocking_file(path: Path) -> Path | None:
+    """The nearest of `path` and the folders above it that exists, where that is not a folder (so
+    nothing can be made at `path`); None when the way is clear."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def out_folder(out: Path) -> Path:
+    """`out` as a folder the figures can go into (existing, or made later); a ValueError saying
+    what came when it, or a folder above it, is a file."""
+    out = Path(out)
+    blocked = blocking_file(out)
+    if blocked == out:
+        raise ValueError(f"{out} is a file: expected a folder (new or existing) for the figures")
+    if blocked is not None:
+        raise ValueError(
+            f"{out} cannot be made: {blocked} is a file, not a folder; expected a folder (new or "
+            "existing) for the figures"
+        )
+    return out
 
 
 def pyplot():

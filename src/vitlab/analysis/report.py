@@ -14,44 +14,98 @@ import torch
 from torch import Tensor
 
 from vitlab.analysis.attention import (
+    check_head_fusion,
     embedding_filters,
+    eval_mode,
     mean_attention_distance,
     pos_embed_similarity,
     rollout_map,
     rollout_step,
 )
-from vitlab.analysis.page import Images, Report, plot_filters, pyplot, write_index
+from vitlab.analysis.page import Images, Report, out_folder, plot_filters, pyplot, write_index
 from vitlab.analysis.swin_report import analyze_swin
-from vitlab.data import load_split
-from vitlab.data.datasets import ArraySplit, DatasetError, read_image
+from vitlab.config import DataConfig, RunConfig
+from vitlab.data.datasets import ArraySplit, DatasetError, FolderSplit, load_run_split, read_image
+from vitlab.data.decode import decode_image
+from vitlab.data.hf import HFSplit
+from vitlab.eval.run import data_config, match_channels
 from vitlab.models.cnn import CNN
 from vitlab.models.swin import SwinTransformer
 from vitlab.models.vit import VisionTransformer
 from vitlab.preprocessing import Preprocessing
 
+IMAGES_OR_DATA = "pass --images FILE... or --data NAME"
+
 
 def load_images(
-    pre: Preprocessing, files: list[str] | None, data: str | None, data_dir: str | None, n: int
+    pre: Preprocessing,
+    files: list[str] | None,
+    data: str | None,
+    data_dir: str | None,
+    n: int,
+    run: RunConfig | None = None,
 ) -> Images:
     """Image files (any format, size, mode), named by their file names (made unique), or the
-    first n test images of a dataset."""
+    first n test images of dataset `data` (default: `run`'s test split as vitlab eval reads it,
+    else digits; see dataset_images)."""
+    if files:
+        return file_images(pre, files)
+    return dataset_images(pre, data_config(run, data, data_dir), n)
+
+
+def file_images(pre: Preprocessing, files: list[str]) -> Images:
+    """Image files read in the model's mode and resized as it sees them."""
     from torchvision.transforms.v2 import functional as TF
 
-    if files:
-        mode = "L" if pre.in_chans == 1 else "RGB"
-        shown = [pre.resize(TF.pil_to_tensor(read_image(f, mode))[None])[0] for f in files]
-        display = torch.stack(shown)
-        return Images(unique_names(files), display, pre.normalize(display))
-    split = load_split(data or "digits", "test", data_dir)
-    if not isinstance(split, ArraySplit):
-        raise DatasetError("analyze --data takes in-memory datasets; pass folders via --images")
-    if split.images.shape[1] != pre.in_chans:
+    mode = "L" if pre.in_chans == 1 else "RGB"
+    shown = [pre.resize(TF.pil_to_tensor(read_image(f, mode))[None])[0] for f in files]
+    display = torch.stack(shown)
+    return Images(unique_names(files), display, pre.normalize(display))
+
+
+def dataset_images(pre: Preprocessing, cfg: DataConfig, n: int) -> Images:
+    """The first n images of the test split of `cfg`'s data (load_run_split's), named
+    DATASET-test-I-CLASS: in-memory images with their channels matched to the model's (grey
+    repeated to RGB, RGB to grey: eval's match_channels), an image folder's or a Hugging Face
+    dataset's decoded in the model's mode. Streamed shards cannot be indexed: DatasetError."""
+    name = cfg.test or cfg.name
+    if name.startswith("wds:"):
         raise DatasetError(
-            f"{data} has {split.images.shape[1]} channels, the model takes {pre.in_chans}"
+            f"analyze reads a dataset's first test images, and {name} streams WebDataset "
+            f"shards, which cannot be indexed: {IMAGES_OR_DATA}"
         )
-    display = pre.resize(split.images[:n])
-    names = [f"{data}-test-{i}-{split.classes[y]}" for i, y in enumerate(split.labels[:n].tolist())]
+    split = load_run_split(cfg, "test")
+    try:
+        split = match_channels(split, pre, name)
+    except DatasetError as e:
+        raise DatasetError(f"{e}; {IMAGES_OR_DATA}") from None
+    count = min(n, len(split))
+    if not count:
+        raise DatasetError(f"{name} has no test images: {IMAGES_OR_DATA}")
+    if isinstance(split, ArraySplit):
+        display = pre.resize(split.images[:count])
+    elif isinstance(split, FolderSplit | HFSplit):
+        display = torch.cat([pre.resize(_decoded(split, i, pre.in_chans)) for i in range(count)])
+    else:
+        kind = type(split).__name__
+        raise DatasetError(f"analyze cannot index {name} ({kind}): {IMAGES_OR_DATA}")
+    if display.shape[1] != pre.in_chans:  # files decode to grey or RGB
+        raise DatasetError(
+            f"{name}'s images decode to {display.shape[1]} channels and the model takes "
+            f"{pre.in_chans}: {IMAGES_OR_DATA}"
+        )
+    labels = split.labels[:count].tolist()
+    names = [f"{name}-test-{i}-{split.classes[y]}" for i, y in enumerate(labels)]
     return Images(names, display, pre.normalize(display))  # the shown pixels, not cropped again
+
+
+def _decoded(split: FolderSplit | HFSplit, i: int, in_chans: int) -> Tensor:
+    """Image i of an indexable split as uint8 (1, C, H, W), as the training loader decodes it."""
+    try:
+        data = split.read(i)
+    except OSError as e:
+        raise DatasetError(f"cannot read image {split.where(i)}: {e}") from None
+    return decode_image(data, in_chans, split.where(i))[None]
 
 
 def unique_names(files: list[str]) -> list[str]:
@@ -72,20 +126,26 @@ def unique_names(files: list[str]) -> list[str]:
 def attention_statistics(
     model: VisionTransformer, inputs: Tensor, batch_size: int = 16, head_fusion: str = "mean"
 ) -> tuple[Tensor, Tensor]:
-    """(mean attention distance per layer and head (L, H) in pixels, rollout maps (B, N))."""
+    """(mean attention distance per layer and head (L, H) in pixels, rollout maps (B, N)), with
+    the model in eval mode (its own mode restored after)."""
     cfg = model.config
     depth = len(model.blocks)
+    if not depth:
+        raise ValueError("a model without blocks has no attention to analyse (depth=0)")
+    check_head_fusion(head_fusion)
     sums = torch.zeros(depth, cfg.num_heads, dtype=torch.float64)
     maps = []
     device = next(model.parameters()).device  # analyze --device's; the results on the CPU
-    for batch in inputs.split(batch_size):
-        rollout = None
-        for i, _, attn in model.iter_intermediates(batch.to(device), return_attention=True):
-            dist = mean_attention_distance(attn, cfg.grid, cfg.patch_size, cfg.num_prefix_tokens)
-            sums[i] += len(batch) * dist.double().cpu()
-            rollout = rollout_step(rollout, attn, head_fusion)
-            del attn  # one layer's maps at a time
-        maps.append(rollout_map(rollout, cfg.num_prefix_tokens).cpu())
+    with eval_mode(model):
+        for batch in inputs.split(batch_size):
+            rollout = None
+            for i, _, attn in model.iter_intermediates(batch.to(device), return_attention=True):
+                p = cfg.num_prefix_tokens
+                dist = mean_attention_distance(attn, cfg.grid, cfg.patch_size, p)
+                sums[i] += len(batch) * dist.double().cpu()
+                rollout = rollout_step(rollout, attn, head_fusion)
+                del attn  # one layer's maps at a time
+            maps.append(rollout_map(rollout, cfg.num_prefix_tokens).cpu())
     return (sums / len(inputs)).float(), torch.cat(maps)
 
 
@@ -158,7 +218,9 @@ def analyze(
     head_fusion: str = "mean",
 ) -> Path:
     """Write every figure, analysis.json and index.html into `out`; returns index.html's path.
-    A Swin gets analyze_swin's page (no rollout: head_fusion is not used)."""
+    A Swin gets analyze_swin's page (no rollout: head_fusion is not used). The model runs in eval
+    mode and is left in its own."""
+    out_folder(out)
     if isinstance(model, SwinTransformer):
         return analyze_swin(model, images, out, title)
     if isinstance(model, CNN):
@@ -167,9 +229,9 @@ def analyze(
             "has neither: see vitlab cost for its per-stage cost"
         )
     cfg = model.config
+    distances, maps = attention_statistics(model, images.inputs, head_fusion=head_fusion)
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out)
-    distances, maps = attention_statistics(model, images.inputs, head_fusion=head_fusion)
     plot_distances(distances, out / "mean_attention_distance.png", "mean attention distance")
     report.files.append(
         (

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from vitlab.analysis.cost import layer_cost
-from vitlab.analysis.page import pyplot
+from vitlab.analysis.page import blocking_file, pyplot
 from vitlab.analysis.swin_cost import swin_attention_macs
 from vitlab.analysis.tables import human, table
 from vitlab.models.registry import ModelConfig, aliases_of, family_of, named_config, resolve_name
@@ -115,9 +115,29 @@ def format_scaling(result: dict) -> str:
     )
 
 
-def plot_scaling(result: dict, path: Path) -> Path:
-    """A log-log plot of the table at `path` (folders made as needed), with dashed guides of
-    slope 2 (tokens) and 4 (tokens squared) through each model's first point."""
+def plot_path(path: Path | str) -> Path:
+    """Where plot_scaling writes for `path`: DEFAULT_PLOT inside an existing folder, PATH.png for
+    a path without a suffix (as matplotlib names it), else `path`; a ValueError saying what came
+    when a folder above it is a file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / DEFAULT_PLOT
+    elif not path.suffix:
+        path = path.with_name(path.name.rstrip(".") + ".png")
+    blocked = blocking_file(path.parent)
+    if blocked is not None:
+        raise ValueError(
+            f"cannot write the plot to {path}: {blocked} is a file, not a folder; expected a "
+            "plot file name (PATH.png) or a folder"
+        )
+    return path
+
+
+def plot_scaling(result: dict, path: Path | str) -> Path:
+    """A log-log plot of the table, with dashed guides of slope 2 (tokens) and 4 (tokens squared)
+    through each model's first point, written where plot_path(path) says (folders made as
+    needed); returns that path."""
+    path = plot_path(path)
     plt = pyplot()
     sides = [r["side"] for r in result["rows"]]
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
@@ -141,7 +161,6 @@ def plot_scaling(result: dict, path: Path) -> Path:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

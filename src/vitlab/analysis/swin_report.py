@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from vitlab.analysis.attention import embedding_filters
-from vitlab.analysis.page import Images, Report, plot_filters, pyplot, write_index
+from vitlab.analysis.page import Images, Report, out_folder, plot_filters, pyplot, write_index
 from vitlab.analysis.windows import (
     block_stride,
     swin_attention_statistics,
@@ -137,12 +137,13 @@ def _listed(heat: Tensor) -> list[list[float | None]]:
 
 def analyze_swin(model: SwinTransformer, images: Images, out: Path, title: str) -> Path:
     """Write the Swin figures, analysis.json and index.html into `out`; returns index.html's
-    path."""
+    path. The model runs in eval mode and is left in its own."""
     cfg = model.config
-    out.mkdir(parents=True, exist_ok=True)
-    report = Report(out, notes=[*NOT_APPLICABLE, DISTANCE_NOTE])
+    out_folder(out)
     chosen = map_blocks(model)
     distances, maps = swin_attention_statistics(model, images.inputs, chosen)
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(out, notes=[*NOT_APPLICABLE, DISTANCE_NOTE])
     blocks = swin_blocks(model)
     uniform = [uniform_distance(b, block_stride(model, s)) for s, _, b in blocks]
     plot_swin_distances(model, distances, uniform, out / "mean_attention_distance.png")

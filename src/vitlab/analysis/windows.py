@@ -24,6 +24,7 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
+from vitlab.analysis.attention import eval_mode
 from vitlab.models.pos_embed import Grid
 from vitlab.models.swin import SwinTransformer
 from vitlab.models.swin_layers import SwinBlock, window_partition, window_reverse
@@ -114,7 +115,8 @@ def swin_attention_statistics(
     """Mean attention distance in pixels per block, in order, as (heads,) tensors; and the
     centre-query maps (B, h, w) of the blocks in `map_blocks` ((stage, block) pairs). Each block's
     attention (WindowAttention.attention_probs of the windows it is given) is folded into the
-    statistics inside a hook and dropped, so one block's maps are held at a time."""
+    statistics inside a hook and dropped, so one block's maps are held at a time. The model runs
+    in eval mode (no drop path) and is left in its own."""
     blocks = swin_blocks(model)
     sums = [torch.zeros(b.attn.num_heads, dtype=torch.float64) for _, _, b in blocks]
     maps: dict[tuple[int, int], list[Tensor]] = {key: [] for key in map_blocks}
@@ -139,8 +141,9 @@ def swin_attention_statistics(
     handles = [b.attn.register_forward_pre_hook(hook(k)) for k, (_, _, b) in enumerate(blocks)]
     try:
         device = next(model.parameters()).device  # the model's; the statistics come to the CPU
-        for batch in inputs.split(batch_size):
-            model.forward_features(batch.to(device))
+        with eval_mode(model):
+            for batch in inputs.split(batch_size):
+                model.forward_features(batch.to(device))
     finally:
         for handle in handles:
             handle.remove()

@@ -22,7 +22,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", metavar="RUN_OR_CKPT")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--data", help="dataset whose test images to use (default: the run's)")
+    src.add_argument(
+        "--data",
+        help="dataset whose first test images to use (default: the run's test split, as vitlab "
+        "eval reads it; digits for a checkpoint that is not a vitlab run): in-memory datasets "
+        "(grey images repeated to RGB for an RGB model, RGB made grey for a grey one), "
+        "imagefolder:PATH and hf:NAME; not wds: shards, which cannot be indexed",
+    )
     src.add_argument("--images", nargs="+", metavar="FILE", help="image files to analyse")
     p.add_argument("--data-dir", help="where the dataset's files are")
     p.add_argument(
@@ -43,11 +49,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="where the model's forward passes run: auto | cpu | cuda | cuda:N (the figures are "
         "made on the CPU)",
     )
-    p.add_argument("--out", type=Path, required=True, help="folder for the figures and index.html")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="folder for the figures and index.html (made if missing; not a file)",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from vitlab.analysis.page import out_folder
     from vitlab.analysis.report import analyze, load_images
     from vitlab.eval.run import run_config_of
     from vitlab.formats.vitlab import vitlab_weights
@@ -57,14 +69,14 @@ def run(args: argparse.Namespace) -> int:
     if args.images and args.num_images is not None:
         raise ValueError("--num-images counts a dataset's test images; with --images every file "
                          "given is analysed (drop --num-images)")  # fmt: skip
+    out_folder(args.out)  # before the checkpoint is loaded
     num_images = 8 if args.num_images is None else args.num_images
     model, meta = load_checkpoint(args.checkpoint, device=pick_device(args.device, "--device"))
     weights = vitlab_weights(args.checkpoint)  # a vitlab run's folder holds the data config
     run_cfg = run_config_of(weights) if weights else None
-    data = args.data or (run_cfg.data.name if run_cfg else "digits")
-    data_dir = args.data_dir or (run_cfg.data.dir if run_cfg else None)
-    images = load_images(meta.preprocessing, args.images, data, data_dir, num_images)
+    pre = meta.preprocessing
+    images = load_images(pre, args.images, args.data, args.data_dir, num_images, run_cfg)
     title = f"vitlab analyze: {weights or args.checkpoint}"
-    index = analyze(model, meta.preprocessing, images, args.out, title, args.head_fusion)
+    index = analyze(model, pre, images, args.out, title, args.head_fusion)
     print(index)
     return 0

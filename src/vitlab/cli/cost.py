@@ -14,6 +14,7 @@ from vitlab.analysis.scaling import (
     DEFAULT_SIDES,
     attention_scaling,
     format_scaling,
+    plot_path,
     plot_scaling,
 )
 from vitlab.config import load_run_config
@@ -168,7 +169,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         metavar="PATH",
-        help=f"where the PNG plot goes (default ./{DEFAULT_PLOT}); the path is printed",
+        help=f"where the PNG plot goes (default ./{DEFAULT_PLOT}; PATH.png for a PATH without "
+        f"a suffix, {DEFAULT_PLOT} inside an existing folder); the path written is printed",
     )
     p.set_defaults(run=run)
 
@@ -188,13 +190,14 @@ def run(args: argparse.Namespace) -> int:
 def run_scaling(args: argparse.Namespace) -> int:
     if args.img_size is not None or args.patch_sizes is not None:
         raise ValueError("--scaling takes image sides from --sides, not --img-size/--patch-sizes")
+    plot = plot_path(args.out or Path(DEFAULT_PLOT))  # a path it cannot write: an error first
     model, label = read_model(args.model)
     if args.vs:
         vs, vs_label = read_model(args.vs)
     else:
         vs, vs_label = "B/16" if family_of(named_config(model)[1]) == "swin" else "Swin-T", None
     result = attention_scaling(model, vs, args.sides or DEFAULT_SIDES, (label, vs_label))
-    path = plot_scaling(result, args.out or Path(DEFAULT_PLOT))
+    path = plot_scaling(result, plot)
     if args.json:
         print(json.dumps({**result, "plot": str(path)}, indent=2))
     else:
