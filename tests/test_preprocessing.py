@@ -1,9 +1,16 @@
 """The preprocessing that travels with weights gives the inputs the reference libraries give:
 timm's evaluation transform (resize to size / crop_pct keeping the aspect ratio, centre crop) for
 weights with a crop_pct, transformers' ViTImageProcessor (the whole image resized) for weights
-without, on real-size images of several shapes, the model's own size included."""
+without, on real-size images of several shapes, the model's own size included; and the crops each
+library states as it applies them (transformers' DeiT processors, timm's squash and border modes,
+torchvision's weight enums), read from the library's files and written back by vitlab."""
 
 from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
 
 import numpy as np
 import pytest
@@ -11,7 +18,8 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
-from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
+from vitlab.formats.base import CheckpointError
+from vitlab.preprocessing import HALF, IMAGENET_MEAN, IMAGENET_STD, Preprocessing, crop_pct_for
 
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
@@ -43,7 +51,7 @@ def timm_eval(pre: Preprocessing):
             "mean": pre.mean,
             "std": pre.std,
             "crop_pct": pre.crop_pct,
-            "crop_mode": "center",
+            "crop_mode": pre.crop_mode,
         }
     )
     return create_transform(**cfg)
@@ -81,6 +89,19 @@ def test_crop_pct_on_uint8_batches_follows_timm(shape: tuple[int, int]) -> None:
     got = pre.batch(TF.pil_to_tensor(image)[None])[0]
     levels = (got - want) * torch.tensor(pre.std)[:, None, None] * 255
     assert levels.abs().mean().item() < 0.1
+
+
+@pytest.mark.parametrize("crop_mode", ["squash", "border"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_squash_and_border_on_uint8_batches_follow_timm(shape, crop_mode: str) -> None:
+    """The same for timm's other crop modes: squashing 500 x 333 to 248 x 248 rounds apart
+    most (a quarter of a level on average), a pixel's shift would be tens of levels."""
+    pre = Preprocessing((224, 224), 3, IMAGENET_MEAN, IMAGENET_STD, "bicubic", 0.9, crop_mode)
+    image = photo(shape)
+    want = timm_eval(pre)(image)
+    got = pre.batch(TF.pil_to_tensor(image)[None])[0]
+    levels = (got - want) * torch.tensor(pre.std)[:, None, None] * 255
+    assert levels.abs().mean().item() < 0.5 and levels.abs().max().item() <= 3.01
 
 
 @pytest.mark.parametrize("resample,interpolation", [(2, "bilinear"), (3, "bicubic")])
@@ -126,3 +147,265 @@ def test_evaluation_loaders_crop_once_as_timm_does(tmp_path, workers: int) -> No
     for got in x:
         levels = (got - want) * torch.tensor(pre.std)[:, None, None] * 255
         assert levels.abs().mean().item() < 0.1
+
+
+# --- the crops each library states: transformers' DeiT processors, timm's squash and border,
+# torchvision's weight enums, and vitlab's writers giving them back -------------------------------
+
+# random uint8 images of odd sizes, both orientations, the model's own size: (300, 402) puts the
+# long side at 343 after a shorter side of 256, an odd 119 pixels to crop, where transformers'
+# offset (rounded down) and torchvision's (rounded to even) differ by one
+ODD = [(224, 224), (300, 402), (402, 300), (97, 131), (333, 500)]
+
+
+def noise(shape: tuple[int, int], seed: int = 1) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (*shape, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def hf_folder(path, processor, image_size: int = 224):
+    """A tiny ViTForImageClassification saved with `processor`: a hub folder."""
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(
+        image_size=image_size, patch_size=16, hidden_size=48, num_hidden_layers=1,
+        num_attention_heads=3, intermediate_size=96, num_labels=4,
+    )  # fmt: skip
+    model = transformers.ViTForImageClassification(config).eval()
+    model.save_pretrained(path)
+    if isinstance(processor, dict):  # an older hub file, written by hand
+        (path / "preprocessor_config.json").write_text(json.dumps(processor))
+    else:
+        processor.save_pretrained(path)
+    return model
+
+
+def same_pixels(pre: Preprocessing, image: Image.Image, want: torch.Tensor) -> None:
+    got = pre.pil(image)
+    assert got.shape == want.shape == (pre.in_chans, *pre.img_size)
+    assert (got - want).abs().max().item() <= SAME
+
+
+DEIT_LIKE = {  # transformers' DeiT processors: squash to 256 x 256 or shorter side to 256; crop 224
+    "height_width": lambda: transformers.DeiTImageProcessor(
+        size={"height": 256, "width": 256},
+        crop_size={"height": 224, "width": 224},
+        resample=3,
+        image_mean=IMAGENET_MEAN,
+        image_std=IMAGENET_STD,
+    ),  # fmt: skip
+    "shortest_edge": lambda: transformers.DeiTImageProcessor(
+        size={"shortest_edge": 256}, crop_size={"height": 224, "width": 224}, resample=2
+    ),
+    "legacy_int": lambda: {  # facebook/deit-*'s DeiTFeatureExtractor file: one-number sizes
+        "feature_extractor_type": "DeiTFeatureExtractor",
+        "size": 256,
+        "crop_size": 224,
+        "do_center_crop": True,
+        "do_resize": True,
+        "do_normalize": True,
+        "resample": 3,
+        "image_mean": list(IMAGENET_MEAN),
+        "image_std": list(IMAGENET_STD),
+    },  # fmt: skip
+    "no_normalize": lambda: transformers.ViTImageProcessor(
+        size={"height": 224, "width": 224}, do_normalize=False
+    ),
+    "rescale_half": lambda: transformers.ViTImageProcessor(
+        size={"height": 224, "width": 224}, rescale_factor=0.5 / 255, image_mean=[0.2] * 3
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", DEIT_LIKE)
+def test_hugging_face_processors_with_a_crop_give_transformers_pixels(tmp_path, kind) -> None:
+    """A folder whose preprocessor_config.json resizes then centre-crops (DeiT), or scales
+    otherwise, reads as preprocessing giving transformers' pixels exactly, from PIL images
+    (predict) and uint8 batches (eval) alike."""
+    from vitlab import load_checkpoint
+
+    hf_folder(tmp_path, DEIT_LIKE[kind]())
+    processor = transformers.AutoImageProcessor.from_pretrained(tmp_path)
+    _, meta = load_checkpoint(tmp_path)
+    pre = meta.preprocessing
+    for shape in ODD:
+        image = noise(shape)
+        want = processor(image, return_tensors="pt")["pixel_values"][0]
+        same_pixels(pre, image, want)
+        got = pre.batch(TF.pil_to_tensor(image)[None])[0]
+        assert (got - want).abs().max().item() <= SAME
+
+
+def test_predict_on_a_deit_style_folder_matches_transformers(tmp_path, capsys) -> None:
+    from vitlab.cli.main import main
+
+    ref = hf_folder(tmp_path / "m", DEIT_LIKE["shortest_edge"]())
+    noise((300, 402)).save(tmp_path / "x.png")
+    assert main(["predict", str(tmp_path / "m"), str(tmp_path / "x.png"), "--json"]) == 0
+    ours = {t["class"]: t["probability"] for t in json.loads(capsys.readouterr().out)[0]["top"]}
+    processor = transformers.AutoImageProcessor.from_pretrained(tmp_path / "m")
+    pixels = processor(Image.open(tmp_path / "x.png"), return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        probs = ref(pixel_values=pixels).logits.softmax(-1)[0]
+    for i, p in enumerate(probs.tolist()):
+        assert abs(ours[ref.config.id2label[i]] - p) <= 1e-5
+
+
+TIMM_CROPS = [("squash", 0.95), ("squash", 1.0), ("border", 0.9), ("border", 1.0), ("center", 0.9)]
+
+
+@pytest.mark.parametrize("crop_mode,crop_pct", TIMM_CROPS)
+def test_timm_folders_crop_modes_give_timms_pixels(tmp_path, crop_mode: str, crop_pct) -> None:
+    """timm's pretrained_cfg with crop_mode squash (vit_medium_patch16_gap_384.sw_in12k_ft_in1k,
+    the *_clip_*_384 at 0.95, most CLIP-like weights at 1.0) or border: timm's eval transform."""
+    from timm.data import create_transform, resolve_data_config
+    from timm.models import save_for_hf
+
+    from vitlab import load_checkpoint
+
+    overlay = dict(crop_pct=crop_pct, crop_mode=crop_mode, interpolation="bicubic",
+                   mean=(0.4, 0.5, 0.6), input_size=(3, 224, 224))  # fmt: skip
+    ref = timm.create_model(
+        "vit_tiny_patch16_224", depth=1, num_classes=3, pretrained_cfg_overlay=overlay
+    )
+    save_for_hf(ref, tmp_path, safe_serialization=True)
+    transform = create_transform(**resolve_data_config(model=ref))
+    _, meta = load_checkpoint(tmp_path)
+    for shape in ODD:
+        image = noise(shape)
+        same_pixels(meta.preprocessing, image, transform(image))
+    assert meta.preprocessing.crop_mode == crop_mode
+
+
+@pytest.mark.parametrize("crop_mode,crop_pct", TIMM_CROPS)
+@pytest.mark.parametrize("img_size", [(224, 224), (160, 224)])
+def test_crop_modes_match_timm_eval_transform(img_size, crop_mode: str, crop_pct) -> None:
+    pre = Preprocessing(img_size, 3, IMAGENET_MEAN, IMAGENET_STD, "bilinear", crop_pct, crop_mode,
+                        reference="timm")  # fmt: skip
+    for shape in ODD:
+        image = noise(shape)
+        same_pixels(pre, image, timm_eval(pre)(image))
+
+
+def test_crop_pct_for_gives_back_the_stated_resize() -> None:
+    """Libraries that state a resize and a crop (transformers' processors, torchvision's enums)
+    are read as a crop_pct from which timm's floor(crop / crop_pct) is that resize again."""
+    for crop in range(1, 600):
+        for resize in range(crop, 2 * crop + 2):
+            pct = crop_pct_for(crop, resize)
+            assert math.floor(crop / pct) == resize and abs(pct - crop / resize) < 1e-12
+
+
+def tv_weights():
+    from torchvision.models import get_model_weights
+
+    arches = ["vit_b_16", "vit_b_32", "vit_l_16", "vit_l_32", "vit_h_14"]
+    return [(a, w) for a in arches for w in get_model_weights(a)]
+
+
+@pytest.mark.parametrize("arch,weights", tv_weights(), ids=lambda v: getattr(v, "name", v))
+def test_torchvision_vit_state_dicts_get_their_weight_enums_transform(arch, weights) -> None:
+    """Each of torchvision's ViT weights, told by its state dict's shapes (width, depth, patch,
+    position table): its transforms()' pixels; B/16 and L/16 at 224 (V1 or SWAG_LINEAR) read as
+    V1, with a note naming the other and how to set it."""
+    import torchvision.models as tvm
+
+    from vitlab.formats.torchvision import weights_preprocessing
+
+    meta = weights.meta
+    with torch.device("meta"):  # the shapes only
+        ref = getattr(tvm, arch)(weights=None, image_size=meta["min_size"][0])
+    state = {k.replace("encoder.layers.encoder_layer_", "blocks."): v  # the keys it counts
+             for k, v in ref.state_dict().items()}  # fmt: skip
+    state["patch_embed.proj.weight"] = state.pop("conv_proj.weight")
+    state["pos_embed.weight"] = state.pop("encoder.pos_embedding")
+    notes: list[str] = []
+    pre = Preprocessing(meta["min_size"], 3, **weights_preprocessing(state, notes))
+    rivals = [w for a, w in tv_weights() if a == arch and w.meta["min_size"] == meta["min_size"]]
+    assert len(notes) == (len(rivals) > 1)  # said where the shapes leave a choice
+    if weights.name != "IMAGENET1K_V1" and len(rivals) > 1:  # the note says how to get it
+        assert weights.name in notes[0]
+        pct, mode = re.search(rf"{weights.name}.*crop_pct=(\S+), interpolation='(\w+)'",
+                              notes[0]).groups()  # fmt: skip
+        pre = dataclasses.replace(pre, crop_pct=float(pct), interpolation=mode)
+    transform = weights.transforms()
+    for shape in [(300, 402), (402, 300)]:
+        image = noise(shape)
+        same_pixels(pre, image, transform(image))
+
+
+def test_a_torchvision_vit_at_384_reads_as_swag_e2e(tmp_path) -> None:
+    """A state dict at 384 with 16-pixel patches (any width): only ViT_B_16's SWAG_E2E_V1
+    weights are at 384, so its transform (resize 384, crop 384, bicubic)."""
+    from torchvision.models import ViT_B_16_Weights
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    from vitlab import load_checkpoint
+
+    ref = VisionTransformer(image_size=384, patch_size=16, num_layers=1, num_heads=2,
+                            hidden_dim=32, mlp_dim=64, num_classes=5)  # fmt: skip
+    torch.save(ref.state_dict(), tmp_path / "tv384.pth")
+    _, meta = load_checkpoint(tmp_path / "tv384.pth", num_heads=2)
+    transform = ViT_B_16_Weights.IMAGENET1K_SWAG_E2E_V1.transforms()
+    for shape in ODD:
+        image = noise(shape)
+        same_pixels(meta.preprocessing, image, transform(image))
+    assert any("IMAGENET1K_SWAG_E2E_V1" in n for n in meta.info["notes"])
+
+
+ROUND_TRIPS = [("squash", "transformers"), ("center", "transformers"), ("squash", "timm"),
+               ("center", "timm"), ("border", "timm")]  # fmt: skip
+
+
+@pytest.mark.parametrize("crop_mode,reference", ROUND_TRIPS)
+@pytest.mark.parametrize("fmt", ["hf", "timm"])
+def test_writers_keep_the_crop_for_the_library_and_for_vitlab(
+    tmp_path, fmt: str, crop_mode: str, reference: str
+) -> None:
+    """vitlab's timm and Hugging Face writers state the crop: the library reads the same
+    transform (exactly, where it is the library's own), and vitlab reads back the same pixels.
+    transformers cannot pad (border): refused."""
+    from timm.data import create_transform, resolve_data_config
+
+    from vitlab import create_model, load_checkpoint, save_pretrained
+
+    model = create_model("vit_micro_patch4_32", num_classes=3)
+    pre = Preprocessing((32, 32), 3, (0.3, 0.4, 0.5), (0.2, 0.25, 0.3), "bicubic", 0.9, crop_mode,
+                        reference)  # fmt: skip
+    model.preprocessing = pre
+    if fmt == "hf" and crop_mode == "border":
+        with pytest.raises(CheckpointError, match="cannot pad"):
+            save_pretrained(model, tmp_path / "out", fmt)
+        return
+    save_pretrained(model, tmp_path / "out", fmt)
+    if fmt == "hf":
+        library = transformers.AutoImageProcessor.from_pretrained(tmp_path / "out")
+
+        def reference_pixels(image):
+            return library(image, return_tensors="pt")["pixel_values"][0]
+    else:
+        config = json.loads((tmp_path / "out" / "config.json").read_text())
+        reference_pixels = create_transform(
+            **resolve_data_config(pretrained_cfg=config["pretrained_cfg"])
+        )
+    _, meta = load_checkpoint(tmp_path / "out")
+    back = meta.preprocessing
+    assert back.crop_mode == crop_mode and math.isclose(back.crop_pct, 0.9, rel_tol=0.05)
+    own = reference == {"hf": "transformers", "timm": "timm"}[fmt]
+    assert back == pre or not (own and fmt == "timm")  # timm's config holds crop_pct as it is
+    for shape in [(32, 32), (45, 61), (61, 45), (97, 131)]:
+        image = noise(shape)
+        want = reference_pixels(image)
+        same_pixels(back, image, want)  # what vitlab reads is what the library does
+        if own:  # and what vitlab wrote, where the library can say it
+            same_pixels(pre, image, want)
+
+
+def test_preprocessing_dicts_round_trip_and_old_ones_still_load() -> None:
+    pre = Preprocessing((32, 48), 3, HALF, HALF, "bicubic", 0.95, "squash", "transformers")
+    assert Preprocessing.from_dict(json.loads(json.dumps(pre.to_dict()))) == pre
+    old = {"img_size": [32, 48], "in_chans": 3, "mean": [0.5] * 3, "std": [0.5] * 3,
+           "interpolation": "bicubic", "crop_pct": 0.9}  # fmt: skip
+    loaded = Preprocessing.from_dict(old)
+    assert (loaded.crop_mode, loaded.reference) == ("center", None)
+    with pytest.raises(ValueError, match="crop_mode must be one of"):
+        Preprocessing((32, 32), 3, HALF, HALF, crop_pct=0.9, crop_mode="letterbox")

@@ -1,7 +1,7 @@
 """The preprocessing that belongs to a set of weights: input size, channels, normalisation,
 resize mode and centre crop. It travels with every checkpoint vitlab writes and with every model
 loaded from another library's checkpoint, and `predict` applies it (torchvision's weight enums,
-timm's pretrained cfg)."""
+timm's pretrained cfg, transformers' image processors)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from torch import Tensor
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 HALF = (0.5, 0.5, 0.5)  # Google's weights: inputs scaled to [-1, 1]
 _MODES = ("nearest", "bilinear", "bicubic")  # torchvision's InterpolationMode, by value
+CROP_MODES = ("center", "squash", "border")  # timm's names (its eval transform's crop_mode)
+REFERENCES = (None, "timm", "transformers")
 
 
 def _tf():
@@ -26,14 +28,32 @@ def _tf():
     return functional
 
 
+def crop_pct_for(crop: int, resize: int) -> float:
+    """The crop_pct from which timm's floor(crop / crop_pct) gives back `resize` (a library that
+    states both sizes, e.g. 224 of 256): crop / resize, or the float just below it where the
+    division rounds under `resize` (224 / 242 does)."""
+    pct = crop / resize
+    while math.floor(crop / pct) < resize:
+        pct = math.nextafter(pct, 0.0)
+    return pct
+
+
 @dataclass
 class Preprocessing:
     """What turns an image into model input.
 
     `crop_pct` None: the whole image is resized to img_size (how vitlab's own runs train, and
-    transformers' ViTImageProcessor); a number: the image is resized to img_size / crop_pct
-    keeping its aspect ratio, then the centre img_size crop is taken, also when it already has
-    img_size (timm's and torchvision's evaluation transform, e.g. 0.875 = 224 of 256)."""
+    transformers' ViTImageProcessor); a number: the image is resized to img_size / crop_pct, then
+    the centre img_size crop is taken, also when it already has img_size (timm's, torchvision's
+    and transformers' DeiTImageProcessor's evaluation transform, e.g. 0.875 = 224 of 256).
+    `crop_mode` (timm's names) says how that resize goes: "center" keeps the aspect ratio (the
+    shorter side to floor(size / crop_pct)), "squash" resizes both sides to floor(size /
+    crop_pct), "border" fits the longer side there and pads with the mean's colour.
+
+    `reference` names whose pixels `pil` reproduces where the libraries differ: "timm" (also
+    torchvision's weight transforms) resizes a PIL image with PIL and rounds the crop's offset;
+    "transformers" resizes it as a uint8 tensor with torchvision and rounds the offset down;
+    None: timm's with a crop_pct, transformers' without."""
 
     img_size: tuple[int, int]
     in_chans: int
@@ -41,6 +61,8 @@ class Preprocessing:
     std: tuple[float, ...]
     interpolation: str = "bilinear"
     crop_pct: float | None = None
+    crop_mode: str = "center"
+    reference: str | None = None
 
     def __post_init__(self) -> None:
         if self.interpolation not in _MODES:
@@ -49,12 +71,20 @@ class Preprocessing:
             )
         if self.crop_pct is not None and not 0.0 < self.crop_pct <= 1.0:
             raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+        if self.crop_mode not in CROP_MODES:
+            raise ValueError(f"crop_mode must be one of {CROP_MODES}, got {self.crop_mode!r}")
+        if self.reference not in REFERENCES:
+            raise ValueError(f"reference must be one of {REFERENCES}, got {self.reference!r}")
+        if self.crop_mode == "border" and self.reference == "transformers":
+            raise ValueError("crop_mode 'border' is timm's: transformers' processors do not pad")
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, d: dict) -> Preprocessing:
+        """The inverse of to_dict; a dict written before crop_mode and reference reads with
+        their defaults, which are what it meant."""
         return cls(
             img_size=tuple(d["img_size"]),
             in_chans=int(d["in_chans"]),
@@ -62,6 +92,8 @@ class Preprocessing:
             std=tuple(d["std"]),
             interpolation=d.get("interpolation", "bilinear"),
             crop_pct=d.get("crop_pct"),
+            crop_mode=d.get("crop_mode", "center"),
+            reference=d.get("reference"),
         )
 
     def resize(self, images: Tensor | Image.Image) -> Tensor | Image.Image:
@@ -76,20 +108,43 @@ class Preprocessing:
         if self.crop_pct is None:
             return TF.resize(images, list(self.img_size), interpolation=mode, antialias=True)
         images = TF.resize(images, self.scale_size(*size), interpolation=mode, antialias=True)
-        return TF.center_crop(images, list(self.img_size))
+        return self.center_crop(images)
 
     def scale_size(self, height: int, width: int) -> list[int]:
         """The size an image of `height` x `width` is resized to before the centre crop, as in
-        timm's eval transform: a square img_size puts the shorter side at floor(size / crop_pct)
-        (a one-number size: torchvision scales the other side); any other puts the side that is
-        shorter relative to floor(img_size / crop_pct) there (timm's ResizeKeepRatio)."""
+        timm's eval transform. "center": a square img_size puts the shorter side at floor(size
+        / crop_pct) (a one-number size: torchvision scales the other side); any other puts the
+        side that is shorter relative to floor(img_size / crop_pct) there (timm's
+        ResizeKeepRatio). "squash": both sides at floor(img_size / crop_pct). "border": the side
+        that is longer relative to it there."""
         assert self.crop_pct is not None
         h, w = self.img_size
         sh, sw = math.floor(h / self.crop_pct), math.floor(w / self.crop_pct)
-        if sh == sw:
+        if self.crop_mode == "squash":
+            return [sh, sw]
+        if sh == sw and self.crop_mode == "center":
             return [sh]
-        ratio = min(height / sh, width / sw)
+        pick = max if self.crop_mode == "border" else min
+        ratio = pick(height / sh, width / sw)
         return [round(height / ratio), round(width / ratio)]
+
+    def center_crop(self, images: Tensor | Image.Image) -> Tensor | Image.Image:
+        """The centre img_size of images at least that size (padded first where they are not:
+        with black, or with the mean's colour for "border", as timm's CenterCropOrPad); the
+        offset as `reference` rounds it."""
+        TF = _tf()
+        height, width = TF.get_size(images)
+        h, w = self.img_size
+        if height < h or width < w:
+            fill = [round(255 * m) for m in self.mean] if self.crop_mode == "border" else 0
+            dh, dw = max(h - height, 0), max(w - width, 0)
+            images = TF.pad(images, [dw // 2, dh // 2, (dw + 1) // 2, (dh + 1) // 2], fill=fill)
+            height, width = height + dh, width + dw
+        if self.reference == "transformers":
+            top, left = (height - h) // 2, (width - w) // 2
+        else:  # torchvision's center_crop, which timm's and torchvision's transforms use
+            top, left = round((height - h) / 2), round((width - w) / 2)
+        return TF.crop(images, top, left, h, w)
 
     def normalize(self, images: Tensor) -> Tensor:
         """uint8 (B, C, h, w) at img_size -> float (B, C, h, w), scaled to [0, 1], normalised:
@@ -105,11 +160,11 @@ class Preprocessing:
         return self.normalize(self.resize(images))
 
     def pil(self, image: Image.Image) -> Tensor:
-        """A PIL image of any mode and size -> normalised float (C, h, w). With a crop_pct the
-        image is resized by PIL, as timm's and torchvision's evaluation transforms do; without,
-        as a uint8 tensor by torchvision, as transformers' ViTImageProcessor and vitlab's training
-        batches do: either way the same pixels as the reference."""
+        """A PIL image of any mode and size -> normalised float (C, h, w), the same pixels as the
+        reference: timm's and torchvision's evaluation transforms resize it with PIL;
+        transformers' processors (and vitlab's training batches) as a uint8 tensor with
+        torchvision."""
         image = image.convert("L" if self.in_chans == 1 else "RGB")
-        if self.crop_pct is not None:
+        if self.reference == "timm" or (self.reference is None and self.crop_pct is not None):
             return self.normalize(_tf().pil_to_tensor(self.resize(image))[None])[0]
         return self.batch(_tf().pil_to_tensor(image)[None])[0]

@@ -6,6 +6,7 @@ SwinForImageClassification likewise, their names, config and limits in formats.h
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,7 +37,7 @@ from vitlab.formats.base import (
 )
 from vitlab.models.registry import family_of
 from vitlab.models.vit import ViTConfig
-from vitlab.preprocessing import HALF, IMAGENET_MEAN, IMAGENET_STD
+from vitlab.preprocessing import HALF, IMAGENET_MEAN, IMAGENET_STD, Preprocessing, crop_pct_for
 
 _RULES = [  # (transformers' hub / save_pretrained name, vitlab name)
     (r"embeddings\.cls_token", "cls_token"),
@@ -139,6 +140,8 @@ def read(files: Files) -> Source:
     state = convert(files.where, hf_to_vitlab, tensors)
     src = Source(state, "hf", files.where, hints=dict(norm_eps=1e-12))
     src.preprocessing = dict(mean=HALF, std=HALF, crop_pct=None)
+    # ViTEmbeddings.interpolate_pos_encoding: bicubic, no antialias (timm's has it)
+    src.pos_resampling = dict(interpolation="bicubic", antialias=False)
     if "head.weight" in state and "pre_logits.fc.weight" in state:
         # ViTForImageClassification has no pooler: transformers ignores these, so do we
         del state["pre_logits.fc.weight"], state["pre_logits.fc.bias"]
@@ -152,8 +155,12 @@ def is_config(cfg: dict[str, Any]) -> bool:
 
 
 def read_processor(processor: dict[str, Any], src: Source) -> None:
-    """Normalisation and resize mode from transformers' preprocessor_config.json (a mean or std
-    given as one number: the same for every channel)."""
+    """Normalisation, resize and centre crop from transformers' preprocessor_config.json, as its
+    (torchvision) image processors apply them: a mean or std given as one number is the same for
+    every channel; rescale_factor and do_normalize fold into mean and std; a size of height and
+    width (or one number) squashes the image, shortest_edge keeps its aspect ratio, and
+    do_center_crop takes crop_size from that (DeiTImageProcessor); without a crop the whole
+    image is resized to the model's size (ViTImageProcessor)."""
     stats = [processor.get(k) for k in ("image_mean", "image_std")]
     if stats != [None, None]:
         mean, std = (s if isinstance(s, list) else [s] for s in stats)
@@ -167,14 +174,78 @@ def read_processor(processor: dict[str, Any], src: Source) -> None:
         if len(mean) == 1 and chans:
             mean, std = mean * chans, std * chans
         src.preprocessing.update(mean=mean, std=std)
+    _read_scaling(processor, src)
     resample = processor.get("resample", 2)
     if resample not in _RESAMPLE:
         src.notes.append(
             f"preprocessor_config.json's resample {resample!r} (PIL's code) is not nearest, "
             "bilinear or bicubic: resized bilinear"
         )
-    src.preprocessing["interpolation"] = _RESAMPLE.get(resample, "bilinear")
-    src.preprocessing["crop_pct"] = None
+    src.preprocessing.update(
+        interpolation=_RESAMPLE.get(resample, "bilinear"),
+        crop_pct=None,
+        crop_mode="center",
+        reference="transformers",
+    )
+    size = processor.get("size")
+    if processor.get("do_center_crop"):
+        _read_crop(processor, src)
+    elif isinstance(size, dict) and "shortest_edge" in size:
+        src.notes.append(
+            f"preprocessor_config.json resizes the shorter side to {size['shortest_edge']} "
+            "without a crop (a size per image's shape): the whole image resized instead"
+        )
+
+
+def _read_scaling(processor: dict[str, Any], src: Source) -> None:
+    """do_rescale / rescale_factor and do_normalize folded into mean and std: vitlab computes
+    (x / 255 - mean) / std of a uint8 x, transformers (x * rescale_factor - mean) / std."""
+    factor = processor.get("rescale_factor", 1 / 255) if processor.get("do_rescale", True) else 1
+    if not (isinstance(factor, int | float) and not isinstance(factor, bool) and factor > 0):
+        raise CheckpointError(
+            f"{src.where}: preprocessor_config.json's rescale_factor {factor!r} is no positive "
+            "number"
+        )
+    mean, std = src.preprocessing.get("mean", HALF), src.preprocessing.get("std", HALF)
+    if not processor.get("do_normalize", True):
+        mean, std = [0.0] * len(mean), [1.0] * len(std)
+    scale = 255 * factor
+    if abs(scale - 1) > 1e-9:
+        mean, std = [m / scale for m in mean], [s / scale for s in std]
+    src.preprocessing.update(mean=mean, std=std)
+
+
+def _size_hw(size: Any) -> tuple[int, int] | None:
+    """(height, width) of a processor's size or crop_size: one number (both sides, as the ViT
+    and DeiT processors take it) or a dict with height and width; None for anything else."""
+    if isinstance(size, dict) and set(size) >= {"height", "width"}:
+        size = (size["height"], size["width"])
+    elif isinstance(size, int):
+        size = (size, size)
+    ints = isinstance(size, tuple) and all(isinstance(v, int) and v > 0 for v in size)
+    return size if ints else None
+
+
+def _read_crop(processor: dict[str, Any], src: Source) -> None:
+    """crop_pct and crop_mode for do_center_crop: crop_size of a size of height and width
+    (squash), or of the shorter side at shortest_edge (center)."""
+    size, crop = processor.get("size"), _size_hw(processor.get("crop_size"))
+    if isinstance(size, dict) and "shortest_edge" in size:
+        mode, resize = "center", _size_hw(size["shortest_edge"])
+    else:
+        mode, resize = "squash", _size_hw(size)
+    said = f"preprocessor_config.json's size {size!r} and crop_size {processor.get('crop_size')!r}"
+    if not processor.get("do_resize", True) or crop is None or resize is None:
+        why = "without do_resize" if resize and crop else "are not sizes vitlab reads"
+        src.notes.append(f"{said} {why}: no crop, the whole image resized")
+        return
+    if crop[0] > resize[0] or crop[1] > resize[1]:
+        src.notes.append(f"{said}: a crop larger than the image, the whole image resized")
+        return
+    pct = crop_pct_for(crop[0], resize[0])
+    if math.floor(crop[1] / pct) != resize[1] or (mode == "center" and crop[0] != crop[1]):
+        src.notes.append(f"{said}: not one crop share for both sides, {pct:.4f} of the height")
+    src.preprocessing.update(crop_pct=pct, crop_mode=mode)
 
 
 def _channels(src: Source) -> int | None:
@@ -230,8 +301,21 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
     else:
         config, with_classifier = hf_config(model.config, classes_of(model))
         state = vitlab_to_hf(state, with_classifier)
-    pre = preprocessing_of(model)
-    h, w = model.config.img_hw
+    processor = processor_config(preprocessing_of(model), model.config.img_hw)
+    write_safetensors(dst / WEIGHTS, state, {"format": "pt"})
+    write_json(dst / "config.json", config)
+    write_json(dst / "preprocessor_config.json", processor)
+    return [dst / WEIGHTS, dst / "config.json", dst / "preprocessor_config.json"]
+
+
+def processor_config(pre: Preprocessing, img_hw: tuple[int, int]) -> dict[str, Any]:
+    """preprocessor_config.json for `pre`: ViTImageProcessor's whole-image resize, or with a
+    crop_pct DeiTImageProcessor's resize (squash: height and width; center: shortest_edge) and
+    centre crop. transformers resizes uint8 tensors: preprocessing that follows timm's pixels
+    (PIL) comes out within a grey level; a non-square centre crop keeping the aspect ratio
+    (timm's ResizeKeepRatio) has no processor and is approximated by the shortest edge that
+    covers the crop; timm's border mode (padding) is refused."""
+    h, w = img_hw
     processor = {
         "image_processor_type": "ViTImageProcessor",
         "do_resize": True,
@@ -243,10 +327,22 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
         "image_mean": list(pre.mean),
         "image_std": list(pre.std),
     }
-    write_safetensors(dst / WEIGHTS, state, {"format": "pt"})
-    write_json(dst / "config.json", config)
-    write_json(dst / "preprocessor_config.json", processor)
-    return [dst / WEIGHTS, dst / "config.json", dst / "preprocessor_config.json"]
+    if pre.crop_pct is None:
+        return processor
+    if pre.crop_mode == "border":
+        raise CheckpointError(
+            "transformers' image processors cannot pad an image to fit (timm's crop_mode "
+            "'border'): write the weights as timm or vitlab"
+        )
+    sh, sw = math.floor(h / pre.crop_pct), math.floor(w / pre.crop_pct)
+    squash = pre.crop_mode == "squash"
+    processor.update(
+        image_processor_type="DeiTImageProcessor",
+        size={"height": sh, "width": sw} if squash else {"shortest_edge": max(sh, sw)},
+        do_center_crop=True,
+        crop_size={"height": h, "width": w},
+    )
+    return processor
 
 
 def hf_config(cfg: ViTConfig, classes: list[str]) -> tuple[dict[str, Any], bool]:

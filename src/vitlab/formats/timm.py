@@ -53,7 +53,7 @@ from vitlab.formats.base import (
 from vitlab.models.cnn import CNNConfig
 from vitlab.models.registry import UnknownModelError, family_of, get_config
 from vitlab.models.vit import ViTConfig
-from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD
+from vitlab.preprocessing import CROP_MODES, IMAGENET_MEAN, IMAGENET_STD
 
 CONFIG_KEY = "timm_config"  # a bare DST.safetensors's header: the config.json a folder would hold
 
@@ -152,12 +152,24 @@ def read_config(cfg: dict[str, Any], src: Source) -> None:
     for key in ("mean", "std", "interpolation"):
         if key in pre:
             src.preprocessing[key] = pre[key]
-    if "crop_pct" in pre:  # timm's `squash` resizes the whole image, as crop_pct None does
-        squash = pre.get("crop_mode") == "squash"
-        src.preprocessing["crop_pct"] = None if squash else pre["crop_pct"]
+    if "crop_pct" in pre or "crop_mode" in pre:
+        _read_crop(pre, src)
     names = cfg.get("label_names") or pre.get("label_names")
     if names:
         src.classes = list(names)
+
+
+def _read_crop(pre: dict[str, Any], src: Source) -> None:
+    """crop_pct and crop_mode from a pretrained_cfg, as timm's eval transform applies them: a
+    squash of 1.0 resizes the whole image (crop_pct None, by PIL as timm does); a crop_mode
+    other than squash or border is timm's default, center."""
+    mode = pre.get("crop_mode") or "center"
+    if mode not in CROP_MODES:
+        src.notes.append(f"pretrained_cfg's crop_mode {mode!r} is none of timm's: centre crop")
+        mode = "center"
+    pct = pre.get("crop_pct", src.preprocessing.get("crop_pct"))
+    whole = mode == "squash" and pct is not None and pct >= 1.0
+    src.preprocessing.update(crop_pct=None if whole else pct, crop_mode=mode, reference="timm")
 
 
 def _refuse_other_resnetv2_args(args: dict[str, Any], where: str) -> None:
@@ -198,7 +210,10 @@ def _read_vit_hints(cfg: dict[str, Any], src: Source) -> None:
 
 
 def write(model: nn.Module, dst: Path) -> list[Path]:
-    """DST.safetensors alone, or a folder with model.safetensors and timm's config.json."""
+    """DST.safetensors alone, or a folder with model.safetensors and timm's config.json. Its
+    pretrained_cfg has the preprocessing's crop_pct and crop_mode (the whole image resized:
+    squash at 1.0); timm resizes with PIL, preprocessing that follows transformers' pixels within
+    a grey level."""
     cfg = model.config
     if family_of(cfg) == "cnn" and not cfg.bit:
         raise CheckpointError(
@@ -226,7 +241,7 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
         "input_size": [cfg.in_chans, *cfg.img_hw],
         "interpolation": pre.interpolation,
         "crop_pct": pre.crop_pct if pre.crop_pct is not None else 1.0,
-        "crop_mode": "center" if pre.crop_pct is not None else "squash",
+        "crop_mode": pre.crop_mode if pre.crop_pct is not None else "squash",
         "mean": list(pre.mean),
         "std": list(pre.std),
         "num_classes": cfg.num_classes,
