@@ -243,6 +243,29 @@ def test_hf_pooler_beside_a_classifier_is_ignored_as_transformers_does(
         close(model(images(32)), ref(pixel_values=images(32)).logits)
 
 
+def test_a_new_size_resamples_positions_as_the_writing_library_does(tmp_path: Path) -> None:
+    """HF and torchvision ViTs loaded at another size once took timm's resampling (bicubic with
+    antialias): logits 4e-3 from the library's own model at that size. Now each library's way:
+    transformers' interpolate_pos_encoding, torchvision's interpolate_embeddings."""
+    from torchvision.models.vision_transformer import VisionTransformer as TV
+    from torchvision.models.vision_transformer import interpolate_embeddings
+
+    ref = randomize(transformers.ViTForImageClassification(hf_config(num_labels=3))).eval()
+    ref.save_pretrained(tmp_path / "hf")
+    x = images(48)
+    with torch.no_grad():
+        want = ref(pixel_values=x, interpolate_pos_encoding=True).logits
+        close(load_pretrained(tmp_path / "hf", img_size=48)(x), want)
+    kw = dict(patch_size=16, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128, num_classes=3)
+    small = randomize(TV(image_size=64, **kw))
+    torch.save(small.state_dict(), tmp_path / "tv.pth")
+    large = TV(image_size=112, **kw).eval()
+    large.load_state_dict(interpolate_embeddings(112, 16, small.state_dict()))
+    x = images(112)
+    with torch.no_grad():
+        close(load_pretrained(tmp_path / "tv.pth", img_size=112, num_heads=4)(x), large(x))
+
+
 # --- torchvision ---------------------------------------------------------------------------------
 
 

@@ -120,6 +120,9 @@ class Source:
     config: ViTConfig | SwinConfig | CNNConfig | None = None
     info: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # how the writing library resamples a ViT's position table to another size (keywords of
+    # resample_pos_embed); empty: timm's way, the default
+    pos_resampling: dict[str, Any] = field(default_factory=dict)
 
 
 # --- key maps ------------------------------------------------------------------------------------

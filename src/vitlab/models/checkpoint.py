@@ -34,6 +34,7 @@ from vitlab.formats.base import TORCH_SUFFIXES, CheckpointError, Files, Source, 
 from vitlab.formats.vitlab import CONFIGS, CheckpointMeta, resolve_checkpoint
 from vitlab.models.cnn_checkpoint import infer_cnn_config
 from vitlab.models.hybrid_checkpoint import infer_resnet_stem
+from vitlab.models.pos_embed import Grid, resample_pos_embed
 from vitlab.models.registry import Model, ModelConfig, build_model, family_of
 from vitlab.models.swin_checkpoint import infer_swin_config
 from vitlab.models.vit import ViTConfig
@@ -347,6 +348,8 @@ def load_checkpoint(
     resize = {k: overrides[k] for k in ("img_size", "window_size") if k in overrides}
     if resize:  # to the model's own size, when only a Swin's window changes
         model.set_image_size(resize.pop("img_size", cfg.img_size), **resize)
+        if src.pos_resampling:  # a ViT's, from a library that resamples its own way
+            _resample_as_written(model, src, cfg.grid)
     classes = src.classes if src.classes and len(src.classes) == cfg.num_classes else None
     classes = classes or [str(i) for i in range(cfg.num_classes)]
     if "num_classes" in overrides and overrides["num_classes"] != cfg.num_classes:
@@ -362,6 +365,19 @@ def load_checkpoint(
         name = src.where if isinstance(source, Source) else str(source)
         info.update(source=name, source_format=src.format, notes=src.notes)
     return model.to(device).eval(), CheckpointMeta(model.config, pre, classes, info)
+
+
+def _resample_as_written(model: Model, src: Source, grid: Grid) -> None:
+    """A learned position table resampled from `grid` as the library that wrote it does
+    (src.pos_resampling: transformers' and torchvision's ViTs), not timm's way, so that the
+    outputs at the new size are that library's."""
+    pos = getattr(model, "pos_embed", None)
+    if not src.pos_resampling or getattr(pos, "kind", None) != "learned" or pos.grid == grid:
+        return
+    table = src.state["pos_embed.weight"]
+    new = resample_pos_embed(table, pos.grid, grid, pos.num_prefix_tokens, **src.pos_resampling)
+    with torch.no_grad():
+        pos.weight.copy_(new)
 
 
 def load_pretrained(source: str | Path, format: str = "auto", **overrides: Any) -> Model:

@@ -21,12 +21,14 @@ def resample_pos_embed(
     num_prefix_tokens: int = 1,
     interpolation: str = "bicubic",
     antialias: bool = True,
+    align_corners: bool = False,
 ) -> Tensor:
     """Resample a 1-D position table (1, prefix + gh * gw, D) to another patch grid (paper §3.2).
 
     The patch part is interpolated in 2-D in float32; the prefix rows (class, distillation tokens)
     are kept as they are. `old_grid` defaults to the square grid that fits the table. Resampling to
-    the same grid returns the input unchanged.
+    the same grid returns the input unchanged. The defaults are timm's; transformers' ViT
+    interpolates without antialias, torchvision's with align_corners=True as well.
     """
     if pos_embed.ndim != 3 or pos_embed.shape[0] != 1:
         raise ValueError(
@@ -52,13 +54,16 @@ def resample_pos_embed(
     prefix, patches = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     dim = pos_embed.shape[-1]
     patches = patches.float().reshape(1, old_grid[0], old_grid[1], dim).permute(0, 3, 1, 2)
-    patches = _interpolate(patches, new_grid, interpolation, antialias)  # (1, D, gh', gw')
+    patches = _interpolate(patches, new_grid, interpolation, antialias, align_corners)
     patches = patches.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim)
     return torch.cat([prefix, patches.to(pos_embed.dtype)], dim=1)
 
 
-def _interpolate(x: Tensor, size: Grid, mode: str = "bicubic", antialias: bool = True) -> Tensor:
-    align = False if mode in ("bilinear", "bicubic") else None
+def _interpolate(
+    x: Tensor, size: Grid, mode: str = "bicubic", antialias: bool = True, align: bool = False
+) -> Tensor:
+    """(1, C, h, w) to `size`; nearest has no corners to align nor antialias."""
+    align = align if mode in ("bilinear", "bicubic") else None
     anti = antialias and mode in ("bilinear", "bicubic")
     return F.interpolate(x, size=size, mode=mode, align_corners=align, antialias=anti)
 
