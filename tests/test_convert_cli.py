@@ -66,6 +66,13 @@ def test_convert_with_overrides_and_bad_input(tmp_path: Path, capsys) -> None:
     assert main([*args, "num_classes=3", "img_size=160"]) == 0
     model = load_pretrained(tmp_path / "o.safetensors")
     assert model.config.num_classes == 3 and model.config.img_hw == (160, 160)
+    # after an option too, as the README's synopsis puts them (argparse once refused them)
+    assert main([*args, "--to", "vitlab", "num_classes=4", "--from", "timm", "img_size=96"]) == 0
+    model = load_pretrained(tmp_path / "o.safetensors")
+    assert model.config.num_classes == 4 and model.config.img_hw == (96, 96)
+    with pytest.raises(SystemExit):
+        main([*args, "--to", "vitlab", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
     assert main([*args, "depth_of_field=3"]) == 2
     assert "depth_of_field" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "nothing.pth"), str(tmp_path / "x")]) == 2

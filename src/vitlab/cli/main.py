@@ -113,8 +113,21 @@ def cli_logging(verbose: int, quiet: int) -> Iterator[None]:
         logger.level, logger.propagate = saved
 
 
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, with KEY=VALUE overrides taken wherever they stand (argparse leaves
+    those after an option, as in `convert SRC DST --to hf num_classes=10`, unparsed)."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    overrides = [x for x in rest if "=" in x and not x.startswith("-")]
+    if rest and (overrides != rest or not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     if argv is None:  # the command (not a caller's in-process call): reuse freed memory
         tune_allocator()
     try:
