@@ -344,3 +344,20 @@ def test_cli_notes_are_log_lines_that_q_hides_and_python_warnings_filters_do_not
     assert "log.warning" not in r.stderr and ".py:" not in r.stderr
     assert quiet.returncode == 0 and "assuming num_heads" not in quiet.stderr, quiet.stderr
     assert "[vitlab.models.checkpoint]" in verbose.stderr, verbose.stderr
+
+
+def test_convert_says_each_loading_note_once_and_q_hides_it(tmp_path: Path, capsys) -> None:
+    """convert printed the loading notes a second time on stdout (`note: ...`), past -q."""
+    from torchvision.models.vision_transformer import VisionTransformer as TV
+
+    kw = dict(patch_size=16, num_layers=1, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=3)
+    torch.save(TV(image_size=64, **kw).state_dict(), tmp_path / "tv.pth")
+    said = "is none of torchvision's weights"
+    assert main(["convert", str(tmp_path / "tv.pth"), str(tmp_path / "a"), "num_heads=2"]) == 0
+    both = capsys.readouterr()
+    assert (both.out + both.err).count(said) == 1 and said in both.err
+    assert (
+        main(["-q", "convert", str(tmp_path / "tv.pth"), str(tmp_path / "b"), "num_heads=2"]) == 0
+    )
+    both = capsys.readouterr()
+    assert said not in both.out + both.err and "wrote" in both.out

@@ -5,6 +5,7 @@ image folder, resume, torchrun), and fine-tuning from its encoder."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -163,7 +164,7 @@ def test_label_subset_takes_the_same_share_of_every_class() -> None:
 
 
 def test_pretraining_learns_colours_and_finetuning_starts_from_its_encoder(
-    tmp_path: Path, capsys
+    tmp_path: Path, capsys, caplog
 ) -> None:
     run = train(cfg("train.epochs=4"), out=tmp_path / "mpp")
     weights = weights_of(run, "best")
@@ -184,15 +185,17 @@ def test_pretraining_learns_colours_and_finetuning_starts_from_its_encoder(
     assert not any(k.startswith("mpp.") for k in model.state_dict())
     assert main(["eval", str(run)]) == 2  # nothing to classify with
     assert "no classifier" in capsys.readouterr().err
-    ft = train(
-        load_run_config(
-            None, [*TINY_MODEL, "train.epochs=1", f"finetune.from={run}", "data.label_fraction=0.1"]
-        ),  # fmt: skip
-        out=tmp_path / "ft",
-    )
+    with caplog.at_level(logging.INFO, logger="vitlab"):  # a note, which -q hides
+        ft = train(
+            load_run_config(
+                None,
+                [*TINY_MODEL, "train.epochs=1", f"finetune.from={run}", "data.label_fraction=0.1"],
+            ),
+            out=tmp_path / "ft",
+        )
     assert json.loads((ft / "results.json").read_text())["num_images"] == 359
-    err = capsys.readouterr().err  # the few labels, and the fully labelled validation split
-    assert re.search(r"label_fraction=0.1 labels 1\d\d training .* keeps all 144 of its", err)
+    text = caplog.text  # the few labels, and the fully labelled validation split
+    assert re.search(r"label_fraction=0.1 labels 1\d\d training .* keeps all 144 of its", text)
     tuned = weights_of(ft)
     assert tuned["head.weight"].shape == (10, 32)
     assert tuned["blocks.0.attn.qkv.weight"].shape == weights["blocks.0.attn.qkv.weight"].shape

@@ -113,8 +113,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         shape = _transformer_shape(cfg, isinstance(cfg, SwinConfig))
     print(f"read {args.source} ({meta.info.get('source_format', 'vitlab')}): {shape}")
-    for note in meta.info.get("notes", []):
-        print(f"note: {note}")
     for path in written:
         print(f"wrote {path}")
     return 0

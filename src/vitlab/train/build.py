@@ -3,6 +3,7 @@ fine-tuning source's weights."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from vitlab.models.mpp import PREFIX as MPP_PREFIX
 from vitlab.models.registry import ModelConfig, config_of, family_of, shape_of
 from vitlab.runtime import Dist
 from vitlab.train import distill
+
+log = logging.getLogger(__name__)
 
 
 def resolve_model_config(
@@ -204,14 +207,14 @@ def announce(run) -> None:  # a train.run.Run (which imports this module)
         f"run folder {run.out}",
         file=sys.stderr,
     )
-    for note in run.notes:
-        print(f"fine-tune: {note}", file=sys.stderr)
+    for note in run.notes:  # notes go through logging: -q hides them
+        log.info("fine-tune: %s", note)
     if cfg.data.label_fraction < 1 and data.val is not None:
-        print(
-            f"note: data.label_fraction={cfg.data.label_fraction} labels {len(data.train):,} "
-            f"training images, and the validation split keeps all {len(data.val):,} of its labels "
-            f"to choose the best checkpoint with; data.val_fraction=0 keeps the run to its labels",
-            file=sys.stderr,
-        )
+        log.info(
+            "data.label_fraction=%s labels %s training images, and the validation split keeps "
+            "all %s of its labels to choose the best checkpoint with; data.val_fraction=0 keeps "
+            "the run to its labels", cfg.data.label_fraction, f"{len(data.train):,}",
+            f"{len(data.val):,}",
+        )  # fmt: skip
     if run.two_heads:
         distill.announce(run.teacher, cfg.distill)
