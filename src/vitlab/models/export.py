@@ -49,7 +49,7 @@ def _checked_file(out: Path) -> Iterator[Path]:
     if out.is_dir():
         raise ExportError(f"{out} is a folder: name the file to write")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
+    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")  # the suffix kept: torch.export checks it
     try:
         yield tmp
         fsync(tmp)
