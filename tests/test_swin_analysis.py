@@ -229,6 +229,8 @@ def test_the_analyze_command_passes_a_swin_through(tmp_path, monkeypatch, capsys
     data = json.loads((out / "analysis.json").read_text())
     assert data["family"] == "swin" and len(data["mean_attention_distance"]) == 4
     assert (out / "window_attention_001.png").is_file()
+    assert main([*args, "--head-fusion", "max"]) == 2  # once accepted and ignored
+    assert "SwinTransformer has none" in capsys.readouterr().err
 
 
 def test_window_partition_of_the_centres_matches_the_model_layout() -> None:

@@ -40,8 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--head-fusion",
         choices=["mean", "max", "min"],
-        default="mean",
-        help="how rollout fuses the heads of each layer (default mean; ViTs only)",
+        default=None,
+        help="how rollout fuses the heads of each layer (default mean; ViTs only: a Swin has no "
+        "rollout)",
     )
     p.add_argument(
         "--device",
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.eval.run import run_config_of
     from vitlab.formats.vitlab import vitlab_weights
     from vitlab.models.checkpoint import load_checkpoint
+    from vitlab.models.vit import VisionTransformer
     from vitlab.runtime import pick_device
 
     if args.images and args.num_images is not None:
@@ -75,8 +77,10 @@ def run(args: argparse.Namespace) -> int:
     weights = vitlab_weights(args.checkpoint)  # a vitlab run's folder holds the data config
     run_cfg = run_config_of(weights) if weights else None
     pre = meta.preprocessing
+    if args.head_fusion and not isinstance(model, VisionTransformer):  # a Swin's has no rollout
+        raise ValueError(f"--head-fusion fuses a ViT's rollout; {type(model).__name__} has none")
     images = load_images(pre, args.images, args.data, args.data_dir, num_images, run_cfg)
     title = f"vitlab analyze: {weights or args.checkpoint}"
-    index = analyze(model, pre, images, args.out, title, args.head_fusion)
+    index = analyze(model, pre, images, args.out, title, args.head_fusion or "mean")
     print(index)
     return 0
