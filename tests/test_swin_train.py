@@ -4,6 +4,7 @@ with the same weights as one process, and refuses what only a ViT can do."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,7 @@ def test_fsdp_shards_swin_blocks_and_equals_one_process(tmp_path: Path) -> None:
         torch.testing.assert_close(b[k], a[k], atol=2e-5, rtol=1e-4, msg=k)
 
 
-def test_a_swin_checkpoint_works_with_every_command(tmp_path: Path, capsys) -> None:
+def test_a_swin_checkpoint_works_with_every_command(tmp_path: Path, capsys, caplog) -> None:
     run = train(cfg("train.epochs=2"), out=tmp_path / "run")
     model, meta = load_checkpoint(run)
     assert isinstance(model, SwinTransformer) and meta.config.depths == (2, 2)
@@ -84,8 +85,9 @@ def test_a_swin_checkpoint_works_with_every_command(tmp_path: Path, capsys) -> N
         with torch.no_grad():
             torch.testing.assert_close(back.eval()(x), model.eval()(x), atol=1e-5, rtol=1e-5)
     # fine-tuning at twice the resolution with twice the window: bias tables resampled
-    tuned = train(cfg(f"finetune.from={run}", "model.img_size=16", "model.window_size=4",
-                      "train.epochs=1"), out=tmp_path / "ft")  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="vitlab"):  # the fine-tune note, a log line
+        tuned = train(cfg(f"finetune.from={run}", "model.img_size=16", "model.window_size=4",
+                          "train.epochs=1"), out=tmp_path / "ft")  # fmt: skip
     config = load_checkpoint(tuned)[1].config
     assert config.img_hw == (16, 16) and config.window_size == 4
-    assert "relative position tables resampled to the window 2 -> 4" in capsys.readouterr().err
+    assert "relative position tables resampled to the window 2 -> 4" in caplog.text
