@@ -595,3 +595,42 @@ def test_mpp_judges_scratch_below_mpp_below_supervised(tmp_path: Path) -> None:
     ahead = [{**r, "top1": 0.95} if r["group"] == "MPP pre-trained" else r for r in rows]
     assert {r["group"] for r in rows} >= {"MPP pre-trained"}
     assert _judge("mpp", ahead, tmp_path).outcome == FAILS
+
+
+def test_a_retrain_stopped_while_it_is_built_leaves_no_stale_run(tmp_path, monkeypatch, capsys):
+    """An arm retrained because its source changed, stopped (Ctrl-C) while the new run was
+    being built: train removes an --overwrite'd run only once the new one is built, so the old
+    run's results stayed beside a record naming the new source, and the next invocation reused
+    that stale run. Now the arm's old run goes first, and the next invocation trains it."""
+    from tests.helpers import TINY_MODEL
+    from vitlab.config import load_run_config
+    from vitlab.formats import vitlab as vitlab_format
+    from vitlab.models.checkpoint import load_checkpoint
+    from vitlab.train import run as run_mod
+
+    out = tmp_path / "out"
+    tiny = ["data.name=digits", *TINY_MODEL, "train.epochs=1", "train.max_steps=2"]
+    run_mod.train(load_run_config(None, tiny), out=out / "pre")
+    arm = arms_module.Arm("exp/ft-seed0", "ft", 0, "vit", tiny, 1437, 64, 2, 1, 0.2, 359,
+                          classifier=False, source="pre/checkpoints/last")  # fmt: skip
+    arms_module.run_arm(arm, out, 1, 1, None)
+    folder = out / arm.folder
+    assert (folder / "results.json").is_file()
+    model, meta = load_checkpoint(out / "pre")  # the source trained again: other weights
+    with torch.no_grad():
+        model.head.bias.add_(1.0)
+    vitlab_format.write(model, out / arm.source, meta.info)
+
+    def stopped(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_mod, "load_data", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        arms_module.run_arm(arm, out, 1, 1, None)
+    assert not (folder / "results.json").exists() and not (folder / "checkpoints").exists()
+    monkeypatch.undo()
+    capsys.readouterr()
+    arms_module.run_arm(arm, out, 1, 1, None)
+    err = capsys.readouterr().err
+    assert "training 2 steps" in err and "reusing" not in err
+    assert (folder / "results.json").is_file()

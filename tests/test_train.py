@@ -245,6 +245,12 @@ def test_out_naming_an_existing_run_is_refused_unless_overwritten(tmp_path: Path
     assert not (out / "time_budget.json").exists()  # a later --resume would keep its plan
     assert main(["train", "--resume", str(out), "--overwrite"]) == 2  # once silently ignored
     assert "drop --config/--out/--overwrite" in capsys.readouterr().err
+    kept = tmp_path / "elsewhere"  # a symlinked run folder part: the link goes, not its target
+    shutil.move(out / "checkpoints", kept)
+    (out / "checkpoints").symlink_to(kept)
+    assert main([*args, "--overwrite"]) == 0  # rmtree refused the link: a failed replace
+    assert (out / "checkpoints").is_dir() and not (out / "checkpoints").is_symlink()
+    assert (kept / "last" / "model.safetensors").is_file()
     alone = tmp_path / "plan-only"  # a run stopped before its first checkpoint
     alone.mkdir()
     (alone / "time_budget.json").write_text('{"steps": 3, "final": true}\n')

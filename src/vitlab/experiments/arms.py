@@ -31,7 +31,7 @@ from vitlab.formats.base import write_json
 from vitlab.models.checkpoint import load_checkpoint
 from vitlab.models.registry import ModelConfig
 from vitlab.train.build import resolve_model_config
-from vitlab.train.folder import resume_config
+from vitlab.train.folder import remove_run_files, resume_config
 from vitlab.train.run import train
 
 # the quick preset's optimiser (configs/fashion-mnist-quick.yaml) without its epoch-based warm-up:
@@ -275,6 +275,8 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
                       f"images", file=sys.stderr, flush=True)  # fmt: skip
                 state = {"source": source} if source else {}
                 if folder.is_dir():  # no earlier measurement outlives the retraining, killed or not
+                    if problem := remove_run_files(folder):  # nor its run (train removes it late)
+                        raise ConfigError(problem)
                     _save_state(folder, state)
                 train(load_run_config(None, arm.config(out)), out=folder, overwrite=True)
         finally:  # stopped (Ctrl-C) or not, the time spent counts

@@ -3,10 +3,15 @@ length of a run being resumed."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
+import torch
+
 from vitlab.config import ConfigError, RunConfig, load_run_config
+from vitlab.runtime import Dist
+from vitlab.train import distributed
 from vitlab.train.log import RUN_FILES
 from vitlab.train.state import CheckpointError
 
@@ -45,9 +50,9 @@ def check_resume_length(run: Path, cfg: RunConfig, extend: bool) -> int:
 
 def claim_run_folder(out: Path, overwrite: bool) -> str | None:
     """Why a new run may not start in `out`: it holds a run, whose metrics and checkpoints would
-    be lost (None: it may). With `overwrite` it may: RunLog removes that run's files once the new
-    run is built (its data, the weights it fine-tunes from, its teacher), so that a start that
-    fails on bad input loses nothing."""
+    be lost (None: it may). With `overwrite` it may: replace_run removes that run's files once the
+    new run is built (its data, the weights it fine-tunes from, its teacher), so that a start
+    that fails on bad input loses nothing."""
     found = [name for name in RUN_FILES if (out / name).exists()]
     if found and not overwrite:
         return (
@@ -56,6 +61,30 @@ def claim_run_folder(out: Path, overwrite: bool) -> str | None:
             f"replace it"
         )
     return None
+
+
+def remove_run_files(out: Path) -> str | None:
+    """Remove the run's files in `out` (RUN_FILES; a symlink among them is unlinked, not
+    followed; other files stay); what went wrong, or None."""
+    try:
+        for path in (out / name for name in RUN_FILES):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+    except OSError as e:
+        return f"cannot replace the run in {out}: {e}"
+    return None
+
+
+def replace_run(out: Path, d: Dist, device: torch.device, replace: bool) -> None:
+    """--overwrite, once the new run is built: rank 0 removes the old run's files and every rank
+    learns whether it could (one ConfigError on all ranks, not a rank left waiting)."""
+    if not replace:
+        return
+    problem = remove_run_files(out) if d.is_main else None
+    if distributed.any_rank(problem is not None, d, device):
+        raise ConfigError(problem or f"rank 0 could not replace the run in {out}")
 
 
 def default_run_folder(cfg: RunConfig) -> Path:

@@ -4,7 +4,6 @@ and results.json (rank 0 only)."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from vitlab.config import ConfigError, RunConfig
+from vitlab.config import RunConfig
 from vitlab.eval.classification import top5_name
 from vitlab.formats.base import write_text
 
@@ -33,8 +32,7 @@ class RunLog:
     """Progress bar, metrics.jsonl, TensorBoard, curves.png, results.json (rank 0 only).
     `resumed_at`: the epochs the resumed checkpoint holds (None: a new run); lines of later
     epochs (logged before a kill that came ahead of their checkpoint) are dropped, since those
-    epochs are trained again. `replace` (--overwrite): an old run's files in `out` are removed
-    first."""
+    epochs are trained again."""
 
     def __init__(
         self,
@@ -42,18 +40,11 @@ class RunLog:
         cfg: RunConfig,
         active: bool,
         resumed_at: int | None = None,
-        replace: bool = False,
     ) -> None:
         self.out, self.active = out, active
         self.tb = None
         if not active:
             return
-        if replace:  # --overwrite: the old run's files go now that the new run is built
-            try:
-                for path in (out / name for name in RUN_FILES if (out / name).exists()):
-                    shutil.rmtree(path) if path.is_dir() else path.unlink()
-            except OSError as e:
-                raise ConfigError(f"cannot replace the run in {out}: {e}") from None
         out.mkdir(parents=True, exist_ok=True)
         write_text(out / "config.yaml", yaml.safe_dump(cfg.to_tree(), sort_keys=False))
         self.metrics = out / "metrics.jsonl"

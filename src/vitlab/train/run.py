@@ -31,7 +31,7 @@ from vitlab.models.checkpoint import infer_config, read_source
 from vitlab.models.mpp import MaskedPatchViT
 from vitlab.models.registry import build_model, config_of, family_of
 from vitlab.runtime import Dist, derive_seed, pick_device, rng_state, set_rng_state, use_bf16
-from vitlab.train import budget, build, distill, distributed, engine
+from vitlab.train import budget, build, distill, distributed, engine, folder
 from vitlab.train.build import finetune_weights, load_data, normalization, resolve_model_config
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
 from vitlab.train.folder import check_resume_length, claim_run_folder, default_run_folder
@@ -203,8 +203,8 @@ class Run:
         if cfg.train.compile:
             self.train_model = torch.compile(self.train_model)
         self.meta = CheckpointMeta(mc, self.pre, [] if self.mpp else info.classes, {})
-        resumed_at = self.pos.epoch if resume is not None else None  # --overwrite replaces now:
-        self.log = RunLog(self.out, cfg, d.is_main, resumed_at, overwrite and resume is None)
+        folder.replace_run(self.out, d, device, overwrite and resume is None)  # built: replace
+        self.log = RunLog(self.out, cfg, d.is_main, self.pos.epoch if resume is not None else None)
         if d.is_main:
             build.announce(self)
 
