@@ -104,6 +104,10 @@ def test_convert_refuses_to_write_into_a_runs_checkpoints(tmp_path: Path, capsys
     assert "inside the checkpoints of the run" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in best.iterdir()} == before
     assert main(["convert", str(run), str(run / "timm"), "--to", "timm"]) == 0  # beside them: fine
+    other = tmp_path / "proj"  # another project's checkpoints/ beside its own config.yaml
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "config.yaml").write_text("lr: 0.1\n")
+    assert main(["convert", str(run), str(other / "checkpoints" / "vit"), "--to", "timm"]) == 0
 
 
 def test_convert_to_timm_at_another_resolution_builds_in_timm(tmp_path: Path) -> None:

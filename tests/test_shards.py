@@ -427,7 +427,7 @@ if __name__ == "__main__":
     rank_worker(json.loads(sys.argv[1]))
 
 
-def test_shard_sizes_and_keys_that_do_not_apply_are_refused(tmp_path: Path, capsys) -> None:
+def test_shard_sizes_and_keys_that_do_not_apply_are_refused(tmp_path, balanced, capsys) -> None:
     """0 once wrote one shard per sample, 1e400 raised OverflowError, '.MB' a bare float error."""
     from vitlab.data.writer import parse_size
 
@@ -439,3 +439,6 @@ def test_shard_sizes_and_keys_that_do_not_apply_are_refused(tmp_path: Path, caps
     assert "got '0'" in capsys.readouterr().err and not (tmp_path / "s").exists()
     assert main(["data", "shard", "digits", str(tmp_path / "s"), "--image-key", "img"]) == 2
     assert "name an hf: dataset's columns" in capsys.readouterr().err  # once ignored
+    pattern = f"wds:{balanced}/part-{{00..07}}.tar"  # shards' extensions: the keys apply
+    args = ["data", "shard", pattern, str(tmp_path / "w"), "--no-progress", "--workers", "1"]
+    assert main([*args, "--image-key", "png", "--label-key", "cls"]) == 0

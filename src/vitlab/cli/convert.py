@@ -85,11 +85,25 @@ def check_dest(dest: Path, to: str) -> None:
             f"{dest} names a {dest.suffix} file"
         )
     for folder in (p for p in (dest.resolve(), *dest.resolve().parents) if p.name == "checkpoints"):
-        if (folder.parent / "config.yaml").is_file():
+        if _is_run(folder.parent):
             raise ValueError(
                 f"{dest} is inside the checkpoints of the run {folder.parent}, which vitlab "
                 f"train, eval and --resume read: write the converted checkpoint elsewhere"
             )
+
+
+def _is_run(folder: Path) -> bool:
+    """Whether `folder` holds a vitlab run: a config.yaml vitlab reads as a run config (another
+    project's checkpoints/ beside its own config.yaml is not one)."""
+    from vitlab.config import ConfigError, load_run_config
+
+    if not (folder / "config.yaml").is_file():
+        return False
+    try:
+        load_run_config(str(folder / "config.yaml"))
+    except (ConfigError, ValueError, OSError):
+        return False
+    return True
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,8 +35,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     shard.add_argument("dst", type=Path, help="output folder")
     shard.add_argument("--shard-size", default="1GB", help="bytes per shard (default 1GB)")
     shard.add_argument("--data-dir", help="where SRC's files are (as data.dir)")
-    shard.add_argument("--image-key", help="hf: the image column (default: found)")
-    shard.add_argument("--label-key", help="hf: the label column (default: found)")
+    shard.add_argument(
+        "--image-key", help="hf: the image column; wds: the image extension (default: found)"
+    )
+    shard.add_argument(
+        "--label-key", help="hf: the label column; wds: the label extension (default: found)"
+    )
     shard.add_argument("--seed", type=int, default=0, help="sample order (and a carved test split)")
     shard.add_argument(
         "--workers",
@@ -52,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.data.download import DatasetError
     from vitlab.data.writer import parse_size, write_shards
 
-    if (args.image_key or args.label_key) and not args.src.startswith("hf:"):
-        raise ValueError(f"--image-key / --label-key name an hf: dataset's columns; {args.src} "
-                         f"is not one")  # fmt: skip
+    if (args.image_key or args.label_key) and not args.src.startswith(("hf:", "wds:")):
+        raise ValueError(f"--image-key / --label-key name an hf: dataset's columns or wds: "
+                         f"shards' extensions; {args.src} is neither")  # fmt: skip
     try:
         index = write_shards(
             args.src, args.dst, parse_size(args.shard_size), args.data_dir,
