@@ -322,3 +322,26 @@ def test_analyze_a_run_on_an_image_folder_and_other_indexable_data(tmp_path, cap
     assert main(["analyze", str(run), "--data", shards, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"{shards} streams WebDataset shards" in err and "pass --images FILE..." in err
+
+
+def test_a_run_with_a_test_folder_is_analysed_without_its_training_images(tmp_path, capsys):
+    """With data.test, analyze's default data read the training source too, for its class names
+    (vitlab eval takes the checkpoint's): with the training images gone, analyze failed."""
+    rng = np.random.default_rng(0)
+    for part in ("train", "test"):
+        for c, colour in enumerate([(200, 40, 40), (40, 200, 40), (40, 40, 200)]):
+            (tmp_path / part / f"class{c}").mkdir(parents=True)
+            for i in range(8):
+                pixels = np.clip(rng.normal(colour, 50, (8, 8, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(tmp_path / part / f"class{c}" / f"{i}.png")
+    data = [
+        f"data.name=imagefolder:{tmp_path / 'train'}",
+        f"data.test=imagefolder:{tmp_path / 'test'}",
+    ]
+    overrides = [*TINY[:-1], *data, "train.epochs=1", "train.batch_size=8"]
+    run = train(load_run_config(None, overrides), out=tmp_path / "run")
+    shutil.rmtree(tmp_path / "train")  # moved away, or on another machine
+    out = tmp_path / "page"
+    assert main(["analyze", str(run), "--num-images", "2", "--out", str(out)]) == 0
+    names = list(json.loads((out / "analysis.json").read_text())["rollout"])
+    assert names == [f"imagefolder:{tmp_path / 'test'}-test-{i}-class0" for i in range(2)]

@@ -25,10 +25,10 @@ from vitlab.analysis.attention import (
 from vitlab.analysis.page import Images, Report, out_folder, plot_filters, pyplot, write_index
 from vitlab.analysis.swin_report import analyze_swin
 from vitlab.config import DataConfig, RunConfig
-from vitlab.data.datasets import ArraySplit, DatasetError, FolderSplit, load_run_split, read_image
+from vitlab.data.datasets import ArraySplit, DatasetError, FolderSplit, read_image
 from vitlab.data.decode import decode_image
 from vitlab.data.hf import HFSplit
-from vitlab.eval.run import data_config, match_channels
+from vitlab.eval.run import data_config, evaluation_split
 from vitlab.models.cnn import CNN
 from vitlab.models.swin import SwinTransformer
 from vitlab.models.vit import VisionTransformer
@@ -44,13 +44,14 @@ def load_images(
     data_dir: str | None,
     n: int,
     run: RunConfig | None = None,
+    classes: list[str] | None = None,
 ) -> Images:
     """Image files (any format, size, mode), named by their file names (made unique), or the
     first n test images of dataset `data` (default: `run`'s test split as vitlab eval reads it,
-    else digits; see dataset_images)."""
+    labelled by the checkpoint's `classes`, else digits; see dataset_images)."""
     if files:
         return file_images(pre, files)
-    return dataset_images(pre, data_config(run, data, data_dir), n)
+    return dataset_images(pre, data_config(run, data, data_dir), n, classes)
 
 
 def file_images(pre: Preprocessing, files: list[str]) -> Images:
@@ -63,20 +64,21 @@ def file_images(pre: Preprocessing, files: list[str]) -> Images:
     return Images(unique_names(files), display, pre.normalize(display))
 
 
-def dataset_images(pre: Preprocessing, cfg: DataConfig, n: int) -> Images:
-    """The first n images of the test split of `cfg`'s data (load_run_split's), named
+def dataset_images(
+    pre: Preprocessing, cfg: DataConfig, n: int, classes: list[str] | None = None
+) -> Images:
+    """The first n images of the test split of `cfg`'s data (eval's evaluation_split), named
     DATASET-test-I-CLASS: in-memory images with their channels matched to the model's (grey
-    repeated to RGB, RGB to grey: eval's match_channels), an image folder's or a Hugging Face
-    dataset's decoded in the model's mode. Streamed shards cannot be indexed: DatasetError."""
+    repeated to RGB, RGB to grey), an image folder's or a Hugging Face dataset's decoded in the
+    model's mode. Streamed shards cannot be indexed: DatasetError."""
     name = cfg.test or cfg.name
     if name.startswith("wds:"):
         raise DatasetError(
             f"analyze reads a dataset's first test images, and {name} streams WebDataset "
             f"shards, which cannot be indexed: {IMAGES_OR_DATA}"
         )
-    split = load_run_split(cfg, "test")
     try:
-        split = match_channels(split, pre, name)
+        split = evaluation_split(cfg, "test", classes, pre)
     except DatasetError as e:
         raise DatasetError(f"{e}; {IMAGES_OR_DATA}") from None
     count = min(n, len(split))

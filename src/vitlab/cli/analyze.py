@@ -79,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
     pre = meta.preprocessing
     if args.head_fusion and not isinstance(model, VisionTransformer):  # a Swin's has no rollout
         raise ValueError(f"--head-fusion fuses a ViT's rollout; {type(model).__name__} has none")
-    images = load_images(pre, args.images, args.data, args.data_dir, num_images, run_cfg)
+    images = load_images(
+        pre, args.images, args.data, args.data_dir, num_images, run_cfg, meta.classes
+    )
     title = f"vitlab analyze: {weights or args.checkpoint}"
     index = analyze(model, pre, images, args.out, title, args.head_fusion or "mean")
     print(index)

@@ -58,6 +58,16 @@ def data_config(run_cfg: RunConfig | None, data: str | None, data_dir: str | Non
     return dataclasses.replace(cfg, dir=data_dir) if data_dir else cfg
 
 
+def evaluation_split(
+    cfg: DataConfig, split: str, classes: list[str] | None, pre: Preprocessing
+) -> Split:
+    """Split `split` ('val', 'test') of `cfg`'s data as vitlab eval and analyze read it: as the
+    run's training read it (with data.test, labelled by the checkpoint's `classes`, so the
+    training source is not read for its class names), its channels matched to the model's."""
+    part = load_run_split(cfg, split, classes or None)
+    return match_channels(part, pre, cfg.name)  # e.g. grey images, an RGB model
+
+
 def match_channels(split: Split, pre: Preprocessing, name: str) -> Split:
     """`split` with as many channels as the model takes: grey images are repeated to RGB, RGB
     images converted to grey (ITU-R 601 luma, as PIL's convert('L')); image files are read in
@@ -142,8 +152,9 @@ def evaluate_checkpoint(
         raise DatasetError("--split val needs a run folder (its config defines the split)")
     cfg = data_config(run_cfg, data, data_dir)
     name = cfg.name
-    part = load_run_split(cfg, "val" if split == "val" else "test", meta.classes or None)
-    part = match_channels(part, meta.preprocessing, name)  # e.g. grey images, an RGB model
+    part = evaluation_split(
+        cfg, "val" if split == "val" else "test", meta.classes, meta.preprocessing
+    )
     part = align_classes(part, meta.classes, meta.config.num_classes, name)
     loader = make_loader(part, batch_size, meta.preprocessing)
     runner = prepare(model, meta, backend, int8, tta=tta, batch_threads=batch_threads)
