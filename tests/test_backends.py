@@ -131,10 +131,11 @@ def test_relative_positions_export_and_a_failed_check_leaves_no_file(tmp_path, m
             write(model, meta, tmp_path / name)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
     monkeypatch.undo()
-    (tmp_path / "folder.onnx").mkdir()
-    with pytest.raises(export.ExportError, match="folder.onnx is a folder: name the file"):
-        export.export_onnx(model, meta, tmp_path / "folder.onnx")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.onnx", "m.onnx"]
+    for name, write in (("folder.onnx", export.export_onnx), ("folder.pt2", export.export_program)):
+        (tmp_path / name).mkdir()
+        with pytest.raises(export.ExportError, match=f"{name} is a folder: name the file"):
+            write(torch.nn.Identity(), meta, tmp_path / name)  # refused before any export
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.onnx", "folder.pt2", "m.onnx"]
 
 
 def test_an_unsupported_export_is_one_clean_line(tmp_path, capsys) -> None:

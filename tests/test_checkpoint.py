@@ -256,6 +256,11 @@ def test_a_new_size_resamples_positions_as_the_writing_library_does(tmp_path: Pa
     with torch.no_grad():
         want = ref(pixel_values=x, interpolate_pos_encoding=True).logits
         close(load_pretrained(tmp_path / "hf", img_size=48)(x), want)
+    ref.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")  # resampled in float32, as HF
+    ref = transformers.ViTForImageClassification.from_pretrained(tmp_path / "bf16").float()
+    with torch.no_grad():  # (the table once came back rounded to bf16: 7e-3 off)
+        want = ref(pixel_values=x, interpolate_pos_encoding=True).logits
+        close(load_pretrained(tmp_path / "bf16", img_size=48)(x), want)
     kw = dict(patch_size=16, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128, num_classes=3)
     small = randomize(TV(image_size=64, **kw))
     torch.save(small.state_dict(), tmp_path / "tv.pth")
@@ -264,6 +269,11 @@ def test_a_new_size_resamples_positions_as_the_writing_library_does(tmp_path: Pa
     x = images(112)
     with torch.no_grad():
         close(load_pretrained(tmp_path / "tv.pth", img_size=112, num_heads=4)(x), large(x))
+    state = small.state_dict()
+    del state["encoder.pos_embedding"]  # a cut file: an error naming it, not a KeyError
+    torch.save(state, tmp_path / "cut.pth")
+    with pytest.raises(CheckpointError, match="cut.pth: a torchvision ViT without its position"):
+        load_pretrained(tmp_path / "cut.pth")
 
 
 # --- torchvision ---------------------------------------------------------------------------------
@@ -631,6 +641,8 @@ def test_not_a_checkpoint_and_mismatches_are_named(tmp_path: Path) -> None:
         load_pretrained(tmp_path / "ok.safetensors", embed_dim=256, num_heads=4, mlp_dim=768)
     with pytest.raises(CheckpointError, match="no file or folder"):
         load_pretrained(tmp_path / "missing.safetensors")
+    model = load_pretrained(tmp_path / "ok.safetensors", num_classes=np.int64(6))  # labels.max()+1
+    assert model.config.num_classes == 6 and model.head.out_features == 6
     for typo in ("cv/missing.safetensors", "runs/my-run", "ck/w.PTH"):  # relative, mistyped:
         with pytest.raises(CheckpointError, match=f"no file or folder {typo}"):  # not a Hub query
             load_pretrained(typo)

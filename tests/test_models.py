@@ -378,10 +378,10 @@ def test_intermediate_indices_take_numpy_and_tensor_ints_and_refuse_the_rest() -
     from vitlab.models.layers import chosen_indices
 
     assert chosen_indices(np.int64(2), 4, "block") == [2, 3] == chosen_indices(2, 4, "block")
-    assert chosen_indices(torch.tensor(1), 4, "block") == [3]
+    assert chosen_indices(torch.tensor(1), 4, "block") == [3] == chosen_indices(np.array(1), 4, "b")
     assert chosen_indices([np.int32(0), torch.tensor(-1)], 4, "block") == [0, 3]
     assert chosen_indices(range(2), 4, "block") == [0, 1] == chosen_indices(torch.arange(2), 4, "b")
-    for bad in (2.0, True, "a", [1.0], torch.tensor(1.0), [True]):
+    for bad in (2.0, True, "a", [1.0], torch.tensor(1.0), [True], np.array(1.5)):
         with pytest.raises(ValueError, match="block indices are an int .* or a sequence of ints"):
             chosen_indices(bad, 4, "block")
     with pytest.raises(ValueError, match="block index 4 out of range for a 4-block model"):

@@ -29,10 +29,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vitlab.models.checkpoint import load_checkpoint
-    from vitlab.models.export import export_onnx, export_program
+    from vitlab.models.export import check_out, export_onnx, export_program
 
     if not args.onnx and not args.torch_export:
         raise ValueError("nothing to do: give --onnx OUT.onnx and/or --torch-export OUT.pt2")
+    for out in (args.onnx, args.torch_export):  # both, before either is written
+        if out:
+            check_out(Path(out))
     model, meta = load_checkpoint(args.checkpoint)
     if args.onnx:
         r = export_onnx(model, meta, args.onnx, args.dynamic_batch)

@@ -312,7 +312,8 @@ def processor_config(pre: Preprocessing, img_hw: tuple[int, int]) -> dict[str, A
     """preprocessor_config.json for `pre`: ViTImageProcessor's whole-image resize, or with a
     crop_pct DeiTImageProcessor's resize (squash: height and width; center: shortest_edge) and
     centre crop. transformers resizes uint8 tensors: preprocessing that follows timm's pixels
-    (PIL) comes out within a grey level; a non-square centre crop keeping the aspect ratio
+    (PIL) comes out within a grey level, shifted a pixel where the margin to crop is odd (the
+    offset rounded down, not to nearest); a non-square centre crop keeping the aspect ratio
     (timm's ResizeKeepRatio) has no processor and is approximated by the shortest edge that
     covers the crop; timm's border mode (padding) is refused."""
     h, w = img_hw

@@ -213,7 +213,7 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
     """DST.safetensors alone, or a folder with model.safetensors and timm's config.json. Its
     pretrained_cfg has the preprocessing's crop_pct and crop_mode (the whole image resized:
     squash at 1.0); timm resizes with PIL, preprocessing that follows transformers' pixels within
-    a grey level."""
+    a grey level, shifted a pixel where the margin to crop is odd."""
     cfg = model.config
     if family_of(cfg) == "cnn" and not cfg.bit:
         raise CheckpointError(

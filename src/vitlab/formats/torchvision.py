@@ -71,6 +71,9 @@ def read(files: Files) -> Source:
         return src
     src = Source(convert(files.where, torchvision_to_vitlab, tensors), "torchvision",
                  files.where)  # fmt: skip
+    if "pos_embed.weight" not in src.state or "patch_embed.proj.weight" not in src.state:
+        raise CheckpointError(f"{files.where}: a torchvision ViT without its position table or "
+                              f"patch embedding (encoder.pos_embedding, conv_proj)")  # fmt: skip
     src.preprocessing = weights_preprocessing(src.state, src.notes)
     # vision_transformer.interpolate_embeddings: bicubic, align_corners=True, no antialias
     src.pos_resampling = dict(interpolation="bicubic", antialias=False, align_corners=True)

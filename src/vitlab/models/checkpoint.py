@@ -34,6 +34,7 @@ from vitlab.formats.base import TORCH_SUFFIXES, CheckpointError, Files, Source, 
 from vitlab.formats.vitlab import CONFIGS, CheckpointMeta, resolve_checkpoint
 from vitlab.models.cnn_checkpoint import infer_cnn_config
 from vitlab.models.hybrid_checkpoint import infer_resnet_stem
+from vitlab.models.layers import whole_number
 from vitlab.models.pos_embed import Grid, resample_pos_embed
 from vitlab.models.registry import Model, ModelConfig, build_model, family_of
 from vitlab.models.swin_checkpoint import infer_swin_config
@@ -325,10 +326,12 @@ def load_checkpoint(
     src = source if isinstance(source, Source) else read_source(source, format)
     check_keys(CONFIGS[source_family(src)], overrides.keys())
     for key in ("num_classes", "in_chans"):  # applied after loading, not by the config's check
-        value = overrides.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < (key == "in_chans"):
+        value = whole_number(overrides.get(key, 1))  # numpy's and 0-d tensors' integers too
+        if value is None or value < (key == "in_chans"):
             raise ConfigError(f"{key} must be a whole number >= {int(key == 'in_chans')}, "
-                              f"got {value!r}")  # fmt: skip
+                              f"got {overrides[key]!r}")  # fmt: skip
+        if key in overrides:
+            overrides[key] = value
     before = {k: v for k, v in overrides.items() if k not in _AFTER_LOADING}
     src.hints.update(before)  # e.g. num_heads, which no tensor shape tells
     native = _infer(src, overrides.get("img_size"))
@@ -374,7 +377,7 @@ def _resample_as_written(model: Model, src: Source, grid: Grid) -> None:
     pos = getattr(model, "pos_embed", None)
     if not src.pos_resampling or getattr(pos, "kind", None) != "learned" or pos.grid == grid:
         return
-    table = src.state["pos_embed.weight"]
+    table = src.state["pos_embed.weight"].to(pos.weight.dtype)  # a bf16 file's: not rounded after
     new = resample_pos_embed(table, pos.grid, grid, pos.num_prefix_tokens, **src.pos_resampling)
     with torch.no_grad():
         pos.weight.copy_(new)

@@ -42,12 +42,17 @@ def _exported(what: str, model: torch.nn.Module, export: Callable[[], object]) -
         ) from None
 
 
+def check_out(out: Path) -> None:
+    """An ExportError for an output path that is a folder (asked before any export runs)."""
+    if out.is_dir():
+        raise ExportError(f"{out} is a folder: name the file to write")
+
+
 @contextmanager
 def _checked_file(out: Path) -> Iterator[Path]:
     """A temporary name beside `out`, renamed over it only when the block (writing and checking
     the export) succeeds: a file that failed its check, or a half-written one, is not left."""
-    if out.is_dir():
-        raise ExportError(f"{out} is a folder: name the file to write")
+    check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")  # the suffix kept: torch.export checks it
     try:
@@ -140,6 +145,7 @@ def export_program(
 ) -> dict[str, float | int]:
     """Write a torch.export program (`torch.export.load(out).module()(images)`), reload it and
     compare with the model."""
+    check_out(Path(out))  # before the export, which takes a while
     model = _float_copy(model)
     shapes = _dynamic(dynamic_batch)
     program = _exported(

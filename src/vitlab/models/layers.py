@@ -198,13 +198,17 @@ def chosen_indices(indices: int | Sequence[int] | None, n: int, what: str) -> li
     or the listed ones (negative from the end); a ValueError naming an index out of range."""
     if indices is None:
         return list(range(n))
-    one = _whole(indices)  # an int, numpy's or a 0-d tensor's
+    one = whole_number(indices)  # an int, numpy's, a 0-d array's or tensor's
     if one is not None:
         if not 0 <= one <= n:
             raise ValueError(f"cannot take the last {one} {what}s of a {n}-{what} model")
         return list(range(n - one, n))
-    scalar = isinstance(indices, Tensor) and indices.ndim == 0  # a float one: not iterable
-    items = [_whole(i) for i in indices] if isinstance(indices, Iterable) and not scalar else [None]
+    scalar = getattr(indices, "ndim", None) == 0  # a 0-d array of floats: not iterable
+    items = (
+        [whole_number(i) for i in indices]
+        if isinstance(indices, Iterable) and not scalar
+        else [None]
+    )
     if None in items or isinstance(indices, str):
         raise ValueError(
             f"{what} indices are an int (the last k) or a sequence of ints, got {indices!r}"
@@ -217,11 +221,11 @@ def chosen_indices(indices: int | Sequence[int] | None, n: int, what: str) -> li
     return sorted(set(out))
 
 
-def _whole(x: object) -> int | None:
-    """x as an int when it is a whole number (int, numpy's integers, a 0-d integer tensor; not a
-    bool, which would read as 0 or 1), else None."""
-    if isinstance(x, Tensor) and x.ndim == 0 and not x.is_floating_point() and not x.is_complex():
-        x = x.item()
+def whole_number(x: object) -> int | None:
+    """x as an int when it is a whole number (int, numpy's integers, a 0-d integer array or
+    tensor; not a bool, which would read as 0 or 1), else None."""
+    if getattr(x, "ndim", None) == 0 and callable(getattr(x, "item", None)):
+        x = x.item()  # a float's or a bool's item is refused below
     return int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else None
 
 
