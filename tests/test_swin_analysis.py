@@ -220,7 +220,10 @@ def test_the_analyze_command_passes_a_swin_through(tmp_path, monkeypatch, capsys
         num_heads=(2, 4), window_size=4,
     )  # fmt: skip
     model = SwinTransformer(cfg).eval()
-    meta = SimpleNamespace(preprocessing=Preprocessing((16, 16), 1, (0.5,), (0.5,)))
+    meta = SimpleNamespace(
+        preprocessing=Preprocessing((16, 16), 1, (0.5,), (0.5,)),
+        classes=[str(i) for i in range(10)],
+    )
     monkeypatch.setattr(checkpoint, "load_checkpoint", lambda source, device: (model, meta))
     out = tmp_path / "page"
     args = ["analyze", str(tmp_path / "swin"), "--num-images", "2", "--out", str(out)]
