@@ -361,6 +361,27 @@ def google_arrays(
 
 
 @pytest.mark.parametrize("naming", ["released", "big_vision stacked"])
+def test_google_npz_at_another_size_resamples_positions_as_vit_jax(naming, tmp_path) -> None:
+    """vit_jax's and big_vision's resample_posemb zoom the grid with scipy (order 1): a Google
+    checkpoint loaded at another size is resampled so (it once took timm's bicubic)."""
+    from scipy.ndimage import zoom
+
+    linen = naming != "released"
+    d, p, grid = 64, 8, 4
+    arrays = google_arrays(np.random.default_rng(0), d, 1, 4, 128, p, grid, 5,
+                           linen=linen, stacked=linen, cls=not linen)  # fmt: skip
+    np.savez(tmp_path / "vit.npz", **arrays)
+    table = next(v for k, v in arrays.items() if k.endswith("pos_embedding"))[0]  # (T, D)
+    prefix = 0 if linen else 1
+    patches = table[prefix:].reshape(grid, grid, d)
+    want = np.concatenate([table[:prefix], zoom(patches, (6 / grid, 6 / grid, 1), order=1)
+                           .reshape(36, d)])  # fmt: skip
+    model = load_pretrained(tmp_path / "vit.npz", img_size=6 * p)
+    got = model.pos_embed.weight.detach()[0].numpy()
+    assert got.shape == want.shape and np.abs(got - want).max() < 1e-5
+
+
+@pytest.mark.parametrize("naming", ["released", "big_vision stacked"])
 def test_google_npz_matches_timms_npz_loader(naming: str, tmp_path: Path) -> None:
     from timm.models.vision_transformer import VisionTransformer as TimmViT
     from timm.models.vision_transformer import _load_weights

@@ -38,6 +38,9 @@ def read(files: Files) -> Source:
         raise CheckpointError(f"{path}: arrays of shapes no ViT has ({e})") from None
     src = Source(state, "npz", files.where, hints={"num_heads": heads, "act": "gelu_tanh"})
     src.preprocessing = dict(mean=HALF, std=HALF, crop_pct=None)
+    # vit_jax's and big_vision's resample_posemb: scipy.ndimage.zoom(order=1), which is bilinear
+    # with the corners aligned
+    src.pos_resampling = dict(interpolation="bilinear", antialias=False, align_corners=True)
     return src
 
 
