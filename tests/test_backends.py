@@ -174,7 +174,7 @@ def test_device_names_and_output_paths_are_one_line_errors(trained, device, tmp_
         (tmp_path / "afile").write_text("mine")
         assert main(["eval", str(trained), "--out", str(tmp_path / "afile")]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("vitlab eval: error:") and "afile" in err
+        assert err.startswith("vitlab eval: error:") and "afile is a file: expected a folder" in err
         assert (tmp_path / "afile").read_text() == "mine"
 
 

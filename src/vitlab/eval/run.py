@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from vitlab.analysis.page import out_folder
 from vitlab.config import DataConfig, RunConfig
 from vitlab.data import ArraySplit, make_loader
 from vitlab.data.classes import name_order
@@ -137,6 +138,8 @@ def evaluate_checkpoint(
     """Metrics of a checkpoint on a split, run by `backend` with test-time augmentation `tta`
     (vitlab.eval.backends); saves confusion_matrix.png. The dataset and its validation carve-out
     default to the checkpoint's run config."""
+    if out is not None:  # a file there is refused now, not after the evaluation
+        out_folder(Path(out))
     dev = _device(device, backend, int8)
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:
