@@ -227,3 +227,14 @@ def test_scaling_plot_is_written_where_the_printed_path_says(tmp_path, capsys) -
     assert main([*args, str(tmp_path / "file" / "x.png")]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'file'} is a file, not a folder" in err and len(err.splitlines()) == 1
+
+
+def test_an_os_error_is_one_line_and_v_shows_the_traceback(capsys) -> None:
+    """An OSError the commands do not name (here /proc refusing a folder) was a traceback: one
+    line, exit code 1; -v raises it, for the traceback."""
+    args = ["cost", "vit_nano_patch4_28", "--scaling", "--out", "/proc/nonexistent/x.png"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("vitlab cost: error: [Errno 2]") and "(-v shows where)" in err
+    with pytest.raises(FileNotFoundError):
+        main(["-v", *args])
