@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # `vitlab models | head`
         return 0
-    except OSError as e:  # a full disk, a lost mount: one line (-v: the traceback too)
+    except OSError as e:  # a lost mount, a full disk outside checkpoints: one line (-v: raised)
         if args.verbose > args.quiet:
             raise
         print(f"vitlab {args.command}: error: {e} (-v shows where)", file=sys.stderr)
