@@ -4,7 +4,7 @@ state dict, a Google-named .npz loaded by timm's own npz reader), then loaded by
 load and the max abs difference of the logits against the reference model. Then ONNX: export time
 and onnxruntime inference against PyTorch eager on the same batch.
 
-    python benchmarks/checkpoint_formats.py [--model B/16] [--batch 8] [--json]
+    python benchmarks/checkpoint_formats.py [--batch 8] [--json]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-from model_speed import median_seconds, step_fns
+from model_speed import median_seconds, optimizer, step_fns
 
 from vitlab.config import load_run_config
 from vitlab.models.registry import build_model, config_of
@@ -47,7 +47,8 @@ def training_img_s(overrides: list[str]) -> float:
     config = config_of(load_run_config(None, overrides).model)
     model = build_model(config.replace(num_classes=10, in_chans=1, img_size=28))
     x, y = torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,))
-    _, train = step_fns(model, x, y, use_bf16("auto", x.device))
+    opt = optimizer(model, "vitlab", "own")
+    _, train = step_fns(model, x, y, use_bf16("auto", x.device), opt)
     return 128 / median_seconds({"m": train}, 10)["m"]
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from fmnist_runs import cpu, same_budget
-from model_speed import median_seconds, step_fns
+from model_speed import median_seconds, optimizer, step_fns
 
 import vitlab
 
@@ -62,7 +62,8 @@ def speed(steps: int) -> list[dict]:
         for bf16 in (False, True):
             row = {"model": name, "batch": batch, "precision": "bf16" if bf16 else "fp32"}
             row["max_logit_diff_fp32"] = diff
-            fns = {lib: step_fns(m, x, y, bf16) for lib, m in (("vitlab", ours), ("timm", theirs))}
+            pairs = (("vitlab", ours), ("timm", theirs))
+            fns = {lib: step_fns(m, x, y, bf16, optimizer(m, lib, "own")) for lib, m in pairs}
             for i, kind in enumerate(("infer", "train")):
                 secs = median_seconds({lib: f[i] for lib, f in fns.items()}, steps)
                 for lib, s in secs.items():
