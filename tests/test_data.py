@@ -120,6 +120,7 @@ def test_download_checks_sha256_and_writes_atomically(no_fashion_anywhere, monke
     http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    mask = os.umask(0o002)  # a group-shared data folder: files as any other file written there
     try:
         monkeypatch.setattr(download, "FASHION_MIRROR", f"http://127.0.0.1:{server.server_port}/")
         cut = served / "t10k-images-idx3-ubyte.gz"  # a download cut short: once a bare EOFError
@@ -140,7 +141,9 @@ def test_download_checks_sha256_and_writes_atomically(no_fashion_anywhere, monke
         files = download.find_or_fetch_fashion_mnist(None)
         assert sorted(files) == sorted(digests)
         assert all(download.payload_sha256(p) == digests[n] for n, p in files.items())
+        assert {p.stat().st_mode & 0o777 for p in files.values()} == {0o664}
     finally:
+        os.umask(mask)
         server.shutdown()
 
 

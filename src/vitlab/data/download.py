@@ -73,6 +73,12 @@ def find_fashion_mnist(data_dir: str | None) -> dict[str, Path] | None:
     return None
 
 
+def _umask() -> int:
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
 def _fetch(url: str, dest: Path, expected_sha256: str) -> None:
     """Download url to dest atomically, checking the decompressed payload's SHA-256."""
     from tqdm import tqdm
@@ -94,6 +100,7 @@ def _fetch(url: str, dest: Path, expected_sha256: str) -> None:
             raise OSError(f"{url}: the download is incomplete or not gzip data ({e})") from None
         if digest != expected_sha256:
             raise OSError(f"{url}: SHA-256 {digest} does not match the expected {expected_sha256}")
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide a shared data.dir's files
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):
