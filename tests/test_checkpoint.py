@@ -144,6 +144,28 @@ def test_timm_folder_carries_preprocessing_and_infers_pooling(tmp_path: Path) ->
     assert load_pretrained(tmp_path).preprocessing.crop_pct is None  # whole image resized
 
 
+def test_timm_settings_vitlab_cannot_build_are_refused_or_said(tmp_path: Path, caplog) -> None:
+    """An act_layer other than GELU once loaded as GELU (logits 0.3 off for relu), and an
+    architecture vitlab does not register took the paper's head count without a word
+    (vit_base_patch16_gap_224 has 16 heads at width 768: logits 0.5 off)."""
+    from timm.models._hub import save_for_hf
+
+    relu = timm.create_model("vit_tiny_patch16_224", depth=1, img_size=32, act_layer="relu")
+    save_for_hf(relu, tmp_path / "relu", safe_serialization=True)
+    with pytest.raises(CheckpointError, match="act_layer 'relu' is not supported"):
+        load_pretrained(tmp_path / "relu")
+    ref = randomize(timm.create_model("vit_base_patch16_gap_224", depth=1, img_size=32))
+    assert ref.blocks[0].attn.num_heads == 16
+    save_for_hf(ref, tmp_path / "gap", safe_serialization=True)
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        guessed = load_pretrained(tmp_path / "gap")
+    assert "'vit_base_patch16_gap_224' is not one vitlab registers" in caplog.text
+    assert guessed.config.num_heads == 12  # the guess, said; the head count asked for is right:
+    model = load_pretrained(tmp_path / "gap", num_heads=16)
+    with torch.no_grad():
+        close(model(images(32)), ref(images(32)))
+
+
 def test_overrides_resample_positions_like_timm_and_replace_the_head(tmp_path: Path) -> None:
     ref = randomize(timm.create_model("vit_tiny_patch16_224", depth=2, num_classes=7))
     save_file(ref.state_dict(), tmp_path / "w.safetensors")
@@ -211,6 +233,27 @@ def test_hf_model_with_pooler_is_the_pre_logits_layer(tmp_path: Path) -> None:
     x = images(32)
     with torch.no_grad():
         close(model(x), ref(pixel_values=x).pooler_output)
+
+
+def test_hf_pooler_of_another_width_travels_and_another_activation_is_refused(tmp_path) -> None:
+    """A headless model whose pre-logits width differs from D is written with pooler_output_size
+    (it was refused, blaming a classifier it has not); a pooler_act other than tanh was once
+    loaded as tanh."""
+    from vitlab import create_model
+
+    model = randomize(create_model("vit_nano_patch4_32", num_classes=0, representation_size=48))
+    save_pretrained(model, tmp_path / "hf", "hf")
+    ref = transformers.ViTModel.from_pretrained(tmp_path / "hf").eval()
+    x = images(32)
+    with torch.no_grad():
+        close(ref(pixel_values=x).pooler_output, model(x))
+    relu = transformers.ViTModel(hf_config(pooler_act="relu"), add_pooling_layer=True)
+    relu.save_pretrained(tmp_path / "relu")
+    with pytest.raises(CheckpointError, match="pooler_act 'relu' is not supported"):
+        load_pretrained(tmp_path / "relu")
+    relu = transformers.ViTForImageClassification(hf_config(pooler_act="relu", num_labels=3))
+    relu.save_pretrained(tmp_path / "classifier")  # no pooler used: its activation is moot
+    assert load_pretrained(tmp_path / "classifier").config.num_classes == 3
 
 
 def test_hf_in_memory_names_of_transformers_5(tmp_path: Path) -> None:

@@ -275,6 +275,12 @@ def _read_vit_hints(cfg: dict[str, Any], src: Source) -> None:
     act = cfg.get("hidden_act", "gelu")
     if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
         raise CheckpointError(f"{src.where}: hidden_act {act!r} is not a GELU")
+    pooler_act = cfg.get("pooler_act", "tanh")
+    if "pre_logits.fc.weight" in src.state and pooler_act != "tanh":  # the pooler is used
+        raise CheckpointError(
+            f"{src.where}: pooler_act {pooler_act!r} is not supported (vitlab's pre-logits "
+            f"layer is tanh, transformers' default)"
+        )
     size = cfg.get("image_size")
     src.hints.update(
         num_heads=cfg.get("num_attention_heads"),
@@ -361,8 +367,7 @@ def hf_config(cfg: ViTConfig, classes: list[str]) -> tuple[dict[str, Any], bool]
             (cfg.distilled, "a distillation token (transformers has DeiT models for that)"),
             (cfg.layer_scale is not None, "layer scale"),
             (
-                cfg.representation_size not in (None, cfg.embed_dim)
-                or (cfg.representation_size and cfg.num_classes),
+                bool(cfg.representation_size and cfg.num_classes),
                 "a pre-logits layer beside a classifier (ViTForImageClassification has no pooler)",
             ),
         )
@@ -389,7 +394,7 @@ def hf_config(cfg: ViTConfig, classes: list[str]) -> tuple[dict[str, Any], bool]
         "num_channels": cfg.in_chans,
         "qkv_bias": cfg.qkv_bias,
         "encoder_stride": cfg.patch_size,
-        "pooler_output_size": cfg.embed_dim,
+        "pooler_output_size": cfg.representation_size or cfg.embed_dim,
         "pooler_act": "tanh",
     }
     if with_classifier:

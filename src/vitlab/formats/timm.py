@@ -193,17 +193,30 @@ def _refuse_other_resnetv2_args(args: dict[str, Any], where: str) -> None:
 
 def _read_vit_hints(cfg: dict[str, Any], src: Source) -> None:
     args = dict(cfg.get("model_args") or {})
+    arch = str(cfg.get("architecture", ""))
     with contextlib.suppress(UnknownModelError):  # a name vitlab registers tells the heads
-        src.hints["num_heads"] = get_config(str(cfg.get("architecture", ""))).num_heads
+        src.hints["num_heads"] = get_config(arch).num_heads
     if "num_heads" in args:
         src.hints["num_heads"] = args["num_heads"]
+    elif arch and "num_heads" not in src.hints:  # e.g. vit_base_patch16_gap_224: 16 at 768
+        src.notes.append(
+            f"architecture {arch!r} is not one vitlab registers and model_args name no "
+            f"num_heads: the head count is guessed from the width; pass num_heads= if timm "
+            f"builds it otherwise"
+        )
     pool = args.get("global_pool", cfg.get("global_pool"))
     if pool in ("avg", "token"):
         src.hints["pool"] = "gap" if pool == "avg" else "token"
     elif pool not in (None, ""):
         raise CheckpointError(f"{src.where}: timm global_pool {pool!r} is not supported")
-    if args.get("act_layer") in ("gelu_tanh",):
+    act = args.get("act_layer")
+    if act == "gelu_tanh":
         src.hints["act"] = "gelu_tanh"
+    elif act not in (None, "gelu"):  # quick_gelu, relu, silu, ...
+        raise CheckpointError(
+            f"{src.where}: timm act_layer {act!r} is not supported (vitlab's ViT has GELU, exact "
+            f"or tanh: 'gelu' or 'gelu_tanh')"
+        )
     if "img_size" in args:
         size = args["img_size"]
         src.hints["img_size"] = tuple(size) if isinstance(size, list) else size
