@@ -71,6 +71,15 @@ def test_aliases_and_unknown_names() -> None:
     assert set(vitlab.list_models("vit_base_patch*")) == {
         f"vit_base_patch{p}_{s}" for p in (8, 16, 32) for s in (224, 384)
     }
+    assert vitlab.list_models("B/16") == ["vit_base_patch16_224"]  # aliases match: `models B/16`
+    assert vitlab.list_models("Swin-?", family="swin") == [
+        "swin_tiny_patch4_window7_224", "swin_small_patch4_window7_224",
+        "swin_base_patch4_window7_224", "swin_large_patch4_window7_224",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="family must be 'vit', 'swin' or 'cnn'.*'cnnx'"):
+        vitlab.list_models(family="cnnx")  # once an empty list
+    with pytest.raises(vitlab.UnknownModelError, match="a model name is a string.*got 16"):
+        vitlab.create_model(16)  # once AttributeError: 'int' object has no attribute 'lower'
 
 
 def test_config_overrides_are_strict() -> None:

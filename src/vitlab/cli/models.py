@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bottleneck).",
     )
     p.add_argument(
-        "pattern", nargs="?", help="glob filter on names, e.g. 'vit_base*', 'swin*', 'resnet*'"
+        "pattern", nargs="?", help="glob filter on names and aliases, e.g. 'vit_base*', 'swin*', 'B/*'"
     )
     p.add_argument(
         "--family", choices=["vit", "swin", "cnn"], help="only this model family (default: all)"

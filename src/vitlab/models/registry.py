@@ -243,6 +243,8 @@ for _res, _chans, _data in ((28, 1, "28x28 greyscale"), (32, 3, "32x32 colour"))
 
 def resolve_name(name: str) -> str:
     """The registered name for `name` or its alias; unknown names raise with the closest names."""
+    if not isinstance(name, str):
+        raise UnknownModelError(f"a model name is a string like 'B/16', got {name!r}")
     if name in _MODELS:
         return name
     if name in _ALIASES:
@@ -325,12 +327,14 @@ def create_model(name: str, **overrides: object) -> Model:
 
 
 def list_models(pattern: str | None = None, family: str | None = None) -> list[str]:
-    """Registered names (aliases excluded), optionally filtered by a glob pattern and a model
-    family ('vit', 'swin', 'cnn'; None: all)."""
+    """Registered names (aliases excluded), optionally filtered by a glob pattern on names and
+    aliases ('B/*' lists B/16's name too) and a model family ('vit', 'swin', 'cnn'; None: all)."""
+    if family not in (None, "vit", "swin", "cnn"):
+        raise ValueError(f"family must be 'vit', 'swin' or 'cnn' (or None: all), got {family!r}")
     return [
         n
         for n, cfg in _MODELS.items()
-        if (pattern is None or fnmatch.fnmatch(n, pattern))
+        if (pattern is None or any(fnmatch.fnmatch(a, pattern) for a in [n, *aliases_of(n)]))
         and (family is None or family_of(cfg) == family)
     ]
 
