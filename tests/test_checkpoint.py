@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.helpers import tiny_checkpoint
-from vitlab import load_pretrained
+from vitlab import ConfigError, load_pretrained
 from vitlab.formats.timm import REGISTERED, timm_hybrid_arch, timm_model_args, vitlab_to_timm
 from vitlab.models.checkpoint import CheckpointError, load_checkpoint, save_pretrained
 from vitlab.models.registry import get_config, list_models
@@ -254,6 +254,25 @@ def test_hf_pooler_of_another_width_travels_and_another_activation_is_refused(tm
     relu = transformers.ViTForImageClassification(hf_config(pooler_act="relu", num_labels=3))
     relu.save_pretrained(tmp_path / "classifier")  # no pooler used: its activation is moot
     assert load_pretrained(tmp_path / "classifier").config.num_classes == 3
+
+
+def test_a_sharded_hf_checkpoint_loads_whole_from_its_folder_index_or_a_shard(tmp_path) -> None:
+    """save_pretrained(max_shard_size=...) writes model-0000k-of-0000n.safetensors beside
+    model.safetensors.index.json: the folder, the index or any one shard loads them all (it
+    was "holds several weight files: name one", and one shard a cryptic half model)."""
+    ref = randomize(transformers.ViTForImageClassification(hf_config(num_labels=3)))
+    ref.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    shards = sorted((tmp_path / "hf").glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    x = images(32)
+    for source in (tmp_path / "hf", tmp_path / "hf" / "model.safetensors.index.json", shards[1]):
+        model = load_pretrained(source)
+        assert model.config.norm_eps == 1e-12, source  # config.json read beside them
+        with torch.no_grad():
+            close(model(x), ref(pixel_values=x).logits)
+    shards[0].unlink()
+    with pytest.raises(CheckpointError, match="names shards that are not beside it"):
+        load_pretrained(tmp_path / "hf")
 
 
 def test_hf_in_memory_names_of_transformers_5(tmp_path: Path) -> None:
@@ -585,6 +604,8 @@ def test_round_trip_vitlab_hf_vitlab_is_exact(tmp_path: Path) -> None:
     save_pretrained(model, tmp_path / "hf", "hf")
     ref = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
     assert ref.config.id2label[2] == "ship"
+    mode = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert mode["model.safetensors"] == mode["config.json"] != 0o600  # not safetensors' 0600
     x = images(32)
     with torch.no_grad():
         close(ref(pixel_values=x).logits, model(x))
@@ -623,6 +644,26 @@ def test_a_replaced_head_and_a_new_size_travel_into_every_format(tmp_path: Path)
         other.reset_classifier(3)
         other.set_image_size(56)
         assert other.classes is None and other.preprocessing.img_size == (56, 56), name
+
+
+def test_a_model_without_positions_travels_to_timm(tmp_path: Path) -> None:
+    """timm builds pos_embed='none' (it was refused as "learned tables only"); a bare state dict
+    without a table loads at the img_size asked for (it was refused even with one)."""
+    from vitlab import create_model
+
+    model = randomize(create_model("vit_nano_patch4_32", pos_embed="none", num_classes=3))
+    save_pretrained(model, tmp_path / "t", "timm")
+    save_pretrained(model, tmp_path / "w.safetensors", "timm")
+    ref = timm.create_model(f"local-dir:{tmp_path / 't'}", pretrained=True).eval()
+    assert ref.pos_embed is None
+    x = images(32)
+    with torch.no_grad():
+        close(ref(x), model(x))
+        back = load_pretrained(tmp_path / "w.safetensors", num_heads=4, img_size=32)
+        close(back(x), model(x))
+    assert back.config.pos_embed == "none" and back.config.img_hw == (32, 32)
+    with pytest.raises(CheckpointError, match="no position table to read the image size from"):
+        load_pretrained(tmp_path / "w.safetensors", num_heads=4)
 
 
 def test_layouts_that_cannot_hold_a_model_say_why(tmp_path: Path) -> None:
@@ -705,6 +746,11 @@ def test_not_a_checkpoint_and_mismatches_are_named(tmp_path: Path) -> None:
         load_pretrained(tmp_path / "ok.safetensors", embed_dim=256, num_heads=4, mlp_dim=768)
     with pytest.raises(CheckpointError, match="no file or folder"):
         load_pretrained(tmp_path / "missing.safetensors")
+    for bad in ({"img_size": "96x128"}, {"img_size": 96.5}, {"num_heads": "abc"}):  # typed, named
+        with pytest.raises(ConfigError, match=f"ViTConfig.{next(iter(bad))}: expected int"):
+            load_pretrained(tmp_path / "ok.safetensors", **bad)
+    with pytest.raises(CheckpointError, match=r"by num_heads 5 \(with the overrides"):
+        load_pretrained(tmp_path / "ok.safetensors", num_heads=5)  # the override's fault, said
     model = load_pretrained(tmp_path / "ok.safetensors", num_classes=np.int64(6))  # labels.max()+1
     assert model.config.num_classes == 6 and model.head.out_features == 6
     for typo in ("cv/missing.safetensors", "runs/my-run", "ck/w.PTH"):  # relative, mistyped:

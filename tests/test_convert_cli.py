@@ -188,10 +188,12 @@ def test_hub_names_read_the_preprocessor_config_as_the_folder_does(tmp_path: Pat
     assert hub.interpolation == "bilinear"  # resample=2 is PIL's BILINEAR
 
 
-def test_a_hub_download_fetches_the_preprocessor_config(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("shard", [None, "40KB"])
+def test_a_hub_download_fetches_the_preprocessor_config(shard, tmp_path: Path, monkeypatch) -> None:
     """Online, only the files a loader asks for land in the cache: a stand-in hub serves a
     google/vit-* repo into an empty cache file by file, through huggingface_hub's own cache code,
-    and the model must come with the resize its preprocessor_config.json states."""
+    and the model must come with the resize its preprocessor_config.json states; a sharded
+    repo's index and shards all come."""
     import fnmatch
 
     import huggingface_hub
@@ -202,7 +204,8 @@ def test_a_hub_download_fetches_the_preprocessor_config(tmp_path: Path, monkeypa
         hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
         image_size=32, patch_size=8, num_labels=3,
     )  # fmt: skip
-    transformers.ViTForImageClassification(config).save_pretrained(remote)
+    kw = {"max_shard_size": shard} if shard else {}
+    transformers.ViTForImageClassification(config).save_pretrained(remote, **kw)
     transformers.ViTImageProcessor(size={"height": 32, "width": 32}, resample=2).save_pretrained(
         remote
     )
@@ -232,7 +235,9 @@ def test_a_hub_download_fetches_the_preprocessor_config(tmp_path: Path, monkeypa
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     model = load_pretrained("google/vit-tiny-test")
-    assert "preprocessor_config.json" in served and "model.safetensors" in served
+    weights = sorted(f.name for f in remote.glob("model*"))
+    assert len(weights) == (6 if shard else 1)  # five shards and their index
+    assert "preprocessor_config.json" in served and set(weights) <= set(served)
     assert model.preprocessing == load_pretrained(remote).preprocessing
     assert model.preprocessing.interpolation == "bilinear"  # resample=2 is PIL's BILINEAR
 

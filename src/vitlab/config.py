@@ -5,6 +5,7 @@ Every config object in vitlab (models' configs, the run's sections) is a datacla
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -87,19 +88,21 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     return True, value
 
 
-def validate(obj: Any) -> None:
-    """Check every field of dataclass `obj` against its type hint, converting losslessly."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        ok, converted = _coerce(value, hints[f.name])
+def validate(obj: Any, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Check every field of dataclass `obj` against its type hint, converting losslessly; with
+    `values` (some fields' values, `obj` its class), check and return those converted instead."""
+    in_place, cls = values is None, obj if values is not None else type(obj)
+    if in_place:
+        values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    hints, out = typing.get_type_hints(cls), {}
+    for name, value in values.items():
+        ok, out[name] = _coerce(value, hints[name])
         if not ok:
-            raise ConfigError(
-                f"{type(obj).__name__}.{f.name}: expected {_type_name(hints[f.name])}, "
-                f"got {value!r} ({type(value).__name__})"
-            )
-        if converted is not value:
-            object.__setattr__(obj, f.name, converted)
+            raise ConfigError(f"{cls.__name__}.{name}: expected {_type_name(hints[name])}, "
+                              f"got {value!r} ({type(value).__name__})")  # fmt: skip
+        if in_place and out[name] is not value:
+            object.__setattr__(obj, name, out[name])
+    return out
 
 
 def check_keys(cls: type, keys: typing.Iterable[str], where: str | None = None) -> None:
@@ -125,13 +128,11 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str | None = None) -
 
 def to_dict(obj: Any) -> dict[str, Any]:
     """A plain dict of a config dataclass (tuples as lists), ready for JSON or YAML."""
+    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
 
-    def plain(v: Any) -> Any:
-        if isinstance(v, tuple):
-            return [plain(x) for x in v]
-        return v
 
-    return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+def _plain(v: Any) -> Any:
+    return [_plain(x) for x in v] if isinstance(v, tuple) else v
 
 
 # --- run configuration (vitlab train): YAML file + dotted key=value overrides --------------------
@@ -147,10 +148,8 @@ def parse_value(text: str) -> Any:
     except yaml.YAMLError:
         return text
     if isinstance(value, str):  # YAML 1.1 reads '1e-3' as a string
-        try:
+        with contextlib.suppress(ValueError):
             return float(value)
-        except ValueError:
-            return value
     return value
 
 

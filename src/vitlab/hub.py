@@ -24,14 +24,16 @@ def is_hub_name(text: str) -> bool:
 
 def download(name: str) -> Path:
     """The snapshot folder of hub repo `name` with config.json, preprocessor_config.json and the
-    weights (model.safetensors, else pytorch_model.bin)."""
+    weights (model.safetensors, else pytorch_model.bin; either sharded beside its index)."""
     # imported here, on first use: it brings an HTTP stack that nothing else needs
     from huggingface_hub import constants, snapshot_download
 
     repo, _, revision = name.partition("@")
     errors: list[str] = []
-    for weights in ("model.safetensors", "pytorch_model.bin"):
-        patterns = ["config.json", "preprocessor_config.json", weights]
+    for weights, shards in (("model.safetensors", "model-*-of-*.safetensors"),
+                            ("pytorch_model.bin", "pytorch_model-*-of-*.bin")):  # fmt: skip
+        index = f"{weights}.index.json"
+        patterns = ["config.json", "preprocessor_config.json", weights, index, shards]
         for local_only in (False, True):
             try:
                 folder = Path(
@@ -43,7 +45,7 @@ def download(name: str) -> Path:
             except Exception as e:  # offline, not cached, no such repo or revision
                 errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
                 continue
-            if (folder / weights).is_file():
+            if (folder / weights).is_file() or (folder / index).is_file():
                 return folder
             errors.append(f"no {weights} in {folder}")
             break

@@ -6,6 +6,7 @@ and the threads that share a batch."""
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import threading
 import time
@@ -109,6 +110,14 @@ def all_reduce_(t: Tensor) -> Tensor:
             spins += 1
             time.sleep(0 if spins < 100 else 1e-4)  # lets the worker take the GIL
     return t
+
+
+def file_mode() -> int:
+    """The mode a new file gets from this process's umask (0644 under 022): for files written
+    under a temporary name first, which mkstemp and safetensors create 0600."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def derive_seed(*parts: int) -> int:

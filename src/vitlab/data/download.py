@@ -12,6 +12,8 @@ import urllib.request
 import zlib
 from pathlib import Path
 
+from vitlab.runtime import file_mode
+
 FASHION_MIRROR = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
 # SHA-256 of the decompressed IDX payloads: the same whichever gzip wrote the .gz (Debian's
 # dataset-fashion-mnist package recompresses the official files, so their .gz bytes differ).
@@ -73,12 +75,6 @@ def find_fashion_mnist(data_dir: str | None) -> dict[str, Path] | None:
     return None
 
 
-def _umask() -> int:
-    mask = os.umask(0o077)
-    os.umask(mask)
-    return mask
-
-
 def _fetch(url: str, dest: Path, expected_sha256: str) -> None:
     """Download url to dest atomically, checking the decompressed payload's SHA-256."""
     from tqdm import tqdm
@@ -100,7 +96,7 @@ def _fetch(url: str, dest: Path, expected_sha256: str) -> None:
             raise OSError(f"{url}: the download is incomplete or not gzip data ({e})") from None
         if digest != expected_sha256:
             raise OSError(f"{url}: SHA-256 {digest} does not match the expected {expected_sha256}")
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide a shared data.dir's files
+        os.chmod(tmp, file_mode())  # mkstemp's 0600 would hide a shared data.dir's files
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):

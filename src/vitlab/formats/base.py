@@ -23,6 +23,7 @@ from safetensors.torch import load_file, safe_open, save_file
 from torch import Tensor, nn
 
 from vitlab.preprocessing import Preprocessing
+from vitlab.runtime import file_mode
 
 if TYPE_CHECKING:  # annotations only: base.py stays free of model code
     from vitlab.models.cnn import CNNConfig
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # annotations only: base.py stays free of model code
 StateDict = dict[str, Tensor]
 WEIGHTS = "model.safetensors"
 TORCH_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt")
+INDEX = ".index.json"  # a sharded checkpoint's: model.safetensors.index.json
 
 
 class CheckpointError(ValueError):
@@ -45,13 +47,14 @@ class FormatError(ValueError):
 def fuse_qkv(parts: Mapping[str, Tensor], kind: str, where: str) -> Tensor:
     """Separate query, key and value {"q", "k", "v"} weights or biases (`kind`) of one attention
     layer (`where`) stacked as one qkv tensor; a FormatError naming what is missing or misshapen."""
+    kinds = "biases" if kind == "bias" else f"{kind}s"
     if set(parts) != {"q", "k", "v"}:
-        raise FormatError(f"{where} has {kind}s for {sorted(parts)} of query/key/value")
+        raise FormatError(f"{where} has {kinds} for {sorted(parts)} of query/key/value")
     try:
         return torch.cat([parts["q"], parts["k"], parts["v"]])
     except RuntimeError:  # shapes that do not stack
         shapes = [tuple(parts[n].shape) for n in "qkv"]
-        raise FormatError(f"{where}: query/key/value {kind}s of shapes {shapes}") from None
+        raise FormatError(f"{where}: query/key/value {kinds} of shapes {shapes}") from None
 
 
 @dataclass
@@ -67,8 +70,9 @@ class Files:
 
     @property
     def suffix(self) -> str:
-        """The weights file's suffix in lower case (`.NPZ` is a .npz)."""
-        return self.weights.suffix.lower()
+        """The weights file's suffix in lower case (`.NPZ` is a .npz); a sharded checkpoint's
+        index (model.safetensors.index.json) has its shards' suffix."""
+        return Path(self.weights.name.lower().removesuffix(INDEX)).suffix
 
     @property
     def where(self) -> str:
@@ -78,19 +82,30 @@ class Files:
     def tensors(self) -> StateDict:
         """The flat state dict of a .safetensors or PyTorch file."""
         if self._tensors is None:
-            if self.suffix == ".safetensors":
-                self._tensors = load_weights(self.weights)
-            else:
-                self._tensors = read_torch(self.weights)
+            read = load_weights if self.suffix == ".safetensors" else read_torch
+            shards = self.shards()
+            self._tensors = {k: v for shard in shards for k, v in read(shard).items()}
+            if len(shards) > 1:  # the index's every name, no more
+                _check_shards(self.weights, self._tensors)
         return self._tensors
+
+    def shards(self) -> list[Path]:
+        """The files the tensors are in: the weights file, or the shards its index names."""
+        if not self.weights.name.lower().endswith(INDEX):
+            return [self.weights]
+        files = sorted(set(_weight_map(self.weights).values()))
+        missing = [f for f in files if not (self.weights.parent / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{self.weights} names shards that are not beside it: {missing}")
+        return [self.weights.parent / f for f in files]
 
     def names(self) -> set[str]:
         """The tensor names, for detection (none for a .npz, which is not a state dict)."""
         return set() if self.suffix == ".npz" else set(self.tensors())
 
     def metadata(self) -> dict[str, str]:
-        """A .safetensors file's header metadata ({} for other files)."""
-        return safetensors_metadata(self.weights) if self.suffix == ".safetensors" else {}
+        """A .safetensors file's header metadata, its first shard's if sharded ({} for others)."""
+        return safetensors_metadata(self.shards()[0]) if self.suffix == ".safetensors" else {}
 
     def json(self, name: str) -> dict[str, Any] | None:
         """The JSON file `name` in the folder, or None when there is none."""
@@ -104,6 +119,27 @@ class Files:
         if not isinstance(data, dict):
             raise CheckpointError(f"{path} is not a JSON object")
         return data
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """A sharded checkpoint index's weight_map: tensor name -> shard file name."""
+    try:
+        mapping = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index} is not a readable shard index: {e!r}") from None
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+        raise CheckpointError(f"{index}: weight_map is not a mapping of names to shard files")
+    if any(Path(v).name != v for v in mapping.values()):  # shards live beside their index
+        raise CheckpointError(f"{index}: weight_map names files outside its folder")
+    return mapping
+
+
+def _check_shards(index: Path, tensors: StateDict) -> None:
+    want = set(_weight_map(index))
+    if want != set(tensors):
+        lost, extra = sorted(want - set(tensors)), sorted(set(tensors) - want)
+        raise CheckpointError(f"{index}: the shards do not hold what it names (missing "
+                              f"{lost[:5]}, unlisted {extra[:5]})")  # fmt: skip
 
 
 @dataclass
@@ -286,7 +322,7 @@ def read_torch(path: Path) -> StateDict:
                 "(it could run code); save the state dict alone, or as safetensors"
             ) from None
         raise CheckpointError(
-            f"{path} is truncated or not a PyTorch checkpoint: {text[:200]}"
+            f"{path} is truncated or not a PyTorch checkpoint ({type(e).__name__}: {text[:200]})"
         ) from None
     return unwrap(obj, path)
 
@@ -328,6 +364,7 @@ def write_safetensors(path: Path, tensors: StateDict, metadata: dict[str, str]) 
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, file_mode())  # safetensors writes 0600, unlike its JSON neighbours
         fsync(tmp)
     except BaseException:  # a full disk, a tensor it cannot save, Ctrl-C: no half file left
         tmp.unlink(missing_ok=True)

@@ -378,8 +378,8 @@ def timm_model_args(cfg: ViTConfig) -> tuple[str, dict[str, Any]]:
         )
     if hybrid and cfg.distilled:
         why.append("a distilled hybrid (timm has no such entry point)")
-    if cfg.pos_embed != "learned":
-        why.append(f"pos_embed={cfg.pos_embed!r} (timm's ViT has learned tables only)")
+    if cfg.pos_embed not in ("learned", "none"):
+        why.append(f"pos_embed={cfg.pos_embed!r} (timm's ViT has learned tables or none)")
     if cfg.representation_size:
         why.append("a pre-logits layer (timm's ViT has none)")
     if cfg.norm_eps != 1e-6:
@@ -402,6 +402,8 @@ def timm_model_args(cfg: ViTConfig) -> tuple[str, dict[str, Any]]:
         args["init_values"] = cfg.layer_scale
     if cfg.act == "gelu_tanh":
         args["act_layer"] = "gelu_tanh"
+    if cfg.pos_embed == "none":
+        args["pos_embed"] = "none"
     if cfg.distilled:  # a DeiT: the class and distillation tokens, token pooling
         return "deit_base_distilled_patch16_224", args
     args.update(

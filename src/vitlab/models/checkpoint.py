@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,8 @@ import torch
 from torch import Tensor
 
 from vitlab import formats, hub
-from vitlab.config import ConfigError, check_keys
-from vitlab.formats.base import TORCH_SUFFIXES, CheckpointError, Files, Source, state_family
+from vitlab.config import ConfigError, check_keys, validate
+from vitlab.formats.base import INDEX, TORCH_SUFFIXES, CheckpointError, Files, Source, state_family
 from vitlab.formats.vitlab import CONFIGS, CheckpointMeta, resolve_checkpoint
 from vitlab.models.cnn_checkpoint import infer_cnn_config
 from vitlab.models.hybrid_checkpoint import infer_resnet_stem
@@ -46,7 +47,11 @@ log = logging.getLogger(__name__)
 
 # --- the files a source names --------------------------------------------------------------------
 
-_FOLDER_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
+_FOLDER_WEIGHTS = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+    "pytorch_model.bin.index.json", "open_clip_pytorch_model.bin",
+)  # fmt: skip
+_SHARD = re.compile(r"(.+)-\d+-of-\d+(\.safetensors|\.bin)$")  # model-00001-of-00004.safetensors
 _SIDECARS = ("config.json", "preprocessor_config.json")  # what formats.read applies from a folder
 
 
@@ -90,6 +95,10 @@ def _files(source: str | Path) -> Files:
         if path.name in _FOLDER_WEIGHTS and sidecars:  # a hub folder's weights, named by file
             files = _files_in(path.parent)
             return files if files.weights == path else Files(path, path.parent)
+        shard = _SHARD.match(path.name)
+        index = path.with_name(f"{shard[1]}{shard[2]}{INDEX}") if shard else None
+        if index is not None and index.is_file():  # one shard named: the whole checkpoint
+            return Files(index, path.parent if sidecars else None)
         return Files(path)
     if hub.is_hub_name(str(source)):
         return _files_in(hub.download(str(source)), str(source))
@@ -102,11 +111,10 @@ def read_source(source: str | Path, format: str = "auto") -> Source:
     if format not in names:
         raise CheckpointError(f"format must be one of {', '.join(names)}, got {format!r}")
     files = _files(source)
-    suffix = files.weights.suffix.lower()
-    if format == "auto" and suffix not in (".safetensors", ".npz", *TORCH_SUFFIXES):
+    if format == "auto" and files.suffix not in (".safetensors", ".npz", *TORCH_SUFFIXES):
         raise CheckpointError(
-            f"{files.weights}: unknown checkpoint file type {suffix!r}; expected .safetensors, "
-            f"{', '.join(TORCH_SUFFIXES)} or .npz"
+            f"{files.weights}: unknown checkpoint file type {files.suffix!r}; expected "
+            f".safetensors, {', '.join(TORCH_SUFFIXES)}, .npz or a shard index (*{INDEX})"
         )
     src = formats.read(files, formats.detect(files) if format == "auto" else format)
     params = sum(t.numel() for t in src.state.values())
@@ -213,9 +221,10 @@ def _infer_vit(src: Source, img_size: int | tuple[int, int] | None = None) -> Vi
                 )
             img = math.isqrt(n) * p
     else:
-        pos_kind = "none"
+        pos_kind, img = "none", img if img is not None else img_size  # nothing to resample
         if img is None:
-            raise CheckpointError(f"{where}: no position table to read the image size from")
+            raise CheckpointError(f"{where}: no position table to read the image size from: "
+                                  f"pass img_size=")  # fmt: skip
     rep = s["pre_logits.fc.weight"].shape[0] if "pre_logits.fc.weight" in s else None
     num_classes = s["head.weight"].shape[0] if "head.weight" in s else 0
     pool = hints.pop("pool", None) or ("gap" if fc_norm or not class_token else "token")
@@ -332,9 +341,13 @@ def load_checkpoint(
                               f"got {overrides[key]!r}")  # fmt: skip
         if key in overrides:
             overrides[key] = value
+    overrides = validate(CONFIGS[source_family(src)], overrides)  # img_size="96" named here
     before = {k: v for k, v in overrides.items() if k not in _AFTER_LOADING}
     src.hints.update(before)  # e.g. num_heads, which no tensor shape tells
-    native = _infer(src, overrides.get("img_size"))
+    try:
+        native = _infer(src, overrides.get("img_size"))
+    except CheckpointError as e:  # e.g. num_heads=3 at width 256: the override's fault
+        raise CheckpointError(f"{e} (with the overrides {before})" if before else str(e)) from None
     try:
         cfg = native.replace(**before)
     except (ConfigError, TypeError) as e:
