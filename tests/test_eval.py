@@ -134,3 +134,16 @@ def test_a_class_without_test_images_is_not_scored_zero(run, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "top-3 100.00%" in text and "top-5" not in text
     assert [x.split()[0] for x in text.splitlines() if "n/a (no images)" in x] == ["1"]
+
+
+def test_a_test_split_with_no_readable_image_is_an_error_not_zero(run, tmp_path, capsys):
+    """Every test file truncated: eval once printed top-1 0.00%, loss 0.0000 and exit code 0 (and
+    wrote a confusion matrix of nothing); now the command stops, naming the split, exit code 2."""
+    root = digits_folder(tmp_path / "words", WORDS)
+    for png in sorted((root / "test").rglob("*.png")):
+        png.write_bytes(png.read_bytes()[:20])  # a PNG header and nothing after it
+    args = ["eval", str(run), "--data", f"imagefolder:{root}", "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "no image could be evaluated" in err and "(test)" in err
+    assert not list((tmp_path / "out").glob("*.png"))

@@ -162,6 +162,9 @@ def evaluate_checkpoint(
     loader = make_loader(part, batch_size, meta.preprocessing)
     runner = prepare(model, meta, backend, int8, tta=tta, batch_threads=batch_threads)
     metrics = evaluate(runner, loader, meta.config.num_classes, dev)
+    if not metrics["num_images"]:  # an empty split, or every file unreadable: no 0% to report
+        raise DatasetError(f"{name} ({split}): no image could be evaluated ({len(part)} listed, "
+                           f"the rest skipped as unreadable)")  # fmt: skip
     target = Path(out) if out else (run or Path("."))
     target.mkdir(parents=True, exist_ok=True)
     augmented = tta != "none"
