@@ -204,6 +204,23 @@ def test_a_runs_features_are_cached_in_the_run_and_reused(run: Path) -> None:
     assert before["test_files"] != after["test_files"]
     assert after["test"] == f"imagefolder:{folder.parent.resolve()}"
 
+    # a Hugging Face dataset on disk, too: it was keyed by its name alone, so features of a
+    # rewritten dataset were served from the cache
+    from tests.test_hf_data import table
+
+    saved, parquet = run.parent / "saved", run.parent / "rows.parquet"
+    names = (f"hf:{saved}", f"hf:{saved}#train", f"hf:{parquet}")
+    keys = []
+    for rows in (6, 9):  # written, then rewritten in place
+        table(rows).save_to_disk(str(saved))
+        table(rows).to_parquet(str(parquet))
+        keys.append([fresh.key(dataclasses.replace(cfg, name=n, test=None), "train") for n in names])
+    for name, before, after in zip(names, *keys, strict=True):
+        assert before["data"].startswith(f"hf:{run.parent.resolve()}/") and before["files"], name
+        assert before["files"] != after["files"], name
+    cfg = dataclasses.replace(cfg, name="hf:some-org/some-dataset")  # a hub name: as it is
+    assert fresh.key(cfg, "train")["data"] == "hf:some-org/some-dataset"
+
 
 def test_damaged_cache_is_extracted_again(run: Path, caplog) -> None:
     a = Extractor(str(run), device="cpu", progress=False).features(None, None, "test")

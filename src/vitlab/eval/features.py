@@ -157,18 +157,25 @@ def source_identity(source: str, weights: Path | None) -> dict[str, Any]:
 
 
 def _identity(name: str) -> tuple[str, str | None]:
-    """(a dataset name as a cache key takes it, a digest of its files or None): an image folder
-    by its absolute path and folder_digest, anything else by its name alone."""
-    if not name.startswith("imagefolder:"):
-        return name, None
-    root = folder_root(name).resolve()
-    return f"imagefolder:{root}", folder_digest(root)
+    """(a dataset name as a cache key takes it, a digest of its files or None): an image folder,
+    and a Hugging Face dataset on disk (save_to_disk's folder, parquet), by its absolute path and
+    folder_digest; anything else (a hub name, digits) by its name alone."""
+    if name.startswith("imagefolder:"):
+        root = folder_root(name).resolve()
+        return f"imagefolder:{root}", folder_digest(root)
+    spec, sep, split = name.removeprefix("hf:").partition("#")
+    if name.startswith("hf:") and Path(spec).expanduser().exists():
+        path = Path(spec).expanduser().resolve()
+        return f"hf:{path}{sep}{split}", folder_digest(path)
+    return name, None
 
 
 def folder_digest(root: Path) -> str:
-    """A hash over every file under `root`: relative path, size, modification time."""
+    """A hash over every file under `root` (or of the file `root`): relative path, size,
+    modification time."""
     h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(root):
+    files = [(str(root.parent), [], [root.name])] if root.is_file() else os.walk(root)
+    for dirpath, dirnames, filenames in files:
         dirnames.sort()
         for name in sorted(filenames):
             path = Path(dirpath) / name
@@ -277,9 +284,9 @@ class Extractor:
         return data_config(cfg, data, data_dir)
 
     def key(self, cfg: DataConfig, split: str) -> dict[str, Any]:
-        """What the features of one split depend on (an image folder, data.name's or data.test's:
-        its absolute path and a digest of its files' names, sizes and times, so added or replaced
-        images count)."""
+        """What the features of one split depend on (an image folder or a Hugging Face dataset
+        on disk, data.name's or data.test's: its absolute path and a digest of its files' names,
+        sizes and times, so added or replaced images count)."""
         folder, seed = cfg.dir, cfg.split_seed
         name, files = _identity(cfg.name)
         test, test_files = _identity(cfg.test) if cfg.test else (None, None)
