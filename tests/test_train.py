@@ -182,6 +182,27 @@ def test_resume_may_only_change_the_length(tmp_path: Path, capsys) -> None:
     assert "no config.yaml" in capsys.readouterr().err
 
 
+def test_a_relative_data_path_is_saved_absolute(tmp_path: Path, monkeypatch, capsys) -> None:
+    """data.name=imagefolder:RELATIVE was saved as typed, so eval / fewshot / probe of the run
+    from any other folder said "image folder ... does not exist"; a restated relative path on
+    --resume is the same data."""
+    work = tmp_path / "work"
+    digits = load_split("digits", "test")
+    for i, (image, label) in enumerate(zip(digits.images[:150], digits.labels.tolist())):
+        folder = work / "pics" / ("train" if i < 120 else "test") / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image[0].numpy().astype(np.uint8)).save(folder / f"{i}.png")
+    monkeypatch.chdir(work)
+    data = ["data.name=imagefolder:pics", "data.val_fraction=0.0"]
+    run = train(cfg("train.epochs=1", *data), out=tmp_path / "r")
+    saved = load_run_config(str(run / "config.yaml"))
+    assert saved.data.name == f"imagefolder:{work / 'pics'}"
+    resume_config(run, data)  # restated relative: the same data, accepted
+    monkeypatch.chdir(tmp_path)  # elsewhere: the run still names its data
+    assert main(["eval", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_images"] > 0
+
+
 def test_a_new_length_on_resume_is_refused_unless_extended(tmp_path: Path, capsys) -> None:
     """train.epochs on --resume used to reshape the cosine schedule silently. Now it is refused;
     with --extend the schedule spans the new length from the current step on, and says so."""

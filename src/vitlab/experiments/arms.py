@@ -32,6 +32,7 @@ from vitlab.models.checkpoint import load_checkpoint
 from vitlab.models.registry import ModelConfig
 from vitlab.train.build import resolve_model_config
 from vitlab.train.folder import remove_run_files, resume_config
+from vitlab.train.log import saved_tree
 from vitlab.train.run import train
 
 # the quick preset's optimiser (configs/fashion-mnist-quick.yaml) without its epoch-based warm-up:
@@ -213,8 +214,8 @@ def _same_config(folder: Path, arm: Arm, out: Path) -> None:
     """Refuse a folder whose run was made with another config (another budget, data, ...). A
     fine-tuning source is compared by its place in the output folder (as reproduce.json keeps
     it), wherever that folder now is."""
-    saved = load_run_config(str(folder / "config.yaml"), []).to_tree()
-    wanted = load_run_config(None, arm.config(out)).to_tree()
+    saved = saved_tree(load_run_config(str(folder / "config.yaml"), []))
+    wanted = saved_tree(load_run_config(None, arm.config(out)))  # paths as config.yaml has them
     diff = [
         f"{s}.{k}: {saved.get(s, {}).get(k)!r} there, {v!r} here"
         for s, body in wanted.items()

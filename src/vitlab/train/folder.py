@@ -12,7 +12,7 @@ import torch
 from vitlab.config import ConfigError, RunConfig, load_run_config
 from vitlab.runtime import Dist
 from vitlab.train import distributed
-from vitlab.train.log import RUN_FILES
+from vitlab.train.log import RUN_FILES, saved_tree
 from vitlab.train.state import CheckpointError
 
 RESUMABLE_KEYS = ("train.epochs", "train.stop_at_epoch")
@@ -24,10 +24,10 @@ def resume_config(run: Path, overrides: list[str]) -> RunConfig:
     path = Path(run) / "config.yaml"
     if not path.is_file():
         raise CheckpointError(f"cannot resume {run}: it has no config.yaml (not a vitlab run)")
-    saved = load_run_config(str(path), []).to_tree()
-    for item in overrides:
+    saved = saved_tree(load_run_config(str(path), []))
+    for item in overrides:  # compared as saved: data.name=imagefolder:RELATIVE restates it
         key = item.partition("=")[0]
-        if key not in RESUMABLE_KEYS and load_run_config(str(path), [item]).to_tree() != saved:
+        if key not in RESUMABLE_KEYS and saved_tree(load_run_config(str(path), [item])) != saved:
             raise ConfigError(f"cannot change {key} when resuming (only {RESUMABLE_KEYS})")
     return load_run_config(str(path), overrides)
 

@@ -4,6 +4,7 @@ and results.json (rank 0 only)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +29,29 @@ RUN_FILES = (
 )
 
 
+def saved_tree(cfg: RunConfig) -> dict:
+    """cfg as a run's config.yaml holds it: local dataset paths absolute (imagefolder:, hf: on
+    disk, local wds: shards, data.test, data.dir), so that eval, fewshot, probe, analyze and
+    --resume read the same data from any working folder."""
+    tree = cfg.to_tree()
+    data = tree["data"]
+    data.update(name=_absolute(data["name"]), test=_absolute(data.get("test")))
+    if data.get("dir"):
+        data["dir"] = os.path.abspath(os.path.expanduser(data["dir"]))
+    return tree
+
+
+def _absolute(name: str | None) -> str | None:
+    kind, sep, rest = (name or "").partition(":")
+    if not sep or kind not in ("imagefolder", "hf", "wds"):
+        return name  # digits, fashion-mnist, cifar10, ... (and None)
+    spec, mark, split = rest.partition("#") if kind == "hf" else (rest, "", "")
+    path = os.path.expanduser(spec)
+    if (kind == "hf" and not os.path.exists(path)) or "://" in spec or spec.startswith("pipe:"):
+        return name  # a hub name, a URL, a command
+    return f"{kind}:{os.path.abspath(path)}{mark}{split}"
+
+
 class RunLog:
     """Progress bar, metrics.jsonl, TensorBoard, curves.png, results.json (rank 0 only).
     `resumed_at`: the epochs the resumed checkpoint holds (None: a new run); lines of later
@@ -46,7 +70,7 @@ class RunLog:
         if not active:
             return
         out.mkdir(parents=True, exist_ok=True)
-        write_text(out / "config.yaml", yaml.safe_dump(cfg.to_tree(), sort_keys=False))
+        write_text(out / "config.yaml", yaml.safe_dump(saved_tree(cfg), sort_keys=False))
         self.metrics = out / "metrics.jsonl"
         if resumed_at is None or not self.metrics.exists():
             self.metrics.write_text("")
