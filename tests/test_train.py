@@ -336,6 +336,27 @@ def test_ctrl_c_saves_and_resume_finishes_identically(tmp_path: Path) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
+def test_ctrl_c_after_the_last_epoch_is_one_line_and_resume_finishes(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while the trained run writes its curves (outside the training loop's handler)
+    was a KeyboardInterrupt traceback; now exit code 130 and a line on how to finish."""
+    from vitlab.train import log as log_mod
+
+    real = log_mod.save_curves
+
+    def ctrl_c(*a, **k):
+        monkeypatch.setattr(log_mod, "save_curves", real)  # once
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(log_mod, "save_curves", ctrl_c)
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), *FAST, "train.epochs=2"]) == 130
+    err = capsys.readouterr().err
+    assert "vitlab train: interrupted" in err and "--resume" in err and "Traceback" not in err
+    assert not (run / "results.json").exists()
+    assert main(["train", "--resume", str(run)]) == 0
+    assert json.loads((run / "results.json").read_text())["top1"] > 0.1  # chance: 0.1
+
+
 def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
     run = train(cfg("train.epochs=2", "train.stop_at_epoch=1"), out=tmp_path / "run")
     before = weights_of(run)

@@ -126,6 +126,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+_AFTER_CTRL_C = {
+    "train": " (the run keeps its checkpoints: `vitlab train --resume RUN` continues from the "
+    "last one, and finishes the test evaluation of a trained run)",
+    "reproduce": "; rerun the same command to continue",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     if argv is None:  # the command (not a caller's in-process call): reuse freed memory
@@ -141,6 +148,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # `vitlab models | head`
         return 0
+    except KeyboardInterrupt:  # a Ctrl-C outside training's loop (a second one inside it)
+        if args.verbose > args.quiet:
+            raise
+        print(f"vitlab {args.command}: interrupted{_AFTER_CTRL_C.get(args.command, '')}",
+              file=sys.stderr)  # fmt: skip
+        return 130
     except OSError as e:  # a lost mount, a full disk outside checkpoints: one line (-v: raised)
         if args.verbose > args.quiet:
             raise
