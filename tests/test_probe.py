@@ -214,7 +214,9 @@ def test_a_runs_features_are_cached_in_the_run_and_reused(run: Path) -> None:
     for rows in (6, 9):  # written, then rewritten in place
         table(rows).save_to_disk(str(saved))
         table(rows).to_parquet(str(parquet))
-        keys.append([fresh.key(dataclasses.replace(cfg, name=n, test=None), "train") for n in names])
+        keys.append(
+            [fresh.key(dataclasses.replace(cfg, name=n, test=None), "train") for n in names]
+        )
     for name, before, after in zip(names, *keys, strict=True):
         assert before["data"].startswith(f"hf:{run.parent.resolve()}/") and before["files"], name
         assert before["files"] != after["files"], name

@@ -31,7 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bottleneck).",
     )
     p.add_argument(
-        "pattern", nargs="?", help="glob filter on names and aliases, e.g. 'vit_base*', 'swin*', 'B/*'"
+        "pattern",
+        nargs="?",
+        help="glob filter on names and aliases, e.g. 'vit_base*', 'swin*', 'B/*'",
     )
     p.add_argument(
         "--family", choices=["vit", "swin", "cnn"], help="only this model family (default: all)"
