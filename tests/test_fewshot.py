@@ -85,6 +85,9 @@ def test_fewshot_on_separable_features_is_near_perfect_and_reports_every_seed() 
     assert results[1]["mean"] > 0.98
     with pytest.raises(DatasetError, match="31 shots need 31 training images of every class"):
         fewshot(train, test, shots=[1, 31])
+    ten = clusters(3, np.random.default_rng(0).normal(size=(10, 24)), 1)
+    with pytest.raises(DatasetError, match=r"10 class\(es\) have fewer: .*'7' \(3\), \.\.\.$"):
+        fewshot(ten, ten, shots=[5], seeds=1, l2=1.0)  # eight named, the rest said to be there
 
 
 @pytest.mark.parametrize(

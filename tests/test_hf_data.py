@@ -143,3 +143,4 @@ def test_train_from_parquet_files(tmp_path: Path, monkeypatch, capsys) -> None:
 
     again = evaluate_checkpoint(str(run / "checkpoints" / "best"), device="cpu")
     assert again["num_images"] == 30 and again["top1"] == result["top1"]
+    assert again["data"] == f"hf:{tmp_path / 'test.parquet'}"  # it named train.parquet

@@ -98,6 +98,7 @@ def check_shots(shots: Sequence[int], seeds: int, labels: np.ndarray, classes: S
     short = [(c, n) for c, n in enumerate(counts) if n < max(shots)]
     if short:
         names = ", ".join(f"{classes[c]!r} ({n})" for c, n in short[:8])
+        names += ", ..." if len(short) > 8 else ""
         raise DatasetError(
             f"{max(shots)} shots need {max(shots)} training images of every class; "
             f"{len(short)} class(es) have fewer: {names}"

@@ -155,6 +155,7 @@ def evaluate_checkpoint(
         raise DatasetError("--split val needs a run folder (its config defines the split)")
     cfg = data_config(run_cfg, data, data_dir)
     name = cfg.name
+    source = cfg.test if split == "test" and cfg.test else name  # where the images come from
     part = evaluation_split(
         cfg, "val" if split == "val" else "test", meta.classes, meta.preprocessing
     )
@@ -163,7 +164,7 @@ def evaluate_checkpoint(
     runner = prepare(model, meta, backend, int8, tta=tta, batch_threads=batch_threads)
     metrics = evaluate(runner, loader, meta.config.num_classes, dev)
     if not metrics["num_images"]:  # an empty split, or every file unreadable: no 0% to report
-        raise DatasetError(f"{name} ({split}): no image could be evaluated ({len(part)} listed, "
+        raise DatasetError(f"{source} ({split}): no image could be evaluated ({len(part)} listed, "
                            f"the rest skipped as unreadable)")  # fmt: skip
     target = Path(out) if out else (run or Path("."))
     target.mkdir(parents=True, exist_ok=True)
@@ -171,13 +172,13 @@ def evaluate_checkpoint(
     other = run_cfg is None or name != run_cfg.data.name  # not the run's own split: not its PNG
     stem = f"confusion_matrix{f'_{_slug(name)}' if other else ''}_{split}"
     png = target / f"{stem}{f'_tta-{tta}' if augmented else ''}.png"
-    title = f"{name} {split}{f' (TTA {tta})' if augmented else ''}"
+    title = f"{source} {split}{f' (TTA {tta})' if augmented else ''}"
     save_confusion_png(
         metrics["confusion"], meta.classes, png, f"{title}: top-1 {100 * metrics['top1']:.2f}%"
     )
     return {
         "checkpoint": str(weights or checkpoint),
-        "data": name,
+        "data": source,
         "split": split,
         "backend": describe(backend, int8),
         "tta": tta,
