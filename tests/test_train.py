@@ -198,6 +198,11 @@ def test_a_relative_data_path_is_saved_absolute(tmp_path: Path, monkeypatch, cap
     saved = load_run_config(str(run / "config.yaml"))
     assert saved.data.name == f"imagefolder:{work / 'pics'}"
     resume_config(run, data)  # restated relative: the same data, accepted
+    from vitlab.train.log import saved_tree  # a teacher on disk too (a hub name stays a name)
+
+    teacher = cfg("distill.teacher=pics", "finetune.from=org/model")
+    assert saved_tree(teacher)["distill"]["teacher"] == str(work / "pics")
+    assert saved_tree(teacher)["finetune"]["from"] == "org/model"
     monkeypatch.chdir(tmp_path)  # elsewhere: the run still names its data
     assert main(["eval", str(run), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["num_images"] > 0
@@ -222,6 +227,9 @@ def test_a_new_length_on_resume_is_refused_unless_extended(tmp_path: Path, capsy
     assert "extending the run from 4 to 6 epochs" in err
     assert main(["train", "--resume", str(run), "train.epochs=5", "--extend"]) == 2
     assert "has trained 6 epochs already" in capsys.readouterr().err
+    steps = train(cfg(*schedule, "train.max_steps=3"), out=tmp_path / "steps")
+    assert main(["train", "--resume", str(steps), "train.epochs=50", "--extend"]) == 2
+    assert "schedule of a train.time_budget or train.max_steps run" in capsys.readouterr().err
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2, 3, 4, 5, 6]
     state = torch.load(run / "checkpoints/last/state.pt", weights_only=True)
@@ -467,7 +475,41 @@ def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=f"scale 0-30 .*, got {magnitude}"):
             train(cfg("data.randaugment_ops=2", f"data.randaugment_magnitude={magnitude}"),
                   out=tmp_path / "g")  # fmt: skip
-    assert not any((tmp_path / x).exists() for x in "acdefg")
+    for scale in ("[1.5,0.1]", "[-1,2]", "[0.5,0.2]"):  # a torchvision traceback, "math domain"
+        with pytest.raises(ConfigError, match=r"crop_scale is a range .* got \["):
+            train(cfg("data.random_resized_crop=true", f"data.crop_scale={scale}"),
+                  out=tmp_path / "h")  # fmt: skip
+    assert not any((tmp_path / x).exists() for x in "acdefgh")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [  # each once accepted: trained uphill, 40 empty epochs, a traceback, ignored, ...
+        ("optim.clip_grad=-1", "clip_grad > 0"),
+        ("optim.clip_grad=0", "clip_grad > 0 \\(null: none\\)"),
+        ("optim.min_lr=0.01", "min_lr in \\[0, lr\\]"),
+        ("optim.momentum=2", "momentum and label_smoothing in \\[0, 1\\)"),
+        ("optim.lr=nan", "OptimConfig.lr: expected float, got nan"),
+        ("train.max_steps=0", "max_steps, threads and stop_at_epoch must be >= 1"),
+        ("train.threads=-2", "max_steps, threads and stop_at_epoch must be >= 1"),
+        ("train.threads=0", "max_steps, threads and stop_at_epoch must be >= 1"),
+        ("train.stop_at_epoch=0", "max_steps, threads and stop_at_epoch must be >= 1"),
+    ],
+)
+def test_settings_out_of_range_are_refused(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        cfg(override)
+
+
+def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path: Path) -> None:
+    """PyYAML (YAML 1.1) reads 1e-3 as the string '1e-3', which was refused as "expected float"
+    in a config file while optim.lr=1e-3 on the command line was taken."""
+    (tmp_path / "c.yaml").write_text("optim:\n  lr: 1e-3\n  min_lr: 5E-6\n")
+    loaded = load_run_config(str(tmp_path / "c.yaml"))
+    assert (loaded.optim.lr, loaded.optim.min_lr) == (1e-3, 5e-6)
+    (tmp_path / "c.yaml").write_text("optim:\n  lr: fast\n")
+    with pytest.raises(ConfigError, match="OptimConfig.lr: expected float, got 'fast'"):
+        load_run_config(str(tmp_path / "c.yaml"))
 
 
 def test_finetune_at_another_resolution_with_a_new_head(
@@ -515,6 +557,7 @@ def test_two_processes_equal_one_process(tmp_path: Path, strategy: str, single: 
     proc = torchrun_train(multi, *TWO_RANKS, f"train.strategy={strategy}", port=port, timeout=None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stderr
+    assert proc.stdout.split() == [str(multi)]  # the run folder once, as one process prints it
     a, b = weights_of(single), weights_of(multi)
     assert a.keys() == b.keys()
     for k in a:
@@ -559,6 +602,6 @@ def test_default_run_folders_of_runs_started_in_the_same_second_differ(tmp_path,
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(time, "strftime", lambda fmt: fmt.replace("%Y%m%d-%H%M%S", "T"))
     first = default_run_folder(cfg())
-    assert first == Path("runs/digits-T")
-    first.mkdir(parents=True)
-    assert default_run_folder(cfg()) == Path("runs/digits-T-2")
+    assert first == Path("runs/digits-T") and first.is_dir()  # taken as it is named
+    assert default_run_folder(cfg()) == Path("runs/digits-T-2")  # the second start: another
+    assert default_run_folder(cfg()) == Path("runs/digits-T-3")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 from vitlab.duration import parse_duration
 
 T = TypeVar("T")
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE)
 
 
 class ConfigError(ValueError):
@@ -63,10 +65,11 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         return isinstance(value, bool), value
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True, float(value)
-        return False, value
+    if tp is float:  # a string of digits too: YAML 1.1 reads 1e-3 as text; NaN is no setting
+        if isinstance(value, str) and _NUMBER.fullmatch(value):
+            value = float(value)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+        return ok, float(value) if ok else value
     if tp is str:
         return isinstance(value, str), value
     if origin is tuple:
@@ -251,12 +254,13 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         validate(self)
-        if self.lr <= 0 or self.weight_decay < 0 or self.min_lr < 0 or self.warmup_epochs < 0:
-            raise ConfigError("optim.lr must be > 0; weight_decay, min_lr, warmup_epochs >= 0")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ConfigError(
-                f"optim.label_smoothing must be in [0, 1), got {self.label_smoothing}"
-            )
+        clip = self.clip_grad is None or self.clip_grad > 0  # 0 or less: gradients reversed
+        if not (self.lr > 0 and self.lr >= self.min_lr >= 0 and clip and 0 <= self.momentum < 1
+                and min(self.weight_decay, self.warmup_epochs) >= 0
+                and 0 <= self.label_smoothing < 1):  # fmt: skip
+            raise ConfigError(f"optim: lr must be > 0, min_lr in [0, lr], clip_grad > 0 (null: "
+                              f"none), momentum and label_smoothing in [0, 1), weight_decay and "
+                              f"warmup_epochs >= 0; got {self}")  # fmt: skip
 
 
 @dataclass
@@ -296,9 +300,10 @@ class TrainConfig:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         counts = (self.epochs, self.batch_size, self.accum_steps, self.batch_threads)
-        if min(*counts, self.max_steps or 1) < 1:
-            names = "train.epochs, batch_size, accum_steps, batch_threads and max_steps"
-            raise ConfigError(f"{names} must be >= 1")
+        unset = (self.max_steps, self.threads, self.stop_at_epoch)  # None: not set
+        if min(*counts, *(n for n in unset if n is not None)) < 1:
+            names = "batch_threads, max_steps, threads and stop_at_epoch"
+            raise ConfigError(f"train.epochs, batch_size, accum_steps, {names} must be >= 1")
         if self.ema is not None and not 0.0 < self.ema < 1.0:
             raise ConfigError(f"train.ema is a decay in (0, 1), got {self.ema}")
 
@@ -353,11 +358,8 @@ class DistillConfig:
             raise ConfigError(f"distill.tau must be > 0, got {self.tau}")
         if self.type == "soft" and self.teacher is None:
             raise ConfigError("distill.type=soft softens a teacher's outputs: set distill.teacher")
-        if self.type == "hard" and self.tau != 1.0:
-            raise ConfigError(
-                f"distill.tau={self.tau} applies to distill.type=soft only (hard distillation "
-                f"takes the teacher's argmax)"
-            )
+        if self.type == "hard" and self.tau != 1.0:  # hard distillation takes the argmax
+            raise ConfigError(f"distill.tau={self.tau} applies to distill.type=soft only")
 
 
 @dataclass
@@ -433,15 +435,13 @@ def load_run_config(path: str | None = None, overrides: typing.Iterable[str] = (
     if path:
         try:
             with open(path, encoding="utf-8") as f:
-                # libyaml's loader where built: the pure-Python scanner's time grows with the
-                # square of the nesting depth, libyaml refuses nesting past 1,000 levels
+                # libyaml's where built: Python's scanner is quadratic in nesting (libyaml: 1,000)
                 tree = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from None
-        # ValueError / OverflowError: values YAML parses but Python cannot hold (an integer of
-        # thousands of digits, a 13th month); RecursionError: nesting thousands deep
+        # values YAML parses and Python cannot hold (huge integers, a 13th month); deep nesting
         except (yaml.YAMLError, ValueError, OverflowError, RecursionError) as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(tree, dict):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -92,13 +93,20 @@ def run(args: argparse.Namespace) -> int:
         out = train(cfg, out=args.out, resume=args.resume, extend=args.extend,
                     overwrite=args.overwrite, budget_from_process_start=True)  # fmt: skip
     except TrainingStopped as e:
-        print(f"vitlab train: {e}", file=sys.stderr)
+        say(f"vitlab train: {e}")
         return 130
     except NonFiniteLoss as e:
-        print(f"vitlab train: error: {e}", file=sys.stderr)
+        say(f"vitlab train: error: {e}")
         return 3
     except RankLost as e:  # under torchrun: a peer process died or hung
-        print(f"vitlab train: error: {e}", file=sys.stderr)
+        print(f"vitlab train: error: {e}", file=sys.stderr)  # each survivor says what it saw
         return 4
-    print(out)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: one line, `RUN=$(torchrun ...)`
+        print(out)
     return 0
+
+
+def say(line: str) -> None:
+    """A line on stderr from the process (rank 0 under torchrun: every rank knows the same)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)

@@ -62,6 +62,10 @@ def resolve_model_config(
             "data.random_resized_crop and data.crop_padding are two crops of the training images: "
             "set one of them"
         )
+    low, high = cfg.data.crop_scale  # shares of the image's area: a range within (0, 1]
+    if cfg.data.random_resized_crop and not 0 < low <= high <= 1:
+        raise ConfigError(f"data.crop_scale is a range of area shares, 0 < low <= high <= 1 (e.g. "
+                          f"[0.08, 1.0]), got {list(cfg.data.crop_scale)}")  # fmt: skip
     if not 0 <= cfg.data.randaugment_magnitude <= 30:  # torchvision's 31 bins; 31+ fails later
         raise ConfigError(
             f"data.randaugment_magnitude is on torchvision's scale 0-30 (timm's / DeiT's m9 is "

@@ -14,6 +14,7 @@ load_checkpoint reads, run frozen in eval mode and never saved with the student.
 from __future__ import annotations
 
 import hashlib
+import logging
 import sys
 
 import torch
@@ -28,6 +29,8 @@ from vitlab.formats.base import CheckpointError
 from vitlab.models.checkpoint import load_checkpoint
 from vitlab.models.registry import ModelConfig
 from vitlab.preprocessing import Preprocessing
+
+log = logging.getLogger(__name__)
 
 
 class TwoHeads(nn.Module):
@@ -205,11 +208,8 @@ def check_resumed(teacher: Teacher | None, digest: str | None) -> None:
     """Warn when the teacher reloaded on resume is not the one the run started with (`digest`,
     saved in the training state)."""
     if teacher is not None and digest is not None and digest != teacher.digest:
-        print(
-            f"warning: distill.teacher {teacher.source} holds other weights than when the run "
-            f"started: the continuation is not exact",
-            file=sys.stderr,
-        )
+        log.warning("distill.teacher %s holds other weights than when the run started: the "
+                    "continuation is not exact", teacher.source)  # fmt: skip
 
 
 def announce(teacher: Teacher | None, cfg: DistillConfig) -> None:

@@ -88,10 +88,15 @@ def replace_run(out: Path, d: Dist, device: torch.device, replace: bool) -> None
 
 
 def default_run_folder(cfg: RunConfig) -> Path:
-    """runs/DATASET-DATE-TIME, with -2, -3, ... when a run started in the same second."""
+    """runs/DATASET-DATE-TIME, with -2, -3, ... when a run started in the same second: made here,
+    so that two runs started together cannot both take it."""
     base = Path("runs") / time.strftime(f"{cfg.data.name.split(':')[0]}-%Y%m%d-%H%M%S")
+    base.parent.mkdir(parents=True, exist_ok=True)
     out, n = base, 1
-    while out.exists():
-        n += 1
-        out = base.with_name(f"{base.name}-{n}")
-    return out
+    while True:
+        try:
+            out.mkdir()
+            return out
+        except FileExistsError:
+            n += 1
+            out = base.with_name(f"{base.name}-{n}")

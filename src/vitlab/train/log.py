@@ -30,14 +30,18 @@ RUN_FILES = (
 
 
 def saved_tree(cfg: RunConfig) -> dict:
-    """cfg as a run's config.yaml holds it: local dataset paths absolute (imagefolder:, hf: on
-    disk, local wds: shards, data.test, data.dir), so that eval, fewshot, probe, analyze and
-    --resume read the same data from any working folder."""
+    """cfg as a run's config.yaml holds it: local paths absolute (the datasets: imagefolder:, hf:
+    on disk, local wds: shards, data.test, data.dir; a teacher or fine-tuning source on disk), so
+    that eval, fewshot, probe, analyze and --resume read the same files from any working folder."""
     tree = cfg.to_tree()
     data = tree["data"]
     data.update(name=_absolute(data["name"]), test=_absolute(data.get("test")))
     if data.get("dir"):
         data["dir"] = os.path.abspath(os.path.expanduser(data["dir"]))
+    for section, key in (("distill", "teacher"), ("finetune", "from")):
+        source = tree[section].get(key)
+        if source and os.path.exists(os.path.expanduser(source)):  # not a hub name
+            tree[section][key] = os.path.abspath(os.path.expanduser(source))
     return tree
 
 

@@ -121,9 +121,9 @@ class Run:
         self.cfg, self.device, self.d, self.strategy = cfg, device, d, cfg.train.strategy
         planned = None  # the resumed run's train.epochs, before this command's overrides
         if resume is not None:
-            if extend and cfg.train.time_budget is not None:
-                raise ConfigError("--extend sets train.epochs, which a train.time_budget run "
-                                  "does not use: its plan (time_budget.json) stands")  # fmt: skip
+            if extend and (cfg.train.time_budget is not None or cfg.train.max_steps is not None):
+                raise ConfigError("--extend sets train.epochs, which the schedule of a train."
+                                  "time_budget or train.max_steps run does not span")  # fmt: skip
             planned = check_resume_length(Path(resume), cfg, extend)
         self.data = load_data(cfg)
         base = None  # fine-tuning: the architecture is the source's (kept in `last` on resume)
