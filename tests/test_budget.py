@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import resource
 import subprocess
 import time
@@ -368,3 +369,14 @@ def test_an_in_process_call_counts_from_the_call(tmp_path: Path, monkeypatch) ->
     train(cfg, out=tmp_path / "run")
     steps = json.loads((tmp_path / "run" / "time_budget.json").read_text())["steps"]
     assert steps > 60  # not spent_at_start's skip: counted from the process, this is the case
+
+
+def test_a_budget_shorter_than_the_run_can_be_says_so(tmp_path: Path, capsys) -> None:
+    """A 1 s budget cannot hold start-up, the planning steps and the test: the run takes what it
+    must (one more step) and its plan line says how far past the budget it ends (once silent)."""
+    args = ["train", "--out", str(tmp_path / "r"), *TINY_MODEL, "train.time_budget=1s"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    said = re.findall(r"time budget 1s: [^\r\n]*", err)  # (after a progress bar's start)
+    assert all("the budget is too short for this run: it ends about" in x for x in said)
+    assert json.loads((tmp_path / "r" / "time_budget.json").read_text())["final"]

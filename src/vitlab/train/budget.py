@@ -118,12 +118,9 @@ def plan_steps(
     worth its validation). `steps_done` steps are taken, so steps_done // steps_per_epoch epochs
     have ended."""
     usable = budget * (1 - MARGIN) - MARGIN_S - elapsed - costs.final
-    ended = steps_done // steps_per_epoch
 
     def cost(n: int) -> float:
-        return (n - steps_done) * costs.step + (math.ceil(n / steps_per_epoch) - ended) * (
-            costs.epoch_end
-        )
+        return steps_cost(n, steps_done, steps_per_epoch, costs)
 
     lo, hi = steps_done + 1, steps_done + 1 + max(0, int(usable / max(costs.step, 1e-9)))
     if cost(lo) > usable:
@@ -133,6 +130,14 @@ def plan_steps(
         lo, hi = (mid, hi) if cost(mid) <= usable else (lo, mid - 1)
     stub = lo % steps_per_epoch  # a last epoch of a few steps is not worth its validation
     return lo - stub if 0 < stub <= STUB * steps_per_epoch and lo - stub > steps_done else lo
+
+
+def steps_cost(n: int, steps_done: int, steps_per_epoch: int, costs: Costs) -> float:
+    """Seconds from step `steps_done` to step `n`, the ends of the epochs between included."""
+    ended = steps_done // steps_per_epoch
+    return (n - steps_done) * costs.step + (math.ceil(n / steps_per_epoch) - ended) * (
+        costs.epoch_end
+    )
 
 
 def budget_schedule(cfg: RunConfig, total: int, warmup: int) -> Callable[[int], float]:
@@ -282,8 +287,13 @@ class TimeBudget:
         plan = None
         costs = costing() if self.d.is_main else None
         if costs is not None:
-            n = plan_steps(self.seconds, process_age() - self.before, step, self.spe, costs)
+            elapsed = process_age() - self.before
+            n = plan_steps(self.seconds, elapsed, step, self.spe, costs)
             plan = None if n == self.total else (n, costs)
+            past = elapsed + steps_cost(n, step, self.spe, costs) + costs.final - self.seconds
+            if past > 0 and plan is not None:  # start-up and evaluation alone outlast it
+                note += (f"; the budget is too short for this run: it ends about {past:.0f} s "
+                         f"past it")  # fmt: skip
         plan = distributed.broadcast(plan, self.d)
         if plan is None:  # the plan stands (and, once final, the epoch-end re-plan is done)
             self.final = self.final or final
