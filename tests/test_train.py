@@ -605,3 +605,16 @@ def test_default_run_folders_of_runs_started_in_the_same_second_differ(tmp_path,
     assert first == Path("runs/digits-T") and first.is_dir()  # taken as it is named
     assert default_run_folder(cfg()) == Path("runs/digits-T-2")  # the second start: another
     assert default_run_folder(cfg()) == Path("runs/digits-T-3")
+
+
+def test_curves_of_a_run_without_accuracy_have_no_empty_panel(tmp_path: Path) -> None:
+    """An mpp patch_l2 run has losses only: its curves.png had an empty accuracy panel beside
+    the loss; now the loss alone, half the width of a classifier's two panels."""
+    from vitlab.train.log import save_curves
+
+    rec = {"train_loss": 1.0, "val_loss": 1.1, "train_acc": None, "val_acc": None}
+    save_curves([{"epoch": e, **rec} for e in (1, 2)], tmp_path / "loss.png")
+    rec.update(train_acc=0.5, val_acc=0.4)
+    save_curves([{"epoch": e, **rec} for e in (1, 2)], tmp_path / "both.png")
+    loss, both = (Image.open(tmp_path / f"{n}.png").size for n in ("loss", "both"))
+    assert loss[1] == both[1] and 2 * loss[0] == both[0]

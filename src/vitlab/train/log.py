@@ -220,17 +220,20 @@ def save_curves(records: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     epochs = [r["epoch"] for r in records]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    accuracy = records[0]["train_acc"] is not None  # a regression objective (patch_l2) has none
+    fig, axes = plt.subplots(1, 1 + accuracy, figsize=(5 + 5 * accuracy, 4), squeeze=False)
+    ax1, ax2 = axes[0][0], axes[0][-1]
     ax1.plot(epochs, [r["train_loss"] for r in records], "o-", label="train")
-    if records[0]["train_acc"] is not None:  # a regression objective has none
+    if accuracy:
         ax2.plot(epochs, [100 * r["train_acc"] for r in records], "o-", label="train")
     if records[0]["val_loss"] is not None:
         ax1.plot(epochs, [r["val_loss"] for r in records], "s-", label="validation")
-        if records[0]["val_acc"] is not None:
+        if accuracy and records[0]["val_acc"] is not None:
             ax2.plot(epochs, [100 * r["val_acc"] for r in records], "s-", label="validation")
     ax1.set(xlabel="epoch", ylabel="loss", title="loss")
-    ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
-    for ax in (ax1, ax2):
+    if accuracy:
+        ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
+    for ax in axes[0]:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
