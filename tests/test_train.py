@@ -193,11 +193,15 @@ def test_a_relative_data_path_is_saved_absolute(tmp_path: Path, monkeypatch, cap
         folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray(image[0].numpy().astype(np.uint8)).save(folder / f"{i}.png")
     monkeypatch.chdir(work)
-    data = ["data.name=imagefolder:pics", "data.val_fraction=0.0"]
-    run = train(cfg("train.epochs=1", *data), out=tmp_path / "r")
+    data = ["data.name=imagefolder:pics/train", "data.test=imagefolder:pics/test"]
+    run = train(cfg("train.epochs=1", "data.val_fraction=0.0", *data), out=tmp_path / "r")
     saved = load_run_config(str(run / "config.yaml"))
-    assert saved.data.name == f"imagefolder:{work / 'pics'}"
+    assert saved.data.name == f"imagefolder:{work / 'pics' / 'train'}"
+    assert saved.data.test == f"imagefolder:{work / 'pics' / 'test'}"
     resume_config(run, data)  # restated relative: the same data, accepted
+    restated = main(["eval", str(run), "--data", "imagefolder:pics/train", "--json"])
+    assert restated == 0  # the run's own data: its data.test's 30 images, not a carve of train
+    assert json.loads(capsys.readouterr().out)["num_images"] == 30
     from vitlab.train.log import saved_tree  # a teacher on disk too (a hub name stays a name)
 
     teacher = cfg("distill.teacher=pics", "finetune.from=org/model")
@@ -485,20 +489,26 @@ def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "override, message",
     [  # each once accepted: trained uphill, 40 empty epochs, a traceback, ignored, ...
-        ("optim.clip_grad=-1", "clip_grad > 0"),
-        ("optim.clip_grad=0", "clip_grad > 0 \\(null: none\\)"),
+        ("optim.clip_grad=-1", "clip_grad >= 0 \\(0, null: none\\)"),
         ("optim.min_lr=0.01", "min_lr in \\[0, lr\\]"),
         ("optim.momentum=2", "momentum and label_smoothing in \\[0, 1\\)"),
         ("optim.lr=nan", "OptimConfig.lr: expected float, got nan"),
-        ("train.max_steps=0", "max_steps, threads and stop_at_epoch must be >= 1"),
-        ("train.threads=-2", "max_steps, threads and stop_at_epoch must be >= 1"),
-        ("train.threads=0", "max_steps, threads and stop_at_epoch must be >= 1"),
-        ("train.stop_at_epoch=0", "max_steps, threads and stop_at_epoch must be >= 1"),
+        ("optim.lr=1e400", "OptimConfig.lr: expected float, got inf"),
+        ("train.max_steps=0", "batch_threads and max_steps must be >= 1"),
+        ("train.threads=-2", "threads, stop_at_epoch >= 0"),
+        ("train.stop_at_epoch=-1", "threads, stop_at_epoch >= 0"),
     ],
 )
 def test_settings_out_of_range_are_refused(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         cfg(override)
+
+
+def test_zero_stays_the_unset_value_old_runs_saved() -> None:
+    """clip_grad 0 (no clipping), threads 0 (torch's count) and stop_at_epoch 0 (never) have
+    always run so: a run's config.yaml holding them must still load for eval and --resume."""
+    loaded = cfg("optim.clip_grad=0", "train.threads=0", "train.stop_at_epoch=0")
+    assert (loaded.optim.clip_grad, loaded.train.threads, loaded.train.stop_at_epoch) == (0, 0, 0)
 
 
 def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path: Path) -> None:
@@ -605,6 +615,15 @@ def test_default_run_folders_of_runs_started_in_the_same_second_differ(tmp_path,
     assert first == Path("runs/digits-T") and first.is_dir()  # taken as it is named
     assert default_run_folder(cfg()) == Path("runs/digits-T-2")  # the second start: another
     assert default_run_folder(cfg()) == Path("runs/digits-T-3")
+
+
+def test_a_failed_start_leaves_no_empty_default_folder(tmp_path: Path) -> None:
+    """The default folder is made at the start (two runs cannot take one); a start that fails
+    on bad input once left it behind, empty, each time."""
+    r = subprocess.run([*VITLAB, "train", "data.name=imagefolder:missing"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "missing" in r.stderr, r.stderr[-2000:]
+    assert not list((tmp_path / "runs").iterdir())
 
 
 def test_curves_of_a_run_without_accuracy_have_no_empty_panel(tmp_path: Path) -> None:

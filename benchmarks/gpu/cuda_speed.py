@@ -4,7 +4,9 @@
 step (cross-entropy, each library's AdamW as its scripts build it: vitlab's `build_optimizer`,
 timm's `create_optimizer_v2`, `torch.optim.AdamW` for transformers' Trainer default) and
 inference, in bf16 autocast and in float32 (PyTorch's default: no TF32), timed interleaved
-(a, b, c, a, b, c, ...) with the GPU synchronised around each call, median of the rounds.
+(a, b, c, a, b, c, ...) with the GPU synchronised around each library's group of 3 calls, median
+of the rounds; peak_mem_gib: the most GPU memory allocated during the row (all three libraries'
+models and optimizer states together).
 
     python benchmarks/gpu/cuda_speed.py [--models Ti/16:256 S/16:256 B/16:128] [--rounds 15]
         [--json OUT.json]
@@ -112,6 +114,8 @@ def measure(name: str, batch: int, rounds: int, device: str) -> list[dict]:
         logits = {k: m(x[:8]).float() for k, m in models.items()}
     rows = []
     for bf16 in (True, False):
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         row = {"model": name, "batch": batch, "precision": "bf16" if bf16 else "fp32"}
         for lib in ("timm", "hf"):
             row[f"fp32_max_logit_diff_{lib}"] = (logits["vitlab"] - logits[lib]).abs().max().item()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 from vitlab.duration import parse_duration
 
 T = TypeVar("T")
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE)
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE | re.ASCII)
 
 
 class ConfigError(ValueError):
@@ -65,10 +66,10 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         return isinstance(value, bool), value
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:  # a string of digits too: YAML 1.1 reads 1e-3 as text; NaN is no setting
+    if tp is float:  # a string of digits too: YAML 1.1 reads 1e-3 as text; NaN, inf no setting
         if isinstance(value, str) and _NUMBER.fullmatch(value):
             value = float(value)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
         return ok, float(value) if ok else value
     if tp is str:
         return isinstance(value, str), value
@@ -254,13 +255,13 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         validate(self)
-        clip = self.clip_grad is None or self.clip_grad > 0  # 0 or less: gradients reversed
+        clip = self.clip_grad is None or self.clip_grad >= 0  # below 0: gradients reversed
         if not (self.lr > 0 and self.lr >= self.min_lr >= 0 and clip and 0 <= self.momentum < 1
                 and min(self.weight_decay, self.warmup_epochs) >= 0
                 and 0 <= self.label_smoothing < 1):  # fmt: skip
-            raise ConfigError(f"optim: lr must be > 0, min_lr in [0, lr], clip_grad > 0 (null: "
-                              f"none), momentum and label_smoothing in [0, 1), weight_decay and "
-                              f"warmup_epochs >= 0; got {self}")  # fmt: skip
+            raise ConfigError(f"optim: lr must be > 0, min_lr in [0, lr], clip_grad >= 0 (0, "
+                              f"null: none), momentum and label_smoothing in [0, 1), weight_decay "
+                              f"and warmup_epochs >= 0; got {self}")  # fmt: skip
 
 
 @dataclass
@@ -300,10 +301,10 @@ class TrainConfig:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         counts = (self.epochs, self.batch_size, self.accum_steps, self.batch_threads)
-        unset = (self.max_steps, self.threads, self.stop_at_epoch)  # None: not set
-        if min(*counts, *(n for n in unset if n is not None)) < 1:
-            names = "batch_threads, max_steps, threads and stop_at_epoch"
-            raise ConfigError(f"train.epochs, batch_size, accum_steps, {names} must be >= 1")
+        unset = min(self.threads or 0, self.stop_at_epoch or 0)  # 0: unset (threads: torch's)
+        if min(*counts, 1 if self.max_steps is None else self.max_steps) < 1 or unset < 0:
+            names = "batch_threads and max_steps must be >= 1; threads, stop_at_epoch >= 0"
+            raise ConfigError(f"train.epochs, batch_size, accum_steps, {names} (0: unset)")
         if self.ema is not None and not 0.0 < self.ema < 1.0:
             raise ConfigError(f"train.ema is a decay in (0, 1), got {self.ema}")
 

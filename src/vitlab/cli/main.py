@@ -127,8 +127,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 _AFTER_CTRL_C = {
-    "train": " (the run keeps its checkpoints: `vitlab train --resume RUN` continues from the "
-    "last one, and finishes the test evaluation of a trained run)",
+    "train": " (a run keeps the checkpoints it saved: `vitlab train --resume RUN` continues "
+    "from the last one, and finishes the test evaluation of a trained run)",
     "reproduce": "; rerun the same command to continue",
 }
 

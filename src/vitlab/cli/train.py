@@ -95,11 +95,11 @@ def run(args: argparse.Namespace) -> int:
     except TrainingStopped as e:
         say(f"vitlab train: {e}")
         return 130
-    except NonFiniteLoss as e:
-        say(f"vitlab train: error: {e}")
+    except NonFiniteLoss as e:  # each rank its own loss: the one that went bad says so
+        print(f"vitlab train: error: {e}", file=sys.stderr)
         return 3
-    except RankLost as e:  # under torchrun: a peer process died or hung
-        print(f"vitlab train: error: {e}", file=sys.stderr)  # each survivor says what it saw
+    except RankLost as e:  # under torchrun: a peer process died or hung; each survivor says
+        print(f"vitlab train: error: {e}", file=sys.stderr)
         return 4
     if os.environ.get("RANK", "0") == "0":  # under torchrun: one line, `RUN=$(torchrun ...)`
         print(out)

@@ -123,3 +123,16 @@ def find_or_fetch_fashion_mnist(data_dir: str | None) -> dict[str, Path]:
             f"into {target} (or a folder named by data.dir= or $VITLAB_DATA)."
         ) from None
     return {name: target / name for name in FASHION_SHA256}
+
+
+def absolute_source(name: str | None) -> str | None:
+    """A dataset name with its local path made absolute (imagefolder:, hf: on disk, local wds:
+    shards), as a run's config.yaml keeps it; another name (digits, a hub name, a URL) as it is."""
+    kind, sep, rest = (name or "").partition(":")
+    if not sep or kind not in ("imagefolder", "hf", "wds"):
+        return name  # digits, fashion-mnist, cifar10, ... (and None)
+    spec, mark, split = rest.partition("#") if kind == "hf" else (rest, "", "")
+    path = os.path.expanduser(spec)
+    if (kind == "hf" and not os.path.exists(path)) or "://" in spec or spec.startswith("pipe:"):
+        return name  # a hub name, a URL, a command
+    return f"{kind}:{os.path.abspath(path)}{mark}{split}"

@@ -20,6 +20,7 @@ from vitlab.data.datasets import (
     load_run_split,
     read_image,
 )
+from vitlab.data.download import absolute_source
 from vitlab.eval.backends import backend_device, describe, prepare
 from vitlab.eval.classification import (
     evaluate,
@@ -54,7 +55,7 @@ def data_config(run_cfg: RunConfig | None, data: str | None, data_dir: str | Non
     """The data a command evaluating a checkpoint reads: its run's (test source, columns, split
     seed and carve included) unless another dataset is named, then that one as it comes."""
     cfg = run_cfg.data if run_cfg else DataConfig(name="digits", split_seed=0)
-    if data and data != cfg.name:
+    if data and absolute_source(data) != absolute_source(cfg.name):  # restated: the run's own
         cfg = DataConfig(name=data, split_seed=cfg.split_seed, val_fraction=cfg.val_fraction)
     return dataclasses.replace(cfg, dir=data_dir) if data_dir else cfg
 

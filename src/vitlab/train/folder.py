@@ -3,6 +3,8 @@ length of a run being resumed."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -89,14 +91,21 @@ def replace_run(out: Path, d: Dist, device: torch.device, replace: bool) -> None
 
 def default_run_folder(cfg: RunConfig) -> Path:
     """runs/DATASET-DATE-TIME, with -2, -3, ... when a run started in the same second: made here,
-    so that two runs started together cannot both take it."""
+    so that two runs started together cannot both take it (and removed at exit if still empty:
+    a start that failed on bad input leaves nothing)."""
     base = Path("runs") / time.strftime(f"{cfg.data.name.split(':')[0]}-%Y%m%d-%H%M%S")
     base.parent.mkdir(parents=True, exist_ok=True)
     out, n = base, 1
     while True:
         try:
             out.mkdir()
+            atexit.register(_remove_if_empty, out)
             return out
         except FileExistsError:
             n += 1
             out = base.with_name(f"{base.name}-{n}")
+
+
+def _remove_if_empty(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not empty: a run is in it
+        folder.rmdir()

@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from vitlab.config import RunConfig
+from vitlab.data.download import absolute_source
 from vitlab.eval.classification import top5_name
 from vitlab.formats.base import write_text
 
@@ -35,7 +36,7 @@ def saved_tree(cfg: RunConfig) -> dict:
     that eval, fewshot, probe, analyze and --resume read the same files from any working folder."""
     tree = cfg.to_tree()
     data = tree["data"]
-    data.update(name=_absolute(data["name"]), test=_absolute(data.get("test")))
+    data.update(name=absolute_source(data["name"]), test=absolute_source(data.get("test")))
     if data.get("dir"):
         data["dir"] = os.path.abspath(os.path.expanduser(data["dir"]))
     for section, key in (("distill", "teacher"), ("finetune", "from")):
@@ -43,17 +44,6 @@ def saved_tree(cfg: RunConfig) -> dict:
         if source and os.path.exists(os.path.expanduser(source)):  # not a hub name
             tree[section][key] = os.path.abspath(os.path.expanduser(source))
     return tree
-
-
-def _absolute(name: str | None) -> str | None:
-    kind, sep, rest = (name or "").partition(":")
-    if not sep or kind not in ("imagefolder", "hf", "wds"):
-        return name  # digits, fashion-mnist, cifar10, ... (and None)
-    spec, mark, split = rest.partition("#") if kind == "hf" else (rest, "", "")
-    path = os.path.expanduser(spec)
-    if (kind == "hf" and not os.path.exists(path)) or "://" in spec or spec.startswith("pipe:"):
-        return name  # a hub name, a URL, a command
-    return f"{kind}:{os.path.abspath(path)}{mark}{split}"
 
 
 class RunLog:
