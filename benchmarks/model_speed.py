@@ -236,7 +236,7 @@ def optimizer(model: torch.nn.Module, lib: str, kind: str) -> torch.optim.Optimi
 
 def step_fns(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool, opt):
     """(inference call, training step) for model on batch (x, y), stepping `opt`."""
-    ctx = (lambda: torch.autocast("cpu", torch.bfloat16)) if bf16 else nullcontext
+    ctx = (lambda: torch.autocast(x.device.type, torch.bfloat16)) if bf16 else nullcontext
 
     def infer() -> None:
         model.eval()
@@ -258,7 +258,7 @@ def threaded_step_fns(model, x, y, bf16: bool, opt, n: int):
     """step_fns' pair as train.batch_threads=n trains and --batch-threads n infers."""
     infer, _ = step_fns(BatchParts(model, n), x, y, bf16, opt)
     threads = BatchThreads(model, n)
-    ctx = (lambda: torch.autocast("cpu", torch.bfloat16)) if bf16 else nullcontext
+    ctx = (lambda: torch.autocast(x.device.type, torch.bfloat16)) if bf16 else nullcontext
 
     def train() -> None:
         model.train()

@@ -21,13 +21,12 @@ import json
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model_speed import optimizer, randomize_heads, timm_twin  # noqa: E402
+from model_speed import optimizer, randomize_heads, step_fns, timm_twin  # noqa: E402
 
 import vitlab  # noqa: E402
 from vitlab.models.checkpoint import save_pretrained  # noqa: E402
@@ -59,25 +58,6 @@ class _Logits(torch.nn.Module):
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def step_fns(model, x, y, bf16: bool, opt):
-    ctx = (lambda: torch.autocast(x.device.type, torch.bfloat16)) if bf16 else nullcontext
-
-    def infer() -> None:
-        model.eval()
-        with torch.inference_mode(), ctx():
-            model(x)
-
-    def train() -> None:
-        model.train()
-        with ctx():
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    return infer, train
 
 
 def medians(fns: dict, rounds: int, calls: int = 3, warmup: int = 3) -> dict[str, float]:
