@@ -321,7 +321,9 @@ class TimeBudget:
             "schedule": {"span": self.span, "pieces": [list(p) for p in self.pieces]},
         }
         write_text(self.file, json.dumps(plan) + "\n")  # atomic: --resume reads it
-        print(
+        from tqdm import tqdm  # its write: a line of its own, not inside the progress bar's
+
+        tqdm.write(
             f"time budget {self.text}: {total:,} steps ({epochs:.1f} epochs) at "
             f"{speed:,.0f} img/s{note}",
             file=sys.stderr,
