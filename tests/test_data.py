@@ -372,6 +372,8 @@ def test_close_ends_the_workers_and_the_default_count_is_capped(tmp_path: Path, 
     assert loader_mod.loader_options(DataConfig(), torch.device("cpu"))["workers"] == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
     assert loader_mod.loader_options(DataConfig(), torch.device("cpu"))["workers"] == 4
+    assert not loader_mod.loader_options(DataConfig(), torch.device("cpu"))["workers_chosen"]
+    assert loader_mod.loader_options(DataConfig(workers=2), torch.device("cpu"))["workers_chosen"]
     make_folder(tmp_path / "imgs")
     pre = Preprocessing((16, 16), 3, (0.5,) * 3, (0.5,) * 3)
     aug = BatchAugment(DataConfig(), pre, 3)

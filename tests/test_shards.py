@@ -137,6 +137,9 @@ def test_fewer_workers_than_asked_are_said(balanced: Path, caplog) -> None:
         caplog.clear()
         assert make_loader(split, 16, PRE, augment=AUG, shuffle=True, workers=4).workers == 4
         assert "DataLoader worker" not in caplog.text
+        default = make_loader(split, 16, PRE, augment=AUG, shuffle=True, workers=3,
+                              workers_chosen=False)  # fmt: skip
+        assert default.workers == 2 and "DataLoader worker" not in caplog.text  # nothing asked
 
 
 def test_evaluation_with_fewer_shards_than_ranks_pads(balanced: Path) -> None:

@@ -234,6 +234,7 @@ def make_loader(
     rank: int = 0,
     world: int = 1,
     workers: int = 0,
+    workers_chosen: bool = True,
     pin_memory: bool = False,
     prefetch: int = 2,
     buffer: int = 1000,
@@ -242,7 +243,9 @@ def make_loader(
     `workers`, `pin_memory` and `prefetch` apply to streamed data (files, shards, HF rows),
     `buffer` (the shuffle buffer's size) to shards."""
     # an evaluation pass is one a call: its workers end with it
-    options = LoaderOptions(workers, pin_memory, prefetch, persistent=augment is not None)
+    options = LoaderOptions(
+        workers, pin_memory, prefetch, persistent=augment is not None, chosen=workers_chosen
+    )
     if augment is None:
 
         def evaluate_batch(images: Tensor, labels: Tensor) -> Batch:  # resized by per_image

@@ -171,12 +171,13 @@ class StreamLoader:
         asked = self.options.workers
         self.workers = max(d for d in range(1, self.streams + 1) if self.streams % d == 0
                            and d <= max(asked, 1)) if asked else 0  # fmt: skip
-        if train and self.workers < asked and rank == 0:
-            log.warning("data.workers=%d: %d DataLoader worker(s) serve this process's %d shard "
-                        "streams (%d shards over %d process(es), at most %d streams, each served "
-                        "by one worker): a worker count that divides %d, or more shards (vitlab "
-                        "data shard --shard-size), keep more at work", asked, self.workers,
-                        self.streams, n_shards, world, MAX_STREAMS, self.streams)  # fmt: skip
+        if train and self.workers < asked and rank == 0:  # a note only when data.workers was set
+            say = log.warning if self.options.chosen else log.info
+            say("data.workers=%d: %d DataLoader worker(s) serve this process's %d shard "
+                "streams (%d shards over %d process(es), at most %d streams, each served by one "
+                "worker): a worker count that divides %d, or more shards (vitlab data shard "
+                "--shard-size), keep more at work", asked, self.workers, self.streams, n_shards,
+                world, MAX_STREAMS, self.streams)  # fmt: skip
         if train:
             self._check_deal()
         self.skipped: set[str] = set()

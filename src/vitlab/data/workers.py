@@ -47,6 +47,7 @@ class LoaderOptions:
     pin_memory: bool = False  # page-locked batches: faster, asynchronous copies to a GPU
     prefetch: int = 2  # batches each worker prepares ahead
     persistent: bool = True  # keep the workers from one epoch to the next
+    chosen: bool = True  # workers set by data.workers (False: the default, this process's share)
 
     def dataloader(self, dataset: Dataset, **kw: object) -> DataLoader:
         extra = {}
@@ -70,6 +71,7 @@ def loader_options(cfg: DataConfig, device: torch.device) -> dict:
         workers = max(1, min(MAX_WORKERS, available_cores() // max(local_world, 1)))
     return {
         "workers": workers,
+        "workers_chosen": cfg.workers is not None,
         "pin_memory": device.type == "cuda",
         "prefetch": cfg.prefetch,
         "buffer": cfg.shuffle_buffer,
