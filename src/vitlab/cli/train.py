@@ -89,11 +89,13 @@ def run(args: argparse.Namespace) -> int:
         if args.extend:
             raise ValueError("--extend lengthens a resumed run: use it with --resume")
         cfg = load_run_config(args.config, args.overrides)
+    main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun: rank 0 speaks for all
     try:
         out = train(cfg, out=args.out, resume=args.resume, extend=args.extend,
                     overwrite=args.overwrite, budget_from_process_start=True)  # fmt: skip
     except TrainingStopped as e:
-        say(f"vitlab train: {e}")
+        if main_rank:
+            print(f"vitlab train: {e}", file=sys.stderr)
         return 130
     except NonFiniteLoss as e:  # each rank its own loss: the one that went bad says so
         print(f"vitlab train: error: {e}", file=sys.stderr)
@@ -101,12 +103,6 @@ def run(args: argparse.Namespace) -> int:
     except RankLost as e:  # under torchrun: a peer process died or hung; each survivor says
         print(f"vitlab train: error: {e}", file=sys.stderr)
         return 4
-    if os.environ.get("RANK", "0") == "0":  # under torchrun: one line, `RUN=$(torchrun ...)`
+    if main_rank:  # one line, for `RUN=$(torchrun ... vitlab train ...)`
         print(out)
     return 0
-
-
-def say(line: str) -> None:
-    """A line on stderr from the process (rank 0 under torchrun: every rank knows the same)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr)

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from vitlab.config import DataConfig
 from vitlab.data import DatasetError, make_loader
 from vitlab.data.datasets import folder_root, load_run_split
+from vitlab.data.download import absolute_source
 from vitlab.eval.run import data_config, match_channels, run_config_of, run_folder
 from vitlab.formats.base import (
     CheckpointError,
@@ -163,10 +164,10 @@ def _identity(name: str) -> tuple[str, str | None]:
     if name.startswith("imagefolder:"):
         root = folder_root(name).resolve()
         return f"imagefolder:{root}", folder_digest(root)
-    spec, sep, split = name.removeprefix("hf:").partition("#")
-    if name.startswith("hf:") and Path(spec).expanduser().exists():
-        path = Path(spec).expanduser().resolve()
-        return f"hf:{path}{sep}{split}", folder_digest(path)
+    local = absolute_source(name)  # an hf: dataset on disk made absolute, a hub name as it is
+    path = Path(local.removeprefix("hf:").partition("#")[0])
+    if name.startswith("hf:") and path.is_absolute() and path.exists():
+        return local, folder_digest(path)
     return name, None
 
 

@@ -9,6 +9,7 @@ PyTorch; a fused qkv weight is (3 D, D) with rows q, k, v.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -83,17 +84,25 @@ class Files:
         """The flat state dict of a .safetensors or PyTorch file."""
         if self._tensors is None:
             read = load_weights if self.suffix == ".safetensors" else read_torch
-            shards = self.shards()
-            self._tensors = {k: v for shard in shards for k, v in read(shard).items()}
-            if len(shards) > 1:  # the index's every name, no more
-                _check_shards(self.weights, self._tensors)
+            self._tensors = {k: v for shard in self.shards() for k, v in read(shard).items()}
+            if self.index is not None and set(self.index) != set(self._tensors):  # every name
+                lost = sorted(set(self.index) - set(self._tensors))
+                extra = sorted(set(self._tensors) - set(self.index))
+                raise CheckpointError(f"{self.weights}: the shards do not hold what it names "
+                                      f"(missing {lost[:5]}, unlisted {extra[:5]})")  # fmt: skip
         return self._tensors
+
+    @functools.cached_property
+    def index(self) -> dict[str, str] | None:
+        """A sharded checkpoint's weight_map (tensor name -> shard file), read once; None for a
+        weights file."""
+        return _weight_map(self.weights) if self.weights.name.lower().endswith(INDEX) else None
 
     def shards(self) -> list[Path]:
         """The files the tensors are in: the weights file, or the shards its index names."""
-        if not self.weights.name.lower().endswith(INDEX):
+        if self.index is None:
             return [self.weights]
-        files = sorted(set(_weight_map(self.weights).values()))
+        files = sorted(set(self.index.values()))
         missing = [f for f in files if not (self.weights.parent / f).is_file()]
         if missing:
             raise CheckpointError(f"{self.weights} names shards that are not beside it: {missing}")
@@ -132,14 +141,6 @@ def _weight_map(index: Path) -> dict[str, str]:
     if any(Path(v).name != v for v in mapping.values()):  # shards live beside their index
         raise CheckpointError(f"{index}: weight_map names files outside its folder")
     return mapping
-
-
-def _check_shards(index: Path, tensors: StateDict) -> None:
-    want = set(_weight_map(index))
-    if want != set(tensors):
-        lost, extra = sorted(want - set(tensors)), sorted(set(tensors) - want)
-        raise CheckpointError(f"{index}: the shards do not hold what it names (missing "
-                              f"{lost[:5]}, unlisted {extra[:5]})")  # fmt: skip
 
 
 @dataclass
