@@ -48,7 +48,9 @@ head_only): vitlab_rows_* columns and head_only_gain. MFU counts every row's FLO
 
 `--isa avx2` re-runs the script with PyTorch's kernels (ATEN_CPU_CAPABILITY), oneDNN and MKL held
 to AVX2: the float32 path of an AVX2-only CPU (no AVX-512, no bf16) on any newer x86 machine. bf16
-rows are then left out (such CPUs have no bf16 arithmetic). Results go in BENCHMARKS.md.
+rows are then left out (such CPUs have no bf16 arithmetic), as they are on a CPU that is AVX2-only
+(or otherwise lacks bf16 arithmetic: runtime.cpu_has_bf16), where they would take hours.
+Results go in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ from vitlab.formats.timm import timm_model_args, vitlab_to_timm
 from vitlab.models.cpu_kernels import use_kernel
 from vitlab.models.packed import PACK_BYTES, pack_linear
 from vitlab.models.registry import family_of
-from vitlab.runtime import use_bf16
+from vitlab.runtime import cpu_has_bf16, use_bf16
 from vitlab.train.engine import classification
 from vitlab.train.optim import build_optimizer
 from vitlab.train.threads import BatchThreads
@@ -362,7 +364,7 @@ def main() -> None:
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor()}, "
           f"kernels {isa}, optimizer {args.optimizer}")  # fmt: skip
-    precisions = (False, True) if native else (False,)
+    precisions = (False, True) if native and cpu_has_bf16() else (False,)
     peaks = {bf16: matmul_peak(torch.bfloat16 if bf16 else torch.float32) for bf16 in precisions}
     print(json.dumps({"matmul_2048_gflop_s": {("bf16" if k else "fp32"): round(v / 1e9, 1)
                                               for k, v in peaks.items()}}))  # fmt: skip
