@@ -254,3 +254,22 @@ def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path: Path)
         write_text(tmp_path / "t.txt", None)  # type: ignore[arg-type]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt", "w.safetensors"]
     assert (tmp_path / "t.txt").read_text() == "old"
+
+
+def test_npz_asked_of_another_format_names_what_the_file_is(tmp_path: Path) -> None:
+    """numpy calls any non-zip file 'pickled (object) data'; the error says what it holds."""
+    from vitlab import load_pretrained
+    from vitlab.formats.base import CheckpointError
+
+    model = create_model("vit_nano_patch4_28")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "w.st")
+    torch.save(model.state_dict(), tmp_path / "w.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError, match=r"not a numpy \.npz.*it is a safetensors file"):
+        load_pretrained(tmp_path / "w.st", format="npz")
+    with pytest.raises(CheckpointError, match=r"not a numpy \.npz.*it is a Python pickle"):
+        load_pretrained(tmp_path / "w.pt", format="npz")
+    (tmp_path / "t.npz").write_bytes(b"PK\x03\x04 cut short")  # a zip's start: numpy's words
+    with pytest.raises(CheckpointError, match="truncated or not a numpy .npz"):
+        load_pretrained(tmp_path / "t.npz", format="npz")
+    loaded = load_pretrained(tmp_path / "w.pt").state_dict()  # "auto" reads the legacy pickle
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())

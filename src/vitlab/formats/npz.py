@@ -49,6 +49,9 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
 
 
 def read_arrays(path: Path) -> dict[str, np.ndarray]:
+    other = _other_format(path)
+    if other:  # numpy would call it pickled data, which it is not
+        raise CheckpointError(f"{path} is not a numpy .npz (a zip of .npy arrays): it is {other}")
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
@@ -65,6 +68,24 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
         if not isinstance(v, np.ndarray) or v.dtype.kind not in "biuf":
             raise CheckpointError(f"{path}: {k} is not an array of numbers")
     return arrays
+
+
+def _other_format(path: Path) -> str | None:
+    """What a file that is not a zip archive holds, by its first bytes: a safetensors file (an
+    8-byte header length, then its JSON header) or a pickle; None for a zip (an .npz, or a
+    torch.save archive, which reading then refuses by its members) and for what is not known."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return None  # np.load says what is wrong
+    if head[:2] == b"PK":
+        return None
+    if len(head) == 9 and head[8:9] == b"{":
+        return "a safetensors file (format='vitlab', 'timm' or 'hf', or 'auto')"
+    if head[:1] == b"\x80":
+        return "a Python pickle, such as torch.save's legacy format (format='auto' reads it safely)"
+    return None
 
 
 def npz_prefix(arrays: Mapping[str, np.ndarray]) -> str | None:
