@@ -369,6 +369,38 @@ def test_ctrl_c_after_the_last_epoch_is_one_line_and_resume_finishes(tmp_path, m
     assert json.loads((run / "results.json").read_text())["top1"] > 0.1  # chance: 0.1
 
 
+def test_sigterm_after_the_last_epoch_is_one_line(tmp_path, monkeypatch, capsys):
+    """A real SIGTERM while the trained run writes its curves (after the training loop, whose
+    handler saves and stops) ended the process silently with 143; now the same exit code and a
+    line on how to finish, and the caller's SIGTERM handler is back afterwards."""
+    import os
+    import signal
+
+    from vitlab.train import log as log_mod
+
+    real = log_mod.save_curves
+
+    def sigterm(*a, **k):
+        monkeypatch.setattr(log_mod, "save_curves", real)  # once
+        os.kill(os.getpid(), signal.SIGTERM)  # handled before the next bytecode
+        raise AssertionError("SIGTERM did not stop the command")
+
+    def caller(signum, frame):  # the test process's own: without vitlab's, the test fails
+        raise RuntimeError("SIGTERM reached the caller's handler")
+
+    monkeypatch.setattr(log_mod, "save_curves", sigterm)
+    before = signal.signal(signal.SIGTERM, caller)
+    run = tmp_path / "run"
+    try:
+        assert main(["train", "--out", str(run), *FAST, "train.epochs=1"]) == 143
+        assert signal.getsignal(signal.SIGTERM) is caller
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    err = capsys.readouterr().err
+    assert "vitlab train: terminated" in err and "--resume" in err and "Traceback" not in err
+    assert (run / "checkpoints" / "last").is_dir() and not (run / "results.json").exists()
+
+
 def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
     run = train(cfg("train.epochs=2", "train.stop_at_epoch=1"), out=tmp_path / "run")
     before = weights_of(run)

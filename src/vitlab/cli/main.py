@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import signal
 import sys
 from collections.abc import Iterator, Sequence
 
@@ -133,12 +134,35 @@ _AFTER_CTRL_C = {
 }
 
 
+class Terminated(BaseException):
+    """SIGTERM outside training's loop (which saves and stops on it: train.stop.StopFlag)."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises Terminated in the main thread while the command runs (so it ends with a
+    line that says what was kept, not silently), the caller's handler restored after."""
+
+    def handle(signum: int, frame: object) -> None:
+        raise Terminated
+
+    try:
+        old = signal.signal(signal.SIGTERM, handle)
+    except ValueError:  # not the main thread: the default stays
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     if argv is None:  # the command (not a caller's in-process call): reuse freed memory
         tune_allocator()
     try:
-        with cli_logging(args.verbose, args.quiet):
+        with cli_logging(args.verbose, args.quiet), sigterm_raises():
             return args.run(args) or 0
     except (ConfigError, UnknownModelError, ValueError) as e:
         print(f"vitlab {args.command}: error: {e}", file=sys.stderr)
@@ -154,6 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vitlab {args.command}: interrupted{_AFTER_CTRL_C.get(args.command, '')}",
               file=sys.stderr)  # fmt: skip
         return 130
+    except Terminated:  # 128 + SIGTERM, as the default handler's exit would give
+        print(f"vitlab {args.command}: terminated{_AFTER_CTRL_C.get(args.command, '')}",
+              file=sys.stderr)  # fmt: skip
+        return 143
     except OSError as e:  # a lost mount, a full disk outside checkpoints: one line (-v: raised)
         if args.verbose > args.quiet:
             raise
