@@ -53,22 +53,30 @@ def digits(trained) -> torch.Tensor:
     return torch.cat([x for x, _ in loader])
 
 
-def test_onnxruntime_int8_weights_fit_the_cpus_int8_products(trained) -> None:
+@pytest.mark.parametrize("wide", [True, False])
+def test_onnxruntime_int8_weights_fit_the_cpus_int8_products(trained, monkeypatch, wide) -> None:
     """7-bit weights where onnxruntime's x86 kernels add uint8 x int8 pairs in int16 (no VNNI:
     full-range weights overflowed there and moved a tiny model's logits by up to 1.9 on an
-    AVX2-only EPYC), the full int8 range elsewhere."""
+    AVX2-only EPYC), the full int8 range elsewhere; which CPUs are which."""
     import onnx
     from onnx import numpy_helper
 
+    from vitlab.eval import backends
+
+    monkeypatch.setattr(backends, "_int8_dot_products", lambda: wide)
     model, meta = load_checkpoint(trained)
     runner = prepare(model, meta, "onnxruntime", int8=True, threads=1)
     weights = [numpy_helper.to_array(t) for t in onnx.load(runner.path).graph.initializer
                if t.data_type == onnx.TensorProto.INT8]  # fmt: skip
     assert len(weights) >= 2 * 4  # the qkv, proj, fc1 and fc2 weights of both blocks
-    caps = torch.cpu.get_capabilities()
-    vnni = caps.get("avx512_vnni") or caps.get("avx_vnni")
-    want = 127 if vnni or not caps.get("architecture", "").startswith("x86") else 64
-    assert max(int(np.abs(w.astype(np.int32)).max()) for w in weights) == want
+    assert max(int(np.abs(w.astype(np.int32)).max()) for w in weights) == (127 if wide else 64)
+    monkeypatch.undo()
+    x86 = {"architecture": "x86_64", "sse2": True, "avx2": True, "avx512_vnni": False}
+    assert not backends._int8_dot_products(x86)  # AVX2 only (the EPYC above)
+    assert not backends._int8_dot_products({**x86, "avx512_f": True})  # AVX-512 without VNNI
+    assert backends._int8_dot_products({**x86, "avx_vnni": True})
+    assert backends._int8_dot_products({**x86, "avx512_vnni": True})
+    assert backends._int8_dot_products({"architecture": "arm64", "neon": True, "dot": True})
 
 
 @pytest.mark.parametrize(("backend", "int8"), [("onnxruntime", False), ("torch", True),

@@ -256,20 +256,24 @@ def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path: Path)
     assert (tmp_path / "t.txt").read_text() == "old"
 
 
-def test_npz_asked_of_another_format_names_what_the_file_is(tmp_path: Path) -> None:
-    """numpy calls any non-zip file 'pickled (object) data'; the error says what it holds."""
+def test_an_npz_that_is_another_format_names_what_the_file_is(tmp_path: Path) -> None:
+    """numpy calls any non-zip file 'pickled (object) data'; the error says what the file holds
+    and the name that reads it (readers go by suffix)."""
     from vitlab import load_pretrained
     from vitlab.formats.base import CheckpointError
 
     model = create_model("vit_nano_patch4_28")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "w.st")
-    torch.save(model.state_dict(), tmp_path / "w.pt", _use_new_zipfile_serialization=False)
-    with pytest.raises(CheckpointError, match=r"not a numpy \.npz.*it is a safetensors file"):
-        load_pretrained(tmp_path / "w.st", format="npz")
-    with pytest.raises(CheckpointError, match=r"not a numpy \.npz.*it is a Python pickle"):
-        load_pretrained(tmp_path / "w.pt", format="npz")
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, tmp_path / "w.npz")
+    torch.save(weights, tmp_path / "p.npz", _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError, match=r"not a numpy \.npz.*safetensors file: name it"):
+        load_pretrained(tmp_path / "w.npz")
+    with pytest.raises(CheckpointError, match=r"not a numpy \.npz.*Python pickle.*name it \*\.pt"):
+        load_pretrained(tmp_path / "p.npz", format="npz")
     (tmp_path / "t.npz").write_bytes(b"PK\x03\x04 cut short")  # a zip's start: numpy's words
     with pytest.raises(CheckpointError, match="truncated or not a numpy .npz"):
-        load_pretrained(tmp_path / "t.npz", format="npz")
-    loaded = load_pretrained(tmp_path / "w.pt").state_dict()  # "auto" reads the legacy pickle
-    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+        load_pretrained(tmp_path / "t.npz")
+    for src, dst in (("w.npz", "w.safetensors"), ("p.npz", "p.pt")):  # as the errors advise
+        (tmp_path / src).rename(tmp_path / dst)
+        loaded = load_pretrained(tmp_path / dst).state_dict()
+        assert all(torch.equal(loaded[k], v) for k, v in weights.items())

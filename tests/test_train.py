@@ -373,16 +373,13 @@ def test_sigterm_after_the_last_epoch_is_one_line(tmp_path, monkeypatch, capsys)
     """A real SIGTERM while the trained run writes its curves (after the training loop, whose
     handler saves and stops) ended the process silently with 143; now the same exit code and a
     line on how to finish, and the caller's SIGTERM handler is back afterwards."""
-    import os
-    import signal
-
     from vitlab.train import log as log_mod
 
     real = log_mod.save_curves
 
     def sigterm(*a, **k):
         monkeypatch.setattr(log_mod, "save_curves", real)  # once
-        os.kill(os.getpid(), signal.SIGTERM)  # handled before the next bytecode
+        signal.raise_signal(signal.SIGTERM)  # its handler runs before this returns
         raise AssertionError("SIGTERM did not stop the command")
 
     def caller(signum, frame):  # the test process's own: without vitlab's, the test fails

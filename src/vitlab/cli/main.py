@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator, Sequence
@@ -141,20 +142,24 @@ class Terminated(BaseException):
 @contextlib.contextmanager
 def sigterm_raises() -> Iterator[None]:
     """SIGTERM raises Terminated in the main thread while the command runs (so it ends with a
-    line that says what was kept, not silently), the caller's handler restored after."""
+    line that says what was kept, not silently), the caller's handler restored after. Left as it
+    is: off the main thread, where the caller ignores SIGTERM, and under torchrun (whose agent
+    sends it to every rank, maybe inside a collective that a Python handler would wait out)."""
 
     def handle(signum: int, frame: object) -> None:
         raise Terminated
 
-    try:
-        old = signal.signal(signal.SIGTERM, handle)
-    except ValueError:  # not the main thread: the default stays
-        yield
-        return
+    old: object = signal.SIG_IGN
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        with contextlib.suppress(ValueError):  # ValueError: not the main thread
+            old = signal.getsignal(signal.SIGTERM)
+            if old is not signal.SIG_IGN:
+                signal.signal(signal.SIGTERM, handle)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        if old is not signal.SIG_IGN:  # None: a handler set from C, which cannot be put back
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

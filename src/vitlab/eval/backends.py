@@ -10,6 +10,7 @@ import logging
 import math
 import tempfile
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -240,10 +241,11 @@ def _quantize_onnx(path: Path) -> Path:
     return out
 
 
-def _int8_dot_products() -> bool:
+def _int8_dot_products(caps: Mapping[str, object] | None = None) -> bool:
     """Whether this CPU's int8 products cannot overflow onnxruntime's intermediates: VNNI on x86
-    (AVX512-VNNI, AVX-VNNI), or not x86 (ARM's dot-product instructions add in int32)."""
-    caps = torch.cpu.get_capabilities()
-    if caps.get("architecture") not in ("x86_64", "x86"):
+    (AVX512-VNNI, AVX-VNNI), or not x86 (ARM's dot-product instructions add in int32). x86 is
+    told by its SSE keys, which torch.cpu.get_capabilities() reports on x86 only."""
+    caps = torch.cpu.get_capabilities() if caps is None else caps
+    if "sse2" not in caps:
         return True
     return bool(caps.get("avx512_vnni") or caps.get("avx_vnni"))

@@ -71,9 +71,10 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
 
 
 def _other_format(path: Path) -> str | None:
-    """What a file that is not a zip archive holds, by its first bytes: a safetensors file (an
-    8-byte header length, then its JSON header) or a pickle; None for a zip (an .npz, or a
-    torch.save archive, which reading then refuses by its members) and for what is not known."""
+    """What a file that is not a zip archive holds, by its first bytes, and the name that reads
+    it (readers are chosen by suffix): a safetensors file (an 8-byte header length, then its JSON
+    header) or a pickle; None for a zip (an .npz, or a torch.save archive, which reading then
+    refuses by its members) and for what is not known."""
     try:
         with open(path, "rb") as f:
             head = f.read(9)
@@ -82,9 +83,12 @@ def _other_format(path: Path) -> str | None:
     if head[:2] == b"PK":
         return None
     if len(head) == 9 and head[8:9] == b"{":
-        return "a safetensors file (format='vitlab', 'timm' or 'hf', or 'auto')"
+        return "a safetensors file: name it *.safetensors, which format='auto' reads"
     if head[:1] == b"\x80":
-        return "a Python pickle, such as torch.save's legacy format (format='auto' reads it safely)"
+        return (
+            "a Python pickle, such as torch.save's legacy format: name it *.pt (or .pth, .bin), "
+            "which format='auto' reads without running its code"
+        )
     return None
 
 
