@@ -8,9 +8,10 @@ speed: forward and training-step throughput of vitlab's SwinTransformer and timm
 weights (vitlab uses timm's names, so the state dict loads as it is), called in turn (a, b, a, b)
 in one process, fp32 and (where the CPU has bf16 arithmetic) bf16 autocast. memory: one image
 through Swin-T and ViT-B/16 in float32 without gradients, each size in a fresh process: wall time
-and the process's peak resident memory above its state after building the model. fmnist: `vitlab train` of three models on Fashion-MNIST
-with the quick preset's recipe, each given the same wall-clock budget: its epochs are fixed from a
-measured training throughput so that training takes about --budget seconds.
+and the process's peak resident memory above its state after building the model. fmnist:
+`vitlab train` of three models on Fashion-MNIST with the quick preset's recipe, each given the same
+wall-clock budget: its epochs are fixed from a measured training throughput so that training
+takes about --budget seconds.
 """
 
 from __future__ import annotations
