@@ -60,6 +60,8 @@ def main() -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name, _, batch = args.model.rpartition(":")
+    if not name or not batch.isdigit():
+        p.error(f"--model takes NAME:BATCH, e.g. Ti/16:256; got {args.model!r}")
     device, bf16 = args.device, args.precision == "bf16"
     torch.manual_seed(0)
     ours = vitlab.create_model(name)
@@ -91,7 +93,7 @@ def main() -> None:
                 torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
         kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
-        text = f"{lib}: {kernels / 5:.0f} GPU kernels a step\n{table}\n"
+        text = f"{lib}: {kernels / 5:.0f} GPU events a step (kernels, memcpy, memset)\n{table}\n"
         (out / f"profile_{lib}.txt").write_text(text)
         print(text[:4000], flush=True)
 
