@@ -150,7 +150,7 @@ def sigterm_raises() -> Iterator[None]:
         raise Terminated
 
     old: object = signal.SIG_IGN
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if os.environ.get("WORLD_SIZE", "1").strip() in ("", "1"):
         with contextlib.suppress(ValueError):  # ValueError: not the main thread
             old = signal.getsignal(signal.SIGTERM)
             if old is not signal.SIG_IGN:
