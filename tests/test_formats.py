@@ -256,24 +256,44 @@ def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path: Path)
     assert (tmp_path / "t.txt").read_text() == "old"
 
 
-def test_an_npz_that_is_another_format_names_what_the_file_is(tmp_path: Path) -> None:
-    """numpy calls any non-zip file 'pickled (object) data'; the error says what the file holds
-    and the name that reads it (readers go by suffix)."""
+def test_a_file_named_for_another_format_gets_the_name_that_reads_it(tmp_path: Path) -> None:
+    """Readers go by suffix, and each library's own error misleads on another format's bytes
+    (numpy calls anything not a zip 'pickled data'; torch.load says 'invalid load key'). Each of
+    the four kinds under each wrong name says what the file is and what to call it, and under that
+    name it loads."""
+    from tests.test_checkpoint import google_arrays
     from vitlab import load_pretrained
     from vitlab.formats.base import CheckpointError
 
-    model = create_model("vit_nano_patch4_28")
-    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
-    save_file(weights, tmp_path / "w.npz")
-    torch.save(weights, tmp_path / "p.npz", _use_new_zipfile_serialization=False)
-    with pytest.raises(CheckpointError, match=r"not a numpy \.npz.*safetensors file: name it"):
-        load_pretrained(tmp_path / "w.npz")
-    with pytest.raises(CheckpointError, match=r"not a numpy \.npz.*Python pickle.*name it \*\.pt"):
-        load_pretrained(tmp_path / "p.npz", format="npz")
+    weights = {
+        k: v.contiguous() for k, v in create_model("vit_nano_patch4_28").state_dict().items()
+    }
+    arrays = google_arrays(np.random.default_rng(0), 64, 1, 2, 128, 8, 4, 3, False, False, True)
+    write = {
+        "safetensors": lambda p: save_file(weights, p),
+        "torch": lambda p: torch.save(weights, p),
+        "pickle": lambda p: torch.save(weights, p, _use_new_zipfile_serialization=False),
+        "npz": lambda p: np.savez(p.open("wb"), **arrays),
+    }
+    reads = {"safetensors": ".safetensors", "torch": ".pt", "pickle": ".pt", "npz": ".npz"}
+    what = {".safetensors": "a safetensors file", ".pt": "a PyTorch file", ".npz": "a numpy .npz"}
+    for kind, right in reads.items():
+        for suffix in sorted({".safetensors", ".pt", ".npz"} - {right}):
+            path = tmp_path / f"{kind}{suffix}"
+            write[kind](path)
+            it_is = re.escape({"pickle": "a Python pickle"}.get(kind, what[right]))
+            advice = rf"is not {re.escape(what[suffix])}.*: it is {it_is}.*name it \*\{right}"
+            with pytest.raises(CheckpointError, match=advice):
+                load_pretrained(path)
+        write[kind](tmp_path / f"{kind}{right}")  # as the errors advise
+        loaded = load_pretrained(tmp_path / f"{kind}{right}").state_dict()
+        if kind == "npz":
+            assert np.array_equal(loaded["cls_token"].numpy(), arrays["cls"])
+        else:
+            assert all(torch.equal(loaded[k], v) for k, v in weights.items())
     (tmp_path / "t.npz").write_bytes(b"PK\x03\x04 cut short")  # a zip's start: numpy's words
     with pytest.raises(CheckpointError, match="truncated or not a numpy .npz"):
         load_pretrained(tmp_path / "t.npz")
-    for src, dst in (("w.npz", "w.safetensors"), ("p.npz", "p.pt")):  # as the errors advise
-        (tmp_path / src).rename(tmp_path / dst)
-        loaded = load_pretrained(tmp_path / dst).state_dict()
-        assert all(torch.equal(loaded[k], v) for k, v in weights.items())
+    (tmp_path / "t.pt").write_bytes(b"\x80\x02 cut short")  # a pickle's start, then no opcode
+    with pytest.raises(CheckpointError, match="t.pt is damaged, or holds Python objects"):
+        load_pretrained(tmp_path / "t.pt")

@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import re
+import zipfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -294,19 +295,61 @@ def classes_of(model: nn.Module) -> list[str]:
 # --- reading -------------------------------------------------------------------------------------
 
 
+# what a file holds, told by its first bytes; readers are chosen by suffix (or format=), so a file
+# named for another format gets the name that reads it: (what it is, the suffix that reads it)
+_HOLDS = {
+    "safetensors": ("a safetensors file", "*.safetensors"),
+    "torch": ("a PyTorch file (torch.save's zip)", "*.pt (or .pth, .bin)"),
+    "pickle": ("a Python pickle, such as torch.save's legacy format", "*.pt (or .pth, .bin)"),
+    "npz": ("a numpy .npz (a zip of .npy arrays)", "*.npz"),
+}
+
+
+def holds(path: Path) -> str | None:
+    """What a file holds by its first bytes: 'safetensors' (an 8-byte header length, then its JSON
+    header), 'pickle', or for a zip 'torch' (a data.pkl inside) or 'npz' (.npy files only); None
+    for anything else, or a file that cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+            if head[:4] == b"PK\x03\x04":
+                f.seek(0)
+                names = zipfile.ZipFile(f).namelist()
+                if any(n.endswith("data.pkl") for n in names):
+                    return "torch"
+                return "npz" if names and all(n.endswith(".npy") for n in names) else None
+    except (OSError, zipfile.BadZipFile):
+        return None
+    if len(head) == 9 and head[8:9] == b"{":
+        return "safetensors"
+    return "pickle" if head[:1] == b"\x80" else None
+
+
+def misnamed(path: Path, reading: str) -> str | None:
+    """The error for a file read as `reading` ('safetensors', 'torch' or 'npz') that holds another
+    format, with the name that reads it; None when it holds what is read, or something unknown."""
+    kind = holds(path)
+    if kind in (None, reading) or (kind, reading) == ("pickle", "torch"):
+        return None
+    (what, suffix), (expected, _) = _HOLDS[kind], _HOLDS[reading]
+    return f"{path} is not {expected}: it is {what}; name it {suffix}, which format='auto' reads"
+
+
 def safetensors_metadata(path: Path) -> dict[str, str]:
     try:
         with safe_open(str(path), framework="pt") as f:
             return f.metadata() or {}
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+        why = misnamed(path, "safetensors") or f"{path} is not a readable safetensors file: {e}"
+        raise CheckpointError(why) from None
 
 
 def load_weights(path: Path) -> StateDict:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path} is truncated or not a safetensors file: {e}") from None
+        why = misnamed(path, "safetensors") or f"{path} is truncated or not a safetensors file: {e}"
+        raise CheckpointError(why) from None
 
 
 def read_torch(path: Path) -> StateDict:
@@ -316,11 +359,16 @@ def read_torch(path: Path) -> StateDict:
     except FileNotFoundError:
         raise CheckpointError(f"no such file: {path}") from None
     except Exception as e:  # UnpicklingError for code, RuntimeError / EOFError when truncated
+        other = misnamed(path, "torch")
+        if other:
+            raise CheckpointError(other) from None
         text = str(e)
         if "Weights only load failed" in text or "Unsupported global" in text:
+            # an opcode weights_only does not read: damage, or a pickle beyond a state dict's
+            what = "is damaged, or " if "Unsupported operand" in text else ""
             raise CheckpointError(
-                f"{path} holds Python objects beyond tensors, which vitlab refuses to unpickle "
-                "(it could run code); save the state dict alone, or as safetensors"
+                f"{path} {what}holds Python objects beyond tensors, which vitlab refuses to "
+                "unpickle (it could run code); save the state dict alone, or as safetensors"
             ) from None
         raise CheckpointError(
             f"{path} is truncated or not a PyTorch checkpoint ({type(e).__name__}: {text[:200]})"

@@ -15,7 +15,15 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from vitlab.formats.base import CheckpointError, Files, FormatError, Source, StateDict, unknown
+from vitlab.formats.base import (
+    CheckpointError,
+    Files,
+    FormatError,
+    Source,
+    StateDict,
+    misnamed,
+    unknown,
+)
 from vitlab.preprocessing import HALF
 
 _PREFIXES = ("params/img/", "params/", "opt/target/", "")
@@ -49,9 +57,6 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
 
 
 def read_arrays(path: Path) -> dict[str, np.ndarray]:
-    other = _other_format(path)
-    if other:  # numpy would call it pickled data, which it is not
-        raise CheckpointError(f"{path} is not a numpy .npz (a zip of .npy arrays): it is {other}")
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
@@ -60,36 +65,15 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
     # numpy never unpickles here (allow_pickle=False), and a damaged zip or .npy header fails in
     # many ways: BadZipFile, zlib.error, NotImplementedError (compression method), RuntimeError
     # (encrypted), SyntaxError / TokenError (header), MemoryError (shape), ...
-    except Exception as e:
-        raise CheckpointError(
-            f"{path} is truncated or not a numpy .npz of arrays (pickled objects are refused): {e}"
-        ) from None
+    except Exception as e:  # numpy calls any file not a zip 'pickled data'; say what it holds
+        why = f"{path} is truncated or not a numpy .npz of arrays (pickled objects are refused)"
+        raise CheckpointError(misnamed(path, "npz") or f"{why}: {e}") from None
     for k, v in arrays.items():  # members not named .npy come back as raw bytes
         if not isinstance(v, np.ndarray) or v.dtype.kind not in "biuf":
-            raise CheckpointError(f"{path}: {k} is not an array of numbers")
+            raise CheckpointError(
+                misnamed(path, "npz") or f"{path}: {k} is not an array of numbers"
+            )
     return arrays
-
-
-def _other_format(path: Path) -> str | None:
-    """What a file that is not a zip archive holds, by its first bytes, and the name that reads
-    it (readers are chosen by suffix): a safetensors file (an 8-byte header length, then its JSON
-    header) or a pickle; None for a zip (an .npz, or a torch.save archive, which reading then
-    refuses by its members) and for what is not known."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-    except OSError:
-        return None  # np.load says what is wrong
-    if head[:2] == b"PK":
-        return None
-    if len(head) == 9 and head[8:9] == b"{":
-        return "a safetensors file: name it *.safetensors, which format='auto' reads"
-    if head[:1] == b"\x80":
-        return (
-            "a Python pickle, such as torch.save's legacy format: name it *.pt (or .pth, .bin), "
-            "which format='auto' reads without running its code"
-        )
-    return None
 
 
 def npz_prefix(arrays: Mapping[str, np.ndarray]) -> str | None:
