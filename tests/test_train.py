@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -666,3 +667,59 @@ def test_curves_of_a_run_without_accuracy_have_no_empty_panel(tmp_path: Path) ->
     save_curves([{"epoch": e, **rec} for e in (1, 2)], tmp_path / "both.png")
     loss, both = (Image.open(tmp_path / f"{n}.png").size for n in ("loss", "both"))
     assert loss[1] == both[1] and 2 * loss[0] == both[0]
+
+
+def test_signal_handlers_for_a_block_leave_the_callers_as_they_were() -> None:
+    """runtime.handling, under both the command's SIGTERM line and training's stop flag: a signal
+    the caller ignores stays ignored where asked, what the block sets as previous is put back,
+    off the main thread nothing is installed; and a distributed run that fails in its loop leaves
+    SIGTERM ignored (torchrun's agent would cut short the report of the lost rank)."""
+    from vitlab.runtime import handling
+    from vitlab.train.stop import StopFlag
+
+    seen = []
+
+    def mine(signum, frame):
+        seen.append(signum)
+
+    def callers(signum, frame):
+        raise AssertionError("the caller's handler ran inside the block")
+
+    before = signal.signal(signal.SIGTERM, callers), signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with handling((signal.SIGTERM, signal.SIGINT), mine, keep_ignored=True) as old:
+            assert (
+                old == {signal.SIGTERM: callers}
+                and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            )
+            signal.raise_signal(signal.SIGTERM)
+            old[signal.SIGTERM] = signal.SIG_DFL
+        assert seen == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        with handling((signal.SIGINT,), mine) as old:
+            assert signal.getsignal(signal.SIGINT) is mine and old == {
+                signal.SIGINT: signal.SIG_IGN
+            }
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        elsewhere = []
+
+        def thread() -> None:
+            with handling((signal.SIGTERM,), mine) as old:
+                elsewhere.append((old, signal.getsignal(signal.SIGTERM)))
+
+        t = threading.Thread(target=thread)
+        t.start()
+        t.join()
+        assert elsewhere == [({}, signal.SIG_DFL)]
+        signal.signal(signal.SIGTERM, callers)
+        with pytest.raises(RuntimeError), StopFlag(distributed=True):
+            assert signal.getsignal(signal.SIGTERM) is not callers
+            raise RuntimeError("a rank was lost")
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.signal(signal.SIGTERM, callers)
+        with StopFlag(distributed=True) as stop:
+            signal.raise_signal(signal.SIGTERM)
+        assert stop.requested and signal.getsignal(signal.SIGTERM) is callers
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])

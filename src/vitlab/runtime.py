@@ -1,12 +1,13 @@
 """Run-time helpers every layer may use (a leaf: imports nothing from vitlab): the device to run
 on and whether it computes in bf16, this process's place in a distributed run (Dist) and its
-gloo-safe sum across ranks, seeds, random-number-generator state, a thread's own random stream
-and the threads that share a batch."""
+gloo-safe sum across ranks, seeds, random-number-generator state, a thread's own random stream,
+the threads that share a batch, and signal handlers installed for a block."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -262,3 +264,26 @@ def tune_allocator() -> bool:
         applied[0] = mallopt(_M_MMAP_THRESHOLD, _OLD_GLIBC_MMAP_MAX) == 1
     _allocator["tuned"] = any(applied)
     return all(applied)
+
+
+@contextmanager
+def handling(signals: tuple[int, ...], handler: Any, keep_ignored: bool = False) -> Iterator[dict]:
+    """`handler` for each of `signals` while the block runs, each one's previous handler put back
+    after; yields {signal: previous handler}, which the block may change. Installs nothing off the
+    main thread, nor, with keep_ignored, for a signal the caller ignores (SIG_IGN). A previous
+    handler set from C (getsignal's None) cannot be put back, and becomes SIG_DFL."""
+    old: dict[int, Any] = {}
+    for sig in signals:
+        previous = signal.getsignal(sig)
+        if keep_ignored and previous is signal.SIG_IGN:
+            continue
+        try:
+            signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            continue
+        old[sig] = previous
+    try:
+        yield old
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)

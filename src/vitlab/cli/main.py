@@ -27,7 +27,7 @@ from vitlab.cli import data as data_cmd
 from vitlab.cli import eval as eval_cmd
 from vitlab.config import ConfigError
 from vitlab.models.registry import UnknownModelError
-from vitlab.runtime import tune_allocator
+from vitlab.runtime import handling, tune_allocator
 
 COMMANDS = (
     models,
@@ -149,17 +149,9 @@ def sigterm_raises() -> Iterator[None]:
     def handle(signum: int, frame: object) -> None:
         raise Terminated
 
-    old: object = signal.SIG_IGN
-    if os.environ.get("WORLD_SIZE", "1").strip() in ("", "1"):
-        with contextlib.suppress(ValueError):  # ValueError: not the main thread
-            old = signal.getsignal(signal.SIGTERM)
-            if old is not signal.SIG_IGN:
-                signal.signal(signal.SIGTERM, handle)
-    try:
+    alone = os.environ.get("WORLD_SIZE", "1").strip() in ("", "1")
+    with handling((signal.SIGTERM,) if alone else (), handle, keep_ignored=True):
         yield
-    finally:
-        if old is not signal.SIG_IGN:  # None: a handler set from C, which cannot be put back
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

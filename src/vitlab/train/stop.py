@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
+
+from vitlab.runtime import handling
 
 
 class StopFlag:
@@ -18,12 +19,10 @@ class StopFlag:
 
     def __init__(self, distributed: bool = False) -> None:
         self.requested, self.distributed = False, distributed
-        self._old: dict[int, object] = {}
+        self._handling = handling((signal.SIGINT, signal.SIGTERM), self._handle)
 
     def __enter__(self) -> StopFlag:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(ValueError):  # ValueError: not the main thread
-                self._old[sig] = signal.signal(sig, self._handle)
+        self._old = self._handling.__enter__()
         return self
 
     def _handle(self, signum: int, frame: object) -> None:
@@ -35,10 +34,9 @@ class StopFlag:
 
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
         failed = exc_type is not None and not issubclass(exc_type, TrainingStopped)
-        for sig, old in self._old.items():
-            if sig == signal.SIGTERM and failed and self.distributed:
-                old = signal.SIG_IGN
-            signal.signal(sig, old)
+        if failed and self.distributed and signal.SIGTERM in self._old:
+            self._old[signal.SIGTERM] = signal.SIG_IGN
+        self._handling.__exit__(None, None, None)
 
 
 class TrainingStopped(RuntimeError):
