@@ -32,7 +32,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks
 
 test: lint
-	$(BIN)/python -m pytest -q --durations=15
+# one worker a CPU, each taking whole files (module fixtures built once), longest first
+# (tests/conftest.py); then the tests timed against the wall clock, alone
+	$(BIN)/python -m pytest -q -n logical --dist loadfile --no-loadscope-reorder -m 'not serial' --durations=15
+	$(BIN)/python -m pytest -q -m serial
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

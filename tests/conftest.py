@@ -2,8 +2,38 @@
 and batch_threads are CPU promises. On a machine with a GPU, `train.device=auto` would put the
 runs there (17 of the suite's first 350 tests failed on an H200 for that and for its older
 packages), so CUDA is hidden from this process and the commands it starts, before torch is
-imported. The GPU paths are measured by benchmarks/gpu/."""
+imported. The GPU paths are measured by benchmarks/gpu/.
+
+`make test` runs one pytest-xdist worker a CPU (`-n logical`): most tests are single-threaded
+Python (the serial suite kept 1.1 of 2 cores busy), so each worker's PyTorch gets its share of the
+CPUs (OMP_NUM_THREADS, also for the commands it starts) rather than all of them; the tests of
+threaded paths set their thread counts themselves."""
 
 import os
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    _cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (_cpus or 1) // _workers)))
+
+# The files that took longest (serial seconds on a 2-core Zen 1 EPYC, 2026-12-04), first: under
+# `make test` (--dist loadfile --no-loadscope-reorder) each worker takes whole files in collection
+# order, so the long ones start early and none is left running alone at the end.
+SLOWEST_FIRST = (
+    "test_train.py",  # 134 s
+    "test_cnn.py",  # 119
+    "test_distributed.py",  # 119
+    "test_backends.py",  # 119
+    "test_checkpoint.py",  # 114
+    "test_convert_cli.py",  # 69
+    "test_rank_failure.py",  # 57
+    "test_faults.py",  # 55
+    "test_pos_embed.py",  # 52
+    "test_distill.py",  # 51
+)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-file order kept

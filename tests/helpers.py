@@ -44,17 +44,12 @@ def weights_of(run: Path, which: str = "last") -> dict[str, torch.Tensor]:
 
 
 def torchrun_train(
-    out: Path, *overrides: str, port: int, timeout: float | None = 300
+    out: Path, *overrides: str, timeout: float | None = 300
 ) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node=2 -m vitlab train --out OUT OVERRIDES` on CPU (gloo), one thread
-    a process, its output captured as text; the caller checks the return code."""
-    run = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={port}",
-    ]
+    """`torchrun --standalone --nproc_per_node=2 -m vitlab train --out OUT OVERRIDES` on CPU
+    (gloo), one thread a process, its output captured as text; the caller checks the return code.
+    --standalone: a free port of its own, so runs side by side (pytest -n) never meet."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd = [*run, "-m", "vitlab", "train", "--out", str(out), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)

@@ -310,6 +310,7 @@ def spent_at_start(steps: int, wall: float | None) -> None:
         pytest.skip(f"start-up took the whole budget on this machine (wall {wall} s)")
 
 
+@pytest.mark.serial
 def test_a_budgeted_run_ends_in_time_and_says_what_it_bought(tmp_path: Path) -> None:
     out, seconds = tmp_path / "run", 20
     t, cpu = time.perf_counter(), cpu_seconds()

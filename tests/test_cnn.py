@@ -390,7 +390,7 @@ def test_under_ddp_validation_is_the_saved_models(tmp_path: Path, capsys) -> Non
     """BatchNorm statistics are rank 0's on every rank before validation and saving, so the
     validation accuracy logged under torchrun is the saved checkpoint's (fp32: exactly)."""
     out = tmp_path / "ddp"
-    proc = torchrun_train(out, *RUN, "train.epochs=1", port=29553)
+    proc = torchrun_train(out, *RUN, "train.epochs=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["val_acc"]
     assert main(["eval", str(out), "--split", "val", "--json"]) == 0

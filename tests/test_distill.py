@@ -338,7 +338,7 @@ def test_two_processes_with_a_teacher_equal_one(teacher: Path, tmp_path: Path) -
               "train.precision=fp32", "optim.name=sgd", "optim.lr=0.05"]  # fmt: skip
     single = train(load_run_config(None, common), out=tmp_path / "single")
     multi = tmp_path / "ddp"
-    proc = torchrun_train(multi, *common, port=29547, timeout=240)
+    proc = torchrun_train(multi, *common, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stderr and "distill: teacher" in proc.stderr
     a, b = weights_of(single), weights_of(multi)

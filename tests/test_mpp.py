@@ -243,9 +243,7 @@ def test_an_image_folder_without_classes_trains_by_mpp_only(tmp_path: Path, caps
 
 def test_pretraining_under_torchrun_counts_every_test_image_once(tmp_path: Path) -> None:
     out = tmp_path / "ddp"
-    proc = torchrun_train(
-        out, *FAST, "train.epochs=1", "train.precision=fp32", port=29541, timeout=240
-    )
+    proc = torchrun_train(out, *FAST, "train.epochs=1", "train.precision=fp32", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stderr
     result = json.loads((out / "results.json").read_text())

@@ -58,7 +58,7 @@ def test_fsdp_shards_swin_blocks_and_equals_one_process(tmp_path: Path) -> None:
               "optim.name=sgd", "optim.lr=0.05", "model.drop_path=0"]  # fmt: skip
     single, multi = tmp_path / "single", tmp_path / "fsdp"
     train(load_run_config(None, common), out=single)
-    proc = torchrun_train(multi, *common, "train.strategy=fsdp", port=29547)
+    proc = torchrun_train(multi, *common, "train.strategy=fsdp")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stderr
     a, b = weights_of(single), weights_of(multi)

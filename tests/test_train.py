@@ -593,8 +593,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_two_processes_equal_one_process(tmp_path: Path, strategy: str, single: Path) -> None:
     """torchrun with 2 CPU processes (gloo) against one process with the same global batch."""
     multi = tmp_path / strategy
-    port = 29533 if strategy == "ddp" else 29534
-    proc = torchrun_train(multi, *TWO_RANKS, f"train.strategy={strategy}", port=port, timeout=None)
+    proc = torchrun_train(multi, *TWO_RANKS, f"train.strategy={strategy}", timeout=None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stderr
     assert proc.stdout.split() == [str(multi)]  # the run folder once, as one process prints it
