@@ -10,12 +10,30 @@ CPUs (OMP_NUM_THREADS, also for the commands it starts) rather than all of them;
 threaded paths set their thread counts themselves."""
 
 import os
+import sys
+import warnings
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or taskset's share)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n logical` / `-n auto`: one worker for each CPU this process may use (xdist would count
+    every CPU of the host where psutil is installed)."""
+    return _cpus()
+
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
-    _cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (_cpus or 1) // _workers)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cpus() // _workers)))
+    if "torch" in sys.modules:  # a plugin imported it: its thread count is set already
+        warnings.warn(
+            "torch was imported before tests/conftest.py: OMP_NUM_THREADS has no effect",
+            stacklevel=1,
+        )
 
 # The files that took longest (serial seconds on a 2-core Zen 1 EPYC, 2026-12-04), first: under
 # `make test` (--dist loadfile --no-loadscope-reorder) each worker takes whole files in collection

@@ -297,3 +297,12 @@ def test_a_file_named_for_another_format_gets_the_name_that_reads_it(tmp_path: P
     (tmp_path / "t.pt").write_bytes(b"\x80\x02 cut short")  # a pickle's start, then no opcode
     with pytest.raises(CheckpointError, match="t.pt is damaged, or holds Python objects"):
         load_pretrained(tmp_path / "t.pt")
+    # a damaged zip directory makes zipfile raise beyond BadZipFile (a member name that is not
+    # UTF-8, an unknown zip version): the reader's error still names the file
+    for kind, suffix, at in (("torch", ".pt", 46), ("npz", ".npz", 6)):
+        write[kind](tmp_path / f"d{suffix}")
+        raw = bytearray((tmp_path / f"d{suffix}").read_bytes())
+        raw[raw.find(b"PK\x01\x02") + at] = 0xFF  # torch.save's first name byte; npz's version
+        (tmp_path / f"d{suffix}").write_bytes(bytes(raw))
+        with pytest.raises(CheckpointError, match=f"d{re.escape(suffix)}"):
+            load_pretrained(tmp_path / f"d{suffix}")

@@ -215,6 +215,26 @@ def npz_headers(draw) -> bytes:
     return buf.getvalue()
 
 
+@st.composite
+def torch_files(draw) -> bytes:
+    """torch.save of a few small tensors under ViT names, in the zip or the legacy pickle format."""
+    names = draw(st.lists(vit_keys, max_size=4, unique=True))
+    buf = io.BytesIO()
+    dtypes = st.sampled_from(
+        [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool]
+    )
+    shapes = st.lists(st.integers(0, 4), max_size=4)
+    torch.save({k: torch.ones(draw(shapes), dtype=draw(dtypes)) for k in names}, buf,
+               _use_new_zipfile_serialization=draw(st.booleans()))  # fmt: skip
+    return buf.getvalue()
+
+
+def check_torch(raw: bytes, folder: Path) -> None:
+    path = folder / "ckpt.pt"
+    path.write_bytes(raw)
+    refused_or_read(lambda: read_source(path))
+
+
 def check_npz(raw: bytes, folder: Path) -> None:
     path = folder / "ckpt.npz"
     path.write_bytes(raw)
@@ -412,6 +432,7 @@ CASES = {
     "idx": Case(gz_idx(), check_idx),
     "cifar": Case(cifar_cases(), check_cifar),
     "npz": Case(st.one_of(inputs(npz_files()), npz_headers()), check_npz),
+    "torch": Case(inputs(torch_files()), check_torch),
     "safetensors": Case(
         inputs(st.one_of(safetensors_headers(), safetensors_files())), check_safetensors
     ),  # fmt: skip

@@ -668,7 +668,7 @@ def test_curves_of_a_run_without_accuracy_have_no_empty_panel(tmp_path: Path) ->
     assert loss[1] == both[1] and 2 * loss[0] == both[0]
 
 
-def test_signal_handlers_for_a_block_leave_the_callers_as_they_were() -> None:
+def test_signal_handlers_for_a_block_leave_the_callers_as_they_were(monkeypatch) -> None:
     """runtime.handling, under both the command's SIGTERM line and training's stop flag: a signal
     the caller ignores stays ignored where asked, what the block sets as previous is put back,
     off the main thread nothing is installed; and a distributed run that fails in its loop leaves
@@ -719,6 +719,20 @@ def test_signal_handlers_for_a_block_leave_the_callers_as_they_were() -> None:
         with StopFlag(distributed=True) as stop:
             signal.raise_signal(signal.SIGTERM)
         assert stop.requested and signal.getsignal(signal.SIGTERM) is callers
+        with stop:  # a flag can be entered again
+            assert signal.getsignal(signal.SIGTERM) is not callers
+        assert signal.getsignal(signal.SIGTERM) is callers
+        with pytest.raises(OSError), handling((signal.SIGTERM, signal.SIGKILL), mine):
+            pass  # SIGKILL cannot be handled: SIGTERM's handler, already installed, goes back
+        assert signal.getsignal(signal.SIGTERM) is callers
+        # a handler set from C, which getsignal reports as None, cannot be put back: SIG_DFL
+        real = signal.getsignal
+        monkeypatch.setattr(
+            signal, "getsignal", lambda sig: None if sig == signal.SIGTERM else real(sig)
+        )
+        with StopFlag():
+            assert real(signal.SIGTERM) is not callers
+        assert real(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, before[0])
         signal.signal(signal.SIGINT, before[1])

@@ -273,16 +273,16 @@ def handling(signals: tuple[int, ...], handler: Any, keep_ignored: bool = False)
     main thread, nor, with keep_ignored, for a signal the caller ignores (SIG_IGN). A previous
     handler set from C (getsignal's None) cannot be put back, and becomes SIG_DFL."""
     old: dict[int, Any] = {}
-    for sig in signals:
-        previous = signal.getsignal(sig)
-        if keep_ignored and previous is signal.SIG_IGN:
-            continue
-        try:
-            signal.signal(sig, handler)
-        except ValueError:  # not the main thread
-            continue
-        old[sig] = previous
-    try:
+    try:  # what was installed is put back, also when a later install fails
+        for sig in signals:
+            previous = signal.getsignal(sig)
+            if keep_ignored and previous is signal.SIG_IGN:
+                continue
+            try:
+                signal.signal(sig, handler)
+            except ValueError:  # not the main thread
+                continue
+            old[sig] = previous
         yield old
     finally:
         for sig, previous in old.items():

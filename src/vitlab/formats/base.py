@@ -318,7 +318,7 @@ def holds(path: Path) -> str | None:
                 if any(n.endswith("data.pkl") for n in names):
                     return "torch"
                 return "npz" if names and all(n.endswith(".npy") for n in names) else None
-    except (OSError, zipfile.BadZipFile):
+    except Exception:  # a damaged zip raises what zipfile meets (UnicodeDecodeError, ...): unknown
         return None
     if len(head) == 9 and head[8:9] == b"{":
         return "safetensors"

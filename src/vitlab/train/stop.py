@@ -19,9 +19,9 @@ class StopFlag:
 
     def __init__(self, distributed: bool = False) -> None:
         self.requested, self.distributed = False, distributed
-        self._handling = handling((signal.SIGINT, signal.SIGTERM), self._handle)
 
     def __enter__(self) -> StopFlag:
+        self._handling = handling((signal.SIGINT, signal.SIGTERM), self._handle)
         self._old = self._handling.__enter__()
         return self
 
