@@ -251,6 +251,15 @@ def test_image_folder_skips_bad_files_with_warnings(tmp_path: Path, caplog) -> N
         assert (y == PADDING).sum() == 1 and x.shape == (13, 3, 16, 16)
     named = [r.getMessage() for r in caplog.records if "broken.png" in r.getMessage()]
     assert len(named) == 2, named  # once by each loader
+    (tmp_path / "imgs" / "fox").mkdir()  # a class folder with no images: kept, and said
+    (tmp_path / "imgs" / "fox" / "notes.txt").write_text("not an image")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        with_fox = scan_image_folder(tmp_path / "imgs")
+    assert with_fox.classes == ["cat", "dog", "eel", "fox"] and len(with_fox) == 13
+    assert any("no images of 1 of its 4 classes: fox" in r.getMessage() for r in caplog.records)
+    (tmp_path / "imgs" / "fox" / "notes.txt").unlink()
+    (tmp_path / "imgs" / "fox").rmdir()
     train = load_split(f"imagefolder:{tmp_path / 'imgs'}", "train")
     test = load_split(f"imagefolder:{tmp_path / 'imgs'}", "test")
     assert len(train) + len(test) == 13

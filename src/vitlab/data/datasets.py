@@ -249,35 +249,47 @@ def _list_files(folder: Path) -> list[str]:
 
 
 def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSplit:
-    """Files of root/CLASS/* with an image suffix, listed only: a file is checked when it is first
-    decoded, and one that does not decode is then skipped and named once (see loader.py). Other
-    files are skipped with one warning naming a few. A folder without sub-folders is unlabelled:
-    its images, no classes (for training without labels, train.objective=mpp)."""
+    """Files of root/CLASS/* with an image suffix, listed only: a file is checked when decoded,
+    and one that does not decode is then skipped and named once (loader.py). Other files are
+    skipped, and classes without images kept, with a warning each. A folder without sub-folders
+    is unlabelled: its images, no classes (for training without labels, train.objective=mpp)."""
     if not root.is_dir():
         raise DatasetError(f"image folder {root} does not exist")
     found = sorted(p.name for p in root.iterdir() if p.is_dir())
     classes = classes or found
     unlabelled = not classes
-    files, labels, skipped = [], [], []
+    files, labels, skipped, empty = [], [], [], []
     for label, cls in enumerate(classes or ["."]):
         folder = root / cls
         if not folder.is_dir():
+            empty.append(cls)
             continue
+        had = len(files)
         for path in _list_files(folder):
             if os.path.splitext(path)[1].lower() in IMAGE_SUFFIXES:
                 files.append(path)
                 labels.append(label)
             else:
                 skipped.append(path)
+        if len(files) == had:
+            empty.append(cls)
     if skipped:
-        names = ", ".join(str(p) for p in skipped[:5]) + (", ..." if len(skipped) > 5 else "")
-        log.warning("skipped %d non-image files in %s: %s", len(skipped), root, names)
+        log.warning("skipped %d non-image files in %s: %s", len(skipped), root, _few(skipped))
     if not files:
         kinds = ", ".join(sorted(IMAGE_SUFFIXES))
         raise DatasetError(f"image folder {root} holds no image files ({kinds})")
+    if empty and not unlabelled:  # said, not refused: a test split may lack a class
+        log.warning(
+            "image folder %s has no images of %d of its %d classes: %s (their labels are kept; "
+            "no image here has them)", root, len(empty), len(classes), _few(empty)
+        )  # fmt: skip
     if unlabelled:
         log.info("image folder %s has no class sub-folders: %d unlabelled images", root, len(files))
     return FolderSplit(files, torch.tensor(labels, dtype=torch.long), list(classes), skipped)
+
+
+def _few(items: list) -> str:
+    return ", ".join(map(str, items[:5])) + (", ..." if len(items) > 5 else "")
 
 
 def folder_root(name: str) -> Path:
