@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-NO_TESTS := make test: pytest collected no tests (exit 5): the suite is missing or broken
+export NO_TESTS := make test: pytest collected no tests (exit 5): the suite is missing or broken
 
 .PHONY: demo test lint install clean
 
@@ -37,8 +37,8 @@ test: lint
 # (tests/conftest.py); then the tests timed against the wall clock, alone
 # (pytest's exit 5, no test collected, means the suite is missing or broken: said, and a failure)
 	$(BIN)/python -m pytest -q -n logical --dist loadfile --no-loadscope-reorder -m 'not serial' \
-	  --durations=15 || { rc=$$?; [ $$rc -ne 5 ] || echo "$(NO_TESTS)" >&2; exit $$rc; }
-	$(BIN)/python -m pytest -q -m serial || { rc=$$?; [ $$rc -ne 5 ] || echo "$(NO_TESTS)" >&2; exit $$rc; }
+	  --durations=15 || { rc=$$?; [ $$rc -ne 5 ] || echo "$$NO_TESTS" >&2; exit $$rc; }
+	$(BIN)/python -m pytest -q -m serial || { rc=$$?; [ $$rc -ne 5 ] || echo "$$NO_TESTS" >&2; exit $$rc; }
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -11,7 +11,8 @@ threaded paths set their thread counts themselves."""
 
 import os
 import sys
-import warnings
+
+import pytest
 
 
 def _cpus() -> int:
@@ -19,21 +20,19 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def pytest_xdist_auto_num_workers(config) -> int:
+@pytest.hookimpl(optionalhook=True)  # plain pytest, without xdist, knows no such hook
+def pytest_xdist_auto_num_workers(config) -> int | None:
     """`-n logical` / `-n auto`: one worker for each CPU this process may use (xdist would count
-    every CPU of the host where psutil is installed)."""
-    return _cpus()
+    every CPU of the host where psutil is installed); PYTEST_XDIST_AUTO_NUM_WORKERS still rules."""
+    return None if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else _cpus()
 
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cpus() // _workers)))
-    if "torch" in sys.modules:  # a plugin imported it: its thread count is set already
-        warnings.warn(
-            "torch was imported before tests/conftest.py: OMP_NUM_THREADS has no effect",
-            stacklevel=1,
-        )
+    if "torch" in sys.modules:  # a plugin imported it: its threads were counted already
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The files that took longest (serial seconds on a 2-core Zen 1 EPYC, 2026-12-04), first: under
 # `make test` (--dist loadfile --no-loadscope-reorder) each worker takes whole files in collection

@@ -260,6 +260,20 @@ def test_image_folder_skips_bad_files_with_warnings(tmp_path: Path, caplog) -> N
     assert any("no images of 1 of its 4 classes: fox" in r.getMessage() for r in caplog.records)
     (tmp_path / "imgs" / "fox" / "notes.txt").unlink()
     (tmp_path / "imgs" / "fox").rmdir()
+    split = tmp_path / "split"  # a test folder without one of the training split's classes
+    make_folder(split / "train")
+    make_folder(split / "test")
+    for f in (split / "test" / "eel").iterdir():
+        f.unlink()
+    (split / "test" / "eel").rmdir()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        assert len(load_split(f"imagefolder:{split}", "train")) == 13
+        test = load_split(f"imagefolder:{split}", "test")
+        assert len(scan_image_folder(split / "test" / "cat")) == 5  # unlabelled: no classes
+    assert test.classes == ["cat", "dog", "eel"] and len(test) == 9
+    said = [r.getMessage() for r in caplog.records if "classes" in r.getMessage()]
+    assert len(said) == 1 and "no images of 1 of its 3 classes: eel" in said[0], said
     train = load_split(f"imagefolder:{tmp_path / 'imgs'}", "train")
     test = load_split(f"imagefolder:{tmp_path / 'imgs'}", "test")
     assert len(train) + len(test) == 13

@@ -263,7 +263,7 @@ def test_a_file_named_for_another_format_gets_the_name_that_reads_it(tmp_path: P
     name it loads."""
     from tests.test_checkpoint import google_arrays
     from vitlab import load_pretrained
-    from vitlab.formats.base import CheckpointError
+    from vitlab.formats.base import CheckpointError, holds
 
     weights = {
         k: v.contiguous() for k, v in create_model("vit_nano_patch4_28").state_dict().items()
@@ -304,5 +304,6 @@ def test_a_file_named_for_another_format_gets_the_name_that_reads_it(tmp_path: P
         raw = bytearray((tmp_path / f"d{suffix}").read_bytes())
         raw[raw.find(b"PK\x01\x02") + at] = 0xFF  # torch.save's first name byte; npz's version
         (tmp_path / f"d{suffix}").write_bytes(bytes(raw))
+        assert holds(tmp_path / f"d{suffix}") is None  # zipfile raised, and the sniff said unknown
         with pytest.raises(CheckpointError, match=f"d{re.escape(suffix)}"):
             load_pretrained(tmp_path / f"d{suffix}")

@@ -21,6 +21,9 @@ class StopFlag:
         self.requested, self.distributed = False, distributed
 
     def __enter__(self) -> StopFlag:
+        if getattr(self, "_handling", None) is not None:
+            raise RuntimeError("this StopFlag is in use: a block takes a flag of its own")
+        self.requested = False
         self._handling = handling((signal.SIGINT, signal.SIGTERM), self._handle)
         self._old = self._handling.__enter__()
         return self
@@ -37,6 +40,7 @@ class StopFlag:
         if failed and self.distributed and signal.SIGTERM in self._old:
             self._old[signal.SIGTERM] = signal.SIG_IGN
         self._handling.__exit__(None, None, None)
+        self._handling = None
 
 
 class TrainingStopped(RuntimeError):
