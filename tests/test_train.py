@@ -719,7 +719,10 @@ def test_signal_handlers_for_a_block_leave_the_callers_as_they_were(monkeypatch)
         with StopFlag(distributed=True) as stop:
             signal.raise_signal(signal.SIGTERM)
         assert stop.requested and signal.getsignal(signal.SIGTERM) is callers
-        with stop:  # a flag can be entered again
+        with stop:  # a flag can be entered again, unrequested, but not inside its own block
+            assert signal.getsignal(signal.SIGTERM) is not callers and not stop.requested
+            with pytest.raises(RuntimeError, match="in use"), stop:
+                pass
             assert signal.getsignal(signal.SIGTERM) is not callers
         assert signal.getsignal(signal.SIGTERM) is callers
         with pytest.raises(OSError), handling((signal.SIGTERM, signal.SIGKILL), mine):
