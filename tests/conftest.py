@@ -16,7 +16,9 @@ import pytest
 
 
 def _cpus() -> int:
-    """The CPUs this process may run on (its affinity: a container's or taskset's share)."""
+    """The CPUs this process may run on (its affinity: a container's or taskset's share), as
+    vitlab.data.decode.available_cores counts them; not imported, as that would import torch
+    before OMP_NUM_THREADS is set."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 

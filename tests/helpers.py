@@ -43,16 +43,25 @@ def weights_of(run: Path, which: str = "last") -> dict[str, torch.Tensor]:
     return load_weights(run / "checkpoints" / which / "model.safetensors")
 
 
+# two CPU processes under torchrun; --standalone: a free port of their own, so runs side by side
+# (pytest -n) never meet
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+
+
+def one_thread_env() -> dict[str, str]:
+    """This process's environment with PyTorch on one thread (each of two ranks shares the CPUs)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def torchrun_train(
     out: Path, *overrides: str, timeout: float | None = 300
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=2 -m vitlab train --out OUT OVERRIDES` on CPU
-    (gloo), one thread a process, its output captured as text; the caller checks the return code.
-    --standalone: a free port of its own, so runs side by side (pytest -n) never meet."""
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd = [*run, "-m", "vitlab", "train", "--out", str(out), *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    (gloo), one thread a process, its output captured as text; the caller checks the return code."""
+    cmd = [*TORCHRUN, "-m", "vitlab", "train", "--out", str(out), *overrides]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env=one_thread_env(), timeout=timeout
+    )
 
 
 def train_keeping_threads(cfg: RunConfig, **kwargs) -> Path:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY_MODEL, kill_tree
+from tests.helpers import TINY_MODEL, TORCHRUN, kill_tree, one_thread_env
 from vitlab.config import load_run_config
 from vitlab.data import load_split, make_loader
 from vitlab.data.loader import BatchPlan
@@ -43,15 +42,13 @@ def torchrun(command: str, spec: dict, timeout: float = 300) -> subprocess.Compl
 
 def start(command: str, spec: dict) -> subprocess.Popen:
     """`worker(command, spec)` started on 2 ranks; finish() waits for it."""
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [*args, "-m", "tests.test_distributed", command, json.dumps(spec)],
+        [*TORCHRUN, "-m", "tests.test_distributed", command, json.dumps(spec)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env=one_thread_env(),
     )
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from tests.helpers import TINY_MODEL, kill_tree
+from tests.helpers import TINY_MODEL, TORCHRUN, kill_tree, one_thread_env
 from vitlab import load_checkpoint
 from vitlab.train.state import load_train_state, load_weights, resolve_checkpoint
 
@@ -25,13 +24,12 @@ ARGS = [
     "train.precision=fp32",
     "data.val_fraction=0",
 ]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = one_thread_env()
 
 
 def torchrun(*args: str) -> list[str]:
     """A 2-process torchrun command line (standalone: a free port of its own)."""
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    return [*run, "-m", "vitlab", "train", *args]
+    return [*TORCHRUN, "-m", "vitlab", "train", *args]
 
 
 def worker_pids(agent: int) -> dict[int, int]:

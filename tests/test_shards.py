@@ -383,18 +383,14 @@ def test_train_from_shards_interrupted_mid_epoch_resumes_exactly(tmp_path, monke
 def test_two_rank_ddp_reads_distinct_shards_and_trains(tmp_path: Path, balanced: Path) -> None:
     """Under torchrun (2 ranks, gloo): each rank's DataLoader workers read shards no other rank
     reads, together every sample of the epoch once; and `vitlab train` trains from them."""
-    import os
     import subprocess
-    import sys
 
-    from tests.helpers import kill_tree
+    from tests.helpers import TORCHRUN, kill_tree, one_thread_env
 
     root = Path(__file__).resolve().parents[1]
     spec = {"shards": f"{balanced}/part-{{00..07}}.tar", "out": str(tmp_path)}
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            "-m", "tests.test_shards", json.dumps(spec)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.PIPE,
+    args = [*TORCHRUN, "-m", "tests.test_shards", json.dumps(spec)]
+    proc = subprocess.Popen(args, cwd=root, env=one_thread_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         stdout, stderr = proc.communicate(timeout=300)
