@@ -64,6 +64,34 @@ def test_outputs_and_gradients_match_the_formula_in_float64(b, t, heads, d, spre
 
 
 @needs_kernel
+@pytest.mark.parametrize(("b", "t", "heads", "d"), [(3, 50, 4, 16), (2, 17, 3, 24), (1, 1, 2, 8)])
+def test_a_bias_added_as_q_k_and_v_are_read_is_the_formula_of_qkv_plus_bias(b, t, heads, d) -> None:
+    """attention(qkv, bias) (how the model runs its qkv projection without the bias) against
+    the formula of qkv + bias in float64: the output, qkv's gradient and bias's, summed over the
+    batch and tokens; k's bias moves no softmax, so its gradient is zero in both."""
+    torch.manual_seed(1)
+    qkv = (torch.randn(b, t, 3 * heads * d) * 2).requires_grad_()
+    bias = (torch.randn(3 * heads * d) * 2).requires_grad_()
+    out = cpu_attention.attention(qkv, heads, d**-0.5, bias)
+    grad_out = torch.randn_like(out)
+    grad, grad_bias = torch.autograd.grad(out, (qkv, bias), grad_out)
+    exact, exact_bias = (v.detach().double().requires_grad_() for v in (qkv, bias))
+    expected = formula(exact + exact_bias, heads)
+    expected_grads = torch.autograd.grad(expected, (exact, exact_bias), grad_out.double())
+    torch.testing.assert_close(out.double(), expected, atol=4e-5, rtol=4e-5)
+    torch.testing.assert_close(grad.double(), expected_grads[0], atol=4e-5, rtol=4e-5)
+    torch.testing.assert_close(grad_bias.double(), expected_grads[1], atol=2e-4, rtol=4e-5)
+    width = heads * d
+    assert t == 1 or expected_grads[1][:width].abs().max() > 0.1  # q's bias gets a gradient
+    assert grad_bias[width : 2 * width].abs().max() < 1e-4  # k's: zero, up to float32 rounding
+    with torch.no_grad():
+        assert torch.equal(cpu_attention.attention(qkv, heads, d**-0.5, bias), out.detach())
+    bias_only = cpu_attention.attention(qkv.detach(), heads, d**-0.5, bias)  # qkv needs no grad
+    (only,) = torch.autograd.grad(bias_only, bias, grad_out)
+    assert torch.equal(only, grad_bias)
+
+
+@needs_kernel
 def test_an_empty_batch_and_fewer_pairs_than_threads() -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -87,6 +115,10 @@ def test_attention_says_what_it_cannot_take() -> None:
     for qkv, heads, message in cases:
         with pytest.raises(ValueError, match=message):
             cpu_attention.attention(qkv, heads, 0.25)
+    qkv = torch.randn(2, 5, 3 * 16)
+    for bias in (torch.randn(3 * 8), torch.randn(3 * 16).double()):
+        with pytest.raises(ValueError, match=r"bias must be float32 of shape \(48,\)"):
+            cpu_attention.attention(qkv, 1, 0.25, bias)
 
 
 @needs_kernel
@@ -168,6 +200,57 @@ def test_the_model_trains_the_same_on_the_kernel_and_off_it(monkeypatch) -> None
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@needs_kernel
+def test_the_kernels_add_qkv_and_fc1_biases_unless_a_hook_watches(monkeypatch) -> None:
+    """The model runs qkv and fc1 without their biases, which the attention and GELU kernels
+    add as they read (one pass over each fresh output fewer), in training and inference; a hook
+    on qkv or fc1 sees the output with its bias, as in PyTorch, and that layer keeps its bias
+    (the first two tests above and test_cpu_kernels check the gradients and logits)."""
+    biases: list[tuple[str, bool]] = []
+    for owner, name in ((cpu_attention, "attention"), (cpu_kernels, "gelu_")):
+        real = getattr(owner, name)
+
+        def spy(x, *args, real=real, name=name):
+            bias = args[2:3] if name == "attention" else args[:1]  # the bias, where given
+            biases.append((name, bias not in ((), (None,))))
+            return real(x, *args)
+
+        monkeypatch.setattr(owner, name, spy)
+    torch.manual_seed(0)
+    model = VisionTransformer(tiny_config(embed_dim=32, num_heads=2, depth=3))
+    images = torch.randn(2, 3, 16, 16)
+
+    def run(train: bool) -> list[tuple[str, bool]]:
+        biases.clear()
+        out = model.train(train)(images)
+        if train:
+            out.sum().backward()
+        return sorted(biases)
+
+    # forward()'s last block computes the class token's row alone (PyTorch's attention)
+    folded = [("attention", True)] * 2 + [("gelu_", True)] * 3
+    assert run(train=True) == folded
+    with torch.no_grad():
+        assert run(train=False) == folded
+    qkv, fc1 = model.blocks[0].attn.qkv, model.blocks[0].mlp.fc1
+    seen = []
+    handles = [
+        m.register_forward_hook(lambda m, i, o: seen.append((m, i[0], o))) for m in (qkv, fc1)
+    ]
+    hooked = [("attention", False), ("attention", True), ("gelu_", True), ("gelu_", True)]
+    assert run(train=True) == hooked  # block 0's GELU: PyTorch's (fc1's output is watched)
+    for handle in handles:
+        handle.remove()
+    for module, given, output in seen:  # the biased outputs, as nn.Linear gives them
+        torch.testing.assert_close(
+            output, torch.nn.functional.linear(given, module.weight, module.bias)
+        )
+    no_bias = VisionTransformer(tiny_config(embed_dim=32, num_heads=2, qkv_bias=False))
+    biases.clear()
+    no_bias(images)
+    assert ("attention", False) in biases and ("attention", True) not in biases
 
 
 @needs_kernel

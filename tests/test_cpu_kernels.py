@@ -72,6 +72,43 @@ def test_gelu_in_training_matches_the_erf_formulas_gradient_in_float64(n) -> Non
     torch.testing.assert_close(da.double(), expected_da, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(37, 24), (2, 50, 256), (1, 8)])
+def test_gelu_with_a_bias_is_the_erf_formula_of_x_plus_bias_in_float64(shape) -> None:
+    """gelu_(x, bias) (fc1's bias added in GELU's pass): GELU(x + bias) in place, and with
+    autograd the gradients of x and of bias (summed over the rows) against float64; bias alone
+    needing a gradient gets the same."""
+    torch.manual_seed(2)
+    a = (torch.randn(shape) * 3).requires_grad_()
+    bias = (torch.randn(shape[-1]) * 3).requires_grad_()
+    grad = torch.randn(shape)
+    h = a * 1.0
+    out = cpu_kernels.gelu_(h, bias)
+    assert out is h
+    da, dbias = torch.autograd.grad(out, (a, bias), grad)
+    a64, bias64 = (v.detach().double().requires_grad_() for v in (a, bias))
+    expected = F.gelu(a64 + bias64)
+    expected_da, expected_dbias = torch.autograd.grad(expected, (a64, bias64), grad.double())
+    torch.testing.assert_close(out.detach().double(), expected.detach(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(da.double(), expected_da, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(dbias.double(), expected_dbias, atol=1e-4, rtol=1e-5)
+    assert expected_dbias.abs().max() > 0.1
+    (only,) = torch.autograd.grad(cpu_kernels.gelu_(a.detach().clone(), bias), bias, grad)
+    assert torch.equal(only, dbias)
+    with torch.no_grad():
+        same = a.detach().clone()
+        cpu_kernels.gelu_(same, bias)
+    assert torch.equal(same, out.detach())
+
+
+def test_gelu_refuses_a_bias_of_another_width_or_off_whole_vectors() -> None:
+    x = torch.randn(4, 16)
+    for bias in (torch.randn(8), torch.randn(16).double(), torch.randn(2, 16)):
+        with pytest.raises(ValueError, match="as wide as x's last dimension"):
+            cpu_kernels.gelu_(x, bias)
+    with pytest.raises(ValueError, match="a multiple of 8: got \\(12,\\)"):
+        cpu_kernels.gelu_(torch.randn(4, 12), torch.randn(12))
+
+
 def test_gelu_in_place_on_a_tensor_autograd_saved_makes_its_backward_raise() -> None:
     """As PyTorch's in-place operators: a tensor kept for another operation's backward, changed
     in place by gelu_ with grad mode on, makes that backward raise instead of giving a wrong

@@ -8,7 +8,8 @@ loading, the switch, and running one kernel's work over PyTorch's threads.
 - GELU (the erf form), in place on fc1's output, for inference and training: with autograd the
   same pass writes the derivative, so the backward is one product (PyTorch's recomputes erf and
   exp): forward and backward 1.5x PyTorch's alone, about 1.02-1.04x a training step of the 28 px
-  ViTs (BENCHMARKS.md, issue 16).
+  ViTs (BENCHMARKS.md, issue 16). With fc1's bias, added in the same pass (fc1 then runs as a
+  matrix product without it: layers.Mlp, packed.folds).
 
 They run when the CPU has AVX2 (PyTorch dispatches its AVX2 or AVX-512 kernels; Linux or macOS),
 the tensors are plain float32 outside autocast (not traced or transformed by torch.jit,
@@ -53,14 +54,14 @@ _OPENMP = "-fopenmp"  # threads from PyTorch's own OpenMP runtime; built without
 _switch = {"enabled": True}
 _pointer, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {  # the last argument: threads; every kernel returns 0, or -1 when refused memory
-    # qkv, out, probs | B, T, H, d, scale
-    "vitlab_attention_forward": [_pointer] * 3 + [_int] * 4 + [_float, _int],
-    # qkv, probs, dout, dqkv | B, T, H, d, scale
-    "vitlab_attention_backward": [_pointer] * 4 + [_int] * 4 + [_float, _int],
+    # qkv, bias, out, probs | B, T, H, d, scale
+    "vitlab_attention_forward": [_pointer] * 4 + [_int] * 4 + [_float, _int],
+    # qkv, bias, probs, dout, dqkv | B, T, H, d, scale
+    "vitlab_attention_backward": [_pointer] * 5 + [_int] * 4 + [_float, _int],
     # x, weight, bias, y | D, eps, rows
     "vitlab_layer_norm": [_pointer] * 4 + [_int, _float, _int, _int],
-    # x, slope | n
-    "vitlab_gelu": [_pointer] * 2 + [_int, _int],
+    # x, slope, bias | n, width
+    "vitlab_gelu": [_pointer] * 3 + [_int, _int, _int],
     "vitlab_openmp": [],  # 1 where built with OpenMP
 }
 
@@ -123,24 +124,34 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     return out
 
 
-def gelu_(x: Tensor) -> Tensor:
-    """x becomes F.gelu(x) (the erf form), in place; float32 on the CPU, contiguous. Where x
-    needs a gradient, differentiable once (a second derivative raises): the pass also writes
-    GELU'(x) (the exp inside erf serves the density too), which the backward multiplies the
-    gradient by (PyTorch's recomputes erf and exp from the input it keeps). As PyTorch's in-place
-    operators: a leaf that needs a gradient is refused untouched, and where autograd saved x
-    for another operation's backward, that backward raises."""
+def gelu_(x: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x becomes F.gelu(x) (the erf form), in place, or with `bias` (x's last dimension, a
+    multiple of 8) F.gelu(x + bias): a linear layer's bias added in the same pass, not in one of
+    its own; float32 on the CPU, x contiguous. Where x or bias needs a gradient, differentiable
+    once (a second derivative raises): the pass also writes GELU'(x) (the exp inside erf serves
+    the density too), which the backward multiplies the gradient by (PyTorch's recomputes erf
+    and exp from the input it keeps); bias's gradient is that summed over the rows. As PyTorch's
+    in-place operators: a leaf that needs a gradient is refused untouched, and where autograd
+    saved x for another operation's backward, that backward raises."""
     _check_takes(x, "gelu_", grad=True)
     if not x.is_contiguous():
         raise ValueError("gelu_ needs a contiguous tensor")
+    if bias is not None:
+        width = x.shape[-1] if x.dim() else 0
+        if bias.shape != (width,) or width % 8 or bias.dtype != x.dtype or bias.device != x.device:
+            raise ValueError(
+                "gelu_'s bias is float32 on the CPU and as wide as x's last dimension, a multiple "
+                f"of 8: got {tuple(bias.shape)} {bias.dtype} for x {tuple(x.shape)}"
+            )
+        bias = bias.contiguous()
     grad = torch.is_grad_enabled()
-    if grad and x.requires_grad:
-        if x.is_leaf:
+    if grad and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        if x.is_leaf and x.requires_grad:
             raise RuntimeError(
                 "gelu_: a leaf Variable that requires grad cannot be changed in place"
             )
-        return _Gelu.apply(x)
-    _gelu(x, None)
+        return _Gelu.apply(x, bias)
+    _gelu(x, None, bias)
     if grad:  # autograd may have saved x: its version says it changed
         torch.autograd.graph.increment_version(x)
     return x
@@ -148,23 +159,27 @@ def gelu_(x: Tensor) -> Tensor:
 
 class _Gelu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, bias: Tensor | None) -> Tensor:
         slope = torch.empty_like(x)
-        _gelu(x, slope)
+        _gelu(x, slope, bias)
         ctx.mark_dirty(x)
         ctx.save_for_backward(slope)
         return x
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor) -> Tensor:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor | None]:
         (slope,) = ctx.saved_tensors
-        return grad * slope
+        g = grad * slope
+        return g, g.reshape(-1, g.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
 
 
-def _gelu(x: Tensor, slope: Tensor | None) -> None:
-    """x = GELU(x), in place, and, given slope, slope = GELU'(x); contiguous float32."""
-    run("vitlab_gelu", [x, slope], (x.numel(),), (x.numel() + 7) // 8, grain=2048)
+def _gelu(x: Tensor, slope: Tensor | None, bias: Tensor | None = None) -> None:
+    """x = GELU(x + bias) (bias None: GELU(x)), in place, and, given slope, slope = GELU'(x +
+    bias); contiguous float32, bias as wide as x's rows (a multiple of 8)."""
+    width = x.shape[-1] if bias is not None else 1
+    tensors = [x, slope, bias]
+    run("vitlab_gelu", tensors, (x.numel(), width), (x.numel() + 7) // 8, grain=2048)
 
 
 def _check_takes(x: Tensor, what: str, *params: Tensor, grad: bool = False) -> None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vitlab.models import cpu_attention, cpu_kernels
-from vitlab.models.packed import HOOKS, PackedLinear, plain
+from vitlab.models.packed import HOOKS, PackedLinear, folds, plain
 from vitlab.models.pos_embed import Grid, RelativePositionBias
 from vitlab.runtime import allocator_returns_memory, random_stream
 
@@ -266,16 +266,28 @@ class Attention(nn.Module):
         of the output are not computed."""
         if queries is not None and self._splits(return_attention):
             return self._first_rows(x, queries), None
-        qkv = self.qkv(x)  # (B, T, 3D)
-        # bare: no relative-position bias, no attention dropout
+        # bare: no relative-position bias, no attention dropout, no probabilities asked for
         bare = self.rel_pos is None and not (self.training and self.attn_drop > 0)
-        if bare and not return_attention and cpu_attention.applies(qkv, self.num_heads):
-            out, attn = cpu_attention.attention(qkv, self.num_heads, self.scale), None
+        bare = bare and not return_attention
+        if bare and self._folds(x):  # the kernel adds qkv's bias as it reads q, k and v
+            qkv = F.linear(x, self.qkv.weight)  # (B, T, 3D) without the bias: no pass for it
+            out = cpu_attention.attention(qkv, self.num_heads, self.scale, self.qkv.bias)
+            attn = None
         else:
-            out, attn = self._attend(qkv, return_attention)
+            qkv = self.qkv(x)  # (B, T, 3D)
+            if bare and cpu_attention.applies(qkv, self.num_heads):
+                out, attn = cpu_attention.attention(qkv, self.num_heads, self.scale), None
+            else:
+                out, attn = self._attend(qkv, return_attention)
         if queries is not None:  # every row's attention computed, the first rows kept
             out, attn = out[:, :queries], None if attn is None else attn[:, :, :queries]
         return self.proj_drop(self.proj(out)), attn  # (B, T, D)
+
+    def _folds(self, x: Tensor) -> bool:
+        """Whether the qkv projection of the tokens x runs without its bias, which vitlab's
+        attention kernel adds as it reads q, k and v: the kernel takes x's projection, qkv's bias
+        can be folded (folds) and no hook watches qkv (it would see the output without it)."""
+        return folds(self.qkv) and cpu_attention.takes(x, self.num_heads) and not watched(self.qkv)
 
     def _splits(self, return_attention: bool) -> bool:
         """Whether the first rows can be computed from the qkv weight's blocks (_first_rows): a
@@ -356,8 +368,12 @@ class Mlp(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self._on_kernel(x):  # fc1's (rows, M) output, not a view: GELU in place on it
-            h = self.fc1(x.reshape(-1, x.shape[-1]))
-            h = cpu_kernels.gelu_(h).view(*x.shape[:-1], h.shape[-1])
+            rows = x.reshape(-1, x.shape[-1])
+            if folds(self.fc1, width=8):  # the bias added in GELU's pass, not in its own
+                h = cpu_kernels.gelu_(F.linear(rows, self.fc1.weight), self.fc1.bias)
+            else:
+                h = cpu_kernels.gelu_(self.fc1(rows))
+            h = h.view(*x.shape[:-1], h.shape[-1])
         else:
             h = self.act(self.fc1(x))
         return self.drop2(self.fc2(self.drop1(h)))

@@ -12,6 +12,10 @@ counter moves) or moved (.to()) makes that layer fall back to the plain product;
 (deepcopy, pickle) packs its own. Autograd, autocast, another dtype or device, tracing, compiling
 and torch.func take the plain product too. A write that PyTorch does not count (through `.data`,
 or numpy) is not seen: pack again after one.
+
+A plain (unpacked) layer's copy of the bias into every row is skipped, in training and
+inference, where the kernel that reads its output adds the bias as it reads (`folds`: qkv's in
+vitlab's attention kernel, fc1's in its GELU; cpu_kernels).
 """
 
 from __future__ import annotations
@@ -95,6 +99,17 @@ def plain(module: nn.Module, kind: type[nn.Module] = nn.Linear) -> bool:
     """Whether module is a `kind` as PyTorch defines it (not a quantised, parametrised or wrapped
     one, no forward of its own), so its weight and bias can be used directly."""
     return type(module) is kind and "forward" not in vars(module)
+
+
+def folds(layer: nn.Module, width: int = 1) -> bool:
+    """Whether vitlab's kernel that reads this layer's output may add its bias instead (one pass
+    over a fresh output fewer: micro's float32 training step 1.03x, BENCHMARKS.md, issue 16): a
+    plain nn.Linear with a float32 bias of a multiple of `width` outputs, its weight a plain
+    tensor (not a shard)."""
+    bias = getattr(layer, "bias", None)
+    if not plain(layer) or bias is None or type(layer.weight.data) is not Tensor:
+        return False
+    return bias.dtype == torch.float32 and bias.shape[0] % width == 0
 
 
 def packable(module: nn.Module) -> bool:

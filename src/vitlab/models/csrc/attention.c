@@ -9,6 +9,8 @@
  *                          up to a multiple of 8, the padding columns zero
  *   dout  (B, T, H, d)     the gradient of out
  *   dqkv  (B, T, 3, H, d)  the gradient of qkv: every element written once
+ *   bias  (3, H, d)        added to every token's q, k and v as they are read (the qkv Linear's
+ *                          bias, folded in here instead of a pass over its output), or NULL
  * Work is split by (batch, head) pair over `threads` threads (SPLIT in kernels.h). Every pair is
  * computed by the same code whatever the split, so results do not depend on the thread count.
  * Returns 0, or -1 if scratch memory was refused. */
@@ -65,10 +67,11 @@ static void product(int64_t n, int64_t m, int64_t w, const float *a, int64_t sai
     }
 }
 
-/* dst[c * ldd + r] = src[r * ld + c] for r, c < 8: an 8 x 8 block transposed in registers. */
-ALWAYS_INLINE void transpose8(const float *src, int64_t ld, float *dst, int64_t ldd) {
+/* dst[c * ldd + r] = src[r * ld + c] + add[c] for r, c < 8: an 8 x 8 block transposed in
+ * registers. */
+ALWAYS_INLINE void transpose8(const float *src, int64_t ld, __m256 add, float *dst, int64_t ldd) {
     __m256 r[8], t[8], u[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ld);
+    for (int i = 0; i < 8; i++) r[i] = _mm256_add_ps(_mm256_loadu_ps(src + i * ld), add);
     for (int i = 0; i < 8; i += 2) {
         t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
         t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
@@ -85,22 +88,29 @@ ALWAYS_INLINE void transpose8(const float *src, int64_t ld, float *dst, int64_t 
     }
 }
 
-/* dst (d, tp) = the transpose of t rows of d floats (row stride ld; d a multiple of 8), columns
- * t..tp zero: 8 x 8 blocks in registers, the last t % 8 rows one by one. */
-static void transpose(const float *src, int64_t ld, int64_t t, int64_t d, int64_t tp, float *dst) {
+/* dst (d, tp) = the transpose of t rows of d floats (row stride ld; d a multiple of 8), each
+ * row plus bias (d floats, or NULL: none), columns t..tp zero: 8 x 8 blocks in registers, the
+ * last t % 8 rows one by one. */
+static void transpose(const float *src, int64_t ld, int64_t t, int64_t d, int64_t tp,
+                      const float *bias, float *dst) {
     const int64_t t8 = t / 8 * 8;
-    for (int64_t i = 0; i < t8; i += 8)
-        for (int64_t c = 0; c < d; c += 8) transpose8(src + i * ld + c, ld, dst + c * tp + i, tp);
+    for (int64_t c = 0; c < d; c += 8) {
+        const __m256 add = bias ? _mm256_loadu_ps(bias + c) : _mm256_setzero_ps();
+        for (int64_t i = 0; i < t8; i += 8)
+            transpose8(src + i * ld + c, ld, add, dst + c * tp + i, tp);
+    }
     for (int64_t c = 0; c < d; c++)
-        for (int64_t i = t8; i < tp; i++) dst[c * tp + i] = i < t ? src[i * ld + c] : 0.0f;
+        for (int64_t i = t8; i < tp; i++)
+            dst[c * tp + i] = i < t ? src[i * ld + c] + (bias ? bias[c] : 0.0f) : 0.0f;
 }
 
-/* dst (t, d) = t rows of d floats (row stride ld): the rows a product broadcasts from, copied
- * first with independent loads (read in place, each row is a dependent wait on memory: the
- * forward ran twice as long). */
-static void gather(const float *src, int64_t ld, int64_t t, int64_t d, float *dst) {
+/* dst (t, d) = t rows of d floats (row stride ld), each plus bias (d floats, or NULL: none): the
+ * rows a product broadcasts from, copied first with independent loads (read in place, each row
+ * is a dependent wait on memory: the forward ran twice as long). */
+static void gather(const float *src, int64_t ld, int64_t t, int64_t d, const float *bias,
+                   float *dst) {
     for (int64_t i = 0; i < t; i++)
-        for (int64_t c = 0; c < d; c++) dst[i * d + c] = src[i * ld + c];
+        for (int64_t c = 0; c < d; c++) dst[i * d + c] = src[i * ld + c] + (bias ? bias[c] : 0.0f);
 }
 
 /* R rows of s (row stride tp, the last tp - t entries of each padding) become softmax over
@@ -146,8 +156,8 @@ static void prefetch(const float *src, int64_t ld, int64_t t, int64_t d) {
             _mm_prefetch((const char *)(src + i * ld + c), _MM_HINT_T1);
 }
 
-static int forward(const float *qkv, float *out, float *probs, int64_t T, int64_t H, int64_t d,
-                   float scale, int64_t start, int64_t end) {
+static int forward(const float *qkv, const float *bias, float *out, float *probs, int64_t T,
+                   int64_t H, int64_t d, float scale, int64_t start, int64_t end) {
     const int64_t tp = (T + 7) / 8 * 8, row = 3 * H * d, orow = H * d;
     float *kt = malloc(sizeof(float) * (d * tp + T * tp + 2 * T * d));
     if (!kt) return -1;
@@ -160,9 +170,10 @@ static int forward(const float *qkv, float *out, float *probs, int64_t T, int64_
             const float *next = qkv + (bh + 1) / H * T * row + (bh + 1) % H * d;
             for (int part = 0; part < 3; part++) prefetch(next + part * H * d, row, T, d);
         }
-        transpose(k, row, T, d, tp, kt);
-        gather(q, row, T, d, ql);
-        gather(v, row, T, d, vl);
+        const float *bq = bias ? bias + h * d : NULL, *bk = bias ? bq + H * d : NULL;
+        transpose(k, row, T, d, tp, bk, kt);
+        gather(q, row, T, d, bq, ql);
+        gather(v, row, T, d, bias ? bk + H * d : NULL, vl);
         product(T, d, tp, ql, d, 1, kt, tp, s, tp, scale); /* scale q k^T */
         softmax(s, T, tp);
         product(T, T, d, s, tp, 1, vl, d, out + b * T * orow + h * d, orow, 1.0f); /* p v */
@@ -171,13 +182,15 @@ static int forward(const float *qkv, float *out, float *probs, int64_t T, int64_
     return 0;
 }
 
-static int backward(const float *qkv, const float *probs, const float *dout, float *dqkv,
-                    int64_t T, int64_t H, int64_t d, float scale, int64_t start, int64_t end) {
+static int backward(const float *qkv, const float *bias, const float *probs, const float *dout,
+                    float *dqkv, int64_t T, int64_t H, int64_t d, float scale, int64_t start,
+                    int64_t end) {
     const int64_t tp = (T + 7) / 8 * 8, row = 3 * H * d, orow = H * d;
-    float *vt = malloc(sizeof(float) * (d * tp + T * tp + T * d));
+    float *vt = malloc(sizeof(float) * (d * tp + T * tp + 3 * T * d));
     if (!vt) return -1;
     float *ds = vt + d * tp;      /* (T, tp): dP, then dS */
     float *gl = ds + T * tp;      /* (T, d): this pair's rows of dout */
+    float *ql = gl + T * d, *kl = ql + T * d; /* (T, d) each: q and k plus their bias */
     for (int64_t bh = start; bh < end; bh++) {
         const int64_t b = bh / H, h = bh % H, off = b * T * row + h * d;
         const float *q = qkv + off, *k = q + H * d, *v = q + 2 * H * d;
@@ -191,8 +204,16 @@ static int backward(const float *qkv, const float *probs, const float *dout, flo
             }
             prefetch(dout + (bh + 1) / H * T * orow + (bh + 1) % H * d, orow, T, d);
         }
-        transpose(v, row, T, d, tp, vt);
-        gather(g, orow, T, d, gl);
+        const float *bq = bias ? bias + h * d : NULL, *bk = bias ? bq + H * d : NULL;
+        const float *qr = q, *kr = k; /* the q and k the products read, and their row stride */
+        int64_t ld = row;
+        if (bias) {
+            gather(q, row, T, d, bq, ql);
+            gather(k, row, T, d, bk, kl);
+            qr = ql, kr = kl, ld = d;
+        }
+        transpose(v, row, T, d, tp, bias ? bk + H * d : NULL, vt);
+        gather(g, orow, T, d, NULL, gl);
         product(T, d, tp, gl, d, 1, vt, tp, ds, tp, 1.0f); /* dP = dout v^T */
         for (int64_t i = 0; i < T; i++) { /* dS = P * (dP - rowsum(P * dP)), zero padding */
             const float *pi = p + i * tp;
@@ -207,21 +228,22 @@ static int backward(const float *qkv, const float *probs, const float *dout, flo
             }
         }
         product(T, T, d, p, 1, tp, gl, d, dv, row, 1.0f);     /* dv = P^T dout */
-        product(T, T, d, ds, tp, 1, k, row, dq, row, scale);  /* dq = scale dS k */
-        product(T, T, d, ds, 1, tp, q, row, dk, row, scale);  /* dk = scale dS^T q */
+        product(T, T, d, ds, tp, 1, kr, ld, dq, row, scale);  /* dq = scale dS k */
+        product(T, T, d, ds, 1, tp, qr, ld, dk, row, scale);  /* dk = scale dS^T q */
     }
     free(vt);
     return 0;
 }
 
-int vitlab_attention_forward(const float *qkv, float *out, float *probs, int64_t B, int64_t T,
-                             int64_t H, int64_t d, float scale, int64_t threads) {
-    SPLIT(B * H, threads, forward(qkv, out, probs, T, H, d, scale, start, end));
+int vitlab_attention_forward(const float *qkv, const float *bias, float *out, float *probs,
+                             int64_t B, int64_t T, int64_t H, int64_t d, float scale,
+                             int64_t threads) {
+    SPLIT(B * H, threads, forward(qkv, bias, out, probs, T, H, d, scale, start, end));
 }
 
-int vitlab_attention_backward(const float *qkv, const float *probs, const float *dout,
-                              float *dqkv, int64_t B, int64_t T, int64_t H, int64_t d,
-                              float scale, int64_t threads) {
-    SPLIT(B * H, threads, backward(qkv, probs, dout, dqkv, T, H, d, scale, start, end));
+int vitlab_attention_backward(const float *qkv, const float *bias, const float *probs,
+                              const float *dout, float *dqkv, int64_t B, int64_t T, int64_t H,
+                              int64_t d, float scale, int64_t threads) {
+    SPLIT(B * H, threads, backward(qkv, bias, probs, dout, dqkv, T, H, d, scale, start, end));
 }
 

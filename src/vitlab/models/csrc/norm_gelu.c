@@ -83,15 +83,24 @@ ALWAYS_INLINE __m256 gelu8(__m256 x, __m256 *slope) {
 }
 
 /* Elements [8 start, min(8 end, n)) of x become their GELU, in place, and, where slope is not
- * NULL, slope their derivative (the last vector may be partial). */
-static int gelu_vectors(float *x, float *slope, int64_t n, int64_t start, int64_t end) {
+ * NULL, slope their derivative (the last vector may be partial). With `bias` (width floats;
+ * width a multiple of 8, n of width), x is taken as rows of width and each row's bias is added
+ * first: GELU(x + bias), the pass that adds a linear layer's bias folded into its activation's. */
+static int gelu_vectors(float *x, float *slope, const float *bias, int64_t width, int64_t n,
+                        int64_t start, int64_t end) {
+    int64_t col = bias ? 8 * start % width : 0; /* the bias's column at element 8 i */
     for (int64_t i = start; i < end; i++) {
         const int64_t at = 8 * i, left = n - at;
         __m256 d;
         if (left >= 8) {
-            _mm256_storeu_ps(x + at, gelu8(_mm256_loadu_ps(x + at), slope ? &d : NULL));
+            __m256 v = _mm256_loadu_ps(x + at);
+            if (bias) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(bias + col));
+                col = col + 8 == width ? 0 : col + 8;
+            }
+            _mm256_storeu_ps(x + at, gelu8(v, slope ? &d : NULL));
             if (slope) _mm256_storeu_ps(slope + at, d);
-        } else {
+        } else { /* no bias here: with one, n is whole vectors */
             const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left),
                                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
             _mm256_maskstore_ps(x + at, mask, gelu8(_mm256_maskload_ps(x + at, mask), slope ? &d : NULL));
@@ -110,9 +119,10 @@ int vitlab_layer_norm(const float *x, const float *w, const float *b, float *y, 
 /* 1 where built with OpenMP, else 0 (cpu_kernels.py warns: one thread). */
 int vitlab_openmp(void) { return openmp_built(); }
 
-/* x = GELU(x), in place, for the n floats of x and, where slope is not NULL, slope = GELU'(x)
- * (what the backward multiplies the gradient by), on `threads` threads. */
-int vitlab_gelu(float *x, float *slope, int64_t n, int64_t threads) {
-    SPLIT((n + 7) / 8, threads, gelu_vectors(x, slope, n, start, end));
+/* x = GELU(x + bias), in place, for the n floats of x (bias NULL: GELU(x); else rows of width,
+ * a multiple of 8, each row adding the width floats of bias) and, where slope is not NULL,
+ * slope = GELU'(x + bias) (what the backward multiplies the gradient by), on `threads` threads. */
+int vitlab_gelu(float *x, float *slope, const float *bias, int64_t n, int64_t width,
+                int64_t threads) {
+    SPLIT((n + 7) / 8, threads, gelu_vectors(x, slope, bias, width, n, start, end));
 }
-
