@@ -1,5 +1,5 @@
 """Float32 inference of vitlab's ViTs with the encoder taking a large batch a part at a time
-(models/layers.batch_chunk, the default under glibc's default allocator: parts of about
+(models/chunks.batch_chunk, the default under glibc's default allocator: parts of about
 CHUNK_BYTES of the widest activation and about CHUNK_ROWS token rows at least) against the whole
 batch at once, interleaved in one process, with timm's twin of the same weights timed in the same
 loop (as model_speed.py's inference rows).
@@ -31,7 +31,7 @@ from model_speed import hold_to, median_seconds, parse_model, randomize_heads, t
 
 import vitlab
 from vitlab.experiments.report import machine
-from vitlab.models import layers
+from vitlab.models import chunks
 from vitlab.runtime import tune_allocator
 
 DEFAULT = ["vit_micro_patch4_28@128", "vit_nano_patch4_28@256", "Ti/16@64", "B/16@8"]
@@ -39,12 +39,12 @@ DEFAULT = ["vit_micro_patch4_28@128", "vit_nano_patch4_28@256", "Ti/16@64", "B/1
 
 def whole_batch(model: torch.nn.Module, x: torch.Tensor) -> None:
     """model(x) with the encoder taking the whole batch at once."""
-    before = layers.CHUNK_BYTES
-    layers.CHUNK_BYTES = math.inf
+    before = chunks.CHUNK_BYTES
+    chunks.CHUNK_BYTES = math.inf
     try:
         model(x)
     finally:
-        layers.CHUNK_BYTES = before
+        chunks.CHUNK_BYTES = before
 
 
 def main() -> None:
@@ -59,7 +59,7 @@ def main() -> None:
     if args.allocator == "tuned":
         if not tune_allocator():
             raise SystemExit("glibc's allocator could not be tuned here")
-        layers.allocator_returns_memory = lambda: True  # parts all the same: what they would give
+        chunks.allocator_returns_memory = lambda: True  # parts all the same: what they would give
     print(json.dumps({**machine(), "isa": args.isa, "allocator": args.allocator}))
     torch.manual_seed(0)
     for spec in args.models:

@@ -12,7 +12,7 @@ import torch
 from tests.helpers import run_together, tiny_config
 from vitlab.analysis.cost import matrix_products
 from vitlab.formats.timm import timm_to_vitlab
-from vitlab.models import layers
+from vitlab.models import chunks
 from vitlab.models.layers import Attention, Block
 from vitlab.models.vit import VisionTransformer, ViTConfig
 
@@ -345,16 +345,16 @@ def test_fsdp_hooks_leave_the_rows_cut(tmp_path) -> None:
         dist.destroy_process_group()
 
 
-# --- inference a part of the batch at a time (layers.batch_chunk) -------------------------------
+# --- inference a part of the batch at a time (chunks.batch_chunk) -------------------------------
 
 
 def _parts_of_two(monkeypatch: pytest.MonkeyPatch, tokens: int) -> list[int]:
     """Parts of at most two images of `tokens` tokens (a 32-wide tiny model: qkv's output is the
     widest), glibc's allocator taken as at its defaults; the returned list gets the batch size
     of every block's call."""
-    monkeypatch.setattr(layers, "CHUNK_BYTES", 2 * tokens * 96 * 4)  # two images' qkv output
-    monkeypatch.setattr(layers, "CHUNK_ROWS", tokens)  # parts of one image allowed
-    monkeypatch.setattr(layers, "allocator_returns_memory", lambda: True)
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 2 * tokens * 96 * 4)  # two images' qkv output
+    monkeypatch.setattr(chunks, "CHUNK_ROWS", tokens)  # parts of one image allowed
+    monkeypatch.setattr(chunks, "allocator_returns_memory", lambda: True)
     sizes: list[int] = []
     real = Block.forward
     monkeypatch.setattr(
@@ -399,16 +399,16 @@ def test_inference_takes_the_batch_in_parts_with_the_same_outputs(
         sizes.clear()
         torch.testing.assert_close(model(x), alone, atol=1e-5, rtol=0)
     assert sizes == [5, 5] and seen == [5]
-    monkeypatch.setattr(layers, "allocator_returns_memory", lambda: False)  # tuned: one part
+    monkeypatch.setattr(chunks, "allocator_returns_memory", lambda: False)  # tuned: one part
     with torch.no_grad():
         sizes.clear()
         model(x)
     assert sizes == [5, 5]
-    monkeypatch.setattr(layers, "allocator_returns_memory", lambda: True)
+    monkeypatch.setattr(chunks, "allocator_returns_memory", lambda: True)
     # the batch fits: one part; parts of at least two images: two parts, not five
     for bytes_, rows in ((5 * tokens * 96 * 4, tokens), (tokens * 96 * 4, 2 * tokens)):
-        monkeypatch.setattr(layers, "CHUNK_BYTES", bytes_)
-        monkeypatch.setattr(layers, "CHUNK_ROWS", rows)
+        monkeypatch.setattr(chunks, "CHUNK_BYTES", bytes_)
+        monkeypatch.setattr(chunks, "CHUNK_ROWS", rows)
         with torch.no_grad():
             sizes.clear()
             model(x)

@@ -98,7 +98,7 @@ def param_breakdown(model: VisionTransformer) -> dict[str, int]:
 def matrix_products(model: torch.nn.Module, x: torch.Tensor) -> Counter[tuple[int, int, int]]:
     """(M, K, N) -> how often model(x) multiplies an M x K matrix by a K x N one (mm and addmm:
     the linear layers as the model runs them, a ViT's last block with its rows cut and a large
-    batch in parts under glibc's default allocator: layers.batch_chunk), inference,
+    batch in parts under glibc's default allocator: chunks.batch_chunk), inference,
     recorded below autograd by a dispatch mode (module hooks would change what a ViT computes,
     and FlopCounterMode sets global ones)."""
     seen: Counter[tuple[int, int, int]] = Counter()

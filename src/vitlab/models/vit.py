@@ -15,7 +15,7 @@ The paper's hybrid (§3.1) is `stem="resnet"`: tokens from a BiT ResNet's featur
 
 forward() with pool='token' computes in the last block only the prefix tokens' rows, all the
 head reads (forward_features' head_only): the same logits, less work. In float32 CPU inference
-under glibc's default allocator the blocks take a large batch in parts (layers.batch_chunk).
+under glibc's default allocator the blocks take a large batch in parts (chunks.batch_chunk).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vitlab.config import ConfigError, check_keys, pair, validate
+from vitlab.models.chunks import batch_chunk
 from vitlab.models.layers import (
     Block,
     LayerNorm,
     PatchEmbed,
-    batch_chunk,
     chosen_indices,
     lecun_normal_,
     watched,
