@@ -109,6 +109,86 @@ def test_gelu_refuses_a_bias_of_another_width_or_off_whole_vectors() -> None:
         cpu_kernels.gelu_(torch.randn(4, 12), torch.randn(12))
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_join_is_pytorchs_linear_bias_then_the_residual_sum(with_bias) -> None:
+    """join_(h, x, bias): (h + bias) + x in place on h, the same bits as PyTorch's linear with
+    its bias and then the residual sum; the gradient reaches h and x as it comes and bias as
+    its sum over the rows (against autograd through the sum, and float64)."""
+    torch.manual_seed(3)
+    a, x = (torch.randn(3, 50, 64, requires_grad=True) for _ in range(2))
+    bias = torch.randn(64, requires_grad=True) if with_bias else None
+    h = a * 1.0
+    out = cpu_kernels.join_(h, x, bias)
+    expected = (a + bias if with_bias else a) + x
+    assert out is h and torch.equal(out, expected)
+    grad = torch.randn_like(out)
+    inputs = (a, x, bias) if with_bias else (a, x)
+    grads = torch.autograd.grad(out, inputs, grad)
+    expected_grads = torch.autograd.grad(expected, inputs, grad)
+    assert torch.equal(grads[0], grad) and torch.equal(grads[1], grad)
+    if with_bias:
+        torch.testing.assert_close(grads[2].double(), grad.double().sum((0, 1)), atol=1e-4, rtol=0)
+        torch.testing.assert_close(grads[2], expected_grads[2], atol=1e-4, rtol=1e-5)
+    with torch.no_grad():
+        same = a.detach().clone()
+        cpu_kernels.join_(same, x, bias)
+    assert torch.equal(same, out.detach())
+
+
+def test_join_refuses_what_it_cannot_take() -> None:
+    h = torch.randn(4, 16)
+    with pytest.raises(ValueError, match=r"x of its shape, got \(4, 16\) and \(4, 8\)"):
+        cpu_kernels.join_(h, torch.randn(4, 8))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cpu_kernels.join_(torch.randn(4, 12), torch.randn(4, 12))
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.join_(torch.randn(16, 4).t(), h)
+    with pytest.raises(ValueError, match=r"as wide as h's rows \(16\), got \(8,\)"):
+        cpu_kernels.join_(h, h, torch.randn(8))
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.join_(h, h.double())
+    leaf = torch.randn(4, 16, requires_grad=True)
+    before = leaf.detach().clone()
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        cpu_kernels.join_(leaf, h)
+    assert torch.equal(leaf.detach(), before)
+
+
+def test_blocks_join_their_branches_to_the_residual_stream_where_nothing_sees_it(
+    monkeypatch,
+) -> None:
+    """Each block adds attention's and the MLP's last linear layer to the residual stream in
+    one pass with that layer's bias (join_), in training and inference; not with a layer scale,
+    nor in training with dropout or stochastic depth (in eval, yes), nor for a branch a hook
+    watches (the attention module, its output projection). test_cpu_attention checks that the
+    model's gradients are PyTorch's."""
+    calls = count_calls(monkeypatch, cpu_kernels, "join_")
+
+    def joins(train: bool = True, hook: str | None = None, **overrides: object) -> int:
+        torch.manual_seed(0)
+        model = VisionTransformer(tiny_config(embed_dim=32, num_heads=2, depth=3, **overrides))
+        if hook:
+            model.get_submodule(hook).register_forward_hook(lambda *a: None)
+        calls.clear()
+        out = model.train(train)(torch.randn(2, 3, 16, 16))
+        if train:
+            out.sum().backward()
+        return len(calls)
+
+    both = 2 * 2  # forward()'s last block computes the class token's rows alone: not joined
+    assert joins() == joins(train=False) == both
+    with torch.no_grad():
+        assert joins(train=False) == both
+    assert joins(layer_scale=1e-5) == 0
+    assert joins(dropout=0.1) == 0 and joins(train=False, dropout=0.1) == both
+    # stochastic depth rises from 0 at the first block: only that one joins in training
+    assert joins(drop_path=0.1) == 2 and joins(train=False, drop_path=0.1) == both
+    assert joins(hook="blocks.0.attn") == joins(hook="blocks.1.attn.proj") == both - 1
+    assert joins(hook="blocks.0.mlp.fc2") == joins(hook="blocks.1.drop_path2") == both - 1
+    with cpu_kernels.use_kernel(False):
+        assert joins() == 0
+
+
 def test_gelu_in_place_on_a_tensor_autograd_saved_makes_its_backward_raise() -> None:
     """As PyTorch's in-place operators: a tensor kept for another operation's backward, changed
     in place by gelu_ with grad mode on, makes that backward raise instead of giving a wrong

@@ -384,7 +384,7 @@ def test_intermediate_indices_take_numpy_and_tensor_ints_and_refuse_the_rest() -
     iterable", a bool silently meant the last block, a str compared ints with strs."""
     import numpy as np
 
-    from vitlab.models.layers import chosen_indices
+    from vitlab.models.indices import chosen_indices
 
     assert chosen_indices(np.int64(2), 4, "block") == [2, 3] == chosen_indices(2, 4, "block")
     assert chosen_indices(torch.tensor(1), 4, "block") == [3] == chosen_indices(np.array(1), 4, "b")

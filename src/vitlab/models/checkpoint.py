@@ -35,7 +35,7 @@ from vitlab.formats.base import INDEX, TORCH_SUFFIXES, CheckpointError, Files, S
 from vitlab.formats.vitlab import CONFIGS, CheckpointMeta, resolve_checkpoint
 from vitlab.models.cnn_checkpoint import infer_cnn_config
 from vitlab.models.hybrid_checkpoint import infer_resnet_stem
-from vitlab.models.layers import whole_number
+from vitlab.models.indices import whole_number
 from vitlab.models.pos_embed import Grid, resample_pos_embed
 from vitlab.models.registry import Model, ModelConfig, build_model, family_of
 from vitlab.models.swin_checkpoint import infer_swin_config

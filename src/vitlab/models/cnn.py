@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vitlab.config import ConfigError, check_keys, pair, validate
-from vitlab.models.layers import chosen_indices
+from vitlab.models.indices import chosen_indices
 
 ResNetArch = Literal["resnet18", "resnet34", "resnet50", "resnetv2_50"]
 

@@ -10,6 +10,9 @@ loading, the switch, and running one kernel's work over PyTorch's threads.
   exp): forward and backward 1.5x PyTorch's alone, about 1.02-1.04x a training step of the 28 px
   ViTs (BENCHMARKS.md, issue 16). With fc1's bias, added in the same pass (fc1 then runs as a
   matrix product without it: layers.Mlp, packed.folds).
+- the residual join (csrc/norm_gelu.c), training and inference: a branch's last linear layer's
+  output, computed without its bias, becomes output + bias + residual in place, one pass
+  (layers.Block._joins says when).
 
 They run when the CPU has AVX2 (PyTorch dispatches its AVX2 or AVX-512 kernels; Linux or macOS),
 the tensors are plain float32 outside autocast (not traced or transformed by torch.jit,
@@ -62,6 +65,8 @@ _SIGNATURES = {  # the last argument: threads; every kernel returns 0, or -1 whe
     "vitlab_layer_norm": [_pointer] * 4 + [_int, _float, _int, _int],
     # x, slope, bias | n, width
     "vitlab_gelu": [_pointer] * 3 + [_int, _int, _int],
+    # h, x, bias | n, width
+    "vitlab_join": [_pointer] * 3 + [_int, _int, _int],
     "vitlab_openmp": [],  # 1 where built with OpenMP
 }
 
@@ -180,6 +185,63 @@ def _gelu(x: Tensor, slope: Tensor | None, bias: Tensor | None = None) -> None:
     width = x.shape[-1] if bias is not None else 1
     tensors = [x, slope, bias]
     run("vitlab_gelu", tensors, (x.numel(), width), (x.numel() + 7) // 8, grain=2048)
+
+
+def join_(h: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor:
+    """h becomes h + bias + x, in place: a residual branch's last linear layer's output h,
+    computed without its bias, joined to the residual stream x (h's shape) in one pass, where
+    PyTorch's linear first fills h with the bias and the sum then writes a fresh tensor. Float32
+    on the CPU, h contiguous, its last dimension a multiple of 8 and bias (or None) that wide. With
+    autograd, differentiable once: the gradient passes to h and x as it comes, and bias's is its
+    sum over the rows. As PyTorch's in-place operators: a leaf that needs a gradient is refused
+    untouched, and where autograd saved h for another operation's backward, that backward
+    raises."""
+    _check_takes(h, "join_", grad=True)
+    width = h.shape[-1] if h.dim() else 0
+    if not h.is_contiguous() or width % 8 or width == 0 or x.shape != h.shape:
+        raise ValueError(
+            "join_ takes a contiguous h with rows of a multiple of 8 floats and an x of its shape, "
+            f"got {tuple(h.shape)} and {tuple(x.shape)}"
+        )
+    for t in (x,) if bias is None else (x, bias):
+        if t.dtype != torch.float32 or t.device != h.device:
+            raise ValueError(f"join_'s x and bias are float32 on the CPU, got {t.dtype}")
+    if bias is not None and bias.shape != (width,):
+        raise ValueError(f"join_'s bias is as wide as h's rows ({width}), got {tuple(bias.shape)}")
+    x, bias = x.contiguous(), None if bias is None else bias.contiguous()
+    inputs = (h, x) if bias is None else (h, x, bias)
+    grad = torch.is_grad_enabled()
+    if grad and any(t.requires_grad for t in inputs):
+        if h.is_leaf and h.requires_grad:
+            raise RuntimeError(
+                "join_: a leaf Variable that requires grad cannot be changed in place"
+            )
+        return _Join.apply(h, x, bias)
+    _join(h, x, bias)
+    if grad:  # autograd may have saved h: its version says it changed
+        torch.autograd.graph.increment_version(h)
+    return h
+
+
+class _Join(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: Tensor, x: Tensor, bias: Tensor | None) -> Tensor:
+        _join(h, x, bias)
+        ctx.mark_dirty(h)
+        return h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        need_h, need_x, need_bias = ctx.needs_input_grad
+        summed = grad.reshape(-1, grad.shape[-1]).sum(0) if need_bias else None
+        return grad if need_h else None, grad if need_x else None, summed
+
+
+def _join(h: Tensor, x: Tensor, bias: Tensor | None) -> None:
+    """h = h + bias + x, in place; contiguous float32 of one shape, rows of a multiple of 8."""
+    tensors = [h, x, bias]
+    run("vitlab_join", tensors, (h.numel(), h.shape[-1]), h.numel() // 8, grain=2048)
 
 
 def _check_takes(x: Tensor, what: str, *params: Tensor, grad: bool = False) -> None:

@@ -6,8 +6,6 @@ width, (gh, gw) the patch grid."""
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -157,42 +155,6 @@ def linear(module: nn.Module) -> bool:
     return plain(module) or plain(module, PackedLinear)
 
 
-def chosen_indices(indices: int | Sequence[int] | None, n: int, what: str) -> list[int]:
-    """Sorted distinct indices into n `what`s (blocks, stages): all (None), the last k (an int),
-    or the listed ones (negative from the end); a ValueError naming an index out of range."""
-    if indices is None:
-        return list(range(n))
-    one = whole_number(indices)  # an int, numpy's, a 0-d array's or tensor's
-    if one is not None:
-        if not 0 <= one <= n:
-            raise ValueError(f"cannot take the last {one} {what}s of a {n}-{what} model")
-        return list(range(n - one, n))
-    scalar = getattr(indices, "ndim", None) == 0  # a 0-d array of floats: not iterable
-    items = (
-        [whole_number(i) for i in indices]
-        if isinstance(indices, Iterable) and not scalar
-        else [None]
-    )
-    if None in items or isinstance(indices, str):
-        raise ValueError(
-            f"{what} indices are an int (the last k) or a sequence of ints, got {indices!r}"
-        )
-    out = []
-    for i in items:
-        if not -n <= i < n:
-            raise ValueError(f"{what} index {i} out of range for a {n}-{what} model")
-        out.append(i % n)
-    return sorted(set(out))
-
-
-def whole_number(x: object) -> int | None:
-    """x as an int when it is a whole number (int, numpy's integers, a 0-d integer array or
-    tensor; not a bool, which would read as 0 or 1), else None."""
-    if getattr(x, "ndim", None) == 0 and callable(getattr(x, "item", None)):
-        x = x.item()  # a float's or a bool's item is refused below
-    return int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else None
-
-
 def attention_probs(q: Tensor, k: Tensor, scale: float, bias: Tensor | None = None) -> Tensor:
     """softmax((q * scale) k^T + bias): (B, H, T, T), in q's dtype (PyTorch's reduced-precision
     softmax accumulates in float32)."""
@@ -230,6 +192,22 @@ class Attention(nn.Module):
         of the output are not computed."""
         if queries is not None and self._splits(return_attention):
             return self._first_rows(x, queries), None
+        out, attn = self._mix(x, return_attention)
+        if queries is not None:  # every row's attention computed, the first rows kept
+            out, attn = out[:, :queries], None if attn is None else attn[:, :, :queries]
+        return self.proj_drop(self.proj(out)), attn  # (B, T, D)
+
+    def joined(
+        self, x: Tensor, residual: Tensor, return_attention: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """residual + forward(x)[0], proj's bias added in the same pass, in place on its fresh
+        output (cpu_kernels.join_; Block._joins says when), and the probabilities or None."""
+        out, attn = self._mix(x, return_attention)
+        return cpu_kernels.join_(F.linear(out, self.proj.weight), residual, self.proj.bias), attn
+
+    def _mix(self, x: Tensor, return_attention: bool) -> tuple[Tensor, Tensor | None]:
+        """Every token's attention output (B, T, D), before the output projection, and the
+        probabilities or None."""
         # bare: no relative-position bias, no attention dropout, no probabilities asked for
         bare = self.rel_pos is None and not (self.training and self.attn_drop > 0)
         bare = bare and not return_attention
@@ -243,9 +221,7 @@ class Attention(nn.Module):
                 out, attn = cpu_attention.attention(qkv, self.num_heads, self.scale), None
             else:
                 out, attn = self._attend(qkv, return_attention)
-        if queries is not None:  # every row's attention computed, the first rows kept
-            out, attn = out[:, :queries], None if attn is None else attn[:, :, :queries]
-        return self.proj_drop(self.proj(out)), attn  # (B, T, D)
+        return out, attn
 
     def _folds(self, x: Tensor) -> bool:
         """Whether the qkv projection of the tokens x runs without its bias, which vitlab's
@@ -331,6 +307,17 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.drop2(self.fc2(self._hidden(x)))
+
+    def joined(self, x: Tensor, residual: Tensor) -> Tensor:
+        """residual + forward(x), fc2's bias added in the same pass, in place on its fresh output
+        (cpu_kernels.join_; Block._joins says when)."""
+        return cpu_kernels.join_(
+            F.linear(self._hidden(x), self.fc2.weight), residual, self.fc2.bias
+        )
+
+    def _hidden(self, x: Tensor) -> Tensor:
+        """GELU(fc1(x)) after dropout: what fc2 reads."""
         if self._on_kernel(x):  # fc1's (rows, M) output, not a view: GELU in place on it
             rows = x.reshape(-1, x.shape[-1])
             if folds(self.fc1, width=8):  # the bias added in GELU's pass, not in its own
@@ -340,7 +327,7 @@ class Mlp(nn.Module):
             h = h.view(*x.shape[:-1], h.shape[-1])
         else:
             h = self.act(self.fc1(x))
-        return self.drop2(self.fc2(self.drop1(h)))
+        return self.drop1(h)
 
     def _on_kernel(self, x: Tensor) -> bool:
         """Whether GELU runs on vitlab's kernel (cpu_kernels.gelu_), in place on fc1's output:
@@ -402,9 +389,34 @@ class Block(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """(B, T, D) -> (B, T, D) and attention or None; with `queries` n, the first n tokens'
         rows only (B, n, D), the same values (Attention.forward)."""
-        y, attn = self.attn(self.norm1(x), return_attention, queries)
-        if queries is not None:
-            x = x[:, :queries]
-        x = x + self.drop_path1(self.ls1(y))
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return x, attn
+        joins = self._joins(x) if queries is None else (False, False)
+        if joins[0]:
+            x, attn = self.attn.joined(self.norm1(x), x, return_attention)
+        else:
+            y, attn = self.attn(self.norm1(x), return_attention, queries)
+            x = (x if queries is None else x[:, :queries]) + self.drop_path1(self.ls1(y))
+        if joins[1]:
+            return self.mlp.joined(self.norm2(x), x), attn
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))), attn
+
+    def _joins(self, x: Tensor) -> tuple[bool, bool]:
+        """Whether each branch's (attention's, the MLP's) last linear layer runs without its bias,
+        which the sum with the residual stream x adds in the same pass, in place on the layer's
+        fresh output (cpu_kernels.join_: one pass and one fresh tensor fewer; micro's float32
+        training step 1.03x, BENCHMARKS.md, issue 16): a tensor the kernels take, a layer whose
+        bias can be folded (packed.folds), nothing between it and the sum that changes its output
+        (no layer scale; dropout and stochastic depth only outside training), no hook on them."""
+        if not cpu_kernels.usable(x) or x.dim() != 3 or x.shape[-1] % 8:
+            return False, False
+
+        def joins(branch: nn.Module, layer: nn.Module, *between: nn.Module) -> bool:
+            kinds = [type(m) for m in between] == [nn.Dropout, nn.Identity, DropPath]
+            kinds = kinds and type(branch) in (Attention, Mlp)
+            idle = not self.training or all(m.p == 0 for m in (between[0], between[2]))
+            return kinds and idle and folds(layer, 8) and not watched(branch, layer, *between)
+
+        attn, mlp = self.attn, self.mlp
+        return (
+            joins(attn, attn.proj, attn.proj_drop, self.ls1, self.drop_path1),
+            joins(mlp, mlp.fc2, mlp.drop2, self.ls2, self.drop_path2),
+        )

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from vitlab.config import ConfigError, check_keys, pair, validate
-from vitlab.models.layers import chosen_indices
+from vitlab.models.indices import chosen_indices
 from vitlab.models.swin_layers import StageSpec, SwinPatchEmbed, SwinStage, WindowAttention
 
 

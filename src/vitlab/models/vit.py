@@ -32,11 +32,11 @@ from torch.utils.checkpoint import checkpoint
 
 from vitlab.config import ConfigError, check_keys, pair, validate
 from vitlab.models.chunks import batch_chunk
+from vitlab.models.indices import chosen_indices
 from vitlab.models.layers import (
     Block,
     LayerNorm,
     PatchEmbed,
-    chosen_indices,
     lecun_normal_,
     watched,
 )

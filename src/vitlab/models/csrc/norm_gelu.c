@@ -1,9 +1,9 @@
-/* LayerNorm (for inference) and GELU (the erf form; with its derivative for training) in float32
- * for x86 CPUs with AVX2 + FMA.
+/* LayerNorm (for inference), GELU (the erf form; with its derivative for training) and the
+ * residual join (h + x + bias) in float32 for x86 CPUs with AVX2 + FMA.
  * Built and loaded with attention.c by vitlab/models/cpu_kernels.py; its docstring says when
- * they run. Work is split by rows (LayerNorm) or by vectors of 8 (GELU) over `threads` threads
- * (SPLIT in kernels.h); every element is computed by the same code whatever the split. Both
- * return 0. */
+ * they run. Work is split by rows (LayerNorm) or by vectors of 8 (GELU, the join) over `threads`
+ * threads (SPLIT in kernels.h); every element is computed by the same code whatever the split.
+ * All return 0. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -110,6 +110,22 @@ static int gelu_vectors(float *x, float *slope, const float *bias, int64_t width
     return 0;
 }
 
+/* Elements [8 start, 8 end) of h become h + x + bias (rows of width, a multiple of 8; bias
+ * NULL: h + x): a branch's last linear layer's output, without its bias, joined to the residual
+ * stream in one pass. */
+static int join_vectors(float *h, const float *x, const float *bias, int64_t width,
+                        int64_t start, int64_t end) {
+    int64_t col = 8 * start % width; /* the bias's column at element 8 i */
+    for (int64_t i = start; i < end; i++) {
+        const int64_t at = 8 * i;
+        __m256 v = _mm256_loadu_ps(h + at); /* (h + bias) + x: as PyTorch's linear, then + */
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + col));
+        _mm256_storeu_ps(h + at, _mm256_add_ps(v, _mm256_loadu_ps(x + at)));
+        col = col + 8 == width ? 0 : col + 8;
+    }
+    return 0;
+}
+
 /* y = LayerNorm(x) over `rows` rows of width D (a multiple of 8), on `threads` threads. */
 int vitlab_layer_norm(const float *x, const float *w, const float *b, float *y, int64_t D,
                       float eps, int64_t rows, int64_t threads) {
@@ -125,4 +141,11 @@ int vitlab_openmp(void) { return openmp_built(); }
 int vitlab_gelu(float *x, float *slope, const float *bias, int64_t n, int64_t width,
                 int64_t threads) {
     SPLIT((n + 7) / 8, threads, gelu_vectors(x, slope, bias, width, n, start, end));
+}
+
+/* h = h + x + bias, in place on h, for the n floats of h and x (rows of width, a multiple of 8,
+ * as n; bias NULL: h + x), on `threads` threads. */
+int vitlab_join(float *h, const float *x, const float *bias, int64_t n, int64_t width,
+                int64_t threads) {
+    SPLIT(n / 8, threads, join_vectors(h, x, bias, width, start, end));
 }

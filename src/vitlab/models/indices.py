@@ -1,0 +1,43 @@
+"""Which of a model's blocks or stages a caller asked for (forward_intermediates' `indices`),
+and whole numbers as a caller may give them (numpy's, 0-d arrays and tensors)."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable, Sequence
+
+
+def chosen_indices(indices: int | Sequence[int] | None, n: int, what: str) -> list[int]:
+    """Sorted distinct indices into n `what`s (blocks, stages): all (None), the last k (an int),
+    or the listed ones (negative from the end); a ValueError naming an index out of range."""
+    if indices is None:
+        return list(range(n))
+    one = whole_number(indices)  # an int, numpy's, a 0-d array's or tensor's
+    if one is not None:
+        if not 0 <= one <= n:
+            raise ValueError(f"cannot take the last {one} {what}s of a {n}-{what} model")
+        return list(range(n - one, n))
+    scalar = getattr(indices, "ndim", None) == 0  # a 0-d array of floats: not iterable
+    items = (
+        [whole_number(i) for i in indices]
+        if isinstance(indices, Iterable) and not scalar
+        else [None]
+    )
+    if None in items or isinstance(indices, str):
+        raise ValueError(
+            f"{what} indices are an int (the last k) or a sequence of ints, got {indices!r}"
+        )
+    out = []
+    for i in items:
+        if not -n <= i < n:
+            raise ValueError(f"{what} index {i} out of range for a {n}-{what} model")
+        out.append(i % n)
+    return sorted(set(out))
+
+
+def whole_number(x: object) -> int | None:
+    """x as an int when it is a whole number (int, numpy's integers, a 0-d integer array or
+    tensor; not a bool, which would read as 0 or 1), else None."""
+    if getattr(x, "ndim", None) == 0 and callable(getattr(x, "item", None)):
+        x = x.item()  # a float's or a bool's item is refused below
+    return int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else None
