@@ -116,8 +116,8 @@ def test_attention_says_what_it_cannot_take() -> None:
         with pytest.raises(ValueError, match=message):
             cpu_attention.attention(qkv, heads, 0.25)
     qkv = torch.randn(2, 5, 3 * 16)
-    for bias in (torch.randn(3 * 8), torch.randn(3 * 16).double()):
-        with pytest.raises(ValueError, match=r"bias must be float32 of shape \(48,\)"):
+    for bias in (torch.randn(3 * 8), torch.randn(3 * 16).double(), torch.randn(48, device="meta")):
+        with pytest.raises(ValueError, match=r"bias must be float32 of shape \(48,\) on the CPU"):
             cpu_attention.attention(qkv, 1, 0.25, bias)
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import vitlab
 from tests.helpers import count_calls, run_with_fresh_kernel_cache, tiny_config
 from vitlab.models import cpu_kernels
-from vitlab.models.layers import LayerNorm
+from vitlab.models.layers import DropPath, LayerNorm
 from vitlab.models.vit import VisionTransformer
 
 pytestmark = pytest.mark.skipif(
@@ -107,6 +107,9 @@ def test_gelu_refuses_a_bias_of_another_width_or_off_whole_vectors() -> None:
             cpu_kernels.gelu_(x, bias)
     with pytest.raises(ValueError, match="a multiple of 8: got \\(12,\\)"):
         cpu_kernels.gelu_(torch.randn(4, 12), torch.randn(12))
+    for empty in (torch.randn(4, 0), torch.tensor(1.0)):  # no row to add a bias to
+        with pytest.raises(ValueError, match="as wide as x's last dimension"):
+            cpu_kernels.gelu_(empty, torch.randn(0))
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -164,13 +167,25 @@ def test_blocks_join_their_branches_to_the_residual_stream_where_nothing_sees_it
     model's gradients are PyTorch's."""
     calls = count_calls(monkeypatch, cpu_kernels, "join_")
 
-    def joins(train: bool = True, hook: str | None = None, **overrides: object) -> int:
+    def joins(
+        train: bool = True,
+        hook: str | None = None,
+        patch: str | None = None,
+        mc_dropout: bool = False,
+        **overrides: object,
+    ) -> int:
         torch.manual_seed(0)
         model = VisionTransformer(tiny_config(embed_dim=32, num_heads=2, depth=3, **overrides))
         if hook:
             model.get_submodule(hook).register_forward_hook(lambda *a: None)
+        if patch:  # a forward of its own on the instance (as attention-map tools set)
+            module = model.get_submodule(patch)
+            module.forward = module.forward
+        model.train(train)
+        for m in model.modules() if mc_dropout else ():  # Monte Carlo dropout: eval, dropout on
+            m.train(isinstance(m, torch.nn.Dropout | DropPath))
         calls.clear()
-        out = model.train(train)(torch.randn(2, 3, 16, 16))
+        out = model(torch.randn(2, 3, 16, 16))
         if train:
             out.sum().backward()
         return len(calls)
@@ -185,6 +200,10 @@ def test_blocks_join_their_branches_to_the_residual_stream_where_nothing_sees_it
     assert joins(drop_path=0.1) == 2 and joins(train=False, drop_path=0.1) == both
     assert joins(hook="blocks.0.attn") == joins(hook="blocks.1.attn.proj") == both - 1
     assert joins(hook="blocks.0.mlp.fc2") == joins(hook="blocks.1.drop_path2") == both - 1
+    assert joins(patch="blocks.0.attn") == joins(patch="blocks.1.mlp") == both - 1
+    assert joins(patch="blocks.0.attn.proj_drop") == joins(patch="blocks.1.ls2") == both - 1
+    assert joins(train=False, mc_dropout=True, dropout=0.1) == 0
+    assert joins(train=False, mc_dropout=True, drop_path=0.1) == 2  # block 0's rate is 0
     with cpu_kernels.use_kernel(False):
         assert joins() == 0
 
@@ -199,6 +218,21 @@ def test_gelu_in_place_on_a_tensor_autograd_saved_makes_its_backward_raise() -> 
     cpu_kernels.gelu_(h)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+
+
+def test_in_place_kernels_without_grad_mode_still_make_a_saved_tensors_backward_raise() -> None:
+    """gelu_ and join_ under torch.no_grad change a tensor autograd kept: its version moves, so
+    that backward raises (as with PyTorch's own in-place operators) instead of a wrong gradient;
+    an inference tensor has no version to move."""
+    for change in (cpu_kernels.gelu_, lambda h: cpu_kernels.join_(h, torch.ones(4, 8))):
+        a = torch.randn(4, 8, requires_grad=True)
+        h = torch.tanh(a)  # autograd keeps its output
+        with torch.no_grad():
+            change(h)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            h.sum().backward()
+        with torch.inference_mode():
+            change(torch.randn(4, 8))
 
 
 def test_gelu_keeps_nan_and_the_formulas_infinities() -> None:
@@ -266,6 +300,27 @@ def test_same_bits_on_one_and_two_threads() -> None:
         torch.set_num_threads(before)
     (norm1, gelu1), (norm2, gelu2) = results
     assert torch.equal(norm1, norm2) and torch.equal(gelu1, gelu2)
+
+
+def test_a_bias_is_added_by_column_where_the_second_thread_starts_mid_row() -> None:
+    """gelu_ and join_ with a bias over 4,099 rows of 24 (12,297 vectors of 8: two threads' worth,
+    the second starting inside a row): the formula's values, the same bits on one and two
+    threads."""
+    x, residual, bias = torch.randn(4099, 24), torch.randn(4099, 24), torch.randn(24)
+    expected = [F.gelu(x.double() + bias.double()), (x + bias) + residual]
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                gelu = cpu_kernels.gelu_(x.clone(), bias)
+                results.append((gelu, cpu_kernels.join_(x.clone(), residual, bias)))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(one, two) for one, two in zip(*results, strict=True))
+    torch.testing.assert_close(results[0][0].double(), expected[0], atol=1e-6, rtol=1e-6)
+    assert torch.equal(results[0][1], expected[1])
 
 
 def test_when_the_model_takes_them(monkeypatch) -> None:

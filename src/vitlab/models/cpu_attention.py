@@ -38,7 +38,7 @@ MAX_TOKENS = 128  # measured faster up to 128 tokens on two threads (one: forwar
 
 def applies(qkv: Tensor, heads: int) -> bool:
     """Whether attention over `qkv` (B, T, 3D), the qkv projection's output, runs on the kernel
-    (the caller has checked there is no bias and no dropout)."""
+    (the caller has checked there is no relative-position bias and no attention dropout)."""
     if not cpu_kernels.usable(qkv):  # first (float32 on the CPU): shapes unread under tracing
         return False
     return _shape_reason(qkv.shape, heads) is None and qkv.shape[1] <= MAX_TOKENS
@@ -60,12 +60,14 @@ def attention(qkv: Tensor, heads: int, scale: float, bias: Tensor | None = None)
     it as it reads q, k and v (no pass of its own over the (B, T, 3D) output). A ValueError says
     why if the kernel cannot take `qkv` (applies() says whether it can)."""
     reason = _reason_not(qkv, heads) or (cpu_kernels.library() is None and "it is not built here")
-    if (
-        not reason
-        and bias is not None
-        and (bias.shape != qkv.shape[-1:] or bias.dtype != qkv.dtype)
-    ):
-        reason = f"the bias must be float32 of shape ({qkv.shape[-1]},), got {tuple(bias.shape)}"
+    bad_bias = bias is not None and (
+        bias.shape != qkv.shape[-1:] or bias.dtype != qkv.dtype or bias.device != qkv.device
+    )
+    if bad_bias and not reason:
+        reason = (
+            f"the bias must be float32 of shape ({qkv.shape[-1]},) on the CPU, got "
+            f"{tuple(bias.shape)} {bias.dtype} on {bias.device}"
+        )
     if reason:
         raise ValueError(f"vitlab's CPU attention kernel cannot take this input: {reason}")
     qkv = qkv.contiguous()

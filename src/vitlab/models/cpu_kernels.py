@@ -143,7 +143,8 @@ def gelu_(x: Tensor, bias: Tensor | None = None) -> Tensor:
         raise ValueError("gelu_ needs a contiguous tensor")
     if bias is not None:
         width = x.shape[-1] if x.dim() else 0
-        if bias.shape != (width,) or width % 8 or bias.dtype != x.dtype or bias.device != x.device:
+        wrong = bias.shape != (width,) or bias.dtype != x.dtype or bias.device != x.device
+        if wrong or width % 8 or width == 0:
             raise ValueError(
                 "gelu_'s bias is float32 on the CPU and as wide as x's last dimension, a multiple "
                 f"of 8: got {tuple(bias.shape)} {bias.dtype} for x {tuple(x.shape)}"
@@ -157,7 +158,7 @@ def gelu_(x: Tensor, bias: Tensor | None = None) -> Tensor:
             )
         return _Gelu.apply(x, bias)
     _gelu(x, None, bias)
-    if grad:  # autograd may have saved x: its version says it changed
+    if not x.is_inference():  # autograd may have saved x: its version says it changed
         torch.autograd.graph.increment_version(x)
     return x
 
@@ -218,7 +219,7 @@ def join_(h: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor:
             )
         return _Join.apply(h, x, bias)
     _join(h, x, bias)
-    if grad:  # autograd may have saved h: its version says it changed
+    if not h.is_inference():  # autograd may have saved h: its version says it changed
         torch.autograd.graph.increment_version(h)
     return h
 

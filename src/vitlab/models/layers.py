@@ -405,14 +405,16 @@ class Block(nn.Module):
         fresh output (cpu_kernels.join_: one pass and one fresh tensor fewer; micro's float32
         training step 1.03x, BENCHMARKS.md, issue 16): a tensor the kernels take, a layer whose
         bias can be folded (packed.folds), nothing between it and the sum that changes its output
-        (no layer scale; dropout and stochastic depth only outside training), no hook on them."""
+        (no layer scale; dropout and stochastic depth only where they are off: p = 0 or their own
+        module in eval mode, as Monte Carlo dropout keeps them on in an eval model), nothing
+        replacing a forward, no hook on them."""
         if not cpu_kernels.usable(x) or x.dim() != 3 or x.shape[-1] % 8:
             return False, False
 
         def joins(branch: nn.Module, layer: nn.Module, *between: nn.Module) -> bool:
-            kinds = [type(m) for m in between] == [nn.Dropout, nn.Identity, DropPath]
-            kinds = kinds and type(branch) in (Attention, Mlp)
-            idle = not self.training or all(m.p == 0 for m in (between[0], between[2]))
+            kinds = zip((type(branch), nn.Dropout, nn.Identity, DropPath), (branch, *between))
+            kinds = type(branch) in (Attention, Mlp) and all(plain(m, k) for k, m in kinds)
+            idle = all(not m.training or m.p == 0 for m in (between[0], between[2]))
             return kinds and idle and folds(layer, 8) and not watched(branch, layer, *between)
 
         attn, mlp = self.attn, self.mlp

@@ -15,7 +15,8 @@ or numpy) is not seen: pack again after one.
 
 A plain (unpacked) layer's copy of the bias into every row is skipped, in training and
 inference, where the kernel that reads its output adds the bias as it reads (`folds`: qkv's in
-vitlab's attention kernel, fc1's in its GELU; cpu_kernels).
+vitlab's attention kernel, fc1's in its GELU, the output projection's and fc2's in the residual
+join; cpu_kernels).
 """
 
 from __future__ import annotations
