@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import vitlab
 from tests.helpers import count_calls, run_with_fresh_kernel_cache, tiny_config
 from vitlab.models import cpu_kernels
-from vitlab.models.layers import DropPath, LayerNorm
+from vitlab.models.layers import Attention, DropPath, LayerNorm
 from vitlab.models.vit import VisionTransformer
 
 pytestmark = pytest.mark.skipif(
@@ -203,6 +203,9 @@ def test_blocks_join_their_branches_to_the_residual_stream_where_nothing_sees_it
     assert joins(patch="blocks.0.attn") == joins(patch="blocks.1.mlp") == both - 1
     assert joins(patch="blocks.0.attn.proj_drop") == joins(patch="blocks.1.ls2") == both - 1
     assert joins(train=False, mc_dropout=True, dropout=0.1) == 0
+    with monkeypatch.context() as patched:  # a forward replaced on the class: it runs
+        patched.setattr(Attention, "forward", lambda self, x, *a: (torch.zeros_like(x), None))
+        assert joins() == 2
     assert joins(train=False, mc_dropout=True, drop_path=0.1) == 2  # block 0's rate is 0
     with cpu_kernels.use_kernel(False):
         assert joins() == 0

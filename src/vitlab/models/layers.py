@@ -365,6 +365,11 @@ class LayerScale(nn.Module):
         return x * self.gamma
 
 
+# the branches' own forwards: where one is replaced on the class (as some attention-map tools
+# do), a block calls forward, not the joined path that would bypass it
+_FORWARDS = {Attention: Attention.forward, Mlp: Mlp.forward}
+
+
 class Block(nn.Module):
     """Pre-LN encoder layer (Eq. 2-3): x + DropPath(MSA(LN(x))), then x + DropPath(MLP(LN(x)));
     with `layer_scale`, each branch is scaled per channel before it is added."""
@@ -413,7 +418,8 @@ class Block(nn.Module):
 
         def joins(branch: nn.Module, layer: nn.Module, *between: nn.Module) -> bool:
             kinds = zip((type(branch), nn.Dropout, nn.Identity, DropPath), (branch, *between))
-            kinds = type(branch) in (Attention, Mlp) and all(plain(m, k) for k, m in kinds)
+            own = _FORWARDS.get(type(branch)) is type(branch).forward
+            kinds = own and all(plain(m, k) for k, m in kinds)
             idle = all(not m.training or m.p == 0 for m in (between[0], between[2]))
             return kinds and idle and folds(layer, 8) and not watched(branch, layer, *between)
 
