@@ -228,6 +228,19 @@ def make_folder(root: Path) -> None:
     (root / "dog" / "notes.txt").write_text("not an image")
 
 
+def test_a_single_folder_read_for_both_splits_says_each_warning_once(tmp_path: Path, caplog):
+    """A folder without train/ is scanned for the training and the test split (a seeded 20%):
+    its non-image files and image-less classes are said once each, not once a split."""
+    make_folder(tmp_path / "imgs")
+    (tmp_path / "imgs" / "fox").mkdir()
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        splits = [load_split(f"imagefolder:{tmp_path / 'imgs'}", s) for s in ("train", "test")]
+    assert sum(map(len, splits)) == 13
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("notes.txt" in m for m in said) == 1, said
+    assert sum("classes: fox" in m for m in said) == 1, said
+
+
 def test_image_folder_skips_bad_files_with_warnings(tmp_path: Path, caplog) -> None:
     """Scanning lists files only (a non-image suffix is skipped at once); a file that does not
     decode is skipped when first decoded, named once however often it comes: in training the next

@@ -45,18 +45,9 @@ log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
 
-FASHION_CLASSES = [
-    "T-shirt/top",
-    "Trouser",
-    "Pullover",
-    "Dress",
-    "Coat",
-    "Sandal",
-    "Shirt",
-    "Sneaker",
-    "Bag",
-    "Ankle boot",
-]
+FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                   "Sneaker", "Bag", "Ankle boot"]  # fmt: skip
+_SAID: set[str] = set()  # warnings given: a folder scanned for two splits says each once
 
 
 @dataclass
@@ -274,18 +265,23 @@ def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSpl
         if len(files) == had:
             empty.append(cls)
     if skipped:
-        log.warning("skipped %d non-image files in %s: %s", len(skipped), root, _few(skipped))
+        _say(f"skipped {len(skipped)} non-image files in {root}: {_few(skipped)}")
     if not files:
         kinds = ", ".join(sorted(IMAGE_SUFFIXES))
         raise DatasetError(f"image folder {root} holds no image files ({kinds})")
     if empty and not unlabelled:  # said, not refused: a test split may lack a class
-        log.warning(
-            "image folder %s has no images of %d of its %d classes: %s (their labels are kept; "
-            "no image here has them)", root, len(empty), len(classes), _few(empty)
-        )  # fmt: skip
+        _say(f"image folder {root} has no images of {len(empty)} of its {len(classes)} classes: "
+             f"{_few(empty)} (their labels are kept; no image here has them)")  # fmt: skip
     if unlabelled:
         log.info("image folder %s has no class sub-folders: %d unlabelled images", root, len(files))
     return FolderSplit(files, torch.tensor(labels, dtype=torch.long), list(classes), skipped)
+
+
+def _say(message: str) -> None:
+    """A warning, once in this process (a single folder is scanned for the train and test split)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        log.warning(message)
 
 
 def _few(items: list) -> str:
