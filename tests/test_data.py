@@ -28,13 +28,8 @@ from vitlab.data import (
     make_loader,
     train_val_split,
 )
-from vitlab.data.datasets import (
-    DatasetError,
-    read_digits,
-    read_idx,
-    read_image,
-    scan_image_folder,
-)
+from vitlab.data.datasets import DatasetError, read_digits, read_idx
+from vitlab.data.folders import read_image, scan_image_folder
 from vitlab.data.loader import PADDING, BatchPlan
 from vitlab.data.transforms import random_erase, random_hflip, random_shift
 

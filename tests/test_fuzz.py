@@ -33,7 +33,8 @@ from safetensors.torch import save_file
 
 from vitlab.config import ConfigError, load_run_config
 from vitlab.data import make_loader
-from vitlab.data.datasets import DatasetError, load_split, read_idx, scan_image_folder
+from vitlab.data.datasets import DatasetError, load_split, read_idx
+from vitlab.data.folders import scan_image_folder
 from vitlab.eval.run import predict_files
 from vitlab.formats.base import load_weights
 from vitlab.models.checkpoint import CheckpointError, read_source, save_pretrained

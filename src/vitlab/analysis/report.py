@@ -25,8 +25,9 @@ from vitlab.analysis.attention import (
 from vitlab.analysis.page import Images, Report, out_folder, plot_filters, pyplot, write_index
 from vitlab.analysis.swin_report import analyze_swin
 from vitlab.config import DataConfig, RunConfig
-from vitlab.data.datasets import ArraySplit, DatasetError, FolderSplit, read_image
+from vitlab.data.datasets import ArraySplit, DatasetError
 from vitlab.data.decode import decode_image
+from vitlab.data.folders import FolderSplit, read_image
 from vitlab.data.hf import HFSplit
 from vitlab.eval.run import data_config, evaluation_split
 from vitlab.models.cnn import CNN

@@ -4,12 +4,12 @@ from vitlab.data.datasets import (
     ArraySplit,
     DatasetError,
     DatasetInfo,
-    FolderSplit,
     dataset_info,
     label_subset,
     load_split,
     train_val_split,
 )
+from vitlab.data.folders import FolderSplit
 from vitlab.data.loader import make_loader
 from vitlab.data.transforms import BatchAugment, Preprocessing
 from vitlab.data.workers import loader_options

@@ -21,17 +21,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from vitlab.data.datasets import (
-    ArraySplit,
-    FolderSplit,
-    Split,
-    dataset_info,
-    folder_root,
-    load_split,
-    scanned_folders,
-)
+from vitlab.data.datasets import ArraySplit, Split, dataset_info, load_split
 from vitlab.data.decode import available_cores, decode_image, image_format
 from vitlab.data.download import DatasetError
+from vitlab.data.folders import FolderSplit, folder_root, scanned_folders
 from vitlab.data.hf import HFSplit
 from vitlab.data.shards import INDEX, ShardSplit, is_pattern
 from vitlab.data.workers import MAX_WORKERS

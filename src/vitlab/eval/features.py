@@ -34,8 +34,9 @@ from torch import Tensor, nn
 
 from vitlab.config import DataConfig
 from vitlab.data import DatasetError, make_loader
-from vitlab.data.datasets import folder_root, load_run_split
+from vitlab.data.datasets import load_run_split
 from vitlab.data.download import absolute_source
+from vitlab.data.folders import folder_root
 from vitlab.eval.run import data_config, match_channels, run_config_of, run_folder
 from vitlab.formats.base import (
     CheckpointError,

@@ -14,13 +14,9 @@ from vitlab.analysis.page import out_folder
 from vitlab.config import DataConfig, RunConfig
 from vitlab.data import ArraySplit, make_loader
 from vitlab.data.classes import name_order
-from vitlab.data.datasets import (
-    DatasetError,
-    Split,
-    load_run_split,
-    read_image,
-)
+from vitlab.data.datasets import DatasetError, Split, load_run_split
 from vitlab.data.download import absolute_source
+from vitlab.data.folders import read_image
 from vitlab.eval.backends import backend_device, describe, prepare
 from vitlab.eval.classification import (
     evaluate,

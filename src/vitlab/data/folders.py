@@ -1,0 +1,156 @@
+"""Image folders: one sub-folder per class (or none: unlabelled images), listed without opening
+a file (each is checked when first decoded, loader.py), and the split an `imagefolder:PATH`
+dataset reads: PATH/train and PATH/test (or PATH/val) when there is a train/, else a seeded 20% of
+PATH for the test split."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from vitlab.data.decode import pil_convert
+from vitlab.data.download import DatasetError
+from vitlab.runtime import seeded_split
+
+log = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
+_SAID: set[str] = set()  # warnings given: a folder scanned for two splits says each once
+
+
+@dataclass
+class FolderSplit:
+    """One split of an image folder: file paths (strings: a Path each costs more to make than
+    listing the file) and labels, read on demand."""
+
+    files: list[str]
+    labels: Tensor  # (N,) int64
+    classes: list[str]
+    skipped: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def subset(self, index: Tensor) -> FolderSplit:
+        return FolderSplit(
+            [self.files[i] for i in index.tolist()], self.labels[index], self.classes
+        )
+
+    def read(self, i: int) -> bytes:
+        """Image i's encoded bytes (an OSError when the file cannot be read)."""
+        with open(self.files[i], "rb") as f:
+            return f.read()
+
+    def where(self, i: int) -> str:
+        return self.files[i]
+
+
+def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
+    """The image file at `path` decoded and converted to `mode` ('L', 'RGB'; 16-bit greyscale by
+    its high bytes); a DatasetError naming the file when it cannot be (PIL raises OSError,
+    ValueError, DecompressionBombError ...)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return pil_convert(im, mode)
+    except Exception as e:
+        raise DatasetError(f"cannot read image {path}: {type(e).__name__}: {e}") from None
+
+
+def _list_files(folder: Path) -> list[str]:
+    """Every file under folder, sorted as Paths sort (by their parts), listed without opening or
+    stat-ing any (os.scandir's entries know their type): a tree of millions of files is indexed
+    in the time it takes to list its directories. Symbolic links to folders are not followed (a
+    link to a folder above would loop)."""
+    found, stack = [], [folder]
+    while stack:
+        with os.scandir(stack.pop()) as entries:
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(Path(e.path))
+                elif e.is_file():
+                    found.append(e.path)
+    return sorted(found, key=lambda p: p.split(os.sep))
+
+
+def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSplit:
+    """Files of root/CLASS/* with an image suffix, listed only: a file is checked when decoded,
+    and one that does not decode is then skipped and named once (loader.py). Other files are
+    skipped, and classes without images kept, with a warning each. A folder without sub-folders
+    is unlabelled: its images, no classes (for training without labels, train.objective=mpp)."""
+    if not root.is_dir():
+        raise DatasetError(f"image folder {root} does not exist")
+    found = sorted(p.name for p in root.iterdir() if p.is_dir())
+    classes = classes or found
+    unlabelled = not classes
+    files, labels, skipped, empty = [], [], [], []
+    for label, cls in enumerate(classes or ["."]):
+        folder = root / cls
+        if not folder.is_dir():
+            empty.append(cls)
+            continue
+        had = len(files)
+        for path in _list_files(folder):
+            if os.path.splitext(path)[1].lower() in IMAGE_SUFFIXES:
+                files.append(path)
+                labels.append(label)
+            else:
+                skipped.append(path)
+        if len(files) == had:
+            empty.append(cls)
+    if skipped:
+        _say(f"skipped {len(skipped)} non-image files in {root}: {_few(skipped)}")
+    if not files:
+        kinds = ", ".join(sorted(IMAGE_SUFFIXES))
+        raise DatasetError(f"image folder {root} holds no image files ({kinds})")
+    if empty and not unlabelled:  # said, not refused: a test split may lack a class
+        _say(f"image folder {root} has no images of {len(empty)} of its {len(classes)} classes: "
+             f"{_few(empty)} (their labels are kept; no image here has them)")  # fmt: skip
+    if unlabelled:
+        log.info("image folder %s has no class sub-folders: %d unlabelled images", root, len(files))
+    return FolderSplit(files, torch.tensor(labels, dtype=torch.long), list(classes), skipped)
+
+
+def _say(message: str) -> None:
+    """A warning, once in this process (a single folder is scanned for the train and test split)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        log.warning(message)
+
+
+def _few(items: list) -> str:
+    return ", ".join(map(str, items[:5])) + (", ..." if len(items) > 5 else "")
+
+
+def folder_root(name: str) -> Path:
+    """The folder an `imagefolder:PATH` dataset name names."""
+    return Path(name.split(":", 1)[1]).expanduser()
+
+
+def scanned_folders(root: Path) -> list[Path]:
+    """The folders load_folder_split reads class folders from: train/ and test/ or val/ when there
+    is a train/, else the root itself."""
+    return [root / n for n in ("train", "test", "val")] if (root / "train").is_dir() else [root]
+
+
+def load_folder_split(root: Path, split: str, seed: int, whole: bool = False) -> FolderSplit:
+    train_dir = root / "train"
+    if train_dir.is_dir():
+        classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
+        if split != "test":
+            return scan_image_folder(train_dir, classes)
+        for name in ("test", "val"):
+            if (root / name).is_dir():
+                return scan_image_folder(root / name, classes)
+        raise DatasetError(f"{root} has train/ but neither test/ nor val/ for the test split")
+    full = scan_image_folder(root)
+    if whole and split == "train":
+        return full
+    train, test = seeded_split(len(full), 0.2, seed)
+    return full.subset(test if split == "test" else train)
