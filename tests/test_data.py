@@ -223,6 +223,28 @@ def make_folder(root: Path) -> None:
     (root / "dog" / "notes.txt").write_text("not an image")
 
 
+def test_image_folder_follows_links_to_folders_once_and_not_into_loops(tmp_path, caplog):
+    """A class folder's link to a folder elsewhere is followed (as torchvision's ImageFolder
+    does), its images listed under the link's path; links to the class folder itself, to a
+    folder above or inside it, or to a target already followed are not, and are named."""
+    make_folder(tmp_path / "imgs")
+    elsewhere = tmp_path / "more_cats"
+    make_folder(elsewhere)  # as imgs: 5 cat image files (broken.png one of them)
+    cat = tmp_path / "imgs" / "cat"
+    os.symlink(elsewhere / "cat", cat / "linked")  # a folder elsewhere, twice: followed once,
+    os.symlink(elsewhere / "cat", cat / "again")  # through "again", which sorts first
+    os.symlink(cat, cat / "loop")
+    os.symlink(tmp_path / "imgs", cat / "up")
+    (cat / "sub").mkdir()
+    os.symlink(cat / "sub", cat / "inside")
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        split = scan_image_folder(tmp_path / "imgs")
+    cats = [f for f, y in zip(split.files, split.labels.tolist(), strict=True) if y == 0]
+    assert len(cats) == 10 and sum("/cat/again/" in f for f in cats) == 5
+    said = [r.getMessage() for r in caplog.records if "did not follow 4 links" in r.getMessage()]
+    assert len(said) == 1 and all(n in said[0] for n in ("inside", "linked", "loop", "up"))
+
+
 def test_a_single_folder_read_for_both_splits_says_each_warning_once(tmp_path: Path, caplog):
     """A folder without train/ is scanned for the training and the test split (a seeded 20%):
     its non-image files and image-less classes are said once each, not once a split."""

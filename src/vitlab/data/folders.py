@@ -66,16 +66,33 @@ def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
 def _list_files(folder: Path) -> list[str]:
     """Every file under folder, sorted as Paths sort (by their parts), listed without opening or
     stat-ing any (os.scandir's entries know their type): a tree of millions of files is indexed
-    in the time it takes to list its directories. Symbolic links to folders are not followed (a
-    link to a folder above would loop)."""
-    found, stack = [], [folder]
+    in the time it takes to list its directories. A symbolic link to a folder is followed (as
+    torchvision's ImageFolder does), its files listed under the link's path, each target once;
+    not one to a folder inside this tree or above it (its files would come twice, or without
+    end), which a warning names."""
+    found, stack, skipped = [], [folder], []
+    top = os.path.realpath(folder)
+    followed = {top}
     while stack:
-        with os.scandir(stack.pop()) as entries:
+        with os.scandir(stack.pop()) as listing:
+            entries = sorted(listing, key=lambda e: e.name)  # links followed in a fixed order
             for e in entries:
                 if e.is_dir(follow_symlinks=False):
                     stack.append(Path(e.path))
+                elif e.is_symlink() and e.is_dir():  # a link to a folder (stat-ed: links only)
+                    target = os.path.realpath(e.path)
+                    t, f = target + os.sep, top + os.sep  # inside this tree, or above it
+                    if t.startswith(f) or f.startswith(t) or target in followed:
+                        skipped.append(e.path)
+                    else:
+                        followed.add(target)
+                        stack.append(Path(e.path))
                 elif e.is_file():
                     found.append(e.path)
+    if skipped:
+        links = _few(sorted(skipped))
+        _say(f"did not follow {len(skipped)} links to folders inside or above {folder}, or "
+             f"followed already (their files would come twice): {links}")  # fmt: skip
     return sorted(found, key=lambda p: p.split(os.sep))
 
 
