@@ -74,21 +74,24 @@ def _list_files(folder: Path) -> list[str]:
     top = os.path.realpath(folder)
     followed = {top}
     while stack:
-        with os.scandir(stack.pop()) as listing:
-            entries = sorted(listing, key=lambda e: e.name)  # links followed in a fixed order
+        folders, links = [], []
+        with os.scandir(stack.pop()) as entries:
             for e in entries:
                 if e.is_dir(follow_symlinks=False):
-                    stack.append(Path(e.path))
+                    folders.append(e.path)
                 elif e.is_symlink() and e.is_dir():  # a link to a folder (stat-ed: links only)
-                    target = os.path.realpath(e.path)
-                    t, f = target + os.sep, top + os.sep  # inside this tree, or above it
-                    if t.startswith(f) or f.startswith(t) or target in followed:
-                        skipped.append(e.path)
-                    else:
-                        followed.add(target)
-                        stack.append(Path(e.path))
+                    links.append(e.path)
                 elif e.is_file():
                     found.append(e.path)
+        for link in sorted(links):  # in name order, folders too: which link a target is
+            target = os.path.realpath(link)  # followed through does not hang on listing order
+            t, f = target + os.sep, top + os.sep  # inside this tree, or above it
+            if t.startswith(f) or f.startswith(t) or target in followed:
+                skipped.append(link)
+            else:
+                followed.add(target)
+                folders.append(link)
+        stack += map(Path, sorted(folders, reverse=True))
     if skipped:
         links = _few(sorted(skipped))
         _say(f"did not follow {len(skipped)} links to folders inside or above {folder}, or "
