@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -284,24 +285,25 @@ def test_built_with_openmp_on_pytorchs_runtime() -> None:
     assert linked == {str(bundled)}  # torch's only (other wheels' copies have other names)
 
 
-def test_same_bits_on_one_and_two_threads() -> None:
-    x, weight, bias = torch.randn(1002, 64), torch.randn(64), torch.randn(64)  # 501 rows each
-    values = torch.randn(40_003)  # two threads' worth, and a partial vector at the end
-    results = []
-    before = torch.get_num_threads()
+def on_one_and_two_threads(compute: Callable[[], tuple]) -> list[tuple]:
+    """compute()'s results on one thread, then on two, under torch.no_grad."""
+    results, before = [], torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             with torch.no_grad():
-                results.append(
-                    (
-                        cpu_kernels.layer_norm(x, weight, bias, 1e-6),
-                        cpu_kernels.gelu_(values.clone()),
-                    )
-                )
+                results.append(compute())
     finally:
         torch.set_num_threads(before)
-    (norm1, gelu1), (norm2, gelu2) = results
+    return results
+
+
+def test_same_bits_on_one_and_two_threads() -> None:
+    x, weight, bias = torch.randn(1002, 64), torch.randn(64), torch.randn(64)  # 501 rows each
+    values = torch.randn(40_003)  # two threads' worth, and a partial vector at the end
+    (norm1, gelu1), (norm2, gelu2) = on_one_and_two_threads(
+        lambda: (cpu_kernels.layer_norm(x, weight, bias, 1e-6), cpu_kernels.gelu_(values.clone()))
+    )
     assert torch.equal(norm1, norm2) and torch.equal(gelu1, gelu2)
 
 
@@ -311,16 +313,9 @@ def test_a_bias_is_added_by_column_where_the_second_thread_starts_mid_row() -> N
     threads."""
     x, residual, bias = torch.randn(4099, 24), torch.randn(4099, 24), torch.randn(24)
     expected = [F.gelu(x.double() + bias.double()), (x + bias) + residual]
-    results = []
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            with torch.no_grad():
-                gelu = cpu_kernels.gelu_(x.clone(), bias)
-                results.append((gelu, cpu_kernels.join_(x.clone(), residual, bias)))
-    finally:
-        torch.set_num_threads(before)
+    results = on_one_and_two_threads(
+        lambda: (cpu_kernels.gelu_(x.clone(), bias), cpu_kernels.join_(x.clone(), residual, bias))
+    )
     assert all(torch.equal(one, two) for one, two in zip(*results, strict=True))
     torch.testing.assert_close(results[0][0].double(), expected[0], atol=1e-6, rtol=1e-6)
     assert torch.equal(results[0][1], expected[1])

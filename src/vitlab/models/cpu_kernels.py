@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from functools import cache
 from pathlib import Path
@@ -150,17 +150,8 @@ def gelu_(x: Tensor, bias: Tensor | None = None) -> Tensor:
                 f"of 8: got {tuple(bias.shape)} {bias.dtype} for x {tuple(x.shape)}"
             )
         bias = bias.contiguous()
-    grad = torch.is_grad_enabled()
-    if grad and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        if x.is_leaf and x.requires_grad:
-            raise RuntimeError(
-                "gelu_: a leaf Variable that requires grad cannot be changed in place"
-            )
-        return _Gelu.apply(x, bias)
-    _gelu(x, None, bias)
-    if not x.is_inference():  # autograd may have saved x: its version says it changed
-        torch.autograd.graph.increment_version(x)
-    return x
+    with_grad, plain = (lambda: _Gelu.apply(x, bias)), (lambda: _gelu(x, None, bias))
+    return _in_place("gelu_", x, (x, bias), with_grad, plain)
 
 
 class _Gelu(torch.autograd.Function):
@@ -210,18 +201,31 @@ def join_(h: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor:
     if bias is not None and bias.shape != (width,):
         raise ValueError(f"join_'s bias is as wide as h's rows ({width}), got {tuple(bias.shape)}")
     x, bias = x.contiguous(), None if bias is None else bias.contiguous()
-    inputs = (h, x) if bias is None else (h, x, bias)
-    grad = torch.is_grad_enabled()
-    if grad and any(t.requires_grad for t in inputs):
-        if h.is_leaf and h.requires_grad:
+    with_grad, plain = (lambda: _Join.apply(h, x, bias)), (lambda: _join(h, x, bias))
+    return _in_place("join_", h, (h, x, bias), with_grad, plain)
+
+
+def _in_place(
+    what: str,
+    x: Tensor,
+    inputs: tuple[Tensor | None, ...],
+    with_grad: Callable[[], Tensor],
+    plain: Callable[[], None],
+) -> Tensor:
+    """Kernel `what` changes x in place as PyTorch's in-place operators do: through its autograd
+    Function (with_grad) where grad mode is on and an input needs a gradient (a leaf x that needs
+    one is refused untouched), else directly (plain), x's version moving (a backward that kept x
+    then raises instead of computing a wrong gradient)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        if x.is_leaf and x.requires_grad:
             raise RuntimeError(
-                "join_: a leaf Variable that requires grad cannot be changed in place"
+                f"{what}: a leaf Variable that requires grad cannot be changed in place"
             )
-        return _Join.apply(h, x, bias)
-    _join(h, x, bias)
-    if not h.is_inference():  # autograd may have saved h: its version says it changed
-        torch.autograd.graph.increment_version(h)
-    return h
+        return with_grad()
+    plain()
+    if not x.is_inference():  # autograd may have saved x: its version says it changed
+        torch.autograd.graph.increment_version(x)
+    return x
 
 
 class _Join(torch.autograd.Function):
