@@ -225,31 +225,41 @@ def make_folder(root: Path) -> None:
 
 def test_image_folder_follows_links_to_folders_once_and_not_into_loops(tmp_path, caplog):
     """A class folder's link to a folder elsewhere is followed (as torchvision's ImageFolder
-    does), its images listed under the link's path; links to the class folder itself, to a
-    folder above or inside it, or to a target already followed are not, and are named."""
+    does), its images listed under the link's path; links into the dataset's own folder (the
+    class folder itself, a sibling class, the dataset above it), to the filesystem's root, to a
+    target followed already or above one, are not, and neither are links to nothing: a warning
+    names each kind."""
     make_folder(tmp_path / "imgs")
     elsewhere = tmp_path / "more_cats"
     make_folder(elsewhere)  # as imgs: 5 cat image files (broken.png one of them)
     cat = tmp_path / "imgs" / "cat"
-    os.symlink(elsewhere / "cat", cat / "linked")  # a folder elsewhere, twice: followed once,
-    os.symlink(elsewhere / "cat", cat / "again")  # through "again", which sorts first
-    os.symlink(cat, cat / "loop")
-    os.symlink(tmp_path / "imgs", cat / "up")
-    (cat / "sub").mkdir()
-    os.symlink(cat / "sub", cat / "inside")
+    os.symlink(elsewhere / "cat", cat / "again")  # followed: "again" sorts before "linked"
+    os.symlink(elsewhere / "cat", cat / "linked")  # the same target: not twice
+    os.symlink(elsewhere, elsewhere / "cat" / "back")  # above a followed target: a loop
+    for name, target in (("loop", cat), ("up", tmp_path / "imgs"), ("dog", cat.parent / "dog")):
+        os.symlink(target, cat / name)  # into the dataset: listed where they are
+    os.symlink(Path(os.sep), cat / "root")
+    os.symlink(tmp_path / "nothing", cat / "gone")
     with caplog.at_level(logging.WARNING, logger="vitlab"):
         split = scan_image_folder(tmp_path / "imgs")
     cats = [f for f, y in zip(split.files, split.labels.tolist(), strict=True) if y == 0]
     assert len(cats) == 10 and sum("/cat/again/" in f for f in cats) == 5
-    said = [r.getMessage() for r in caplog.records if "did not follow 4 links" in r.getMessage()]
-    assert len(said) == 1 and all(n in said[0] for n in ("inside", "linked", "loop", "up"))
+    assert len(split) == 18  # 13 of the dataset's own and the 5 followed
+    said = [r.getMessage() for r in caplog.records]
+    skipped = [m for m in said if "did not follow 6 links" in m]
+    named = ("again/back", "cat/dog", "cat/linked", "cat/loop", "cat/root")  # the first five
+    assert len(skipped) == 1 and all(n in skipped[0] for n in named) and "..." in skipped[0]
+    assert sum("1 links to nothing" in m and "/gone" in m for m in said) == 1
 
 
 def test_a_single_folder_read_for_both_splits_says_each_warning_once(tmp_path: Path, caplog):
     """A folder without train/ is scanned for the training and the test split (a seeded 20%):
-    its non-image files and image-less classes are said once each, not once a split."""
+    its non-image files and image-less classes are said once each, not once a split (and not
+    counted as said while the logger drops warnings)."""
     make_folder(tmp_path / "imgs")
     (tmp_path / "imgs" / "fox").mkdir()
+    with caplog.at_level(logging.ERROR, logger="vitlab"):  # dropped: not counted as said
+        load_split(f"imagefolder:{tmp_path / 'imgs'}", "train")
     with caplog.at_level(logging.WARNING, logger="vitlab"):
         splits = [load_split(f"imagefolder:{tmp_path / 'imgs'}", s) for s in ("train", "test")]
     assert sum(map(len, splits)) == 13

@@ -63,16 +63,18 @@ def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
         raise DatasetError(f"cannot read image {path}: {type(e).__name__}: {e}") from None
 
 
-def _list_files(folder: Path) -> list[str]:
+def _list_files(folder: Path, within: str) -> list[str]:
     """Every file under folder, sorted as Paths sort (by their parts), listed without opening or
     stat-ing any (os.scandir's entries know their type): a tree of millions of files is indexed
     in the time it takes to list its directories. A symbolic link to a folder is followed (as
-    torchvision's ImageFolder does), its files listed under the link's path, each target once;
-    not one to a folder inside this tree or above it (its files would come twice, or without
-    end), which a warning names."""
-    found, stack, skipped = [], [folder], []
-    top = os.path.realpath(folder)
-    followed = {top}
+    torchvision's ImageFolder does), its files listed under the link's path, but not one whose
+    target lies inside `within` (the dataset's folder, a real path: those files are listed where
+    they are, and a link would give them twice, or under another class, or a test image to the
+    training split), above folder (a loop), or inside or above a target followed already; a
+    warning names those and links that lead nowhere."""
+    found, stack, skipped, broken = [], [folder], [], []
+    inside = os.path.join(within, "")  # "/" for the root, "/data/" for /data
+    followed = [os.path.join(os.path.realpath(folder), "")]
     while stack:
         folders, links = [], []
         with os.scandir(stack.pop()) as entries:
@@ -83,29 +85,37 @@ def _list_files(folder: Path) -> list[str]:
                     links.append(e.path)
                 elif e.is_file():
                     found.append(e.path)
-        for link in sorted(links):  # in name order, folders too: which link a target is
-            target = os.path.realpath(link)  # followed through does not hang on listing order
-            t, f = target + os.sep, top + os.sep  # inside this tree, or above it
-            if t.startswith(f) or f.startswith(t) or target in followed:
+                elif e.is_symlink():
+                    broken.append(e.path)
+        for link in sorted(links):  # in name order within a folder (folders too): which link a
+            target = os.path.join(os.path.realpath(link), "")  # target comes through is fixed
+            near = [f for f in followed if f.startswith(target) or target.startswith(f)]
+            if target.startswith(inside) or near:
                 skipped.append(link)
             else:
-                followed.add(target)
+                followed.append(target)
                 folders.append(link)
         stack += map(Path, sorted(folders, reverse=True))
     if skipped:
-        links = _few(sorted(skipped))
-        _say(f"did not follow {len(skipped)} links to folders inside or above {folder}, or "
-             f"followed already (their files would come twice): {links}")  # fmt: skip
+        _say(f"did not follow {len(skipped)} links to folders in the dataset's folder {within}, "
+             f"above {folder} or in one followed already: {_few(sorted(skipped))}")  # fmt: skip
+    if broken:
+        _say(f"skipped {len(broken)} links to nothing in {folder}: {_few(sorted(broken))}")
     return sorted(found, key=lambda p: p.split(os.sep))
 
 
-def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSplit:
+def scan_image_folder(
+    root: Path, classes: list[str] | None = None, dataset: Path | None = None
+) -> FolderSplit:
     """Files of root/CLASS/* with an image suffix, listed only: a file is checked when decoded,
     and one that does not decode is then skipped and named once (loader.py). Other files are
     skipped, and classes without images kept, with a warning each. A folder without sub-folders
-    is unlabelled: its images, no classes (for training without labels, train.objective=mpp)."""
+    is unlabelled: its images, no classes (for training without labels, train.objective=mpp).
+    Links to folders are followed unless they lead into `dataset` (the whole dataset's folder,
+    root by default) or loop (_list_files)."""
     if not root.is_dir():
         raise DatasetError(f"image folder {root} does not exist")
+    within = os.path.realpath(dataset or root)
     found = sorted(p.name for p in root.iterdir() if p.is_dir())
     classes = classes or found
     unlabelled = not classes
@@ -116,7 +126,7 @@ def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSpl
             empty.append(cls)
             continue
         had = len(files)
-        for path in _list_files(folder):
+        for path in _list_files(folder, within):
             if os.path.splitext(path)[1].lower() in IMAGE_SUFFIXES:
                 files.append(path)
                 labels.append(label)
@@ -138,8 +148,9 @@ def scan_image_folder(root: Path, classes: list[str] | None = None) -> FolderSpl
 
 
 def _say(message: str) -> None:
-    """A warning, once in this process (a single folder is scanned for the train and test split)."""
-    if message not in _SAID:
+    """A warning, once in this process, as Python's warnings are (a folder without train/ is
+    scanned for the train and the test split); not counted as said where the logger drops it."""
+    if message not in _SAID and log.isEnabledFor(logging.WARNING):
         _SAID.add(message)
         log.warning(message)
 
@@ -164,10 +175,10 @@ def load_folder_split(root: Path, split: str, seed: int, whole: bool = False) ->
     if train_dir.is_dir():
         classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
         if split != "test":
-            return scan_image_folder(train_dir, classes)
+            return scan_image_folder(train_dir, classes, root)
         for name in ("test", "val"):
             if (root / name).is_dir():
-                return scan_image_folder(root / name, classes)
+                return scan_image_folder(root / name, classes, root)
         raise DatasetError(f"{root} has train/ but neither test/ nor val/ for the test split")
     full = scan_image_folder(root)
     if whole and split == "train":
