@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -292,6 +293,41 @@ def test_out_naming_an_existing_run_is_refused_unless_overwritten(tmp_path: Path
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["train", *FAST, "train.epochs=1", "--out", str(empty)]) == 0
+
+
+HOLD = (  # a process holding a run folder's lock as a running `vitlab train` does
+    "import sys, time; from pathlib import Path; from vitlab.train.folder import "
+    "claim_run_folder; print(claim_run_folder(Path(sys.argv[1]), True), flush=True); "
+    "time.sleep(300)"
+)
+
+
+def test_a_folder_another_vitlab_train_runs_in_is_refused(tmp_path: Path, capsys) -> None:
+    """Two `vitlab train --out X` started together both passed the check for a run in X and
+    wrote into one folder, as could a second --resume of X: X's lock (an flock, held while a run
+    lasts) refuses the second, naming the holder, and writes nothing; a killed holder leaves no
+    stale lock."""
+    out = tmp_path / "r"
+    args = ["train", *FAST, "train.epochs=1", "--out", str(out)]
+    for command in (args, ["train", "--resume", str(out)]):  # a new run, then a resumed one
+        holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE)
+        try:
+            assert holder.stdout.readline().strip() == b"None"  # it holds the lock
+            before = sorted(p.name for p in out.iterdir())
+            assert main(command) == 2
+            err = capsys.readouterr().err
+            assert f"in use by another `vitlab train` (pid {holder.pid} on" in err, err
+            assert sorted(p.name for p in out.iterdir()) == before  # nothing written
+        finally:
+            holder.kill()
+            holder.wait()
+        if command is args:
+            assert main(args) == 0  # the killed holder's lock went with it
+    assert main(["train", "--resume", str(out), "train.epochs=2", "--extend"]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    (tmp_path / "a-file").write_text("not a folder")
+    assert main([*args[:-1], str(tmp_path / "a-file")]) == 2
+    assert "cannot use" in capsys.readouterr().err  # said, not a traceback
 
 
 def test_resume_drops_metrics_of_epochs_the_checkpoint_does_not_hold(tmp_path: Path) -> None:

@@ -1,11 +1,14 @@
-"""A run's folder: naming a new one, refusing to start over a run it holds, and the config and
-length of a run being resumed."""
+"""A run's folder: naming a new one, refusing to start over a run it holds or one another
+`vitlab train` is running in (a lock held while the run lasts), and the config and length of a
+run being resumed."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +21,9 @@ from vitlab.train.log import RUN_FILES, saved_tree
 from vitlab.train.state import CheckpointError
 
 RESUMABLE_KEYS = ("train.epochs", "train.stop_at_epoch")
+LOCK = ".vitlab-lock"  # in a run folder: locked (flock) by the process whose run it is
+# the locks this process holds: thread that took it, fd, the folder if taking it made that
+_held: list[tuple[int, int, Path | None]] = []
 
 
 def resume_config(run: Path, overrides: list[str]) -> RunConfig:
@@ -50,19 +56,63 @@ def check_resume_length(run: Path, cfg: RunConfig, extend: bool) -> int:
     return saved
 
 
-def claim_run_folder(out: Path, overwrite: bool) -> str | None:
-    """Why a new run may not start in `out`: it holds a run, whose metrics and checkpoints would
-    be lost (None: it may). With `overwrite` it may: replace_run removes that run's files once the
-    new run is built (its data, the weights it fine-tunes from, its teacher), so that a start
-    that fails on bad input loses nothing."""
+def claim_run_folder(out: Path, overwrite: bool, resuming: bool = False) -> str | None:
+    """Why a run may not start in `out` (None: it may, and this thread now holds the folder's
+    lock until release_run_folders, which train() calls as the run ends): another `vitlab train`
+    runs there (two runs writing one folder would mix their files), or, for a new run, it holds
+    a run, whose metrics and checkpoints would be lost. With `overwrite` that run may go:
+    replace_run removes its files once the new run is built (its data, the weights it fine-tunes
+    from, its teacher), so that a start that fails on bad input loses nothing."""
     found = [name for name in RUN_FILES if (out / name).exists()]
-    if found and not overwrite:
+    if found and not overwrite and not resuming:
         return (
             f"{out} already holds a run ({', '.join(found)}): continue it with "
             f"`vitlab train --resume {out}`, choose another --out, or pass --overwrite to "
             f"replace it"
         )
+    return None if resuming and not out.is_dir() else _lock(out)  # (no run: resume says so)
+
+
+def _lock(out: Path) -> str | None:
+    """Take out's lock (made with out where it is new, both removed when the lock is let go if
+    the start left nothing else there), or say who holds it. An flock: the kernel lets go of it
+    when the process ends, however it ends (a killed run leaves no stale lock); where there is
+    no flock (Windows), none is taken."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    made = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        return f"cannot use {out} as a run folder: {e}"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 100).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        return (
+            f"{out} is in use by another `vitlab train` ({holder}): wait for it to end, or "
+            "choose another --out"
+        )
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode())
+    _held.append((threading.get_ident(), fd, out if made else None))
     return None
+
+
+def release_run_folders() -> None:
+    """Let go of the run folders' locks this thread took (its run ended: train() calls it); a
+    folder made for a run that then wrote nothing goes (a start that failed leaves nothing)."""
+    for held in [h for h in _held if h[0] == threading.get_ident()]:
+        _held.remove(held)
+        _, fd, made = held
+        if made is not None:
+            _remove_if_empty(made)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def remove_run_files(out: Path) -> str | None:
@@ -107,5 +157,8 @@ def default_run_folder(cfg: RunConfig) -> Path:
 
 
 def _remove_if_empty(folder: Path) -> None:
+    """A folder made for a run that wrote nothing goes (with its lock, if that is all in it)."""
     with contextlib.suppress(OSError):  # not empty: a run is in it
+        if [p.name for p in folder.iterdir()] == [LOCK]:
+            (folder / LOCK).unlink()
         folder.rmdir()

@@ -82,10 +82,9 @@ def train(
     try:
         if resume is None and out is None:  # rank 0 names it, every rank uses that name
             out = distributed.broadcast(default_run_folder(cfg) if d.is_main else None, d)
-        if resume is None:  # rank 0 writes the run folder: it decides
-            refusal = claim_run_folder(Path(out), overwrite) if d.is_main else None
-            if distributed.any_rank(refusal is not None, d, device):
-                raise ConfigError(refusal or f"rank 0 refused the run folder {out}")
+        claim = d.is_main and claim_run_folder(Path(resume or out), overwrite, resume is not None)
+        if distributed.any_rank(bool(claim), d, device):  # rank 0 writes the folder: it decides
+            raise ConfigError(claim or f"rank 0 refused the run folder {resume or out}")
         run = Run(cfg, out, resume, device, d, extend, before, overwrite)
         if run.fit():  # else stopped as planned (train.stop_at_epoch)
             run.test()
@@ -101,6 +100,7 @@ def train(
         if run is not None:  # its loaders' workers would outlive it (Run is in a cycle)
             run.close()
         run = None  # its model holds the process group, which shutdown frees
+        folder.release_run_folders()  # the lock claim_run_folder took, for the next run
         distributed.shutdown(d, device, failed)
 
 
