@@ -328,6 +328,24 @@ def test_a_folder_another_vitlab_train_runs_in_is_refused(tmp_path: Path, capsys
     (tmp_path / "a-file").write_text("not a folder")
     assert main([*args[:-1], str(tmp_path / "a-file")]) == 2
     assert "cannot use" in capsys.readouterr().err  # said, not a traceback
+    bad = "data.name=imagefolder:" + str(tmp_path / "missing")
+    assert main([*args[:-2], bad, "--out", str(tmp_path / "new" / "nested")]) == 2
+    assert not (tmp_path / "new").exists()  # a start that failed left nothing, lock included
+    assert (out / ".vitlab-lock").exists()  # a run's own stays
+
+
+def test_a_filesystem_without_locks_runs_with_a_warning(tmp_path: Path, monkeypatch, capsys):
+    """Where flock fails for another reason than a holder (ENOLCK on some NFS mounts), the run
+    is not refused: a warning says the folder is not locked."""
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert main(["train", *FAST, "train.epochs=1", "--out", str(tmp_path / "r")]) == 0
+    assert "warning: could not lock the run folder" in capsys.readouterr().err
 
 
 def test_resume_drops_metrics_of_epochs_the_checkpoint_does_not_hold(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import shutil
 import threading
@@ -20,10 +21,13 @@ from vitlab.train import distributed
 from vitlab.train.log import RUN_FILES, saved_tree
 from vitlab.train.state import CheckpointError
 
+log = logging.getLogger(__name__)
+
 RESUMABLE_KEYS = ("train.epochs", "train.stop_at_epoch")
 LOCK = ".vitlab-lock"  # in a run folder: locked (flock) by the process whose run it is
-# the locks this process holds: thread that took it, fd, the folder if taking it made that
-_held: list[tuple[int, int, Path | None]] = []
+# the locks this process holds: the thread that took it, its descriptor, the run folder, whether
+# the claim made the lock file, and the first folder it made (or None)
+_held: list[tuple[int, int, Path, bool, Path | None]] = []
 
 
 def resume_config(run: Path, overrides: list[str]) -> RunConfig:
@@ -60,57 +64,86 @@ def claim_run_folder(out: Path, overwrite: bool, resuming: bool = False) -> str 
     """Why a run may not start in `out` (None: it may, and this thread now holds the folder's
     lock until release_run_folders, which train() calls as the run ends): another `vitlab train`
     runs there (two runs writing one folder would mix their files), or, for a new run, it holds
-    a run, whose metrics and checkpoints would be lost. With `overwrite` that run may go:
-    replace_run removes its files once the new run is built (its data, the weights it fine-tunes
-    from, its teacher), so that a start that fails on bad input loses nothing."""
+    a run, whose metrics and checkpoints would be lost (checked under the lock: a run that ended
+    a moment ago is seen). With `overwrite` that run may go: replace_run removes its files once
+    the new run is built (its data, the weights it fine-tunes from, its teacher), so that a start
+    that fails on bad input loses nothing."""
+    if resuming and not out.is_dir():
+        return None  # no run: resuming says so
+    refusal = _lock(out)
     found = [name for name in RUN_FILES if (out / name).exists()]
-    if found and not overwrite and not resuming:
-        return (
+    if refusal is None and found and not overwrite and not resuming:
+        refusal = (
             f"{out} already holds a run ({', '.join(found)}): continue it with "
             f"`vitlab train --resume {out}`, choose another --out, or pass --overwrite to "
             f"replace it"
         )
-    return None if resuming and not out.is_dir() else _lock(out)  # (no run: resume says so)
+    return refusal
 
 
 def _lock(out: Path) -> str | None:
-    """Take out's lock (made with out where it is new, both removed when the lock is let go if
-    the start left nothing else there), or say who holds it. An flock: the kernel lets go of it
-    when the process ends, however it ends (a killed run leaves no stale lock); where there is
-    no flock (Windows), none is taken."""
+    """Take out's lock, or say who holds it. An flock: the kernel lets go of it when the process
+    ends, however it ends (a killed run leaves no stale lock); none where there is no flock
+    (Windows) or the filesystem refuses locks (some NFS mounts: a warning). The lock file stays
+    in a run's folder; one this claim made (with the folders above it that it made) goes again
+    when the lock is let go with nothing else written there."""
     try:
         import fcntl
     except ImportError:
         return None
-    made = not out.exists()
+    first = next((p for p in [*reversed(out.parents), out] if not p.exists()), None)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd, made = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:  # another user's lock file in a shared folder: read-only
+            fd, made = _open_existing(out / LOCK), False
     except OSError as e:
         return f"cannot use {out} as a run folder: {e}"
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:  # held
         holder = os.read(fd, 100).decode(errors="replace").strip() or "another process"
         os.close(fd)
         return (
             f"{out} is in use by another `vitlab train` ({holder}): wait for it to end, or "
             "choose another --out"
         )
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode())
-    _held.append((threading.get_ident(), fd, out if made else None))
+    except OSError as e:  # a filesystem without locks (some NFS mounts): the run goes on
+        os.close(fd)
+        log.warning("could not lock the run folder %s (%s): another run could share it", out, e)
+        return None
+    with contextlib.suppress(OSError):  # who holds it, for the refusal: not needed to run
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode())
+    _held.append((threading.get_ident(), fd, out, made, first))
     return None
 
 
+def _open_existing(path: Path) -> int:
+    """An existing lock file's descriptor: read-write, or read-only where it is another user's
+    (an flock needs no write access)."""
+    try:
+        return os.open(path, os.O_RDWR)
+    except PermissionError:
+        return os.open(path, os.O_RDONLY)
+
+
 def release_run_folders() -> None:
-    """Let go of the run folders' locks this thread took (its run ended: train() calls it); a
-    folder made for a run that then wrote nothing goes (a start that failed leaves nothing)."""
+    """Let go of the run folders' locks this thread took (its run ended: train() calls it). Where
+    nothing but a lock file this claim made is in the folder (a start that failed), it goes, and
+    so do the folders the claim made (a start that failed leaves nothing)."""
     for held in [h for h in _held if h[0] == threading.get_ident()]:
         _held.remove(held)
-        _, fd, made = held
-        if made is not None:
-            _remove_if_empty(made)
+        _, fd, out, made, first = held
+        if made:
+            with contextlib.suppress(OSError):
+                if [p.name for p in out.iterdir()] == [LOCK]:
+                    (out / LOCK).unlink()
+                    for folder in [out, *out.parents] if first is not None else []:
+                        folder.rmdir()  # up to the first the claim made; not empty: stops
+                        if folder == first:
+                            break
         with contextlib.suppress(OSError):
             os.close(fd)
 
