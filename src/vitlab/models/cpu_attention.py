@@ -39,19 +39,19 @@ MAX_TOKENS = 128  # measured faster up to 128 tokens on two threads (one: forwar
 def applies(qkv: Tensor, heads: int) -> bool:
     """Whether attention over `qkv` (B, T, 3D), the qkv projection's output, runs on the kernel
     (the caller has checked there is no relative-position bias and no attention dropout)."""
-    if not cpu_kernels.usable(qkv):  # first (float32 on the CPU): shapes unread under tracing
-        return False
-    return _shape_reason(qkv.shape, heads) is None and qkv.shape[1] <= MAX_TOKENS
+    return cpu_kernels.usable(qkv) and _fits(qkv.shape, heads)  # usable first: no shape read
+    # under tracing
 
 
 def takes(x: Tensor, heads: int) -> bool:
     """Whether attention over the qkv projection of the tokens x (B, T, D) would run on the
     kernel (applies() of that projection, decided before it is computed)."""
-    if not cpu_kernels.usable(x):  # first (float32 on the CPU): shapes unread under tracing
-        return False
-    if x.dim() != 3:
-        return False
-    return _shape_reason((*x.shape[:2], 3 * x.shape[2]), heads) is None and x.shape[1] <= MAX_TOKENS
+    return cpu_kernels.usable(x) and x.dim() == 3 and _fits((*x.shape[:2], 3 * x.shape[2]), heads)
+
+
+def _fits(shape: Sequence[int], heads: int) -> bool:
+    """Whether qkv of this shape is one the kernel takes: its layout, at most MAX_TOKENS tokens."""
+    return _shape_reason(shape, heads) is None and shape[1] <= MAX_TOKENS
 
 
 def attention(qkv: Tensor, heads: int, scale: float, bias: Tensor | None = None) -> Tensor:

@@ -137,13 +137,7 @@ def release_run_folders() -> None:
         _held.remove(held)
         _, fd, out, made, first = held
         if made:
-            with contextlib.suppress(OSError):
-                if [p.name for p in out.iterdir()] == [LOCK]:
-                    (out / LOCK).unlink()
-                    for folder in [out, *out.parents] if first is not None else []:
-                        folder.rmdir()  # up to the first the claim made; not empty: stops
-                        if folder == first:
-                            break
+            _remove_if_empty(out, first)
         with contextlib.suppress(OSError):
             os.close(fd)
 
@@ -182,16 +176,20 @@ def default_run_folder(cfg: RunConfig) -> Path:
     while True:
         try:
             out.mkdir()
-            atexit.register(_remove_if_empty, out)
+            atexit.register(_remove_if_empty, out, out)
             return out
         except FileExistsError:
             n += 1
             out = base.with_name(f"{base.name}-{n}")
 
 
-def _remove_if_empty(folder: Path) -> None:
-    """A folder made for a run that wrote nothing goes (with its lock, if that is all in it)."""
+def _remove_if_empty(folder: Path, made: Path | None) -> None:
+    """A run folder that holds nothing but its lock (a run that wrote nothing) loses the lock,
+    and goes with the folders above it up to `made`, the first a start made (None: none goes)."""
     with contextlib.suppress(OSError):  # not empty: a run is in it
         if [p.name for p in folder.iterdir()] == [LOCK]:
             (folder / LOCK).unlink()
-        folder.rmdir()
+        for up in [folder, *folder.parents] if made is not None else []:
+            up.rmdir()
+            if up == made:
+                break
