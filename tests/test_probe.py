@@ -224,6 +224,47 @@ def test_a_runs_features_are_cached_in_the_run_and_reused(run: Path) -> None:
     assert fresh.key(cfg, "train")["data"] == "hf:some-org/some-dataset"
 
 
+def test_the_cache_key_sees_linked_folders_and_local_shards(
+    run: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Features of a changed dataset are not served from the cache: an image folder's files
+    behind a link to a folder (which its scan follows, as torchvision's does) and local
+    WebDataset shards (keyed by their pattern alone before) are part of the key."""
+    ex = Extractor(str(run), device="cpu", progress=False)
+    cfg = ex.dataset(None, None)
+    outside = tmp_path / "elsewhere" / "cat"
+    outside.mkdir(parents=True)
+    (outside / "a.png").write_bytes(b"one")
+    root = tmp_path / "images"
+    (root / "dog").mkdir(parents=True)
+    (root / "dog" / "b.png").write_bytes(b"two")
+    (root / "cat").symlink_to(outside)
+    images = dataclasses.replace(cfg, name=f"imagefolder:{root}")
+    before = ex.key(images, "train")
+    (outside / "c.png").write_bytes(b"three")  # an image added behind the link
+    assert ex.key(images, "train")["files"] != before["files"]
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(2):
+        (shards / f"train-{i}.tar").write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)
+    pattern = dataclasses.replace(cfg, name="wds:shards/train-{0..1}.tar")
+    first = ex.key(pattern, "train")
+    assert first["data"] == f"wds:{shards.resolve()}/train-{{0..1}}.tar" and first["files"]
+    (shards / "train-1.tar").write_bytes(b"rewritten")  # a shard written again
+    second = ex.key(pattern, "train")
+    assert second["files"] != first["files"]
+    (shards / "index.json").write_text("{}")  # an index beside them: counts and classes
+    assert ex.key(pattern, "train")["files"] != second["files"]
+    indexed = dataclasses.replace(cfg, name=f"wds:{shards}")  # an index's folder
+    before = ex.key(indexed, "train")
+    (shards / "train-0.tar").write_bytes(b"rewritten")
+    assert ex.key(indexed, "train")["files"] != before["files"]
+    url = dataclasses.replace(cfg, name="wds:https://example.com/train-{0..1}.tar")
+    assert ex.key(url, "train")["files"] is None  # a URL: by its name
+
+
 def test_damaged_cache_is_extracted_again(run: Path, caplog) -> None:
     a = Extractor(str(run), device="cpu", progress=False).features(None, None, "test")
     a.cache.write_bytes(a.cache.read_bytes()[:100])  # truncated

@@ -63,7 +63,7 @@ def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
         raise DatasetError(f"cannot read image {path}: {type(e).__name__}: {e}") from None
 
 
-def _list_files(folder: Path, within: str) -> list[str]:
+def _list_files(folder: Path, within: str, quiet: bool = False) -> list[str]:
     """Every file under folder, sorted as Paths sort (by their parts), listed without opening or
     stat-ing any (os.scandir's entries know their type): a tree of millions of files is indexed
     in the time it takes to list its directories. A symbolic link to a folder is followed (as
@@ -71,7 +71,7 @@ def _list_files(folder: Path, within: str) -> list[str]:
     target lies inside `within` (the dataset's folder, a real path: those files are listed where
     they are, and a link would give them twice, or under another class, or a test image to the
     training split), above folder (a loop), or inside or above a target followed already; a
-    warning names those and links that lead nowhere."""
+    warning names those and links that lead nowhere (none with `quiet`)."""
     found, stack, skipped, broken = [], [folder], [], []
     inside = os.path.join(within, "")  # "/" for the root, "/data/" for /data
     followed = [os.path.join(os.path.realpath(folder), "")]
@@ -96,10 +96,10 @@ def _list_files(folder: Path, within: str) -> list[str]:
                 followed.append(target)
                 folders.append(link)
         stack += map(Path, sorted(folders, reverse=True))
-    if skipped:
+    if skipped and not quiet:
         _say(f"did not follow {len(skipped)} links to folders in the dataset's folder {within}, "
              f"above {folder} or in one followed already: {_few(sorted(skipped))}")  # fmt: skip
-    if broken:
+    if broken and not quiet:
         _say(f"skipped {len(broken)} links to nothing in {folder}: {_few(sorted(broken))}")
     return sorted(found, key=lambda p: p.split(os.sep))
 
@@ -162,6 +162,13 @@ def _few(items: list) -> str:
 def folder_root(name: str) -> Path:
     """The folder an `imagefolder:PATH` dataset name names."""
     return Path(name.split(":", 1)[1]).expanduser()
+
+
+def folder_files(root: Path) -> list[str]:
+    """Every file under an image folder, links to folders followed as its splits' scans follow
+    them (_list_files), no warning said: what a digest of the dataset's contents covers. Empty
+    where root is not a folder."""
+    return _list_files(root, os.path.realpath(root), quiet=True) if root.is_dir() else []
 
 
 def scanned_folders(root: Path) -> list[Path]:

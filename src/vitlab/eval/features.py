@@ -36,7 +36,8 @@ from vitlab.config import DataConfig
 from vitlab.data import DatasetError, make_loader
 from vitlab.data.datasets import load_run_split
 from vitlab.data.download import absolute_source
-from vitlab.data.folders import folder_root
+from vitlab.data.folders import folder_files, folder_root
+from vitlab.data.shards import INDEX, is_pattern, remote
 from vitlab.eval.run import data_config, match_channels, run_config_of, run_folder
 from vitlab.formats.base import (
     CheckpointError,
@@ -160,29 +161,53 @@ def source_identity(source: str, weights: Path | None) -> dict[str, Any]:
 
 def _identity(name: str) -> tuple[str, str | None]:
     """(a dataset name as a cache key takes it, a digest of its files or None): an image folder,
-    and a Hugging Face dataset on disk (save_to_disk's folder, parquet), by its absolute path and
-    folder_digest; anything else (a hub name, digits) by its name alone."""
+    a Hugging Face dataset on disk (save_to_disk's folder, parquet) and local WebDataset shards,
+    by their absolute path and a digest of their files; anything else (a hub name, a URL,
+    digits) by its name alone."""
     if name.startswith("imagefolder:"):
         root = folder_root(name).resolve()
-        return f"imagefolder:{root}", folder_digest(root)
-    local = absolute_source(name)  # an hf: dataset on disk made absolute, a hub name as it is
+        return f"imagefolder:{root}", files_digest(root, folder_files(root))
+    local = absolute_source(name)  # a local path made absolute, a hub name or URL as it is
+    if name.startswith("wds:") and not remote(local[4:]):
+        return local, files_digest(*_shard_files(local[4:]))
     path = Path(local.removeprefix("hf:").partition("#")[0])
     if name.startswith("hf:") and path.is_absolute() and path.exists():
         return local, folder_digest(path)
     return name, None
 
 
+def _shard_files(spec: str) -> tuple[Path, list[str]]:
+    """(a folder, the files of wds:SPEC in it): a pattern's shards and the index beside them, or
+    every file of an index's folder."""
+    path = Path(spec)
+    if not is_pattern(spec):
+        folder = path if path.is_dir() else path.parent
+        return folder, [str(p) for p in sorted(folder.iterdir())] if folder.is_dir() else []
+    from braceexpand import braceexpand
+
+    shards = list(braceexpand(spec))
+    return Path(shards[0]).parent, [*shards, str(Path(shards[0]).parent / INDEX)]
+
+
 def folder_digest(root: Path) -> str:
     """A hash over every file under `root` (or of the file `root`): relative path, size,
     modification time."""
+    if root.is_file():
+        return files_digest(root.parent, [str(root)])
+    return files_digest(root, [os.path.join(d, n) for d, _, names in os.walk(root) for n in names])
+
+
+def files_digest(root: Path, files: Iterable[str]) -> str:
+    """A hash over `files` in name order: each one's path relative to `root`, size and
+    modification time (a link's target's), or that it is missing."""
     h = hashlib.sha256()
-    files = [(str(root.parent), [], [root.name])] if root.is_file() else os.walk(root)
-    for dirpath, dirnames, filenames in files:
-        dirnames.sort()
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
-            st = path.stat()
-            h.update(f"{path.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    for path in sorted(files, key=lambda p: p.split(os.sep)):
+        try:
+            st = os.stat(path)
+            seen = f"{st.st_size}\0{st.st_mtime_ns}"
+        except OSError:
+            seen = "missing"
+        h.update(f"{os.path.relpath(path, root)}\0{seen}\n".encode())
     return h.hexdigest()
 
 
