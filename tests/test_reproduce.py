@@ -634,3 +634,53 @@ def test_a_retrain_stopped_while_it_is_built_leaves_no_stale_run(tmp_path, monke
     err = capsys.readouterr().err
     assert "training 2 steps" in err and "reusing" not in err
     assert (folder / "results.json").is_file()
+
+
+HOLD = (  # a process running `vitlab reproduce` with this --out (holding its folder)
+    "import sys, time; from pathlib import Path; from vitlab.train.folder import holding; "
+    "h = holding(Path(sys.argv[1]), '`vitlab reproduce`'); h.__enter__(); "
+    "print('held', flush=True); time.sleep(300)"
+)
+
+
+def test_a_second_reproduce_with_the_same_out_is_refused_and_removes_nothing(
+    tmp_path: Path, capsys
+) -> None:
+    """Two `vitlab reproduce` with one --out: the second removed the files of the arm the first
+    was training (an arm retrained starts by removing its old run, before train() locks its
+    folder). The whole --out is locked while one runs, and not let go as its arms' runs end."""
+    import subprocess
+    import sys
+
+    from vitlab.train.folder import claim_run_folder, holding, release_run_folders
+
+    out = tmp_path / "out"
+    arm = out / "pos-embed" / "learned-seed0"
+    arm.mkdir(parents=True)
+    (arm / "metrics.jsonl").write_text('{"epoch": 1}\n')  # the other run's arm, mid-training
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"in use by another `vitlab reproduce` (pid {holder.pid} on" in err, err
+        assert (arm / "metrics.jsonl").read_text() == '{"epoch": 1}\n'  # untouched
+    finally:
+        holder.kill()
+        holder.wait()
+    with holding(out, "`vitlab reproduce`"), holding(out, "again"):  # held once: re-entered
+        assert claim_run_folder(arm, overwrite=True) is None  # an arm's run, then its end
+        release_run_folders()
+        other = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE)  # fmt: skip
+        try:
+            assert b"in use by another `vitlab reproduce`" in other.communicate(timeout=60)[1]
+        finally:
+            other.kill()
+            other.wait()
+    other = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE)
+    try:
+        assert other.stdout.readline().strip() == b"held"  # let go at the end
+    finally:
+        other.kill()
+        other.wait()

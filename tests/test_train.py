@@ -334,6 +334,37 @@ def test_a_folder_another_vitlab_train_runs_in_is_refused(tmp_path: Path, capsys
     assert (out / ".vitlab-lock").exists()  # a run's own stays
 
 
+def test_a_lock_file_removed_as_it_is_taken_is_not_held(tmp_path: Path, monkeypatch) -> None:
+    """A failed start removes the lock file it made as it lets go of the lock: a second start
+    that opened the file just before then locked a file no longer in the folder, while a third
+    could lock the new one, and both ran there. The lock is taken again on the file that is."""
+    from vitlab.train import folder
+
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / folder.LOCK).write_text("")
+    opened = folder._open_existing
+
+    def removed_once_open(path: Path) -> int:
+        fd = opened(path)
+        path.unlink()  # the failed start's release, between this open and the flock
+        return fd
+
+    monkeypatch.setattr(folder, "_open_existing", removed_once_open)
+    assert folder.claim_run_folder(out, overwrite=False) is None
+    try:
+        (held,) = [h for h in folder._held if h[2] == out]
+        assert os.fstat(held[1]).st_ino == (out / folder.LOCK).stat().st_ino  # the file there
+        other = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE)
+        try:
+            assert b"in use by another `vitlab train`" in other.stdout.readline()  # refused
+        finally:
+            other.kill()
+            other.wait()
+    finally:
+        folder.release_run_folders()
+
+
 def test_a_filesystem_without_locks_runs_with_a_warning(tmp_path: Path, monkeypatch, capsys):
     """Where flock fails for another reason than a holder (ENOLCK on some NFS mounts), the run
     is not refused: a warning says the folder is not locked."""

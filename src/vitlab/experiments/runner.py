@@ -13,6 +13,9 @@ from vitlab.experiments.arms import Arm, Context, run_arm
 from vitlab.experiments.base import Experiment
 from vitlab.experiments.report import machine, write_report
 from vitlab.formats.base import write_text
+from vitlab.train.folder import holding
+
+REPRODUCE = "`vitlab reproduce`"
 
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e
@@ -68,7 +71,8 @@ def run_experiment(name: str, ctx: Context) -> dict[str, Path]:
     print(f"vitlab reproduce {name}: {len(arms)} arm(s), budget {ctx.budget.name} on {ctx.data} "
           f"(estimated {estimate_seconds(arms, ctx) / 60:.1f} min on 2 AVX2 cores from scratch)",
           file=sys.stderr, flush=True)  # fmt: skip
-    rows = [run_arm(arm, ctx.out, i + 1, len(arms), ctx) for i, arm in enumerate(arms)]
+    with holding(ctx.out, REPRODUCE):  # a second run with this --out is refused
+        rows = [run_arm(arm, ctx.out, i + 1, len(arms), ctx) for i, arm in enumerate(arms)]
     summary = exp.summarize(ctx, rows, folder)
     seeds = len({r["seed"] for r in rows})
     run = {
@@ -89,12 +93,13 @@ def run_experiment(name: str, ctx: Context) -> dict[str, Path]:
 def run_all(ctx: Context) -> dict[str, dict[str, Path]]:
     """Every experiment in order (inside after pos-embed, whose runs it analyses), then an
     index OUT/README.md with each verdict."""
-    reports = {name: run_experiment(name, ctx) for name in EXPERIMENTS}
-    lines = [f"# vitlab reproduce all: budget {ctx.budget.name} on {ctx.data}", "",
-             "| experiment | verdict | report |", "|---|---|---|"]  # fmt: skip
-    for name, paths in reports.items():
-        outcome = json.loads(paths["results.json"].read_text())["verdict"]["outcome"]
-        lines.append(f"| {EXPERIMENTS[name].title} | {outcome} | [{name}/report.md]"
-                     f"({name}/report.md) |")  # fmt: skip
-    write_text(ctx.out / "README.md", "\n".join(lines) + "\n")
+    with holding(ctx.out, REPRODUCE):  # a second run with this --out is refused
+        reports = {name: run_experiment(name, ctx) for name in EXPERIMENTS}
+        lines = [f"# vitlab reproduce all: budget {ctx.budget.name} on {ctx.data}", "",
+                 "| experiment | verdict | report |", "|---|---|---|"]  # fmt: skip
+        for name, paths in reports.items():
+            outcome = json.loads(paths["results.json"].read_text())["verdict"]["outcome"]
+            lines.append(f"| {EXPERIMENTS[name].title} | {outcome} | [{name}/report.md]"
+                         f"({name}/report.md) |")  # fmt: skip
+        write_text(ctx.out / "README.md", "\n".join(lines) + "\n")
     return reports

@@ -11,6 +11,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,9 +26,10 @@ log = logging.getLogger(__name__)
 
 RESUMABLE_KEYS = ("train.epochs", "train.stop_at_epoch")
 LOCK = ".vitlab-lock"  # in a run folder: locked (flock) by the process whose run it is
-# the locks this process holds: the thread that took it, its descriptor, the run folder, whether
-# the claim made the lock file, and the first folder it made (or None)
-_held: list[tuple[int, int, Path, bool, Path | None]] = []
+_TRIES = 5  # attempts at a lock whose file a failed start removes as it is taken
+# the locks this process holds: the thread that took it, its descriptor, the folder, whether the
+# claim made the lock file, the first folder it made (or None), and whether a run's (else held)
+_held: list[tuple[int, int, Path, bool, Path | None, bool]] = []
 
 
 def resume_config(run: Path, overrides: list[str]) -> RunConfig:
@@ -81,43 +83,61 @@ def claim_run_folder(out: Path, overwrite: bool, resuming: bool = False) -> str 
     return refusal
 
 
-def _lock(out: Path) -> str | None:
+def _lock(out: Path, user: str = "`vitlab train`", run: bool = True) -> str | None:
     """Take out's lock, or say who holds it. An flock: the kernel lets go of it when the process
     ends, however it ends (a killed run leaves no stale lock); none where there is no flock
     (Windows) or the filesystem refuses locks (some NFS mounts: a warning). The lock file stays
     in a run's folder; one this claim made (with the folders above it that it made) goes again
-    when the lock is let go with nothing else written there."""
+    when the lock is let go with nothing else written there. A lock taken on a file that is no
+    longer at its path (a failed start removed it between this open and flock, and a third
+    start could lock a new one) is let go, and the lock taken again."""
     try:
         import fcntl
     except ImportError:
         return None
     first = next((p for p in [*reversed(out.parents), out] if not p.exists()), None)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
+    for _ in range(_TRIES):
         try:
-            fd, made = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
-        except FileExistsError:  # another user's lock file in a shared folder: read-only
-            fd, made = _open_existing(out / LOCK), False
-    except OSError as e:
-        return f"cannot use {out} as a run folder: {e}"
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # held
-        holder = os.read(fd, 100).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        return (
-            f"{out} is in use by another `vitlab train` ({holder}): wait for it to end, or "
-            "choose another --out"
-        )
-    except OSError as e:  # a filesystem without locks (some NFS mounts): the run goes on
-        os.close(fd)
-        log.warning("could not lock the run folder %s (%s): another run could share it", out, e)
-        return None
+            out.mkdir(parents=True, exist_ok=True)
+            try:
+                fd, made = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:  # another user's lock file in a shared folder: read-only
+                fd, made = _open_existing(out / LOCK), False
+        except OSError as e:
+            return f"cannot use {out} as a run folder: {e}"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # held
+            holder = os.read(fd, 100).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            return (
+                f"{out} is in use by another {user} ({holder}): wait for it to end, or choose "
+                "another --out"
+            )
+        except OSError as e:  # a filesystem without locks (some NFS mounts): the run goes on
+            os.close(fd)
+            log.warning("could not lock the run folder %s (%s): another run could share it", out, e)
+            return None
+        if _same_file(fd, out / LOCK):
+            break
+        os.close(fd)  # a failed start removed the file as it let go of it: a new one's lock
+    else:
+        return f"cannot lock {out}: its {LOCK} was removed and made again {_TRIES} times"
     with contextlib.suppress(OSError):  # who holds it, for the refusal: not needed to run
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode())
-    _held.append((threading.get_ident(), fd, out, made, first))
+    _held.append((threading.get_ident(), fd, out, made, first, run))
     return None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` is still the file open as `fd` (not removed, or replaced, since it was
+    opened)."""
+    try:
+        held, now = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
 
 
 def _open_existing(path: Path) -> int:
@@ -133,13 +153,36 @@ def release_run_folders() -> None:
     """Let go of the run folders' locks this thread took (its run ended: train() calls it). Where
     nothing but a lock file this claim made is in the folder (a start that failed), it goes, and
     so do the folders the claim made (a start that failed leaves nothing)."""
-    for held in [h for h in _held if h[0] == threading.get_ident()]:
-        _held.remove(held)
-        _, fd, out, made, first = held
-        if made:
-            _remove_if_empty(out, first)
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    for held in [h for h in _held if h[0] == threading.get_ident() and h[5]]:
+        _let_go(held)
+
+
+def _let_go(held: tuple[int, int, Path, bool, Path | None, bool]) -> None:
+    _held.remove(held)
+    _, fd, out, made, first, _ = held
+    if made:
+        _remove_if_empty(out, first)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def holding(folder: Path, user: str) -> Iterator[None]:
+    """`folder` locked as a run's is (its .vitlab-lock) while `user`, a command writing runs
+    into it, does (`vitlab reproduce`: another with the same --out would remove the files of a
+    run being trained): a ConfigError says who else holds it. Held already in this process: as
+    it is."""
+    if any(h[2] == folder for h in _held):
+        yield
+        return
+    if refusal := _lock(folder, user, run=False):
+        raise ConfigError(refusal)
+    held = _held[-1] if _held and _held[-1][2] == folder else None  # None: not lockable here
+    try:
+        yield
+    finally:
+        if held is not None:
+            _let_go(held)
 
 
 def remove_run_files(out: Path) -> str | None:
