@@ -365,6 +365,39 @@ def test_a_lock_file_removed_as_it_is_taken_is_not_held(tmp_path: Path, monkeypa
         folder.release_run_folders()
 
 
+def test_a_forked_child_does_not_keep_the_runs_lock(tmp_path: Path) -> None:
+    """DataLoader workers are forked with the lock's descriptor: a killed run's lock stayed
+    while they lived on. A child closes its copy; the parent's still holds the lock."""
+    from vitlab.train import folder
+
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "notes.txt").write_text("a file of the user's: the lock file stays")
+    assert folder.claim_run_folder(out, overwrite=False) is None
+    child = os.fork()
+    if child == 0:  # a worker that outlives its run
+        time.sleep(60)
+        os._exit(0)
+    try:
+        other = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE)
+        try:
+            assert b"in use by another `vitlab train`" in other.stdout.readline()  # held
+        finally:
+            other.kill()
+            other.wait()
+        folder.release_run_folders()  # the run ends; its worker lives on
+        other = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE)
+        try:
+            assert other.stdout.readline().strip() == b"None"  # the lock went with the run
+        finally:
+            other.kill()
+            other.wait()
+    finally:
+        folder.release_run_folders()
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
 def test_a_filesystem_without_locks_runs_with_a_warning(tmp_path: Path, monkeypatch, capsys):
     """Where flock fails for another reason than a holder (ENOLCK on some NFS mounts), the run
     is not refused: a warning says the folder is not locked."""

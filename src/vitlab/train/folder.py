@@ -62,6 +62,20 @@ def check_resume_length(run: Path, cfg: RunConfig, extend: bool) -> int:
     return saved
 
 
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) closes its copies of the locks' descriptors: the
+    lock goes as the process whose run it is ends, even where a child outlives it a moment (the
+    parent's descriptor keeps it meanwhile)."""
+    for held in _held:
+        with contextlib.suppress(OSError):
+            os.close(held[1])
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def claim_run_folder(out: Path, overwrite: bool, resuming: bool = False) -> str | None:
     """Why a run may not start in `out` (None: it may, and this thread now holds the folder's
     lock until release_run_folders, which train() calls as the run ends): another `vitlab train`
