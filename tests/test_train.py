@@ -302,6 +302,16 @@ HOLD = (  # a process holding a run folder's lock as a running `vitlab train` do
 )
 
 
+def another_claim(out: Path) -> bytes:
+    """What another process claiming `out` says first: b"None" where it took the lock."""
+    other = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE)
+    try:
+        return other.stdout.readline().strip()
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_a_folder_another_vitlab_train_runs_in_is_refused(tmp_path: Path, capsys) -> None:
     """Two `vitlab train --out X` started together both passed the check for a run in X and
     wrote into one folder, as could a second --resume of X: X's lock (an flock, held while a run
@@ -355,12 +365,7 @@ def test_a_lock_file_removed_as_it_is_taken_is_not_held(tmp_path: Path, monkeypa
     try:
         (held,) = [h for h in folder._held if h[2] == out]
         assert os.fstat(held[1]).st_ino == (out / folder.LOCK).stat().st_ino  # the file there
-        other = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE)
-        try:
-            assert b"in use by another `vitlab train`" in other.stdout.readline()  # refused
-        finally:
-            other.kill()
-            other.wait()
+        assert b"in use by another `vitlab train`" in another_claim(out)  # refused
     finally:
         folder.release_run_folders()
 
@@ -379,19 +384,9 @@ def test_a_forked_child_does_not_keep_the_runs_lock(tmp_path: Path) -> None:
         time.sleep(60)
         os._exit(0)
     try:
-        other = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE)
-        try:
-            assert b"in use by another `vitlab train`" in other.stdout.readline()  # held
-        finally:
-            other.kill()
-            other.wait()
+        assert b"in use by another `vitlab train`" in another_claim(out)  # held
         folder.release_run_folders()  # the run ends; its worker lives on
-        other = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE)
-        try:
-            assert other.stdout.readline().strip() == b"None"  # the lock went with the run
-        finally:
-            other.kill()
-            other.wait()
+        assert another_claim(out) == b"None"  # the lock went with the run
     finally:
         folder.release_run_folders()
         os.kill(child, signal.SIGKILL)
