@@ -4,6 +4,7 @@ scikit-learn, a case worked by hand, the k-shot draw, and `vitlab fewshot` end t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,8 @@ def test_fewshot_cli_on_digits_with_a_random_model(overrides, tmp_path: Path, ca
     assert main(["fewshot", str(ckpt), "--data", "digits", "--shots", "5", "--seeds", "2"]) == 0
     table = capsys.readouterr().out
     assert "few-shot linear" in table and "    5 " in table
+    drawn = re.search(r"1,438 train \((\d+) drawn\) / 359 test images", table)
+    assert drawn and 50 <= int(drawn[1]) <= 100, table  # 5 shots of 10 classes, 2 seeds
 
 
 def test_fewshot_cli_errors(tmp_path: Path, capsys) -> None:
@@ -127,3 +130,26 @@ def test_fewshot_cli_errors(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["fewshot", str(ckpt), "--data", "digits", "--shots", "1,x"])
     assert "expected numbers like 1,5,10,25" in capsys.readouterr().err
+
+
+def test_fewshot_extracts_only_the_drawn_training_images(tmp_path: Path) -> None:
+    """`vitlab fewshot` extracted every training image's features to use k per class and seed
+    (ImageNet's 1.28 million for 25 shots of 1,000 classes): now only the images some draw
+    takes, with the same draws and accuracies as from the whole split's features."""
+    from vitlab.eval.features import Extractor
+    from vitlab.eval.fewshot import fewshot_checkpoint
+
+    ckpt = tiny_checkpoint(tmp_path / "tiny")
+    args = dict(data="digits", shots=(1, 5), seeds=2, device="cpu", progress=False)
+    drawn = fewshot_checkpoint(str(ckpt), cache_dir=tmp_path / "drawn", **args)
+    assert drawn["num_train_images"] == 1438  # the split's, as before
+    assert 10 <= drawn["train_images_extracted"] <= 2 * 5 * 10  # two draws of 5 shots, 10 classes
+    whole_cache = tmp_path / "whole"
+    whole = Extractor(str(ckpt), device="cpu", cache_dir=whole_cache, progress=False)
+    assert len(whole.features("digits", None, "train")) == 1438  # the whole split, cached
+    full = fewshot_checkpoint(str(ckpt), cache_dir=whole_cache, **args)
+    assert full["cached"]["train"] and full["train_images_extracted"] == 1438
+    for a, b in zip(drawn["results"], full["results"], strict=True):  # one image at most apart
+        assert np.allclose(a["per_seed"], b["per_seed"], atol=1.5 / 359), (a, b)
+    again = fewshot_checkpoint(str(ckpt), cache_dir=tmp_path / "drawn", **args)
+    assert again["cached"]["train"] and again["results"] == drawn["results"]

@@ -24,11 +24,12 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -52,6 +53,8 @@ from vitlab.runtime import pick_device
 
 log = logging.getLogger(__name__)
 
+Pick = Callable[[np.ndarray, list[str]], "np.ndarray | None"]  # (labels, classes) -> rows
+
 FEATURE_KINDS = ("prelogits", "gap")
 CACHE_FORMAT = "vitlab-features"
 CACHE_VERSION = 2  # 2: gap features of a model with fc_norm are normalised
@@ -59,16 +62,27 @@ CACHE_VERSION = 2  # 2: gap features of a model with fc_norm are normalised
 
 @dataclass
 class Features:
-    """One dataset split's frozen features."""
+    """One dataset split's frozen features: of every image, or of the split's `rows` only."""
 
     x: Tensor  # (N, D) float32
     y: Tensor  # (N,) int64 class indices
     classes: list[str]
     cache: Path | None = None  # the file they were read from or written to
     cached: bool = False  # read from the cache: the model did not run
+    rows: Tensor | None = None  # (N,) sorted: the split's rows these are (None: every row)
+    split_labels: Tensor | None = None  # with rows: the whole split's labels
 
     def __len__(self) -> int:
         return len(self.y)
+
+    @property
+    def labels(self) -> Tensor:
+        """The whole split's labels (of these rows' split where only some were extracted)."""
+        return self.y if self.rows is None else self.split_labels
+
+    def at(self, index: np.ndarray) -> Tensor:
+        """The features of the split's images `index` (they must be among the rows)."""
+        return self.x[index if self.rows is None else np.searchsorted(self.rows.numpy(), index)]
 
 
 # --- extraction ----------------------------------------------------------------------------------
@@ -211,6 +225,10 @@ def files_digest(root: Path, files: Iterable[str]) -> str:
     return h.hexdigest()
 
 
+def _digest(rows: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(rows, dtype=np.int64).tobytes()).hexdigest()
+
+
 def cache_file(folder: Path, key: dict[str, Any]) -> Path:
     """FOLDER/DATA_SPLIT_KIND_HASH.safetensors, the hash over the whole key."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -332,9 +350,14 @@ class Extractor:
             "features": self.kind,
         }
 
-    def features(self, data: str | None, data_dir: str | None, split: str) -> Features:
+    def features(
+        self, data: str | None, data_dir: str | None, split: str, pick: Pick | None = None
+    ) -> Features:
         """The features of `split` ('train' or 'test') of dataset `data`, from the cache when
-        there is one for exactly this key."""
+        there is one for exactly this key. `pick(labels, classes)`: the rows of the split that
+        are needed (read from its labels before any image is; None: every row), extracted (and
+        cached) alone, where the whole split's features are not cached already and its labels
+        are known before its images are read (not WebDataset shards)."""
         cfg = self.dataset(data, data_dir)
         name, key = cfg.name, self.key(cfg, split)
         path = cache_file(self.cache_dir, key) if self.cache_dir else None
@@ -343,6 +366,12 @@ class Extractor:
             log.info("%s %s features from %s", name, split, path)
             return found
         part = match_channels(load_run_split(cfg, split), self.preprocessing, name)
+        labels = getattr(part, "labels", None)
+        rows = pick(labels.numpy(), part.classes) if pick and hasattr(part, "subset") else None
+        if rows is not None and len(rows := np.unique(rows)) < len(part):
+            got = self._rows(part, torch.as_tensor(rows), {**key, "rows": _digest(rows)}, name)
+            if got is not None:
+                return got
         loader = make_loader(part, self.batch_size, self.preprocessing)
         self.forward_batches += len(loader)
         x, y = extract(
@@ -353,6 +382,26 @@ class Extractor:
             write_cache(path, key, out)
             log.info("cached %s %s features in %s", name, split, path)
         return out
+
+    def _rows(self, part: Any, rows: Tensor, key: dict[str, Any], name: str) -> Features | None:
+        """The features of the split's `rows` alone (None where some did not decode: the
+        whole split then, as a draw from the labels of the images that do)."""
+        path = cache_file(self.cache_dir, key) if self.cache_dir else None
+        found = read_cache(path, key) if path else None
+        if found is None:
+            loader = make_loader(part.subset(rows), self.batch_size, self.preprocessing)
+            self.forward_batches += len(loader)
+            x, y = extract(self.model(), loader, self.kind, self.dev, self.progress,
+                           f"{name} {key['split']} features ({len(rows):,} images)")  # fmt: skip
+            if len(x) != len(rows):
+                log.warning("%d of the images picked did not decode: extracting every image",
+                            len(rows) - len(x))  # fmt: skip
+                return None
+            found = Features(x, y, list(part.classes), cache=path)
+            if path is not None:
+                write_cache(path, key, found)
+        found.rows, found.split_labels = rows, part.labels
+        return found
 
     def describe(self) -> dict[str, Any]:
         """Where the features come from, for reports."""
@@ -366,12 +415,13 @@ class Extractor:
 
 
 def train_and_test(
-    extractor: Extractor, data: str | None, data_dir: str | None
+    extractor: Extractor, data: str | None, data_dir: str | None, pick: Pick | None = None
 ) -> tuple[Features, Features, dict[str, Any]]:
-    """The train and test features of a dataset and what a report says about them."""
+    """The train and test features of a dataset (of the training images `pick` names only,
+    Extractor.features) and what a report says about them."""
     cfg = extractor.dataset(data, data_dir)
     name, folder = cfg.name, cfg.dir
-    train = extractor.features(name, folder, "train")
+    train = extractor.features(name, folder, "train", pick)
     if not train.classes:
         raise DatasetError(
             f"{name} has no labels (an image folder without class sub-folders): few-shot and "
@@ -386,7 +436,8 @@ def train_and_test(
         "data_dir": folder,
         "feature_dim": int(train.x.shape[1]),
         "num_classes": len(train.classes),
-        "num_train_images": len(train),
+        "num_train_images": len(train.labels),
+        "train_images_extracted": len(train),
         "num_test_images": len(test),
         "cache": {
             s: str(f.cache) if f.cache else None for s, f in (("train", train), ("test", test))

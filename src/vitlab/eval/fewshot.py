@@ -134,14 +134,13 @@ def fewshot(
 ) -> list[dict[str, Any]]:
     """Test top-1 of the k-shot classifier for every k in `shots` and seeds 0..seeds-1: one
     {"shots", "mean", "std" (over seeds, ddof 0), "per_seed"} per k."""
-    y_train = train.y.numpy()
+    y_train = train.labels.numpy()
     check_shots(shots, seeds, y_train, train.classes)
-    x_train = train.x.double().numpy()
     x_test, y_test = test.x.double().numpy(), test.y.numpy()
     results = []
     for k in shots:
-        accs = kshot_accuracies(lambda idx: x_train[idx], y_train, x_test, y_test, k, seeds,
-                                train.classes, l2)  # fmt: skip
+        accs = kshot_accuracies(lambda idx: train.at(idx).double().numpy(), y_train, x_test,
+                                y_test, k, seeds, train.classes, l2)  # fmt: skip
         results.append(
             {"shots": k, "mean": float(np.mean(accs)), "std": float(np.std(accs)), "per_seed": accs}
         )
@@ -165,7 +164,15 @@ def fewshot_checkpoint(
     check_l2(l2)  # before any feature is extracted
     check_shots(shots, seeds, np.zeros(0, dtype=np.int64), [])
     extractor = Extractor(source, features, device, batch_size, cache_dir, progress)
-    train, test, about = train_and_test(extractor, data, data_dir)
+
+    def drawn(labels: np.ndarray, classes: list[str]) -> np.ndarray | None:
+        """The training images some draw takes: only those are extracted."""
+        if not classes:
+            return None  # unlabelled: train_and_test says so
+        check_shots(shots, seeds, labels, classes)
+        return np.concatenate([kshot_indices(labels, max(shots), s, classes) for s in range(seeds)])
+
+    train, test, about = train_and_test(extractor, data, data_dir, drawn)
     results = fewshot(train, test, shots, seeds, l2)
     protocol = {
         "shots": list(shots),
@@ -186,12 +193,14 @@ def fewshot_checkpoint(
 def format_fewshot(report: dict[str, Any]) -> str:
     """The report as a table."""
     p = report["protocol"]
+    used = report["train_images_extracted"]
+    drawn = f" ({used:,} drawn)" if used < report["num_train_images"] else ""
     lines = [
         f"{report['checkpoint'] or report['source']} on {report['data']}: few-shot linear "
         f"({report['features']} features, D={report['feature_dim']}, l2={p['l2']:g}, "
         f"{len(p['seeds'])} seed(s))",
-        f"{report['num_train_images']:,} train / {report['num_test_images']:,} test images, "
-        f"{report['num_classes']} classes",
+        f"{report['num_train_images']:,} train{drawn} / {report['num_test_images']:,} test "
+        f"images, {report['num_classes']} classes",
         "",
         f"{'shots':>5}  {'top-1':>7}  {'std':>6}  per seed",
     ]
