@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from sklearn.linear_model import Ridge
 
 from tests.helpers import clusters, tiny_checkpoint
@@ -153,3 +154,37 @@ def test_fewshot_extracts_only_the_drawn_training_images(tmp_path: Path) -> None
         assert np.allclose(a["per_seed"], b["per_seed"], atol=1.5 / 359), (a, b)
     again = fewshot_checkpoint(str(ckpt), cache_dir=tmp_path / "drawn", **args)
     assert again["cached"]["train"] and again["results"] == drawn["results"]
+
+    def two_draws(labels: np.ndarray, classes: list[str]) -> np.ndarray:
+        return np.concatenate([kshot_indices(labels, 5, s, classes) for s in range(2)])
+
+    every = whole.features("digits", None, "train")
+    picked = Extractor(str(ckpt), device="cpu", progress=False)
+    part = picked.features("digits", None, "train", two_draws)
+    assert picked.forward_batches == 1 and len(part) <= 100 and torch.equal(part.labels, every.y)
+    for seed in range(2):  # the same images' features as in the whole split's
+        idx = kshot_indices(every.y.numpy(), 5, seed, every.classes)
+        torch.testing.assert_close(part.at(idx), every.x[idx], atol=1e-5, rtol=1e-5)
+
+
+def test_a_drawn_image_that_does_not_decode_falls_back_to_every_image(tmp_path: Path, caplog):
+    """A picked image that does not decode: every image's features are extracted, and the draw
+    is from the labels of the images that decode (as when the whole split is extracted)."""
+    from PIL import Image
+
+    from vitlab.eval.features import Extractor
+
+    root = tmp_path / "images"
+    for split, c in ((s, c) for s in ("train", "test") for c in ("a", "b")):
+        (root / split / c).mkdir(parents=True)
+        for i in range(4):
+            Image.new("L", (8, 8), 40 * i + 100 * (c == "b")).save(root / split / c / f"{i}.png")
+    (root / "train" / "a" / "0.png").write_bytes(b"not a png")  # row 0: drawn below
+    ckpt = tiny_checkpoint(tmp_path / "tiny")
+    ex = Extractor(str(ckpt), device="cpu", progress=False)
+    got = ex.features(f"imagefolder:{root}", None, "train", lambda labels, classes: [0, 4])
+    assert got.rows is None and len(got) == 7  # every image that decodes
+    assert "1 of the images picked did not decode" in caplog.text
+    fine = Extractor(str(ckpt), device="cpu", progress=False)
+    two = fine.features(f"imagefolder:{root}", None, "train", lambda labels, classes: [1, 4])
+    assert two.rows.tolist() == [1, 4] and len(two) == 2 and two.y.tolist() == [0, 1]

@@ -243,6 +243,18 @@ def test_the_cache_key_sees_linked_folders_and_local_shards(
     before = ex.key(images, "train")
     (outside / "c.png").write_bytes(b"three")  # an image added behind the link
     assert ex.key(images, "train")["files"] != before["files"]
+    ext = tmp_path / "ext"  # class A links to ext/X, class B to all of ext: each class's scan
+    for sub in ("X", "Y"):  # follows its own link, so ext/Y's files are read through B
+        (ext / sub).mkdir(parents=True)
+        (ext / sub / "a.png").write_bytes(b"one")
+    nested = tmp_path / "nested"
+    for cls, target in (("A", ext / "X"), ("B", ext)):
+        (nested / cls).mkdir(parents=True)
+        (nested / cls / "link").symlink_to(target)
+    nested_cfg = dataclasses.replace(cfg, name=f"imagefolder:{nested}")
+    before = ex.key(nested_cfg, "train")
+    (ext / "Y" / "a.png").write_bytes(b"rewritten")
+    assert ex.key(nested_cfg, "train")["files"] != before["files"]
 
     shards = tmp_path / "shards"
     shards.mkdir()

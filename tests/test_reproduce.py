@@ -643,44 +643,51 @@ HOLD = (  # a process running `vitlab reproduce` with this --out (holding its fo
 )
 
 
+def holder(out: Path):  # -> subprocess.Popen
+    """A process holding `out` as `vitlab reproduce` does, or refused (its stderr says why)."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+
+
 def test_a_second_reproduce_with_the_same_out_is_refused_and_removes_nothing(
     tmp_path: Path, capsys
 ) -> None:
     """Two `vitlab reproduce` with one --out: the second removed the files of the arm the first
     was training (an arm retrained starts by removing its old run, before train() locks its
     folder). The whole --out is locked while one runs, and not let go as its arms' runs end."""
-    import subprocess
-    import sys
-
     from vitlab.train.folder import claim_run_folder, holding, release_run_folders
 
     out = tmp_path / "out"
     arm = out / "pos-embed" / "learned-seed0"
     arm.mkdir(parents=True)
     (arm / "metrics.jsonl").write_text('{"epoch": 1}\n')  # the other run's arm, mid-training
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE)
+    first = holder(out)
     try:
-        assert holder.stdout.readline().strip() == b"held"
+        assert first.stdout.readline().strip() == b"held"
         assert main(["reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 2
         err = capsys.readouterr().err
-        assert f"in use by another `vitlab reproduce` (pid {holder.pid} on" in err, err
+        assert f"in use by another `vitlab reproduce` (pid {first.pid} on" in err, err
         assert (arm / "metrics.jsonl").read_text() == '{"epoch": 1}\n'  # untouched
+        refusal = claim_run_folder(out, overwrite=True)  # `vitlab train --out` there: the
+        assert "in use by another `vitlab reproduce`" in refusal  # holder's command is named
     finally:
-        holder.kill()
-        holder.wait()
+        first.kill()
+        first.wait()
     with holding(out, "`vitlab reproduce`"), holding(out, "again"):  # held once: re-entered
         assert claim_run_folder(arm, overwrite=True) is None  # an arm's run, then its end
         release_run_folders()
-        other = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE)  # fmt: skip
+        second = holder(out)
         try:
-            assert b"in use by another `vitlab reproduce`" in other.communicate(timeout=60)[1]
+            assert b"in use by another `vitlab reproduce`" in second.communicate(timeout=60)[1]
         finally:
-            other.kill()
-            other.wait()
-    other = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE)
+            second.kill()
+            second.wait()
+    third = holder(out)
     try:
-        assert other.stdout.readline().strip() == b"held"  # let go at the end
+        assert third.stdout.readline().strip() == b"held"  # let go at the end
     finally:
-        other.kill()
-        other.wait()
+        third.kill()
+        third.wait()

@@ -165,10 +165,16 @@ def folder_root(name: str) -> Path:
 
 
 def folder_files(root: Path) -> list[str]:
-    """Every file under an image folder, links to folders followed as its splits' scans follow
-    them (_list_files), no warning said: what a digest of the dataset's contents covers. Empty
-    where root is not a folder."""
-    return _list_files(root, os.path.realpath(root), quiet=True) if root.is_dir() else []
+    """The files an image folder's splits are scanned from, listed as scan_image_folder lists
+    them (every class folder's files, links to folders followed alike; the files beside the
+    class folders too), no warning said: what a digest of the dataset's contents covers."""
+    within, files = os.path.realpath(root), []
+    for folder in (f for f in scanned_folders(root) if f.is_dir()):
+        inner = sorted(p for p in folder.iterdir() if p.is_dir())
+        files += [str(p) for p in folder.iterdir() if not p.is_dir()] if inner else []
+        for cls in inner or [folder]:
+            files += _list_files(cls, within, quiet=True)
+    return files
 
 
 def scanned_folders(root: Path) -> list[Path]:

@@ -148,6 +148,19 @@ def is_pattern(spec: str) -> bool:
     return not (path.is_dir() or path.name == INDEX)
 
 
+def shard_files(spec: str) -> tuple[Path, list[str]]:
+    """(a folder, the local files wds:SPEC is read from): a pattern's shards and the index
+    beside them (where _pattern_split looks for it), or every file in an index's folder."""
+    path = Path(spec).expanduser()
+    if not is_pattern(spec):
+        folder = path if path.is_dir() else path.parent
+        return folder, [str(p) for p in sorted(folder.iterdir())] if folder.is_dir() else []
+    from braceexpand import braceexpand
+
+    shards = list(braceexpand(spec))
+    return Path(shards[0]).parent, [*shards, str(Path(shards[0]).parent / INDEX)]
+
+
 def load_shards(spec: str, split: str, keys: tuple[str | None, str | None]) -> ShardSplit:
     """Split `split` ('train', 'test', or 'all': a pattern's every shard) of `wds:SPEC`;
     keys = (data.image_key, data.label_key)."""

@@ -38,7 +38,7 @@ from vitlab.data import DatasetError, make_loader
 from vitlab.data.datasets import load_run_split
 from vitlab.data.download import absolute_source
 from vitlab.data.folders import folder_files, folder_root
-from vitlab.data.shards import INDEX, is_pattern, remote
+from vitlab.data.shards import remote, shard_files
 from vitlab.eval.run import data_config, match_channels, run_config_of, run_folder
 from vitlab.formats.base import (
     CheckpointError,
@@ -183,24 +183,11 @@ def _identity(name: str) -> tuple[str, str | None]:
         return f"imagefolder:{root}", files_digest(root, folder_files(root))
     local = absolute_source(name)  # a local path made absolute, a hub name or URL as it is
     if name.startswith("wds:") and not remote(local[4:]):
-        return local, files_digest(*_shard_files(local[4:]))
+        return local, files_digest(*shard_files(local[4:]))
     path = Path(local.removeprefix("hf:").partition("#")[0])
     if name.startswith("hf:") and path.is_absolute() and path.exists():
         return local, folder_digest(path)
     return name, None
-
-
-def _shard_files(spec: str) -> tuple[Path, list[str]]:
-    """(a folder, the files of wds:SPEC in it): a pattern's shards and the index beside them, or
-    every file of an index's folder."""
-    path = Path(spec)
-    if not is_pattern(spec):
-        folder = path if path.is_dir() else path.parent
-        return folder, [str(p) for p in sorted(folder.iterdir())] if folder.is_dir() else []
-    from braceexpand import braceexpand
-
-    shards = list(braceexpand(spec))
-    return Path(shards[0]).parent, [*shards, str(Path(shards[0]).parent / INDEX)]
 
 
 def folder_digest(root: Path) -> str:
@@ -366,42 +353,35 @@ class Extractor:
             log.info("%s %s features from %s", name, split, path)
             return found
         part = match_channels(load_run_split(cfg, split), self.preprocessing, name)
-        labels = getattr(part, "labels", None)
-        rows = pick(labels.numpy(), part.classes) if pick and hasattr(part, "subset") else None
+        if pick is not None and not part.classes:
+            raise unlabelled(name)
+        rows = pick(part.labels.numpy(), part.classes) if pick and hasattr(part, "subset") else None
         if rows is not None and len(rows := np.unique(rows)) < len(part):
-            got = self._rows(part, torch.as_tensor(rows), {**key, "rows": _digest(rows)}, name)
-            if got is not None:
+            picked = torch.as_tensor(rows)
+            key = {**key, "rows": _digest(rows)}
+            got = self._extract(part.subset(picked), key, f"{name} {split} ({len(rows):,} images)")
+            if len(got) == len(rows):
+                got.rows, got.split_labels = picked, part.labels
                 return got
+            log.warning("%d of the images picked did not decode: every image's features then, "
+                        "drawn from those that do", len(rows) - len(got))  # fmt: skip
+            key = self.key(cfg, split)
+        return self._extract(part, key, f"{name} {split}", look=False)  # looked for above
+
+    def _extract(self, part: Any, key: dict[str, Any], what: str, look: bool = True) -> Features:
+        """The features of `part`, from the cache for `key` (if `look`) or extracted and cached."""
+        path = cache_file(self.cache_dir, key) if self.cache_dir else None
+        found = read_cache(path, key) if path and look else None
+        if found is not None:
+            return found
         loader = make_loader(part, self.batch_size, self.preprocessing)
         self.forward_batches += len(loader)
-        x, y = extract(
-            self.model(), loader, self.kind, self.dev, self.progress, f"{name} {split} features"
-        )
+        x, y = extract(self.model(), loader, self.kind, self.dev, self.progress, f"{what} features")
         out = Features(x, y, list(part.classes), cache=path)
         if path is not None:
             write_cache(path, key, out)
-            log.info("cached %s %s features in %s", name, split, path)
+            log.info("cached %s features in %s", what, path)
         return out
-
-    def _rows(self, part: Any, rows: Tensor, key: dict[str, Any], name: str) -> Features | None:
-        """The features of the split's `rows` alone (None where some did not decode: the
-        whole split then, as a draw from the labels of the images that do)."""
-        path = cache_file(self.cache_dir, key) if self.cache_dir else None
-        found = read_cache(path, key) if path else None
-        if found is None:
-            loader = make_loader(part.subset(rows), self.batch_size, self.preprocessing)
-            self.forward_batches += len(loader)
-            x, y = extract(self.model(), loader, self.kind, self.dev, self.progress,
-                           f"{name} {key['split']} features ({len(rows):,} images)")  # fmt: skip
-            if len(x) != len(rows):
-                log.warning("%d of the images picked did not decode: extracting every image",
-                            len(rows) - len(x))  # fmt: skip
-                return None
-            found = Features(x, y, list(part.classes), cache=path)
-            if path is not None:
-                write_cache(path, key, found)
-        found.rows, found.split_labels = rows, part.labels
-        return found
 
     def describe(self) -> dict[str, Any]:
         """Where the features come from, for reports."""
@@ -414,6 +394,13 @@ class Extractor:
         }
 
 
+def unlabelled(name: str) -> DatasetError:
+    return DatasetError(
+        f"{name} has no labels (an image folder without class sub-folders): few-shot and probe "
+        f"accuracy need labelled data; name a labelled dataset with --data"
+    )
+
+
 def train_and_test(
     extractor: Extractor, data: str | None, data_dir: str | None, pick: Pick | None = None
 ) -> tuple[Features, Features, dict[str, Any]]:
@@ -423,10 +410,7 @@ def train_and_test(
     name, folder = cfg.name, cfg.dir
     train = extractor.features(name, folder, "train", pick)
     if not train.classes:
-        raise DatasetError(
-            f"{name} has no labels (an image folder without class sub-folders): few-shot and "
-            f"probe accuracy need labelled data; name a labelled dataset with --data"
-        )
+        raise unlabelled(name)
     test = extractor.features(name, folder, "test")
     if train.classes != test.classes:
         raise DatasetError(f"{name}: the train and test splits name different classes")

@@ -62,7 +62,13 @@ def estimate_seconds(arms: list[Arm], ctx: Context, done: set[str] | None = None
 
 def run_experiment(name: str, ctx: Context) -> dict[str, Path]:
     """Every arm of experiment `name` (trained, resumed or reused), then its report in
-    OUT/NAME/. Returns the report's paths."""
+    OUT/NAME/, with OUT locked throughout (another run with this --out is refused). Returns the
+    report's paths."""
+    with holding(ctx.out, REPRODUCE):
+        return _experiment(name, ctx)
+
+
+def _experiment(name: str, ctx: Context) -> dict[str, Path]:
     exp = get_experiment(name)
     t0 = time.perf_counter()
     arms = exp.arms(ctx)
@@ -71,8 +77,7 @@ def run_experiment(name: str, ctx: Context) -> dict[str, Path]:
     print(f"vitlab reproduce {name}: {len(arms)} arm(s), budget {ctx.budget.name} on {ctx.data} "
           f"(estimated {estimate_seconds(arms, ctx) / 60:.1f} min on 2 AVX2 cores from scratch)",
           file=sys.stderr, flush=True)  # fmt: skip
-    with holding(ctx.out, REPRODUCE):  # a second run with this --out is refused
-        rows = [run_arm(arm, ctx.out, i + 1, len(arms), ctx) for i, arm in enumerate(arms)]
+    rows = [run_arm(arm, ctx.out, i + 1, len(arms), ctx) for i, arm in enumerate(arms)]
     summary = exp.summarize(ctx, rows, folder)
     seeds = len({r["seed"] for r in rows})
     run = {

@@ -109,8 +109,8 @@ def _lock(out: Path, user: str = "`vitlab train`", run: bool = True) -> str | No
         import fcntl
     except ImportError:
         return None
-    first = next((p for p in [*reversed(out.parents), out] if not p.exists()), None)
     for _ in range(_TRIES):
+        first = next((p for p in [*reversed(out.parents), out] if not p.exists()), None)
         try:
             out.mkdir(parents=True, exist_ok=True)
             try:
@@ -122,11 +122,11 @@ def _lock(out: Path, user: str = "`vitlab train`", run: bool = True) -> str | No
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # held
-            holder = os.read(fd, 100).decode(errors="replace").strip() or "another process"
+            holder = os.read(fd, 200).decode(errors="replace").strip()
             os.close(fd)
+            holder = holder if holder.startswith("`") else f"process ({holder or 'unnamed'})"
             return (
-                f"{out} is in use by another {user} ({holder}): wait for it to end, or choose "
-                "another --out"
+                f"{out} is in use by another {holder}: wait for it to end, or choose another --out"
             )
         except OSError as e:  # a filesystem without locks (some NFS mounts): the run goes on
             os.close(fd)
@@ -139,7 +139,7 @@ def _lock(out: Path, user: str = "`vitlab train`", run: bool = True) -> str | No
         return f"cannot lock {out}: its {LOCK} was removed and made again {_TRIES} times"
     with contextlib.suppress(OSError):  # who holds it, for the refusal: not needed to run
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode())
+        os.write(fd, f"{user} (pid {os.getpid()} on {os.uname().nodename})".encode())
     _held.append((threading.get_ident(), fd, out, made, first, run))
     return None
 
@@ -172,6 +172,8 @@ def release_run_folders() -> None:
 
 
 def _let_go(held: tuple[int, int, Path, bool, Path | None, bool]) -> None:
+    if held not in _held:  # a forked child's copy, which _forget_in_child closed
+        return
     _held.remove(held)
     _, fd, out, made, first, _ = held
     if made:
@@ -184,14 +186,16 @@ def _let_go(held: tuple[int, int, Path, bool, Path | None, bool]) -> None:
 def holding(folder: Path, user: str) -> Iterator[None]:
     """`folder` locked as a run's is (its .vitlab-lock) while `user`, a command writing runs
     into it, does (`vitlab reproduce`: another with the same --out would remove the files of a
-    run being trained): a ConfigError says who else holds it. Held already in this process: as
-    it is."""
-    if any(h[2] == folder for h in _held):
+    run being trained): a ConfigError says who else holds it. Held already by this thread (an
+    experiment of `vitlab reproduce all`): as it is."""
+    folder, me = folder.resolve(), threading.get_ident()
+    if any(h[0] == me and h[2] == folder and not h[5] for h in _held):
         yield
         return
     if refusal := _lock(folder, user, run=False):
         raise ConfigError(refusal)
-    held = _held[-1] if _held and _held[-1][2] == folder else None  # None: not lockable here
+    mine = [h for h in _held if h[0] == me and h[2] == folder and not h[5]]
+    held = mine[-1] if mine else None  # None: not lockable here (no flock, NFS)
     try:
         yield
     finally:
