@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
 import resource
+import shutil
 import subprocess
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -238,6 +241,27 @@ def test_steps_are_timed_on_the_clock_the_budget_counts() -> None:
     time.sleep(0.3)
     steps, age = budget.step_clock() - first[0], budget.process_age() - first[1]
     assert steps == pytest.approx(0.3, abs=0.05) and age == pytest.approx(steps, abs=0.05)
+
+
+def test_the_process_age_off_linux_counts_the_start_up_too() -> None:
+    """Where /proc is missing (macOS), the command's age came from the budget module's import,
+    missing the interpreter's and PyTorch's start-up (seconds of a 60 s budget): now from `ps`'s
+    elapsed time, which agrees with /proc's to the second here."""
+    assert budget.elapsed_seconds("  05:03\n") == 303
+    assert budget.elapsed_seconds("1:02:03") == 3723
+    assert budget.elapsed_seconds("2-01:02:03") == 2 * 86400 + 3723
+    for bad in ("", "12", "2-05:03", "a:b"):
+        with pytest.raises(ValueError):
+            budget.elapsed_seconds(bad)
+    if shutil.which("ps") is None or not os.path.exists("/proc/self/stat"):
+        pytest.skip("needs ps and /proc to compare them")
+    script = (
+        "import time; time.sleep(2.5); from vitlab.train import budget; "
+        "print(budget.process_age(), time.time() - budget._started())"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    proc, ps = map(float, out.stdout.split())
+    assert proc >= 2.5 and ps >= 2.0 and abs(proc - ps) <= 1.5, (proc, ps)
 
 
 def test_a_stall_in_a_first_epoch_longer_than_the_pace_check_costs_its_time(

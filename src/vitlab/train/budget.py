@@ -40,10 +40,12 @@ counting this command's time.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections import deque
@@ -76,8 +78,9 @@ _IMPORTED = time.time()
 
 
 def process_age() -> float:
-    """Seconds since this process started (Linux: from /proc; elsewhere since this module was
-    imported, which misses the interpreter's start-up)."""
+    """Seconds since this process started: on Linux from /proc; on other POSIX systems (macOS)
+    from `ps`, to the second; elsewhere (Windows) since this module was imported, which misses
+    the interpreter's start-up."""
     try:
         with open("/proc/self/stat") as f:
             started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, ticks
@@ -85,7 +88,29 @@ def process_age() -> float:
             uptime = float(f.read().split()[0])
         return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
-        return time.time() - _IMPORTED
+        return time.time() - _started()
+
+
+@functools.cache
+def _started() -> float:
+    """When this process started on the wall clock, asked of `ps` once (its elapsed time), or
+    when this module was imported where `ps` cannot say."""
+    command = ["ps", "-o", "etime=", "-p", str(os.getpid())]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=10, check=True)
+        return time.time() - elapsed_seconds(out.stdout)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return _IMPORTED
+
+
+def elapsed_seconds(etime: str) -> int:
+    """`ps`'s elapsed time, [[DD-]hh:]mm:ss, in seconds (a ValueError for anything else)."""
+    days, _, clock = etime.strip().rpartition("-")
+    parts = clock.split(":")
+    if not 2 <= len(parts) <= 3 or (days and len(parts) != 3):
+        raise ValueError(f"not an elapsed time of ps: {etime!r}")
+    seconds = sum(int(p) * 60**i for i, p in enumerate(reversed(parts)))
+    return seconds + 86400 * int(days or 0)
 
 
 def step_clock() -> float:
