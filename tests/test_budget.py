@@ -253,15 +253,18 @@ def test_the_process_age_off_linux_counts_the_start_up_too() -> None:
     for bad in ("", "12", "2-05:03", "a:b"):
         with pytest.raises(ValueError):
             budget.elapsed_seconds(bad)
-    if shutil.which("ps") is None or not os.path.exists("/proc/self/stat"):
-        pytest.skip("needs ps and /proc to compare them")
-    script = (
-        "import time; time.sleep(2.5); from vitlab.train import budget; "
-        "print(budget.process_age(), time.time() - budget._started())"
+    if shutil.which("ps") is None:
+        pytest.skip("needs ps")
+    script = (  # a command 2.5 s old when it asks, first with /proc, then as without it
+        "import time; time.sleep(2.5); from vitlab.train import budget; a = budget.process_age(); "
+        "budget.open = lambda *args: (_ for _ in ()).throw(OSError('no /proc')); "
+        "print(a, budget.process_age())"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    proc, ps = map(float, out.stdout.split())
-    assert proc >= 2.5 and ps >= 2.0 and abs(proc - ps) <= 1.5, (proc, ps)
+    first, without = map(float, out.stdout.split())
+    assert without >= 2.0, without  # not since the module's import (a moment ago)
+    if os.path.exists("/proc/self/stat"):  # Linux: the two agree
+        assert first >= 2.5 and abs(first - without) <= 1.0, (first, without)
 
 
 def test_a_stall_in_a_first_epoch_longer_than_the_pace_check_costs_its_time(

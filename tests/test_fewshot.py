@@ -22,6 +22,7 @@ from vitlab.eval.fewshot import (
     fit_ridge,
     kshot_indices,
 )
+from vitlab.formats.base import load_weights
 
 
 @pytest.mark.parametrize("n, d", [(12, 30), (80, 30)], ids=["N<D", "N>=D"])
@@ -181,10 +182,13 @@ def test_a_drawn_image_that_does_not_decode_falls_back_to_every_image(tmp_path: 
             Image.new("L", (8, 8), 40 * i + 100 * (c == "b")).save(root / split / c / f"{i}.png")
     (root / "train" / "a" / "0.png").write_bytes(b"not a png")  # row 0: drawn below
     ckpt = tiny_checkpoint(tmp_path / "tiny")
-    ex = Extractor(str(ckpt), device="cpu", progress=False)
+    cache = tmp_path / "cache"
+    ex = Extractor(str(ckpt), device="cpu", cache_dir=cache, progress=False)
     got = ex.features(f"imagefolder:{root}", None, "train", lambda labels, classes: [0, 4])
     assert got.rows is None and len(got) == 7  # every image that decodes
     assert "1 of the images picked did not decode" in caplog.text
+    (kept,) = cache.glob("*.safetensors")  # the whole split's, not the two rows' (one short)
+    assert kept == got.cache and len(load_weights(kept)["labels"]) == 7
     fine = Extractor(str(ckpt), device="cpu", progress=False)
     two = fine.features(f"imagefolder:{root}", None, "train", lambda labels, classes: [1, 4])
     assert two.rows.tolist() == [1, 4] and len(two) == 2 and two.y.tolist() == [0, 1]

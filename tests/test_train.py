@@ -4,6 +4,7 @@ runs under torchrun, and its checkpoints work with eval and predict."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -37,7 +38,7 @@ from vitlab.runtime import use_bf16
 from vitlab.train import run as run_mod
 from vitlab.train import state as state_mod
 from vitlab.train.engine import NonFiniteLoss
-from vitlab.train.folder import resume_config
+from vitlab.train.folder import LOCK, claim_run_folder, holding, resume_config
 from vitlab.train.run import train
 from vitlab.train.state import load_weights, resolve_checkpoint
 
@@ -393,7 +394,9 @@ def test_a_forked_child_does_not_keep_the_runs_lock(tmp_path: Path) -> None:
         os.waitpid(child, 0)
 
 
-def test_a_filesystem_without_locks_runs_with_a_warning(tmp_path: Path, monkeypatch, capsys):
+def test_a_filesystem_without_locks_runs_with_a_warning(
+    tmp_path: Path, monkeypatch, capsys, caplog
+):
     """Where flock fails for another reason than a holder (ENOLCK on some NFS mounts), the run
     is not refused: a warning says the folder is not locked."""
     import errno
@@ -405,6 +408,32 @@ def test_a_filesystem_without_locks_runs_with_a_warning(tmp_path: Path, monkeypa
     monkeypatch.setattr(fcntl, "flock", no_locks)
     assert main(["train", *FAST, "train.epochs=1", "--out", str(tmp_path / "r")]) == 0
     assert "warning: could not lock the run folder" in capsys.readouterr().err
+    assert not (tmp_path / "r" / LOCK).exists()  # a lock file nothing holds is not left
+    out = tmp_path / "reproduce"  # `vitlab reproduce all`: its experiments re-enter the hold
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitlab"), holding(out, "a"), holding(out, "b"):
+        pass
+    said = [r for r in caplog.records if "could not lock" in r.getMessage()]
+    assert len(said) == 1 and not list(out.iterdir())  # once, and no lock file left
+
+
+def test_a_lock_file_of_an_older_vitlab_names_the_process(tmp_path: Path) -> None:
+    """A lock file an older vitlab wrote holds "pid N on HOST" alone: the refusal says that."""
+    out = tmp_path / "r"
+    out.mkdir()
+    script = (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "os.write(fd, b'pid 7 on old-host'); fcntl.flock(fd, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(300)"
+    )
+    old = subprocess.Popen([sys.executable, "-c", script, str(out / LOCK)], stdout=subprocess.PIPE)
+    try:
+        assert old.stdout.readline().strip() == b"held"
+        refusal = claim_run_folder(out, overwrite=False)
+        assert "in use by another process (pid 7 on old-host)" in refusal, refusal
+    finally:
+        old.kill()
+        old.wait()
 
 
 def test_resume_drops_metrics_of_epochs_the_checkpoint_does_not_hold(tmp_path: Path) -> None:

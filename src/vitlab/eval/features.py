@@ -338,13 +338,19 @@ class Extractor:
         }
 
     def features(
-        self, data: str | None, data_dir: str | None, split: str, pick: Pick | None = None
+        self,
+        data: str | None,
+        data_dir: str | None,
+        split: str,
+        pick: Pick | None = None,
+        labelled: bool = False,
     ) -> Features:
         """The features of `split` ('train' or 'test') of dataset `data`, from the cache when
         there is one for exactly this key. `pick(labels, classes)`: the rows of the split that
         are needed (read from its labels before any image is; None: every row), extracted (and
         cached) alone, where the whole split's features are not cached already and its labels
-        are known before its images are read (not WebDataset shards)."""
+        are known before its images are read (not WebDataset shards). `labelled`: a split
+        without labels is refused before any image is read."""
         cfg = self.dataset(data, data_dir)
         name, key = cfg.name, self.key(cfg, split)
         path = cache_file(self.cache_dir, key) if self.cache_dir else None
@@ -353,23 +359,26 @@ class Extractor:
             log.info("%s %s features from %s", name, split, path)
             return found
         part = match_channels(load_run_split(cfg, split), self.preprocessing, name)
-        if pick is not None and not part.classes:
+        if labelled and not part.classes:
             raise unlabelled(name)
         rows = pick(part.labels.numpy(), part.classes) if pick and hasattr(part, "subset") else None
         if rows is not None and len(rows := np.unique(rows)) < len(part):
-            picked = torch.as_tensor(rows)
-            key = {**key, "rows": _digest(rows)}
-            got = self._extract(part.subset(picked), key, f"{name} {split} ({len(rows):,} images)")
+            picked, what = torch.as_tensor(rows), f"{name} {split} ({len(rows):,} images)"
+            rows_key = {**key, "rows": _digest(rows)}
+            got = self._extract(part.subset(picked), rows_key, what, whole=False)
             if len(got) == len(rows):
                 got.rows, got.split_labels = picked, part.labels
                 return got
             log.warning("%d of the images picked did not decode: every image's features then, "
                         "drawn from those that do", len(rows) - len(got))  # fmt: skip
-            key = self.key(cfg, split)
         return self._extract(part, key, f"{name} {split}", look=False)  # looked for above
 
-    def _extract(self, part: Any, key: dict[str, Any], what: str, look: bool = True) -> Features:
-        """The features of `part`, from the cache for `key` (if `look`) or extracted and cached."""
+    def _extract(
+        self, part: Any, key: dict[str, Any], what: str, look: bool = True, whole: bool = True
+    ) -> Features:
+        """The features of `part`, from the cache for `key` (if `look`) or extracted and cached
+        (unless `whole` is False and some image did not decode: they would stand for rows they
+        are not)."""
         path = cache_file(self.cache_dir, key) if self.cache_dir else None
         found = read_cache(path, key) if path and look else None
         if found is not None:
@@ -378,7 +387,7 @@ class Extractor:
         self.forward_batches += len(loader)
         x, y = extract(self.model(), loader, self.kind, self.dev, self.progress, f"{what} features")
         out = Features(x, y, list(part.classes), cache=path)
-        if path is not None:
+        if path is not None and (whole or len(out) == len(part)):
             write_cache(path, key, out)
             log.info("cached %s features in %s", what, path)
         return out
@@ -408,7 +417,7 @@ def train_and_test(
     Extractor.features) and what a report says about them."""
     cfg = extractor.dataset(data, data_dir)
     name, folder = cfg.name, cfg.dir
-    train = extractor.features(name, folder, "train", pick)
+    train = extractor.features(name, folder, "train", pick, labelled=True)
     if not train.classes:
         raise unlabelled(name)
     test = extractor.features(name, folder, "test")

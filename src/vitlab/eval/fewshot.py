@@ -165,10 +165,8 @@ def fewshot_checkpoint(
     check_shots(shots, seeds, np.zeros(0, dtype=np.int64), [])
     extractor = Extractor(source, features, device, batch_size, cache_dir, progress)
 
-    def drawn(labels: np.ndarray, classes: list[str]) -> np.ndarray | None:
+    def drawn(labels: np.ndarray, classes: list[str]) -> np.ndarray:
         """The training images some draw takes: only those are extracted."""
-        if not classes:
-            return None  # unlabelled: train_and_test says so
         check_shots(shots, seeds, labels, classes)
         return np.concatenate([kshot_indices(labels, max(shots), s, classes) for s in range(seeds)])
 

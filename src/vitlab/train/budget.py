@@ -98,7 +98,7 @@ def _started() -> float:
     command = ["ps", "-o", "etime=", "-p", str(os.getpid())]
     try:
         out = subprocess.run(command, capture_output=True, text=True, timeout=10, check=True)
-        return time.time() - elapsed_seconds(out.stdout)
+        return time.time() - elapsed_seconds(out.stdout) - 0.5  # ps rounds down to the second
     except (OSError, ValueError, subprocess.SubprocessError):
         return _IMPORTED
 

@@ -109,8 +109,10 @@ def _lock(out: Path, user: str = "`vitlab train`", run: bool = True) -> str | No
         import fcntl
     except ImportError:
         return None
+    first = None  # the shallowest folder a claim made, over every try
     for _ in range(_TRIES):
-        first = next((p for p in [*reversed(out.parents), out] if not p.exists()), None)
+        now = next((p for p in [*reversed(out.parents), out] if not p.exists()), None)
+        first = min((p for p in (first, now) if p), key=lambda p: len(p.parts), default=None)
         try:
             out.mkdir(parents=True, exist_ok=True)
             try:
@@ -130,6 +132,9 @@ def _lock(out: Path, user: str = "`vitlab train`", run: bool = True) -> str | No
             )
         except OSError as e:  # a filesystem without locks (some NFS mounts): the run goes on
             os.close(fd)
+            if made:  # nothing holds it: the run's files are what stays
+                with contextlib.suppress(OSError):
+                    (out / LOCK).unlink()
             log.warning("could not lock the run folder %s (%s): another run could share it", out, e)
             return None
         if _same_file(fd, out / LOCK):
@@ -195,12 +200,13 @@ def holding(folder: Path, user: str) -> Iterator[None]:
     if refusal := _lock(folder, user, run=False):
         raise ConfigError(refusal)
     mine = [h for h in _held if h[0] == me and h[2] == folder and not h[5]]
-    held = mine[-1] if mine else None  # None: not lockable here (no flock, NFS)
+    if not mine:  # not lockable here (no flock, NFS; said once): held all the same, by no file
+        mine = [(me, -1, folder, False, None, False)]
+        _held.append(mine[0])
     try:
         yield
     finally:
-        if held is not None:
-            _let_go(held)
+        _let_go(mine[-1])
 
 
 def remove_run_files(out: Path) -> str | None:
