@@ -255,6 +255,14 @@ def test_the_cache_key_sees_linked_folders_and_local_shards(
     before = ex.key(nested_cfg, "train")
     (ext / "Y" / "a.png").write_bytes(b"rewritten")
     assert ex.key(nested_cfg, "train")["files"] != before["files"]
+    # data.test's folder is read whole, every sub-folder a class, train/ or not
+    as_test = dataclasses.replace(cfg, test=f"imagefolder:{nested}")
+    (nested / "train" / "cls").mkdir(parents=True)
+    (nested / "train" / "cls" / "t.png").write_bytes(b"t")
+    before = ex.key(as_test, "test")
+    (ext / "X" / "a.png").write_bytes(b"rewritten")  # read through class A
+    assert ex.key(as_test, "test")["test_files"] != before["test_files"]
+    assert ex.key(images, "train")["files"] == ex.key(images, "train")["files"]  # stable
 
     shards = tmp_path / "shards"
     shards.mkdir()

@@ -164,12 +164,17 @@ def folder_root(name: str) -> Path:
     return Path(name.split(":", 1)[1]).expanduser()
 
 
-def folder_files(root: Path) -> list[str]:
+def folder_files(root: Path, whole: bool = False) -> list[str]:
     """The files an image folder's splits are scanned from, listed as scan_image_folder lists
     them (every class folder's files, links to folders followed alike; the files beside the
-    class folders too), no warning said: what a digest of the dataset's contents covers."""
+    class folders too), no warning said: what a digest of the dataset's contents covers.
+    `whole`: root read as one split (data.test's folder: its every sub-folder a class)."""
     within, files = os.path.realpath(root), []
-    for folder in (f for f in scanned_folders(root) if f.is_dir()):
+    test = next((root / n for n in ("test", "val") if (root / n).is_dir()), None)
+    split = not whole and (root / "train").is_dir()  # load_folder_split's train/ and test or val
+    for folder in [root / "train", test] if split else [root]:
+        if folder is None or not folder.is_dir():
+            continue
         inner = sorted(p for p in folder.iterdir() if p.is_dir())
         files += [str(p) for p in folder.iterdir() if not p.is_dir()] if inner else []
         for cls in inner or [folder]:

@@ -173,14 +173,15 @@ def source_identity(source: str, weights: Path | None) -> dict[str, Any]:
     return {"name": source}
 
 
-def _identity(name: str) -> tuple[str, str | None]:
+def _identity(name: str, test: bool = False) -> tuple[str, str | None]:
     """(a dataset name as a cache key takes it, a digest of its files or None): an image folder,
     a Hugging Face dataset on disk (save_to_disk's folder, parquet) and local WebDataset shards,
     by their absolute path and a digest of their files; anything else (a hub name, a URL,
-    digits) by its name alone."""
+    digits) by its name alone. `test`: the source is data.test's (an image folder is then read
+    whole, every sub-folder a class)."""
     if name.startswith("imagefolder:"):
         root = folder_root(name).resolve()
-        return f"imagefolder:{root}", files_digest(root, folder_files(root))
+        return f"imagefolder:{root}", files_digest(root, folder_files(root, whole=test))
     local = absolute_source(name)  # a local path made absolute, a hub name or URL as it is
     if name.startswith("wds:") and not remote(local[4:]):
         return local, files_digest(*shard_files(local[4:]))
@@ -321,7 +322,7 @@ class Extractor:
         sizes and times, so added or replaced images count)."""
         folder, seed = cfg.dir, cfg.split_seed
         name, files = _identity(cfg.name)
-        test, test_files = _identity(cfg.test) if cfg.test else (None, None)
+        test, test_files = _identity(cfg.test, test=True) if cfg.test else (None, None)
         return {
             "version": CACHE_VERSION,
             "weights": source_identity(self.source, self.weights),
