@@ -187,6 +187,8 @@ def test_a_drawn_image_that_does_not_decode_falls_back_to_every_image(tmp_path: 
     got = ex.features(f"imagefolder:{root}", None, "train", lambda labels, classes: [0, 4])
     assert got.rows is None and len(got) == 7  # every image that decodes
     assert "1 of the images picked did not decode" in caplog.text
+    named = [r for r in caplog.records if "does not decode" in r.getMessage()]
+    assert len(named) == 1, [r.getMessage() for r in named]  # not again by the second loader
     (kept,) = cache.glob("*.safetensors")  # the whole split's, not the two rows' (one short)
     assert kept == got.cache and len(load_weights(kept)["labels"]) == 7
     fine = Extractor(str(ckpt), device="cpu", progress=False)

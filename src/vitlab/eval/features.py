@@ -275,6 +275,7 @@ class Extractor:
     dev: torch.device = field(init=False)
     forward_batches: int = field(init=False, default=0)  # batches run through the model
     _model: nn.Module | None = field(init=False, default=None, repr=False)
+    _skipped: set[str] = field(init=False, default_factory=set, repr=False)  # named once, by any
 
     def __post_init__(self) -> None:
         if self.kind not in FEATURE_KINDS:
@@ -385,6 +386,8 @@ class Extractor:
         if found is not None:
             return found
         loader = make_loader(part, self.batch_size, self.preprocessing)
+        if hasattr(loader, "skipped"):  # an undecodable image, named by the picked rows' loader
+            loader.skipped = self._skipped  # and met again by the whole split's: named once
         self.forward_batches += len(loader)
         x, y = extract(self.model(), loader, self.kind, self.dev, self.progress, f"{what} features")
         out = Features(x, y, list(part.classes), cache=path)
