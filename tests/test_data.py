@@ -252,6 +252,28 @@ def test_image_folder_follows_links_to_folders_once_and_not_into_loops(tmp_path,
     assert sum("1 links to nothing" in m and "/gone" in m for m in said) == 1
 
 
+@pytest.mark.parametrize("first", ["inner", "outer"])
+def test_links_to_nested_targets_list_every_file_once_in_either_order(tmp_path, first) -> None:
+    """Two links of a class, one to a folder inside the other's target: the files came in or
+    not by which link's name sorted first (a target above a followed one was skipped whole).
+    Now each file is listed once either way, under the first link that reaches it."""
+    shared = tmp_path / "shared"
+    (shared / "big").mkdir(parents=True)
+    for name in ("a.png", "b.png", "big/c.png", "big/d.png"):
+        (shared / name).write_bytes(b"png")
+    cat = tmp_path / "imgs" / "cat"
+    cat.mkdir(parents=True)
+    inner, outer = ("a", "b") if first == "inner" else ("b", "a")
+    os.symlink(shared / "big", cat / inner)
+    os.symlink(shared, cat / outer)
+    split = scan_image_folder(tmp_path / "imgs")
+    real = sorted(os.path.realpath(f) for f in split.files)
+    assert real == sorted(str((shared / n).resolve()) for n in ("a.png", "b.png", "big/c.png",
+                                                                  "big/d.png"))  # fmt: skip
+    if first == "inner":  # big's files through the inner link, the rest through the outer
+        assert sum(f"/cat/{inner}/" in f for f in split.files) == 2
+
+
 def test_a_single_folder_read_for_both_splits_says_each_warning_once(tmp_path: Path, caplog):
     """A folder without train/ is scanned for the training and the test split (a seeded 20%):
     its non-image files and image-less classes are said once each, not once a split (and not

@@ -70,17 +70,25 @@ def _list_files(folder: Path, within: str, quiet: bool = False) -> list[str]:
     torchvision's ImageFolder does), its files listed under the link's path, but not one whose
     target lies inside `within` (the dataset's folder, a real path: those files are listed where
     they are, and a link would give them twice, or under another class, or a test image to the
-    training split), above folder (a loop), or inside or above a target followed already; a
-    warning names those and links that lead nowhere (none with `quiet`)."""
-    found, stack, skipped, broken = [], [folder], [], []
+    training split), holds the link itself (a loop: the link to its own parent, or to the root)
+    or lies inside a target followed already; a warning names those and links that lead nowhere
+    (none with `quiet`). A target above one followed already is followed, and the folder
+    followed before is not entered again through it: each file is listed once, whichever link
+    comes first."""
+    found, skipped, broken = [], [], []
     inside = os.path.join(within, "")  # "/" for the root, "/data/" for /data
-    followed = [os.path.join(os.path.realpath(folder), "")]
+    start = os.path.join(os.path.realpath(folder), "")
+    followed = {start}  # real paths (ending in a separator) whose files are listed
+    stack = [(str(folder), start)]  # (where it is listed, its real path)
     while stack:
+        where, real = stack.pop()
         folders, links = [], []
-        with os.scandir(stack.pop()) as entries:
+        with os.scandir(where) as entries:
             for e in entries:
                 if e.is_dir(follow_symlinks=False):
-                    folders.append(e.path)
+                    sub = os.path.join(real + e.name, "")
+                    if sub not in followed and sub != inside:  # else listed through its link
+                        folders.append((e.path, sub))
                 elif e.is_symlink() and e.is_dir():  # a link to a folder (stat-ed: links only)
                     links.append(e.path)
                 elif e.is_file():
@@ -89,16 +97,17 @@ def _list_files(folder: Path, within: str, quiet: bool = False) -> list[str]:
                     broken.append(e.path)
         for link in sorted(links):  # in name order within a folder (folders too): which link a
             target = os.path.join(os.path.realpath(link), "")  # target comes through is fixed
-            near = [f for f in followed if f.startswith(target) or target.startswith(f)]
-            if target.startswith(inside) or near:
+            loop = real.startswith(target) or any(target.startswith(f) for f in followed)
+            if target.startswith(inside) or loop:
                 skipped.append(link)
             else:
-                followed.append(target)
-                folders.append(link)
-        stack += map(Path, sorted(folders, reverse=True))
+                followed.add(target)
+                folders.append((link, target))
+        stack += sorted(folders, reverse=True)
     if skipped and not quiet:
         _say(f"did not follow {len(skipped)} links to folders in the dataset's folder {within}, "
-             f"above {folder} or in one followed already: {_few(sorted(skipped))}")  # fmt: skip
+             f"to a folder holding the link or in one followed already: "
+             f"{_few(sorted(skipped))}")  # fmt: skip
     if broken and not quiet:
         _say(f"skipped {len(broken)} links to nothing in {folder}: {_few(sorted(broken))}")
     return sorted(found, key=lambda p: p.split(os.sep))
