@@ -227,8 +227,8 @@ def test_image_folder_follows_links_to_folders_once_and_not_into_loops(tmp_path,
     """A class folder's link to a folder elsewhere is followed (as torchvision's ImageFolder
     does), its images listed under the link's path; links into the dataset's own folder (the
     class folder itself, a sibling class, the dataset above it), to the filesystem's root, to a
-    target followed already or above one, are not, and neither are links to nothing: a warning
-    names each kind."""
+    folder holding the link, or to a target followed already, are not, and neither are links to
+    nothing: a warning names each kind."""
     make_folder(tmp_path / "imgs")
     elsewhere = tmp_path / "more_cats"
     make_folder(elsewhere)  # as imgs: 5 cat image files (broken.png one of them)
@@ -272,6 +272,34 @@ def test_links_to_nested_targets_list_every_file_once_in_either_order(tmp_path, 
                                                                   "big/d.png"))  # fmt: skip
     if first == "inner":  # big's files through the inner link, the rest through the outer
         assert sum(f"/cat/{inner}/" in f for f in split.files) == 2
+
+
+def test_a_link_to_a_folder_holding_the_dataset_is_not_followed(tmp_path, caplog, monkeypatch):
+    """A followed folder's link up to a folder that holds the dataset would list everything
+    beside the dataset, data.test's images too, under this class: skipped, and said. A folder
+    that cannot be read is named, and the rest listed."""
+    w = tmp_path / "w"
+    make_folder(w / "train_ds")
+    (w / "test_ds" / "cat").mkdir(parents=True)
+    (w / "test_ds" / "cat" / "t.png").write_bytes(b"png")
+    (tmp_path / "S" / "locked").mkdir(parents=True)
+    (tmp_path / "S" / "s.png").write_bytes(b"png")
+    os.symlink(tmp_path / "S", w / "train_ds" / "cat" / "x")
+    os.symlink(w, tmp_path / "S" / "up")
+    scandir = os.scandir
+
+    def refused(path):  # as a folder of another user's, mode 0700, is to a non-root user
+        if str(path).endswith("locked"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refused)
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        split = scan_image_folder(w / "train_ds")
+    assert not any("test_ds" in f for f in split.files)
+    assert sum(f.endswith("/cat/x/s.png") for f in split.files) == 1
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "cat/x/up" in said and "could not read 1 folders" in said and "locked" in said
 
 
 def test_a_single_folder_read_for_both_splits_says_each_warning_once(tmp_path: Path, caplog):

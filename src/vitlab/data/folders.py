@@ -70,12 +70,12 @@ def _list_files(folder: Path, within: str, quiet: bool = False) -> list[str]:
     torchvision's ImageFolder does), its files listed under the link's path, but not one whose
     target lies inside `within` (the dataset's folder, a real path: those files are listed where
     they are, and a link would give them twice, or under another class, or a test image to the
-    training split), holds the link itself (a loop: the link to its own parent, or to the root)
-    or lies inside a target followed already; a warning names those and links that lead nowhere
-    (none with `quiet`). A target above one followed already is followed, and the folder
-    followed before is not entered again through it: each file is listed once, whichever link
-    comes first."""
-    found, skipped, broken = [], [], []
+    training split), holds the link itself or the dataset's folder (a loop, `/`, or everything
+    beside the dataset: its test split too) or lies inside a target followed already; a warning
+    names those, links that lead nowhere and folders that cannot be read (none with `quiet`). A
+    target above one followed already is followed, and the folder followed before is not
+    entered again through it: each file is listed once, whichever link comes first."""
+    found, skipped, broken, unreadable = [], [], [], []
     inside = os.path.join(within, "")  # "/" for the root, "/data/" for /data
     start = os.path.join(os.path.realpath(folder), "")
     followed = {start}  # real paths (ending in a separator) whose files are listed
@@ -83,21 +83,24 @@ def _list_files(folder: Path, within: str, quiet: bool = False) -> list[str]:
     while stack:
         where, real = stack.pop()
         folders, links = [], []
-        with os.scandir(where) as entries:
-            for e in entries:
-                if e.is_dir(follow_symlinks=False):
-                    sub = os.path.join(real + e.name, "")
-                    if sub not in followed and sub != inside:  # else listed through its link
-                        folders.append((e.path, sub))
-                elif e.is_symlink() and e.is_dir():  # a link to a folder (stat-ed: links only)
-                    links.append(e.path)
-                elif e.is_file():
-                    found.append(e.path)
-                elif e.is_symlink():
-                    broken.append(e.path)
+        try:
+            with os.scandir(where) as entries:
+                for e in entries:
+                    if e.is_dir(follow_symlinks=False):
+                        sub = os.path.join(real + e.name, "")
+                        if sub not in followed and sub != inside:  # else listed through its link
+                            folders.append((e.path, sub))
+                    elif e.is_symlink() and e.is_dir():  # a link to a folder (stat-ed: links only)
+                        links.append(e.path)
+                    elif e.is_file():
+                        found.append(e.path)
+                    elif e.is_symlink():
+                        broken.append(e.path)
+        except OSError:  # no permission, gone meanwhile: named, the rest still listed
+            unreadable.append(where)
         for link in sorted(links):  # in name order within a folder (folders too): which link a
             target = os.path.join(os.path.realpath(link), "")  # target comes through is fixed
-            loop = real.startswith(target) or any(target.startswith(f) for f in followed)
+            loop = real.startswith(target) or inside.startswith(target) or _under(target, followed)
             if target.startswith(inside) or loop:
                 skipped.append(link)
             else:
@@ -106,11 +109,24 @@ def _list_files(folder: Path, within: str, quiet: bool = False) -> list[str]:
         stack += sorted(folders, reverse=True)
     if skipped and not quiet:
         _say(f"did not follow {len(skipped)} links to folders in the dataset's folder {within}, "
-             f"to a folder holding the link or in one followed already: "
+             f"to a folder holding the link or the dataset's, or in one followed already: "
              f"{_few(sorted(skipped))}")  # fmt: skip
     if broken and not quiet:
         _say(f"skipped {len(broken)} links to nothing in {folder}: {_few(sorted(broken))}")
+    if unreadable and not quiet:
+        _say(f"could not read {len(unreadable)} folders in {folder}: {_few(sorted(unreadable))}")
     return sorted(found, key=lambda p: p.split(os.sep))
+
+
+def _under(path: str, tops: set[str]) -> bool:
+    """Whether the real folder path `path` (ending in a separator) is one of `tops` (alike) or
+    inside one: its ancestors looked up, not every top compared (20,000 links: 0.7 s, not 16)."""
+    while path not in tops:
+        up = os.path.join(os.path.dirname(path[:-1]), "")
+        if up == path:
+            return False
+        path = up
+    return True
 
 
 def scan_image_folder(
