@@ -195,16 +195,21 @@ def folder_files(root: Path, whole: bool = False) -> list[str]:
     class folders too), no warning said: what a digest of the dataset's contents covers.
     `whole`: root read as one split (data.test's folder: its every sub-folder a class)."""
     within, files = os.path.realpath(root), []
-    test = next((root / n for n in ("test", "val") if (root / n).is_dir()), None)
     split = not whole and (root / "train").is_dir()  # load_folder_split's train/ and test or val
-    for folder in [root / "train", test] if split else [root]:
+    for folder in [root / "train", _test_folder(root)] if split else [root]:
         if folder is None or not folder.is_dir():
             continue
-        inner = sorted(p for p in folder.iterdir() if p.is_dir())
-        files += [str(p) for p in folder.iterdir() if not p.is_dir()] if inner else []
+        entries = list(folder.iterdir())
+        inner = sorted(p for p in entries if p.is_dir())
+        files += [str(p) for p in entries if not p.is_dir()] if inner else []
         for cls in inner or [folder]:
             files += _list_files(cls, within, quiet=True)
     return files
+
+
+def _test_folder(root: Path) -> Path | None:
+    """Where a folder with train/ has its test split: test/, else val/ (None: neither)."""
+    return next((root / n for n in ("test", "val") if (root / n).is_dir()), None)
 
 
 def scanned_folders(root: Path) -> list[Path]:
@@ -219,10 +224,9 @@ def load_folder_split(root: Path, split: str, seed: int, whole: bool = False) ->
         classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
         if split != "test":
             return scan_image_folder(train_dir, classes, root)
-        for name in ("test", "val"):
-            if (root / name).is_dir():
-                return scan_image_folder(root / name, classes, root)
-        raise DatasetError(f"{root} has train/ but neither test/ nor val/ for the test split")
+        if (test := _test_folder(root)) is None:
+            raise DatasetError(f"{root} has train/ but neither test/ nor val/ for the test split")
+        return scan_image_folder(test, classes, root)
     full = scan_image_folder(root)
     if whole and split == "train":
         return full
