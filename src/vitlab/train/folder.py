@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -27,9 +28,20 @@ log = logging.getLogger(__name__)
 RESUMABLE_KEYS = ("train.epochs", "train.stop_at_epoch")
 LOCK = ".vitlab-lock"  # in a run folder: locked (flock) by the process whose run it is
 _TRIES = 5  # attempts at a lock whose file a failed start removes as it is taken
-# the locks this process holds: the thread that took it, its descriptor, the folder, whether the
-# claim made the lock file, the first folder it made (or None), and whether a run's (else held)
-_held: list[tuple[int, int, Path, bool, Path | None, bool]] = []
+
+
+class _Hold(NamedTuple):
+    """A lock this process holds."""
+
+    thread: int  # the thread that took it
+    fd: int  # its descriptor (-1: a folder that could not be locked, held all the same)
+    folder: Path
+    made: bool  # whether the claim made the lock file
+    first: Path | None  # the first folder the claim made
+    run: bool  # a run's (claim_run_folder), else a command's (holding)
+
+
+_held: list[_Hold] = []
 
 
 def resume_config(run: Path, overrides: list[str]) -> RunConfig:
@@ -68,7 +80,7 @@ def _forget_in_child() -> None:
     parent's descriptor keeps it meanwhile)."""
     for held in _held:
         with contextlib.suppress(OSError):
-            os.close(held[1])
+            os.close(held.fd)
     _held.clear()
 
 
@@ -145,7 +157,7 @@ def _lock(out: Path, user: str = "`vitlab train`", run: bool = True) -> str | No
     with contextlib.suppress(OSError):  # who holds it, for the refusal: not needed to run
         os.ftruncate(fd, 0)
         os.write(fd, f"{user} (pid {os.getpid()} on {os.uname().nodename})".encode())
-    _held.append((threading.get_ident(), fd, out, made, first, run))
+    _held.append(_Hold(threading.get_ident(), fd, out, made, first, run))
     return None
 
 
@@ -172,19 +184,18 @@ def release_run_folders() -> None:
     """Let go of the run folders' locks this thread took (its run ended: train() calls it). Where
     nothing but a lock file this claim made is in the folder (a start that failed), it goes, and
     so do the folders the claim made (a start that failed leaves nothing)."""
-    for held in [h for h in _held if h[0] == threading.get_ident() and h[5]]:
+    for held in [h for h in _held if h.thread == threading.get_ident() and h.run]:
         _let_go(held)
 
 
-def _let_go(held: tuple[int, int, Path, bool, Path | None, bool]) -> None:
+def _let_go(held: _Hold) -> None:
     if held not in _held:  # a forked child's copy, which _forget_in_child closed
         return
     _held.remove(held)
-    _, fd, out, made, first, _ = held
-    if made:
-        _remove_if_empty(out, first)
+    if held.made:
+        _remove_if_empty(held.folder, held.first)
     with contextlib.suppress(OSError):
-        os.close(fd)
+        os.close(held.fd)
 
 
 @contextlib.contextmanager
@@ -193,20 +204,26 @@ def holding(folder: Path, user: str) -> Iterator[None]:
     into it, does (`vitlab reproduce`: another with the same --out would remove the files of a
     run being trained): a ConfigError says who else holds it. Held already by this thread (an
     experiment of `vitlab reproduce all`): as it is."""
-    folder, me = folder.resolve(), threading.get_ident()
-    if any(h[0] == me and h[2] == folder and not h[5] for h in _held):
+    folder = folder.resolve()
+    if _own_hold(folder) is not None:
         yield
         return
     if refusal := _lock(folder, user, run=False):
         raise ConfigError(refusal)
-    mine = [h for h in _held if h[0] == me and h[2] == folder and not h[5]]
-    if not mine:  # not lockable here (no flock, NFS; said once): held all the same, by no file
-        mine = [(me, -1, folder, False, None, False)]
-        _held.append(mine[0])
+    hold = _own_hold(folder)
+    if hold is None:  # not lockable here (no flock, NFS; said once): held all the same, by no file
+        hold = _Hold(threading.get_ident(), -1, folder, False, None, False)
+        _held.append(hold)
     try:
         yield
     finally:
-        _let_go(mine[-1])
+        _let_go(hold)
+
+
+def _own_hold(folder: Path) -> _Hold | None:
+    """This thread's hold (not a run's lock) of `folder`, or None."""
+    me = threading.get_ident()
+    return next((h for h in _held if h.thread == me and h.folder == folder and not h.run), None)
 
 
 def remove_run_files(out: Path) -> str | None:
