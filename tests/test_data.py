@@ -29,7 +29,7 @@ from vitlab.data import (
     train_val_split,
 )
 from vitlab.data.datasets import DatasetError, read_digits, read_idx
-from vitlab.data.folders import read_image, scan_image_folder
+from vitlab.data.folders import folder_files, load_folder_split, read_image, scan_image_folder
 from vitlab.data.loader import PADDING, BatchPlan
 from vitlab.data.transforms import random_erase, random_hflip, random_shift
 
@@ -272,6 +272,58 @@ def test_links_to_nested_targets_list_every_file_once_in_either_order(tmp_path, 
                                                                   "big/d.png"))  # fmt: skip
     if first == "inner":  # big's files through the inner link, the rest through the outer
         assert sum(f"/cat/{inner}/" in f for f in split.files) == 2
+
+
+def test_class_folders_linked_into_a_split_are_not_listed(tmp_path, caplog) -> None:
+    """A class folder that is itself a link into a split folder (train/eel -> ../test/dog) listed
+    those test images in training under its class; one linked to a sibling class, its images
+    twice; two class folders, one in each split, linked to the same folder, the same images in
+    both splits. None of these is listed now, and each is said; the digest's file list
+    (folder_files) leaves them out alike. A class folder linked to a folder outside the splits is
+    listed (the dataset's unscanned images/ among them), and so is a link inside a class to such
+    a folder."""
+    root = tmp_path / "ds"
+    for name in ("train/cat/a.png", "train/dog/b.png", "test/cat/t.png", "test/dog/u.png",
+                 "images/fox/f.png", "images/owl/o.png", "images/more/m.png"):  # fmt: skip
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"png")
+    os.symlink(root / "test" / "dog", root / "train" / "eel")  # a test image to training
+    os.symlink(root / "test", root / "train" / "emu")  # the whole test split
+    os.symlink(root / "train" / "cat", root / "train" / "gnu")  # a training image twice
+    os.symlink(root / "images" / "fox", root / "train" / "fox")  # and from test: in both
+    os.symlink(root / "train" / "fox", root / "test" / "fox")  # (a link to that link)
+    os.symlink(root / "images" / "owl", root / "train" / "owl")  # not scanned: listed
+    os.symlink(root / "images" / "more", root / "train" / "cat" / "more")  # alike
+    os.symlink(root, root / "train" / "all")  # holds both splits
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        train = load_folder_split(root, "train", 0)
+        test = load_folder_split(root, "test", 0)
+
+    def real(files: list[str]) -> list[str]:
+        return sorted(os.path.relpath(os.path.realpath(f), root.resolve()) for f in files)
+
+    assert real(train.files) == ["images/more/m.png", "images/owl/o.png", "train/cat/a.png",
+                                 "train/dog/b.png"]  # fmt: skip
+    assert real(test.files) == ["test/cat/t.png", "test/dog/u.png"]
+    assert train.classes == ["all", "cat", "dog", "eel", "emu", "fox", "gnu", "owl"]
+    said = " ".join(r.getMessage() for r in caplog.records)
+    for name in ("train/eel", "train/emu", "train/gnu", "train/all", "train/fox", "test/fox"):
+        assert f"did not list class folder {root / name}:" in said
+    assert sorted(folder_files(root)) == sorted(train.files + test.files)
+
+
+def test_a_link_to_the_dataset_holding_the_class_is_a_loop(tmp_path, caplog) -> None:
+    """Without train/ both splits are drawn from the folder itself: a class folder linked to a
+    sibling, or to the dataset's folder, or to /, is not listed (before, `cls -> /` listed the
+    whole filesystem)."""
+    make_folder(tmp_path / "imgs")
+    os.symlink(tmp_path / "imgs" / "dog", tmp_path / "imgs" / "fox")
+    os.symlink(Path(os.sep), tmp_path / "imgs" / "gnu")
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        split = scan_image_folder(tmp_path / "imgs")
+    assert len(split) == 13 and not any("/fox/" in f or "/gnu/" in f for f in split.files)
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("did not list class folder" in m for m in said) == 2
 
 
 def test_a_link_to_a_folder_holding_the_dataset_is_not_followed(tmp_path, caplog, monkeypatch):

@@ -5,8 +5,10 @@ PATH for the test split."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,21 +65,70 @@ def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
         raise DatasetError(f"cannot read image {path}: {type(e).__name__}: {e}") from None
 
 
-def _list_files(folder: Path, within: str, quiet: bool = False) -> list[str]:
+class _Listed:
+    """Where a dataset's images are listed, as real paths each ending in a separator: its split
+    folders (train/ and test/, or the one folder both are drawn from) and the targets of their
+    class folders that are links (listed under the link) but do not meet a split folder. A link
+    into one of these, or to a folder holding one, would list images twice, under another class,
+    or in the other split."""
+
+    def __init__(self, splits: list[Path]) -> None:
+        self.splits = [os.path.join(os.path.realpath(f), "") for f in splits]
+        self.count, self.above = Counter(), set()
+        self._add(self.splits)
+        targets = []
+        for split in splits:  # scandir's entries know links without a stat (files: millions)
+            with contextlib.suppress(OSError), os.scandir(split) as entries:
+                links = [e.path for e in entries if e.is_symlink() and e.is_dir()]
+                targets += [os.path.join(os.path.realpath(p), "") for p in links]
+        self.linked = {t for t in targets if not self.meets(t)}  # the others: not listed
+        self._add([t for t in targets if t in self.linked])
+
+    def _add(self, paths: list[str]) -> None:
+        self.count.update(paths)
+        self.above.update(up for path in paths for up in _ancestors(path)[1:])
+
+    def meets(self, path: str, own: bool = False) -> bool:
+        """Whether the real folder path `path` lies in one of these folders or holds one (`own`:
+        path is a class folder's target, which does not meet itself)."""
+        return (
+            path in self.above
+            or self.count[path] > (own and path in self.linked)
+            or any(self.count[up] for up in _ancestors(path)[1:])
+        )
+
+
+def _ancestors(path: str) -> list[str]:
+    """A real folder path (ending in a separator) and the folders above it, up to the root."""
+    found = [path]
+    while (up := os.path.join(os.path.dirname(found[-1][:-1]), "")) != found[-1]:
+        found.append(up)
+    return found
+
+
+def _list_files(folder: Path, listed: _Listed, quiet: bool = False) -> list[str]:
     """Every file under folder, sorted as Paths sort (by their parts), listed without opening or
     stat-ing any (os.scandir's entries know their type): a tree of millions of files is indexed
     in the time it takes to list its directories. A symbolic link to a folder is followed (as
     torchvision's ImageFolder does), its files listed under the link's path, but not one whose
-    target lies inside `within` (the dataset's folder, a real path: those files are listed where
-    they are, and a link would give them twice, or under another class, or a test image to the
-    training split), holds the link itself or the dataset's folder (a loop, `/`, or everything
-    beside the dataset: its test split too) or lies inside a target followed already; a warning
-    names those, links that lead nowhere and folders that cannot be read (none with `quiet`). A
-    target above one followed already is followed, and the folder followed before is not
-    entered again through it: each file is listed once, whichever link comes first."""
+    target lies in a folder whose images are listed (`listed`: a split folder, or a class
+    folder's target: its files are listed there, and through the link they would be listed
+    twice, under another class, or a test image in the training split), holds one (`/`, or
+    everything beside the dataset) or the link itself (a loop) or lies inside a target followed
+    already. Other folders are followed, the dataset's own unscanned ones among them. `folder`
+    itself, where it is a link (a class folder linked to another), is not listed when its
+    target meets another listed folder so. A warning names each link not followed, links that
+    lead nowhere and folders that cannot be read (none with `quiet`). A target above one
+    followed already is followed, and the folder followed before is not entered again through
+    it: each file is listed once, whichever link comes first."""
     found, skipped, broken, unreadable = [], [], [], []
-    inside = os.path.join(within, "")  # "/" for the root, "/data/" for /data
     start = os.path.join(os.path.realpath(folder), "")
+    if os.path.islink(folder) and listed.meets(start, own=True):
+        if not quiet:
+            _say(f"did not list class folder {folder}: a link to {start[:-1]}, which lies in or "
+                 f"holds a split folder or another class folder's target (its images would be "
+                 f"listed twice, under another class, or in the other split)")  # fmt: skip
+        return []
     followed = {start}  # real paths (ending in a separator) whose files are listed
     stack = [(str(folder), start)]  # (where it is listed, its real path)
     while stack:
@@ -88,7 +139,7 @@ def _list_files(folder: Path, within: str, quiet: bool = False) -> list[str]:
                 for e in entries:
                     if e.is_dir(follow_symlinks=False):
                         sub = os.path.join(real + e.name, "")
-                        if sub not in followed and sub != inside:  # else listed through its link
+                        if sub not in followed:  # else listed through its link
                             folders.append((e.path, sub))
                     elif e.is_symlink() and e.is_dir():  # a link to a folder (stat-ed: links only)
                         links.append(e.path)
@@ -100,16 +151,16 @@ def _list_files(folder: Path, within: str, quiet: bool = False) -> list[str]:
             unreadable.append(where)
         for link in sorted(links):  # in name order within a folder (folders too): which link a
             target = os.path.join(os.path.realpath(link), "")  # target comes through is fixed
-            loop = real.startswith(target) or inside.startswith(target) or _under(target, followed)
-            if target.startswith(inside) or loop:
+            if real.startswith(target) or listed.meets(target) or _under(target, followed):
                 skipped.append(link)
             else:
                 followed.add(target)
                 folders.append((link, target))
         stack += sorted(folders, reverse=True)
     if skipped and not quiet:
-        _say(f"did not follow {len(skipped)} links to folders in the dataset's folder {within}, "
-             f"to a folder holding the link or the dataset's, or in one followed already: "
+        _say(f"did not follow {len(skipped)} links to folders in or holding the dataset's split "
+             f"folders ({', '.join(s[:-1] for s in listed.splits)}) or a class folder's target, "
+             f"to a folder holding the link, or in one followed already: "
              f"{_few(sorted(skipped))}")  # fmt: skip
     if broken and not quiet:
         _say(f"skipped {len(broken)} links to nothing in {folder}: {_few(sorted(broken))}")
@@ -121,26 +172,21 @@ def _list_files(folder: Path, within: str, quiet: bool = False) -> list[str]:
 def _under(path: str, tops: set[str]) -> bool:
     """Whether the real folder path `path` (ending in a separator) is one of `tops` (alike) or
     inside one: its ancestors looked up, not every top compared (20,000 links: 0.7 s, not 16)."""
-    while path not in tops:
-        up = os.path.join(os.path.dirname(path[:-1]), "")
-        if up == path:
-            return False
-        path = up
-    return True
+    return any(up in tops for up in _ancestors(path))
 
 
 def scan_image_folder(
-    root: Path, classes: list[str] | None = None, dataset: Path | None = None
+    root: Path, classes: list[str] | None = None, splits: list[Path] | None = None
 ) -> FolderSplit:
     """Files of root/CLASS/* with an image suffix, listed only: a file is checked when decoded,
     and one that does not decode is then skipped and named once (loader.py). Other files are
     skipped, and classes without images kept, with a warning each. A folder without sub-folders
     is unlabelled: its images, no classes (for training without labels, train.objective=mpp).
-    Links to folders are followed unless they lead into `dataset` (the whole dataset's folder,
-    root by default) or loop (_list_files)."""
+    Links to folders are followed unless they lead into `splits` (the split folders of the dataset
+    scanned, train/ and test/; root alone by default) or loop (_list_files)."""
     if not root.is_dir():
         raise DatasetError(f"image folder {root} does not exist")
-    within = os.path.realpath(dataset or root)
+    listed = _Listed(splits or [root])
     found = sorted(p.name for p in root.iterdir() if p.is_dir())
     classes = classes or found
     unlabelled = not classes
@@ -151,7 +197,7 @@ def scan_image_folder(
             empty.append(cls)
             continue
         had = len(files)
-        for path in _list_files(folder, within):
+        for path in _list_files(folder, listed):
             if os.path.splitext(path)[1].lower() in IMAGE_SUFFIXES:
                 files.append(path)
                 labels.append(label)
@@ -194,22 +240,30 @@ def folder_files(root: Path, whole: bool = False) -> list[str]:
     them (every class folder's files, links to folders followed alike; the files beside the
     class folders too), no warning said: what a digest of the dataset's contents covers.
     `whole`: root read as one split (data.test's folder: its every sub-folder a class)."""
-    within, files = os.path.realpath(root), []
-    split = not whole and (root / "train").is_dir()  # load_folder_split's train/ and test or val
-    for folder in [root / "train", _test_folder(root)] if split else [root]:
-        if folder is None or not folder.is_dir():
+    folders, files = [root] if whole else _split_folders(root), []
+    listed = _Listed(folders)
+    for folder in folders:
+        if not folder.is_dir():
             continue
         entries = list(folder.iterdir())
         inner = sorted(p for p in entries if p.is_dir())
         files += [str(p) for p in entries if not p.is_dir()] if inner else []
         for cls in inner or [folder]:
-            files += _list_files(cls, within, quiet=True)
+            files += _list_files(cls, listed, quiet=True)
     return files
 
 
 def _test_folder(root: Path) -> Path | None:
     """Where a folder with train/ has its test split: test/, else val/ (None: neither)."""
     return next((root / n for n in ("test", "val") if (root / n).is_dir()), None)
+
+
+def _split_folders(root: Path) -> list[Path]:
+    """The folders load_folder_split scans: train/ and its test folder (test/, else val/) when
+    there is a train/, else root (both splits drawn from it)."""
+    if not (root / "train").is_dir():
+        return [root]
+    return [root / "train"] + [t for t in [_test_folder(root)] if t is not None]
 
 
 def scanned_folders(root: Path) -> list[Path]:
@@ -222,11 +276,12 @@ def load_folder_split(root: Path, split: str, seed: int, whole: bool = False) ->
     train_dir = root / "train"
     if train_dir.is_dir():
         classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
+        splits = _split_folders(root)
         if split != "test":
-            return scan_image_folder(train_dir, classes, root)
-        if (test := _test_folder(root)) is None:
+            return scan_image_folder(train_dir, classes, splits)
+        if len(splits) == 1:
             raise DatasetError(f"{root} has train/ but neither test/ nor val/ for the test split")
-        return scan_image_folder(test, classes, root)
+        return scan_image_folder(splits[1], classes, splits)
     full = scan_image_folder(root)
     if whole and split == "train":
         return full
