@@ -312,6 +312,39 @@ def test_class_folders_linked_into_a_split_are_not_listed(tmp_path, caplog) -> N
     assert sorted(folder_files(root)) == sorted(train.files + test.files)
 
 
+def test_split_folders_that_are_links_are_listed(tmp_path, caplog) -> None:
+    """A split folder that is itself a link is listed, unlabelled ones too (`imagefolder:LINK`,
+    `train -> ../store/tr`); a test folder that is the training folder is said; a link in test/
+    to a folder that is no training class (never scanned) does not drop a training class linked
+    to the same folder; and the digest's file list is what the splits list."""
+    for name in ("store/tr/a.png", "store/tr/b.png", "ds/test/t.png", "ext/x.png"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"png")
+    os.symlink(tmp_path / "store" / "tr", tmp_path / "flat")
+    assert len(scan_image_folder(tmp_path / "flat")) == 2
+    os.symlink(tmp_path / "store" / "tr", tmp_path / "ds" / "train")
+    assert len(load_folder_split(tmp_path / "ds", "train", 0)) == 2
+    assert len(load_folder_split(tmp_path / "ds", "test", 0)) == 1
+    assert sorted(map(os.path.basename, folder_files(tmp_path / "ds"))) == ["a.png", "b.png",
+                                                                             "t.png"]  # fmt: skip
+    root = tmp_path / "cls"
+    for name in ("train/cat/a.png", "test/cat/t.png", "test/extra/e.png"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"png")
+    os.symlink(tmp_path / "ext", root / "train" / "dog")
+    os.symlink(tmp_path / "ext", root / "test" / "other")  # not a class: never listed
+    train, test = (load_folder_split(root, s, 0) for s in ("train", "test"))
+    assert sum(f.endswith("/train/dog/x.png") for f in train.files) == 1 and len(test) == 1
+    assert sorted(folder_files(root)) == sorted(train.files + test.files)
+    (tmp_path / "same").mkdir()
+    os.symlink(root / "train", tmp_path / "same" / "train")
+    os.symlink(root / "train", tmp_path / "same" / "test")  # the training folder as test/
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        assert len(load_folder_split(tmp_path / "same", "test", 0)) == 2
+    assert any("the test split's images are training images" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+
+
 def test_a_link_to_the_dataset_holding_the_class_is_a_loop(tmp_path, caplog) -> None:
     """Without train/ both splits are drawn from the folder itself: a class folder linked to a
     sibling, or to the dataset's folder, or to /, is not listed (before, `cls -> /` listed the

@@ -68,18 +68,20 @@ def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
 class _Listed:
     """Where a dataset's images are listed, as real paths each ending in a separator: its split
     folders (train/ and test/, or the one folder both are drawn from) and the targets of their
-    class folders that are links (listed under the link) but do not meet a split folder. A link
-    into one of these, or to a folder holding one, would list images twice, under another class,
-    or in the other split."""
+    class folders (`classes`; None: every sub-folder) that are links (listed under the link) but
+    do not meet a split folder. A link into one of these, or to a folder holding one, would list
+    images twice, under another class, or in the other split."""
 
-    def __init__(self, splits: list[Path]) -> None:
-        self.splits = [os.path.join(os.path.realpath(f), "") for f in splits]
+    def __init__(self, splits: list[Path], classes: list[str] | None = None) -> None:
+        real = {os.path.join(os.path.realpath(f), ""): f for f in splits}  # test -> train: once
+        self.splits = list(real)
         self.count, self.above = Counter(), set()
         self._add(self.splits)
-        targets = []
-        for split in splits:  # scandir's entries know links without a stat (files: millions)
+        targets, named = [], set(classes or [])
+        for split in real.values():  # scandir's entries know links without a stat (files: millions)
             with contextlib.suppress(OSError), os.scandir(split) as entries:
-                links = [e.path for e in entries if e.is_symlink() and e.is_dir()]
+                links = [e.path for e in entries if e.is_symlink() and e.is_dir()
+                         and (classes is None or e.name in named)]  # fmt: skip
                 targets += [os.path.join(os.path.realpath(p), "") for p in links]
         self.linked = {t for t in targets if not self.meets(t)}  # the others: not listed
         self._add([t for t in targets if t in self.linked])
@@ -101,12 +103,14 @@ class _Listed:
 def _ancestors(path: str) -> list[str]:
     """A real folder path (ending in a separator) and the folders above it, up to the root."""
     found = [path]
-    while (up := os.path.join(os.path.dirname(found[-1][:-1]), "")) != found[-1]:
+    while len(up := os.path.join(os.path.dirname(found[-1][:-1]), "")) < len(found[-1]) and up:
         found.append(up)
     return found
 
 
-def _list_files(folder: Path, listed: _Listed, quiet: bool = False) -> list[str]:
+def _list_files(
+    folder: Path, listed: _Listed, quiet: bool = False, split: bool = False
+) -> list[str]:
     """Every file under folder, sorted as Paths sort (by their parts), listed without opening or
     stat-ing any (os.scandir's entries know their type): a tree of millions of files is indexed
     in the time it takes to list its directories. A symbolic link to a folder is followed (as
@@ -115,19 +119,21 @@ def _list_files(folder: Path, listed: _Listed, quiet: bool = False) -> list[str]
     folder's target: its files are listed there, and through the link they would be listed
     twice, under another class, or a test image in the training split), holds one (`/`, or
     everything beside the dataset) or the link itself (a loop) or lies inside a target followed
-    already. Other folders are followed, the dataset's own unscanned ones among them. `folder`
-    itself, where it is a link (a class folder linked to another), is not listed when its
-    target meets another listed folder so. A warning names each link not followed, links that
-    lead nowhere and folders that cannot be read (none with `quiet`). A target above one
-    followed already is followed, and the folder followed before is not entered again through
-    it: each file is listed once, whichever link comes first."""
+    already (in this folder: links in two class folders to one target list it under each). Other
+    folders are followed, the dataset's own unscanned ones among them. A class folder that is a
+    link is not listed when its target lies in, is or holds another listed folder (`split`:
+    `folder` is the split folder itself, unlabelled, and is listed wherever it lies). A warning
+    names each link not followed, links that lead nowhere and folders that cannot be read (none
+    with `quiet`). A target above one followed already is followed, and the folder followed
+    before is not entered again through it: each file is listed once, whichever link comes
+    first."""
     found, skipped, broken, unreadable = [], [], [], []
     start = os.path.join(os.path.realpath(folder), "")
-    if os.path.islink(folder) and listed.meets(start, own=True):
+    if not split and os.path.islink(folder) and listed.meets(start, own=True):
         if not quiet:
-            _say(f"did not list class folder {folder}: a link to {start[:-1]}, which lies in or "
-                 f"holds a split folder or another class folder's target (its images would be "
-                 f"listed twice, under another class, or in the other split)")  # fmt: skip
+            _say(f"did not list class folder {folder}: a link to {start[:-1]}, which lies in, is "
+                 f"or holds a split folder or another class folder's target (its images would "
+                 f"be listed twice, under another class, or in the other split)")  # fmt: skip
         return []
     followed = {start}  # real paths (ending in a separator) whose files are listed
     stack = [(str(folder), start)]  # (where it is listed, its real path)
@@ -182,12 +188,13 @@ def scan_image_folder(
     and one that does not decode is then skipped and named once (loader.py). Other files are
     skipped, and classes without images kept, with a warning each. A folder without sub-folders
     is unlabelled: its images, no classes (for training without labels, train.objective=mpp).
-    Links to folders are followed unless they lead into `splits` (the split folders of the dataset
-    scanned, train/ and test/; root alone by default) or loop (_list_files)."""
+    Links to folders are followed unless they lead into `splits` (the split folders of the
+    dataset scanned, train/ and test/; root alone by default) or another class folder's target,
+    or loop; a class folder that is such a link is not listed (_list_files)."""
     if not root.is_dir():
         raise DatasetError(f"image folder {root} does not exist")
-    listed = _Listed(splits or [root])
     found = sorted(p.name for p in root.iterdir() if p.is_dir())
+    listed = _Listed(splits or [root], classes or found)
     classes = classes or found
     unlabelled = not classes
     files, labels, skipped, empty = [], [], [], []
@@ -197,7 +204,7 @@ def scan_image_folder(
             empty.append(cls)
             continue
         had = len(files)
-        for path in _list_files(folder, listed):
+        for path in _list_files(folder, listed, split=unlabelled):
             if os.path.splitext(path)[1].lower() in IMAGE_SUFFIXES:
                 files.append(path)
                 labels.append(label)
@@ -237,19 +244,23 @@ def folder_root(name: str) -> Path:
 
 def folder_files(root: Path, whole: bool = False) -> list[str]:
     """The files an image folder's splits are scanned from, listed as scan_image_folder lists
-    them (every class folder's files, links to folders followed alike; the files beside the
-    class folders too), no warning said: what a digest of the dataset's contents covers.
-    `whole`: root read as one split (data.test's folder: its every sub-folder a class)."""
-    folders, files = [root] if whole else _split_folders(root), []
-    listed = _Listed(folders)
+    them (every class folder's files, train/'s classes in test/ too, links to folders followed
+    alike; the files beside the class folders too), no warning said: what a digest of the
+    dataset's contents covers. `whole`: root read as one split (data.test's folder: its every
+    sub-folder a class)."""
+    folders = [root] if whole else _split_folders(root)
+    if not root.is_dir():
+        return []
+    classes = sorted(p.name for p in folders[0].iterdir() if p.is_dir())
+    listed, files = _Listed(folders, classes), []
     for folder in folders:
-        if not folder.is_dir():
+        if not classes:  # unlabelled: the folder's every file
+            files += _list_files(folder, listed, quiet=True, split=True)
             continue
-        entries = list(folder.iterdir())
-        inner = sorted(p for p in entries if p.is_dir())
-        files += [str(p) for p in entries if not p.is_dir()] if inner else []
-        for cls in inner or [folder]:
-            files += _list_files(cls, listed, quiet=True)
+        files += [str(p) for p in folder.iterdir() if not p.is_dir()]  # beside the classes
+        for cls in classes:
+            if (folder / cls).is_dir():
+                files += _list_files(folder / cls, listed, quiet=True)
     return files
 
 
@@ -281,6 +292,10 @@ def load_folder_split(root: Path, split: str, seed: int, whole: bool = False) ->
             return scan_image_folder(train_dir, classes, splits)
         if len(splits) == 1:
             raise DatasetError(f"{root} has train/ but neither test/ nor val/ for the test split")
+        one, two = (os.path.join(os.path.realpath(f), "") for f in splits)
+        if one.startswith(two) or two.startswith(one):
+            _say(f"{splits[1]} and {train_dir} are one folder, or one holds the other (a link?): "
+                 f"the test split's images are training images")  # fmt: skip
         return scan_image_folder(splits[1], classes, splits)
     full = scan_image_folder(root)
     if whole and split == "train":
