@@ -345,6 +345,39 @@ def test_split_folders_that_are_links_are_listed(tmp_path, caplog) -> None:
                for r in caplog.records)  # fmt: skip
 
 
+def test_a_link_to_itself_is_skipped_not_an_unreadable_folder(tmp_path, caplog) -> None:
+    """A link to itself (`zz -> zz`: DirEntry.is_dir raises ELOOP) is a link to nothing: beside
+    the class folders it no longer switches off the check of two class folders linked to one
+    folder (train/fox and test/fox were both listed), and inside a class folder it no longer
+    ends that folder's listing as "could not read". Where train/ has no class folders, test/'s
+    own are its classes, in the digest's list as in the scan."""
+    root = tmp_path / "ds"
+    for name in ("train/cat/a.png", "train/cat/b.png", "test/cat/t.png", "ext/fox/f.png"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"png")
+    for split in ("train", "test"):
+        os.symlink(root / "ext" / "fox", root / split / "fox")
+    os.symlink("zz", root / "test" / "zz")
+    os.symlink("aa", root / "train" / "cat" / "aa")  # sorts before the images
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        train, test = (load_folder_split(root, s, 0) for s in ("train", "test"))
+    assert sorted(map(os.path.basename, train.files)) == ["a.png", "b.png"] and len(test) == 1
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "links to nothing (or to themselves)" in said and "could not read" not in said
+    beside = str(root / "test" / "zz")  # the digest covers files beside the class folders too
+    assert sorted(set(folder_files(root)) - {beside}) == sorted(train.files + test.files)
+    flat = tmp_path / "flat"  # train/ unlabelled, test/ with classes of its own
+    for name in ("train/u.png", "test/cat/t.png", "ext/x.png"):
+        (flat / name).parent.mkdir(parents=True, exist_ok=True)
+        (flat / name).write_bytes(b"png")
+    os.symlink(flat / "ext", flat / "test" / "c1")
+    os.symlink(flat / "ext", flat / "test" / "c2")  # both dropped: one folder, two classes
+    test = load_folder_split(flat, "test", 0)
+    assert sorted(folder_files(flat)) == sorted(load_folder_split(flat, "train", 0).files
+                                                 + test.files)  # fmt: skip
+    assert [os.path.basename(f) for f in test.files] == ["t.png"]
+
+
 def test_a_link_to_the_dataset_holding_the_class_is_a_loop(tmp_path, caplog) -> None:
     """Without train/ both splits are drawn from the folder itself: a class folder linked to a
     sibling, or to the dataset's folder, or to /, is not listed (before, `cls -> /` listed the

@@ -5,7 +5,6 @@ PATH for the test split."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections import Counter
@@ -79,10 +78,13 @@ class _Listed:
         self._add(self.splits)
         targets, named = [], set(classes or [])
         for split in real.values():  # scandir's entries know links without a stat (files: millions)
-            with contextlib.suppress(OSError), os.scandir(split) as entries:
-                links = [e.path for e in entries if e.is_symlink() and e.is_dir()
-                         and (classes is None or e.name in named)]  # fmt: skip
-                targets += [os.path.join(os.path.realpath(p), "") for p in links]
+            try:
+                with os.scandir(split) as entries:
+                    links = [e.path for e in entries if e.is_symlink() and _leads_to(e) == "dir"
+                             and (classes is None or e.name in named)]  # fmt: skip
+            except OSError:  # unreadable: the scan names it
+                continue
+            targets += [os.path.join(os.path.realpath(p), "") for p in links]
         self.linked = {t for t in targets if not self.meets(t)}  # the others: not listed
         self._add([t for t in targets if t in self.linked])
 
@@ -98,6 +100,15 @@ class _Listed:
             or self.count[path] > (own and path in self.linked)
             or any(self.count[up] for up in _ancestors(path)[1:])
         )
+
+
+def _leads_to(entry: os.DirEntry) -> str:
+    """What a link leads to: 'dir', 'file' or '' (nothing: a broken link, or a loop, for which
+    DirEntry.is_dir raises ELOOP)."""
+    try:
+        return "dir" if entry.is_dir() else "file" if entry.is_file() else ""
+    except OSError:
+        return ""
 
 
 def _ancestors(path: str) -> list[str]:
@@ -128,10 +139,10 @@ def _list_files(
     before is not entered again through it: each file is listed once, whichever link comes
     first."""
     found, skipped, broken, unreadable = [], [], [], []
-    start = os.path.join(os.path.realpath(folder), "")
+    start = os.path.join(target := os.path.realpath(folder), "")
     if not split and os.path.islink(folder) and listed.meets(start, own=True):
         if not quiet:
-            _say(f"did not list class folder {folder}: a link to {start[:-1]}, which lies in, is "
+            _say(f"did not list class folder {folder}: a link to {target}, which lies in, is "
                  f"or holds a split folder or another class folder's target (its images would "
                  f"be listed twice, under another class, or in the other split)")  # fmt: skip
         return []
@@ -147,12 +158,11 @@ def _list_files(
                         sub = os.path.join(real + e.name, "")
                         if sub not in followed:  # else listed through its link
                             folders.append((e.path, sub))
-                    elif e.is_symlink() and e.is_dir():  # a link to a folder (stat-ed: links only)
-                        links.append(e.path)
+                    elif e.is_symlink():  # stat-ed: links only
+                        kind = _leads_to(e)
+                        (links if kind == "dir" else found if kind else broken).append(e.path)
                     elif e.is_file():
                         found.append(e.path)
-                    elif e.is_symlink():
-                        broken.append(e.path)
         except OSError:  # no permission, gone meanwhile: named, the rest still listed
             unreadable.append(where)
         for link in sorted(links):  # in name order within a folder (folders too): which link a
@@ -169,7 +179,8 @@ def _list_files(
              f"to a folder holding the link, or in one followed already: "
              f"{_few(sorted(skipped))}")  # fmt: skip
     if broken and not quiet:
-        _say(f"skipped {len(broken)} links to nothing in {folder}: {_few(sorted(broken))}")
+        _say(f"skipped {len(broken)} links to nothing (or to themselves) in {folder}: "
+             f"{_few(sorted(broken))}")  # fmt: skip
     if unreadable and not quiet:
         _say(f"could not read {len(unreadable)} folders in {folder}: {_few(sorted(unreadable))}")
     return sorted(found, key=lambda p: p.split(os.sep))
@@ -190,10 +201,11 @@ def scan_image_folder(
     is unlabelled: its images, no classes (for training without labels, train.objective=mpp).
     Links to folders are followed unless they lead into `splits` (the split folders of the
     dataset scanned, train/ and test/; root alone by default) or another class folder's target,
-    or loop; a class folder that is such a link is not listed (_list_files)."""
+    or hold one of those (`/`, PATH), or loop; a class folder that is such a link is not listed
+    (_list_files)."""
     if not root.is_dir():
         raise DatasetError(f"image folder {root} does not exist")
-    found = sorted(p.name for p in root.iterdir() if p.is_dir())
+    found = _sub_folders(root)
     listed = _Listed(splits or [root], classes or found)
     classes = classes or found
     unlabelled = not classes
@@ -244,24 +256,30 @@ def folder_root(name: str) -> Path:
 
 def folder_files(root: Path, whole: bool = False) -> list[str]:
     """The files an image folder's splits are scanned from, listed as scan_image_folder lists
-    them (every class folder's files, train/'s classes in test/ too, links to folders followed
+    them (every class folder's files, train/'s classes in test/ where it has any, links followed
     alike; the files beside the class folders too), no warning said: what a digest of the
     dataset's contents covers. `whole`: root read as one split (data.test's folder: its every
     sub-folder a class)."""
     folders = [root] if whole else _split_folders(root)
     if not root.is_dir():
         return []
-    classes = sorted(p.name for p in folders[0].iterdir() if p.is_dir())
-    listed, files = _Listed(folders, classes), []
-    for folder in folders:
-        if not classes:  # unlabelled: the folder's every file
+    classes, files = _sub_folders(folders[0]), []
+    for folder in folders:  # as load_folder_split: train/'s classes, else the folder's own
+        names = classes or _sub_folders(folder)
+        listed = _Listed(folders, names)
+        if not names:  # unlabelled: the folder's every file
             files += _list_files(folder, listed, quiet=True, split=True)
             continue
         files += [str(p) for p in folder.iterdir() if not p.is_dir()]  # beside the classes
-        for cls in classes:
+        for cls in names:
             if (folder / cls).is_dir():
                 files += _list_files(folder / cls, listed, quiet=True)
     return files
+
+
+def _sub_folders(folder: Path) -> list[str]:
+    """The names of a folder's sub-folders (links to folders too), sorted: its classes."""
+    return sorted(p.name for p in folder.iterdir() if p.is_dir())
 
 
 def _test_folder(root: Path) -> Path | None:
@@ -286,7 +304,7 @@ def scanned_folders(root: Path) -> list[Path]:
 def load_folder_split(root: Path, split: str, seed: int, whole: bool = False) -> FolderSplit:
     train_dir = root / "train"
     if train_dir.is_dir():
-        classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
+        classes = _sub_folders(train_dir)
         splits = _split_folders(root)
         if split != "test":
             return scan_image_folder(train_dir, classes, splits)
