@@ -77,8 +77,8 @@ class _Listed:
         self.count, self.above = Counter(), set()
         self._add(self.splits)
         targets, named = [], set(classes or [])
-        for split in real.values():  # scandir's entries know links without a stat (files: millions)
-            try:
+        for split in real.values() if classes != [] else []:  # [] (unlabelled): no class folders
+            try:  # scandir's entries know links without a stat (a split's files: millions)
                 with os.scandir(split) as entries:
                     links = [e.path for e in entries if e.is_symlink() and _leads_to(e) == "dir"
                              and (classes is None or e.name in named)]  # fmt: skip
