@@ -378,6 +378,47 @@ def test_a_link_to_itself_is_skipped_not_an_unreadable_folder(tmp_path, caplog) 
     assert [os.path.basename(f) for f in test.files] == ["t.png"]
 
 
+def test_links_to_listed_files_are_not_listed_again(tmp_path, caplog) -> None:
+    """A link to a file in the other split (train/cat/t2.png -> ../../test/cat/t.png) gave a
+    test image to training; one to a file of another class or a class folder's link target, an
+    image twice under two labels. None is listed now, and they are named; links to files outside
+    the listed folders (a pool of images, relative or absolute, a link to a link) are listed
+    under their own names, and the digest's list is what the splits list."""
+    root = tmp_path / "ds"
+    for name in ("train/cat/a.png", "train/dog/b.png", "test/cat/t.png", "pool/p.png",
+                 "pool/q.png", "ext/owl/o.png"):  # fmt: skip
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"png")
+    os.symlink(root / "ext" / "owl", root / "train" / "owl")  # a class folder's target
+    os.symlink("../../test/cat/t.png", root / "train" / "cat" / "t2.png")  # the test split
+    os.symlink(root / "train" / "dog" / "b.png", root / "train" / "cat" / "b2.png")  # a class
+    os.symlink("../../ext/owl/o.png", root / "train" / "dog" / "o2.png")  # a linked target
+    os.symlink("../../pool/p.png", root / "train" / "dog" / "p.png")  # outside: listed
+    os.symlink(root / "pool" / "q.png", root / "pool" / "q2.png")
+    os.symlink(root / "pool" / "q2.png", root / "test" / "cat" / "q.png")  # a link to a link
+    os.symlink(root / "train" / "cat" / "t2.png", root / "pool" / "back.png")  # ends in test/
+    os.symlink(root / "pool" / "back.png", root / "train" / "dog" / "back.png")
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        train, test = (load_folder_split(root, s, 0) for s in ("train", "test"))
+
+    def names(split) -> list[str]:
+        return sorted(os.path.relpath(f, root) for f in split.files)
+
+    assert names(train) == ["train/cat/a.png", "train/dog/b.png", "train/dog/p.png",
+                            "train/owl/o.png"]  # fmt: skip
+    assert names(test) == ["test/cat/q.png", "test/cat/t.png"]
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "did not list 2 links to files" in said and str(root / "train/cat/t2.png") in said
+    assert "did not list 2 links to files" in said and str(root / "train/dog/o2.png") in said
+    assert sorted(folder_files(root)) == sorted(train.files + test.files)
+    flat = tmp_path / "flat"  # no train/: the folder is both splits, and a link in it to one
+    make_folder(flat)  # of its files would list that file twice
+    first = scan_image_folder(flat).files[0]
+    os.symlink(first, flat / "dog" / "again.png")
+    assert first in scan_image_folder(flat).files
+    assert str(flat / "dog" / "again.png") not in scan_image_folder(flat).files
+
+
 def test_a_link_to_the_dataset_holding_the_class_is_a_loop(tmp_path, caplog) -> None:
     """Without train/ both splits are drawn from the folder itself: a class folder linked to a
     sibling, or to the dataset's folder, or to /, is not listed (before, `cls -> /` listed the
