@@ -281,6 +281,13 @@ def test_the_cache_key_sees_linked_folders_and_local_shards(
     before = ex.key(indexed, "train")
     (shards / "train-0.tar").write_bytes(b"rewritten")
     assert ex.key(indexed, "train")["files"] != before["files"]
+    (shards / "part").mkdir()  # a hand-written index naming shards in a sub-folder: keyed by
+    (shards / "part" / "a.tar").write_bytes(b"x")  # them too (the top level alone before)
+    (shards / "index.json").write_text(json.dumps(
+        {"splits": {"train": {"shards": [{"name": "part/a.tar", "count": 1}]}}}))  # fmt: skip
+    before = ex.key(indexed, "train")
+    (shards / "part" / "a.tar").write_bytes(b"rewritten")
+    assert ex.key(indexed, "train")["files"] != before["files"]
     url = dataclasses.replace(cfg, name="wds:https://example.com/train-{0..1}.tar")
     assert ex.key(url, "train")["files"] is None  # a URL: by its name
 

@@ -150,11 +150,21 @@ def is_pattern(spec: str) -> bool:
 
 def shard_files(spec: str) -> tuple[Path, list[str]]:
     """(a folder, the local files wds:SPEC is read from): a pattern's shards and the index
-    beside them (where _pattern_split looks for it), or every file in an index's folder."""
+    beside them (where _pattern_split looks for it), or every file in an index's folder and
+    every local shard the index names (a hand-written index's in sub-folders or elsewhere)."""
     path = Path(spec).expanduser()
     if not is_pattern(spec):
         folder = path if path.is_dir() else path.parent
-        return folder, [str(p) for p in sorted(folder.iterdir())] if folder.is_dir() else []
+        if not folder.is_dir():
+            return folder, []
+        files = [str(p) for p in sorted(folder.iterdir())]
+        try:  # a vitlab index (else loading it fails, and the folder's files are the key)
+            splits = _read_index(path / INDEX if path.is_dir() else path)["splits"].values()
+            named = [s["name"] for split in splits for s in split.get("shards", [])
+                     if isinstance(s["name"], str) and not remote(s["name"])]  # fmt: skip
+        except (DatasetError, AttributeError, KeyError, TypeError):
+            named = []
+        return folder, sorted({*files, *(_join(folder, n) for n in named)})
     from braceexpand import braceexpand
 
     shards = list(braceexpand(spec))
