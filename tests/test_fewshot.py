@@ -194,3 +194,44 @@ def test_a_drawn_image_that_does_not_decode_falls_back_to_every_image(tmp_path: 
     fine = Extractor(str(ckpt), device="cpu", progress=False)
     two = fine.features(f"imagefolder:{root}", None, "train", lambda labels, classes: [1, 4])
     assert two.rows.tolist() == [1, 4] and len(two) == 2 and two.y.tolist() == [0, 1]
+
+
+def test_a_subset_file_serves_fewer_rows_and_gives_way_to_one_holding_it(tmp_path: Path):
+    """Subset caches accumulated, one file per set of drawn rows (another `--shots` or
+    `--seeds`: up to 230 MB each for ImageNet's 75,000 default draws). Now a file holding every
+    row asked for serves them (the model does not run), writing one that holds an older file's
+    rows removes the older, and writing the whole split's removes them all; the features served
+    are the images' own (against an extraction without a cache)."""
+    from PIL import Image
+
+    from vitlab.eval.features import Extractor
+
+    root = tmp_path / "images"
+    for split, c in ((s, c) for s in ("train", "test") for c in ("a", "b")):
+        (root / split / c).mkdir(parents=True)
+        for i in range(4):
+            Image.new("L", (8, 8), 30 * i + 100 * (c == "b")).save(root / split / c / f"{i}.png")
+    name, ckpt, cache = f"imagefolder:{root}", tiny_checkpoint(tmp_path / "tiny"), tmp_path / "c"
+    every = Extractor(str(ckpt), device="cpu", progress=False).features(name, None, "train").x
+
+    def rows(picked: list[int]) -> tuple[Extractor, object]:
+        ex = Extractor(str(ckpt), device="cpu", cache_dir=cache, progress=False)
+        got = ex.features(name, None, "train", lambda labels, classes: np.array(picked))
+        torch.testing.assert_close(got.at(np.array(picked)), every[picked])
+        return ex, got
+
+    def files() -> list[Path]:
+        return sorted(cache.glob("*.safetensors"))
+
+    ex, three = rows([1, 2, 5])
+    assert ex.forward_batches == 1 and len(files()) == 1
+    ex, two = rows([5, 1])  # fewer rows: from the file of three
+    assert ex.forward_batches == 0 and two.cached and two.rows.tolist() == [1, 2, 5]
+    ex, five = rows([1, 2, 3, 5, 6])  # more: extracted, and the file of three removed
+    assert ex.forward_batches == 1 and files() == [five.cache] != [three.cache]
+    ex, other = rows([0, 7])  # neither holds the other: both kept
+    assert ex.forward_batches == 1 and files() == sorted([five.cache, other.cache])
+    whole = Extractor(str(ckpt), device="cpu", cache_dir=cache, progress=False)
+    assert len(whole.features(name, None, "train")) == 8 and len(files()) == 1
+    ex, _ = rows([0, 3])  # from the whole split's file, found before any subset's
+    assert ex.forward_batches == 0 and len(files()) == 1

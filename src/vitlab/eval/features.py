@@ -17,11 +17,7 @@ again."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import re
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -36,16 +32,18 @@ from torch import Tensor, nn
 from vitlab.config import DataConfig
 from vitlab.data import DatasetError, make_loader
 from vitlab.data.datasets import load_run_split
-from vitlab.data.download import absolute_source
-from vitlab.data.folders import folder_files, folder_root
-from vitlab.data.shards import remote, shard_files
-from vitlab.eval.run import data_config, match_channels, run_config_of, run_folder
-from vitlab.formats.base import (
-    CheckpointError,
-    load_weights,
-    safetensors_metadata,
-    write_safetensors,
+from vitlab.eval.feature_cache import (
+    CACHE_VERSION,
+    Features,
+    cache_file,
+    identity,
+    read_cache,
+    read_covering,
+    rows_digest,
+    source_identity,
+    write_cache,
 )
+from vitlab.eval.run import data_config, match_channels, run_config_of, run_folder
 from vitlab.formats.vitlab import read_metadata, vitlab_weights
 from vitlab.models.registry import family_of
 from vitlab.preprocessing import Preprocessing
@@ -56,33 +54,6 @@ log = logging.getLogger(__name__)
 Pick = Callable[[np.ndarray, list[str]], "np.ndarray | None"]  # (labels, classes) -> rows
 
 FEATURE_KINDS = ("prelogits", "gap")
-CACHE_FORMAT = "vitlab-features"
-CACHE_VERSION = 2  # 2: gap features of a model with fc_norm are normalised
-
-
-@dataclass
-class Features:
-    """One dataset split's frozen features: of every image, or of the split's `rows` only."""
-
-    x: Tensor  # (N, D) float32
-    y: Tensor  # (N,) int64 class indices
-    classes: list[str]
-    cache: Path | None = None  # the file they were read from or written to
-    cached: bool = False  # read from the cache: the model did not run
-    rows: Tensor | None = None  # (N,) sorted: the split's rows these are (None: every row)
-    split_labels: Tensor | None = None  # with rows: the whole split's labels
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    @property
-    def labels(self) -> Tensor:
-        """The whole split's labels (of these rows' split where only some were extracted)."""
-        return self.y if self.rows is None else self.split_labels
-
-    def at(self, index: np.ndarray) -> Tensor:
-        """The features of the split's images `index` (they must be among the rows)."""
-        return self.x[index if self.rows is None else np.searchsorted(self.rows.numpy(), index)]
 
 
 # --- extraction ----------------------------------------------------------------------------------
@@ -150,106 +121,6 @@ def extract(
     if not xs:
         raise DatasetError("the split has no images to extract features from")
     return torch.cat(xs), torch.cat(ys)
-
-
-# --- the cache -----------------------------------------------------------------------------------
-
-
-def _stat(path: Path) -> dict[str, Any]:
-    st = path.stat()
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def source_identity(source: str, weights: Path | None) -> dict[str, Any]:
-    """What identifies the weights: a vitlab weights file's (or any file's) path, size and mtime;
-    a folder's files' (config.json and preprocessing too); a hub name as written."""
-    if weights is not None:
-        return _stat(weights)
-    path = Path(source).expanduser()
-    if path.is_file():
-        return _stat(path)
-    if path.is_dir():
-        return {"folder": [_stat(p) for p in sorted(path.iterdir()) if p.is_file()]}
-    return {"name": source}
-
-
-def _identity(name: str, test: bool = False) -> tuple[str, str | None]:
-    """(a dataset name as a cache key takes it, a digest of its files or None): an image folder,
-    a Hugging Face dataset on disk (save_to_disk's folder, parquet) and local WebDataset shards,
-    by their absolute path and a digest of their files; anything else (a hub name, a URL,
-    digits) by its name alone. `test`: the source is data.test's (an image folder is then read
-    whole, every sub-folder a class)."""
-    if name.startswith("imagefolder:"):
-        root = folder_root(name).resolve()
-        return f"imagefolder:{root}", files_digest(root, folder_files(root, whole=test))
-    local = absolute_source(name)  # a local path made absolute, a hub name or URL as it is
-    if name.startswith("wds:") and not remote(local[4:]):
-        return local, files_digest(*shard_files(local[4:]))
-    path = Path(local.removeprefix("hf:").partition("#")[0])
-    if name.startswith("hf:") and path.is_absolute() and path.exists():
-        return local, folder_digest(path)
-    return name, None
-
-
-def folder_digest(root: Path) -> str:
-    """A hash over every file under `root` (or of the file `root`): relative path, size,
-    modification time."""
-    if root.is_file():
-        return files_digest(root.parent, [str(root)])
-    return files_digest(root, [os.path.join(d, n) for d, _, names in os.walk(root) for n in names])
-
-
-def files_digest(root: Path, files: Iterable[str]) -> str:
-    """A hash over `files` in name order: each one's path relative to `root`, size and
-    modification time (a link's target's), or that it is missing."""
-    h = hashlib.sha256()
-    for path in sorted(files, key=lambda p: p.split(os.sep)):
-        try:
-            st = os.stat(path)
-            seen = f"{st.st_size}\0{st.st_mtime_ns}"
-        except OSError:
-            seen = "missing"
-        h.update(f"{os.path.relpath(path, root)}\0{seen}\n".encode())
-    return h.hexdigest()
-
-
-def _digest(rows: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(rows, dtype=np.int64).tobytes()).hexdigest()
-
-
-def cache_file(folder: Path, key: dict[str, Any]) -> Path:
-    """FOLDER/DATA_SPLIT_KIND_HASH.safetensors, the hash over the whole key."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    data = re.sub(r"[^A-Za-z0-9.-]+", "-", key["data"]).strip("-")[:40]
-    return folder / f"{data}_{key['split']}_{key['features']}_{digest}.safetensors"
-
-
-def read_cache(path: Path, key: dict[str, Any]) -> Features | None:
-    """The features cached at `path` for `key`, or None (no file, another key, a damaged file)."""
-    if not path.is_file():
-        return None
-    try:
-        meta = safetensors_metadata(path)
-        if meta.get("format") != CACHE_FORMAT or json.loads(meta.get("key", "null")) != key:
-            log.debug("%s holds features for another key: extracting again", path)
-            return None
-        tensors = load_weights(path)
-        x, y, classes = tensors["features"], tensors["labels"], json.loads(meta["classes"])
-    except (CheckpointError, KeyError, ValueError) as e:
-        log.warning("feature cache %s is unreadable (%s): extracting again", path, e)
-        return None
-    return Features(x, y, classes, cache=path, cached=True)
-
-
-def write_cache(path: Path, key: dict[str, Any], features: Features) -> None:
-    """Write `features` with `key` in the metadata, atomically."""
-    metadata = {
-        "format": CACHE_FORMAT,
-        "key": json.dumps(key, sort_keys=True),
-        "classes": json.dumps(features.classes),
-    }
-    tensors = {"features": features.x.contiguous(), "labels": features.y.contiguous()}
-    write_safetensors(path, tensors, metadata)
 
 
 # --- a checkpoint's features ---------------------------------------------------------------------
@@ -322,8 +193,8 @@ class Extractor:
         on disk, data.name's or data.test's: its absolute path and a digest of its files' names,
         sizes and times, so added or replaced images count)."""
         folder, seed = cfg.dir, cfg.split_seed
-        name, files = _identity(cfg.name)
-        test, test_files = _identity(cfg.test, test=True) if cfg.test else (None, None)
+        name, files = identity(cfg.name)
+        test, test_files = identity(cfg.test, test=True) if cfg.test else (None, None)
         return {
             "version": CACHE_VERSION,
             "weights": source_identity(self.source, self.weights),
@@ -366,24 +237,29 @@ class Extractor:
         rows = pick(part.labels.numpy(), part.classes) if pick and hasattr(part, "subset") else None
         if rows is not None and len(rows := np.unique(rows)) < len(part):
             picked, what = torch.as_tensor(rows), f"{name} {split} ({len(rows):,} images)"
-            rows_key = {**key, "rows": _digest(rows)}
-            got = self._extract(part.subset(picked), rows_key, what, whole=False)
-            if len(got) == len(rows):
-                got.rows, got.split_labels = picked, part.labels
+            rows_key = {**key, "rows": rows_digest(rows)}
+            got = read_covering(self.cache_dir, rows_key, rows) if self.cache_dir else None
+            if got is not None:
+                log.info("%s features from %s", what, got.cache)
+            else:
+                got = self._extract(part.subset(picked), rows_key, what, rows=picked)
+            if got.rows is not None:  # every picked image (or more) is there
+                got.split_labels = part.labels
                 return got
             log.warning("%d of the images picked did not decode: every image's features then, "
                         "drawn from those that do", len(rows) - len(got))  # fmt: skip
         return self._extract(part, key, f"{name} {split}", look=False)  # looked for above
 
     def _extract(
-        self, part: Any, key: dict[str, Any], what: str, look: bool = True, whole: bool = True
+        self, part: Any, key: dict[str, Any], what: str, look: bool = True, rows: Any = None
     ) -> Features:
         """The features of `part`, from the cache for `key` (if `look`) or extracted and cached
-        (unless `whole` is False and some image did not decode: they would stand for rows they
-        are not)."""
+        (`rows`: part is these rows of its split, and is not cached where some image did not
+        decode: the features would stand for rows they are not; their rows are then None)."""
         path = cache_file(self.cache_dir, key) if self.cache_dir else None
         found = read_cache(path, key) if path and look else None
         if found is not None:
+            found.rows = rows if rows is not None else found.rows  # a file from before rows
             return found
         loader = make_loader(part, self.batch_size, self.preprocessing)
         if hasattr(loader, "skipped"):  # an undecodable image, named by the picked rows' loader
@@ -391,7 +267,8 @@ class Extractor:
         self.forward_batches += len(loader)
         x, y = extract(self.model(), loader, self.kind, self.dev, self.progress, f"{what} features")
         out = Features(x, y, list(part.classes), cache=path)
-        if path is not None and (whole or len(out) == len(part)):
+        out.rows = rows if len(out) == len(part) else None
+        if path is not None and (rows is None or out.rows is not None):
             write_cache(path, key, out)
             log.info("cached %s features in %s", what, path)
         return out
