@@ -345,3 +345,26 @@ def test_a_run_with_a_test_folder_is_analysed_without_its_training_images(tmp_pa
     assert main(["analyze", str(run), "--num-images", "2", "--out", str(out)]) == 0
     names = list(json.loads((out / "analysis.json").read_text())["rollout"])
     assert names == [f"imagefolder:{tmp_path / 'test'}-test-{i}-class0" for i in range(2)]
+    capsys.readouterr()
+    # an image that does not decode stopped analyze; now it is named, and the next one taken
+    (tmp_path / "test" / "class0" / "0.png").write_bytes(b"not a png")
+    assert main(["analyze", str(run), "--num-images", "2", "--out", str(out)]) == 0
+    names = list(json.loads((out / "analysis.json").read_text())["rollout"])
+    assert names == [f"imagefolder:{tmp_path / 'test'}-test-{i}-class0" for i in (1, 2)]
+    assert "skipping an image that does not decode" in capsys.readouterr().err
+    # a folder without class sub-folders (a masked-patch-prediction run's) raised IndexError
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for i in range(5):
+        shutil.copy(tmp_path / "test" / "class1" / f"{i}.png", flat / f"{i}.png")
+    args = ["analyze", str(run), "--data", f"imagefolder:{flat}", "--out", str(out)]
+    assert main(args) == 0
+    names = list(json.loads((out / "analysis.json").read_text())["rollout"])
+    assert names == [f"imagefolder:{flat}-test-0"]  # a fifth of 5 images, no class
+    figures = sorted(p.name for p in out.glob("rollout_*.png"))
+    assert figures == ["rollout_000.png"]  # the earlier analysis's second image's is removed
+    for i in range(5):
+        (flat / f"{i}.png").write_bytes(b"broken")
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "none of the 1 test images decodes" in capsys.readouterr().err

@@ -5,10 +5,18 @@ filter figure."""
 from __future__ import annotations
 
 import html
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch import Tensor
+
+# the figures an analysis page may show: one of an earlier analysis into the same folder that this
+# page does not show (more images then, a Swin's windows, a similarity skipped now) is removed
+FIGURES = re.compile(
+    r"(mean_attention_distance|pos_embed_similarity|embedding_filters"
+    r"|(rollout|window_attention)_\d{3,})\.png"
+)
 
 
 @dataclass
@@ -98,6 +106,10 @@ def write_index(report: Report, title: str, summary: str) -> Path:
             f"<figcaption>{html.escape(caption)}</figcaption></figure>"
         )
     parts.append('<p><a href="analysis.json">analysis.json</a>: the raw numbers.</p>')
+    shown = {file for file, _ in report.files}
+    for old in report.out.iterdir():
+        if FIGURES.fullmatch(old.name) and old.name not in shown and old.is_file():
+            old.unlink()  # an earlier analysis's, which this page would not show
     # lets a headless browser (and a curious reader) see that every image really decoded
     parts.append(
         "<script>window.addEventListener('load',()=>{const a=[...document.images];"

@@ -29,6 +29,7 @@ from vitlab.data.datasets import ArraySplit, DatasetError
 from vitlab.data.decode import decode_image
 from vitlab.data.folders import FolderSplit, read_image
 from vitlab.data.hf import HFSplit
+from vitlab.data.workers import warn_once
 from vitlab.eval.run import data_config, evaluation_split
 from vitlab.models.cnn import CNN
 from vitlab.models.swin import SwinTransformer
@@ -82,13 +83,14 @@ def dataset_images(
         split = evaluation_split(cfg, "test", classes, pre)
     except DatasetError as e:
         raise DatasetError(f"{e}; {IMAGES_OR_DATA}") from None
-    count = min(n, len(split))
-    if not count:
+    if not len(split):
         raise DatasetError(f"{name} has no test images: {IMAGES_OR_DATA}")
     if isinstance(split, ArraySplit):
-        display = pre.resize(split.images[:count])
+        rows = list(range(min(n, len(split))))
+        display = pre.resize(split.images[: len(rows)])
     elif isinstance(split, FolderSplit | HFSplit):
-        display = torch.cat([pre.resize(_decoded(split, i, pre.in_chans)) for i in range(count)])
+        rows, shown = _decoded(split, n, pre)
+        display = torch.cat(shown)
     else:
         kind = type(split).__name__
         raise DatasetError(f"analyze cannot index {name} ({kind}): {IMAGES_OR_DATA}")
@@ -97,18 +99,29 @@ def dataset_images(
             f"{name}'s images decode to {display.shape[1]} channels and the model takes "
             f"{pre.in_chans}: {IMAGES_OR_DATA}"
         )
-    labels = split.labels[:count].tolist()
-    names = [f"{name}-test-{i}-{split.classes[y]}" for i, y in enumerate(labels)]
+    labels = split.labels[rows].tolist()  # an unlabelled folder's: no class in the name
+    names = [f"{name}-test-{i}" + (f"-{split.classes[y]}" if split.classes else "")
+             for i, y in zip(rows, labels, strict=True)]  # fmt: skip
     return Images(names, display, pre.normalize(display))  # the shown pixels, not cropped again
 
 
-def _decoded(split: FolderSplit | HFSplit, i: int, in_chans: int) -> Tensor:
-    """Image i of an indexable split as uint8 (1, C, H, W), as the training loader decodes it."""
-    try:
-        data = split.read(i)
-    except OSError as e:
-        raise DatasetError(f"cannot read image {split.where(i)}: {e}") from None
-    return decode_image(data, in_chans, split.where(i))[None]
+def _decoded(split: FolderSplit | HFSplit, n: int, pre: Preprocessing) -> tuple[list, list]:
+    """(rows, resized uint8 (1, C, H, W) images) of an indexable split's first n images that
+    decode, as the training loader decodes them; one that does not is skipped and named."""
+    rows, shown, seen = [], [], set()
+    for i in range(len(split)):
+        if len(rows) == n:
+            break
+        where = split.where(i)
+        try:
+            shown.append(pre.resize(decode_image(split.read(i), pre.in_chans, where)[None]))
+        except (OSError, DatasetError) as e:
+            warn_once(seen, [(where, str(e) if isinstance(e, DatasetError) else f"{where}: {e}")])
+            continue
+        rows.append(i)
+    if not rows:
+        raise DatasetError(f"none of the {len(split):,} test images decodes: {IMAGES_OR_DATA}")
+    return rows, shown
 
 
 def unique_names(files: list[str]) -> list[str]:
