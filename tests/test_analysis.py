@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,6 +96,10 @@ def test_embedding_filters_are_orthonormal_principal_components() -> None:
     pca = PCA(n_components=5).fit(w.numpy())
     dots = (flat.double() * torch.from_numpy(pca.components_)).sum(1).abs()
     torch.testing.assert_close(dots, torch.ones(5, dtype=torch.float64), atol=1e-4, rtol=0)
+    assert len(embedding_filters(model, k=np.int64(100))) == model.config.embed_dim  # D < C*P*P
+    for k in (0, -1, 2.5, True):  # -1 gave 47 filters (slicing), 0 none
+        with pytest.raises(ValueError, match="k must be a positive number"):
+            embedding_filters(model, k=k)
 
 
 def test_statistics_hold_one_layer_of_attention_at_a_time() -> None:

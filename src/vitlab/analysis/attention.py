@@ -3,6 +3,7 @@ mean attention distance, attention rollout, position-embedding similarity, embed
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal
@@ -130,7 +131,10 @@ def pos_embed_similarity(model: VisionTransformer) -> Tensor:
 
 def embedding_filters(model: VisionTransformer | SwinTransformer, k: int = 28) -> Tensor:
     """The top-k principal components of the patch-embedding filters E (a ViT's or a Swin's) as
-    images (k, C, P, P). A conv stem has no such linear filters: ValueError."""
+    images (k, C, P, P); fewer where E has fewer components (min(D, C*P*P)). A conv stem has no
+    such linear filters, and k must be a positive whole number: ValueError."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(f"k must be a positive number of components, got {k!r}")
     stem = getattr(model.config, "stem", "patch")  # a Swin always embeds linear patches
     if stem != "patch":
         raise ValueError(f"a {stem} stem has no P x P linear embedding filters")
