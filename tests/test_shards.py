@@ -438,6 +438,10 @@ def test_shard_sizes_and_keys_that_do_not_apply_are_refused(tmp_path, balanced, 
     assert "got '0'" in capsys.readouterr().err and not (tmp_path / "s").exists()
     assert main(["data", "shard", "digits", str(tmp_path / "s"), "--image-key", "img"]) == 2
     assert "name an hf: dataset's columns" in capsys.readouterr().err  # once ignored
+    for where in (["-q", "data", "shard"], ["data", "shard", "-q"]):  # the second: refused
+        assert main([*where, "digits", str(tmp_path / "s"), "--shard-size", "0"]) == 2
+        err = capsys.readouterr().err
+        assert "got '0'" in err and "unrecognized arguments" not in err, err
     pattern = f"wds:{balanced}/part-{{00..07}}.tar"  # shards' extensions: the keys apply
     args = ["data", "shard", pattern, str(tmp_path / "w"), "--no-progress", "--workers", "1"]
     assert main([*args, "--image-key", "png", "--label-key", "cls"]) == 0

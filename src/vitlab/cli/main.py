@@ -58,8 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMANDS:
         module.add_parser(sub)
-    for command in sub.choices.values():  # `vitlab -q train` and `vitlab train -q` alike
+    commands = list(sub.choices.values())
+    for command in commands:  # `vitlab -q train`, `vitlab train -q`, `vitlab data shard -q`
         add_verbosity(command)
+        for action in command._actions:  # a command's own commands (data shard) too
+            if isinstance(action, argparse._SubParsersAction):
+                commands += action.choices.values()
     return parser
 
 
