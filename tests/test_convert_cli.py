@@ -326,6 +326,7 @@ def test_finetune_from_a_timm_checkpoint(tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("assuming num_heads=1") == 1  # the source is inferred (and warns) once
+    assert "`vitlab convert SRC DST num_heads=N`" in r.stderr  # a remedy every command can take
     model = load_pretrained(tmp_path / "run")
     assert model.config.embed_dim == 64 and model.config.in_chans == 1
     assert model.config.num_classes == 10 and model.pos_embed.weight.shape == (1, 5, 64)

@@ -201,8 +201,9 @@ def _read_vit_hints(cfg: dict[str, Any], src: Source) -> None:
     elif arch and "num_heads" not in src.hints:  # e.g. vit_base_patch16_gap_224: 16 at 768
         src.notes.append(
             f"architecture {arch!r} is not one vitlab registers and model_args name no "
-            f"num_heads: the head count is guessed from the width; pass num_heads= if timm "
-            f"builds it otherwise"
+            f"num_heads: the head count is guessed from the width; if timm builds it otherwise, "
+            f"pass num_heads=N (`vitlab convert SRC DST num_heads=N` writes a checkpoint that "
+            f"states it, for every command)"
         )
     pool = args.get("global_pool", cfg.get("global_pool"))
     if pool in ("avg", "token"):

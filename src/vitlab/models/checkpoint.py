@@ -43,6 +43,8 @@ from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 
 log = logging.getLogger(__name__)
+HEADS = ("pass num_heads=N (`vitlab convert SRC DST num_heads=N` writes a checkpoint that states "
+         "it, for every command)")  # fmt: skip
 
 
 # --- the files a source names --------------------------------------------------------------------
@@ -154,8 +156,7 @@ def _infer(src: Source, img_size: int | tuple[int, int] | None = None) -> ModelC
 
 
 def _infer_vit(src: Source, img_size: int | tuple[int, int] | None = None) -> ViTConfig:
-    s, hints = src.state, dict(src.hints)
-    where = src.where
+    s, hints, where = src.state, dict(src.hints), src.where
 
     def need(key: str) -> Tensor:
         if key not in s:
@@ -182,13 +183,9 @@ def _infer_vit(src: Source, img_size: int | tuple[int, int] | None = None) -> Vi
     heads = hints.pop("num_heads", None) or _PAPER_HEADS.get(d)
     if heads is None:
         if d % 64:
-            raise CheckpointError(
-                f"{where}: cannot tell the number of heads of width {d}: pass num_heads="
-            )
+            raise CheckpointError(f"{where}: cannot tell the number of heads of width {d}: {HEADS}")
         heads = d // 64
-        log.warning(
-            "%s: assuming num_heads=%d (head width 64); pass num_heads= if not", where, heads
-        )
+        log.warning("%s: assuming num_heads=%d (head width 64); if not, %s", where, heads, HEADS)
     no_embed_class, pos_kind = False, "learned"
     img = hints.pop("img_size", None)
     if "pos_embed.weight" in s:
