@@ -100,6 +100,14 @@ def remote(spec: str) -> bool:
 
 
 def _fetch(url: str) -> bytes:
+    """An index's bytes: over http(s) by urllib, once, with a 30 s timeout and the reason in its
+    error (webdataset's curl retried an unknown host for a minute, then gave its arguments);
+    other URLs (pipe:, s3:// ...) by webdataset's gopen, as the shards are read."""
+    if url.startswith(("http://", "https://")):
+        import urllib.request
+
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.read()
     import webdataset as wds
 
     with wds.gopen(url, "rb") as f:
