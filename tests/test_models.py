@@ -95,6 +95,10 @@ def test_config_overrides_are_strict() -> None:
         vitlab.create_model("Ti/16", img_size=200)
     with pytest.raises(vitlab.ConfigError, match="divisible by num_heads"):
         vitlab.create_model("Ti/16", num_heads=5)
+    with pytest.raises(vitlab.ConfigError, match=r"positive, got img_size=\(224, 0\), mlp_dim=-1$"):
+        vitlab.create_model("Ti/16", img_size=[224, 0], mlp_dim=-1)  # not the config's repr
+    with pytest.raises(vitlab.ConfigError, match=r"positive, got window_size=0$"):
+        vitlab.create_model("Swin-T", window_size=0)
     cfg = vitlab.get_config("Ti/16", img_size=[32, 48], dropout=0)
     assert cfg.img_size == (32, 48) and isinstance(cfg.dropout, float)
 

@@ -691,3 +691,18 @@ def test_a_second_reproduce_with_the_same_out_is_refused_and_removes_nothing(
     finally:
         third.kill()
         third.wait()
+
+
+def test_an_interrupted_experiment_says_one_way_to_continue(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in an arm's training: the message said `continue with vitlab train --resume ARM`
+    and then `rerun the same command to continue`; rerunning is the way (the arm resumes)."""
+    from tests.test_trainer_state import CtrlCAtCheck
+    from vitlab.train import run as run_mod
+
+    monkeypatch.setattr(CtrlCAtCheck, "at", 2)
+    monkeypatch.setattr(run_mod, "StopFlag", CtrlCAtCheck)
+    out = tmp_path / "out"
+    assert main(["-q", "reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "vitlab reproduce: stopped at epoch 1, batch" in err and "checkpoint saved" in err
+    assert "rerun the same command to continue" in err and "vitlab train --resume" not in err

@@ -152,7 +152,7 @@ def test_scaling_table_equals_the_closed_forms_and_writes_the_plot(tmp_path, cap
     assert main(["cost", "Swin-T", "--scaling", "--sides", "224,1000"]) == 2  # 1000 = 16 x 62.5
     assert "not a multiple of patch_size 16" in capsys.readouterr().err
     assert main(["cost", "Swin-T", "--out", str(json_out)]) == 2
-    assert "--out apply to --scaling only" in capsys.readouterr().err
+    assert "--out applies to --scaling only" in capsys.readouterr().err
     assert main(["cost", "Swin-T", "--scaling", "--img-size", "384"]) == 2
     assert "takes image sides from --sides" in capsys.readouterr().err
 

@@ -180,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
         return run_scaling(args)
     given = [o for o, v in (("--vs", args.vs), ("--sides", args.sides), ("--out", args.out)) if v]
     if given:
-        raise ValueError(f"{', '.join(given)} apply to --scaling only")
+        verb = "applies" if len(given) == 1 else "apply"
+        raise ValueError(f"{', '.join(given)} {verb} to --scaling only")
     model, label = read_model(args.model)
     report = cost_report(model, args.img_size, args.patch_sizes, label)
     print(json.dumps(report, indent=2) if args.json else format_cost_report(report))

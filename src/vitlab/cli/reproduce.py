@@ -68,6 +68,6 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(run_experiment(args.experiment, ctx)["report.md"])
     except TrainingStopped as e:
-        print(f"vitlab reproduce: {e}; rerun the same command to continue", file=sys.stderr)
+        print(f"vitlab reproduce: {e.where}; rerun the same command to continue", file=sys.stderr)
         return 130
     return 0

@@ -1,10 +1,13 @@
 """Which of a model's blocks or stages a caller asked for (forward_intermediates' `indices`),
-and whole numbers as a caller may give them (numpy's, 0-d arrays and tensors)."""
+whole numbers as a caller may give them (numpy's, 0-d arrays and tensors), and sizes that must be
+positive."""
 
 from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable, Sequence
+
+from vitlab.config import ConfigError
 
 
 def chosen_indices(indices: int | Sequence[int] | None, n: int, what: str) -> list[int]:
@@ -41,3 +44,11 @@ def whole_number(x: object) -> int | None:
     if getattr(x, "ndim", None) == 0 and callable(getattr(x, "item", None)):
         x = x.item()  # a float's or a bool's item is refused below
     return int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else None
+
+
+def positive(**sizes: int | tuple[int, ...]) -> None:
+    """A ConfigError naming every size (a pair: either side) that is not positive, if any."""
+    bad = [f"{k}={v}" for k, v in sizes.items()
+           if min(v if isinstance(v, tuple | list) else (v,)) <= 0]  # fmt: skip
+    if bad:
+        raise ConfigError(f"sizes must be positive, got {', '.join(bad)}")

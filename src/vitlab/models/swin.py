@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from vitlab.config import ConfigError, check_keys, pair, validate
-from vitlab.models.indices import chosen_indices
+from vitlab.models.indices import chosen_indices, positive
 from vitlab.models.swin_layers import StageSpec, SwinPatchEmbed, SwinStage, WindowAttention
 
 
@@ -52,9 +52,9 @@ class SwinConfig:
 
     def __post_init__(self) -> None:
         validate(self)
-        (h, w), (mh, mw), p = self.img_hw, self.window_hw, self.patch_size
-        if min(h, w, p, mh, mw, self.in_chans, self.embed_dim) <= 0:
-            raise ConfigError(f"sizes must be positive, got {self}")
+        (h, w), p = self.img_hw, self.patch_size
+        positive(img_size=self.img_size, window_size=self.window_size, patch_size=p,
+                 in_chans=self.in_chans, embed_dim=self.embed_dim)  # fmt: skip
         if self.num_classes < 0:
             raise ConfigError(f"num_classes must be >= 0, got {self.num_classes}")
         if h % p or w % p:

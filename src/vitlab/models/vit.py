@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vitlab.config import ConfigError, check_keys, pair, validate
 from vitlab.models.chunks import batch_chunk
-from vitlab.models.indices import chosen_indices
+from vitlab.models.indices import chosen_indices, positive
 from vitlab.models.layers import (
     Block,
     LayerNorm,
@@ -88,8 +88,8 @@ class ViTConfig:
         validate(self)
         h, w = self.img_hw
         p = self.patch_size
-        if min(h, w, p, self.in_chans, self.embed_dim, self.num_heads, self.mlp_dim) <= 0:
-            raise ConfigError(f"sizes must be positive, got {self}")
+        positive(img_size=self.img_size, patch_size=p, in_chans=self.in_chans, mlp_dim=self.mlp_dim,
+                 embed_dim=self.embed_dim, num_heads=self.num_heads)  # fmt: skip
         if self.depth < 0 or self.num_classes < 0:
             raise ConfigError(
                 f"depth and num_classes must be >= 0, got {self.depth}, {self.num_classes}"

@@ -407,8 +407,7 @@ class Run:
         if stopped:
             self.save("last", with_state=True)
             raise TrainingStopped(
-                f"stopped at epoch {pos.epoch + 1}, batch {pos.batch}; checkpoint saved: "
-                f"continue with `vitlab train --resume {self.out}`"
+                f"stopped at epoch {pos.epoch + 1}, batch {pos.batch}; checkpoint saved", self.out
             )
         return stats
 

@@ -44,4 +44,9 @@ class StopFlag:
 
 
 class TrainingStopped(RuntimeError):
-    """The run was stopped on request after saving a checkpoint."""
+    """The run was stopped on request after saving a checkpoint: `where` (the epoch and batch),
+    and in the message how to continue it (`vitlab train --resume RUN`), where a run is named."""
+
+    def __init__(self, where: str, run: object = None) -> None:
+        self.where = where
+        super().__init__(f"{where}: continue with `vitlab train --resume {run}`" if run else where)
