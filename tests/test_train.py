@@ -215,6 +215,29 @@ def test_a_relative_data_path_is_saved_absolute(tmp_path: Path, monkeypatch, cap
     assert json.loads(capsys.readouterr().out)["num_images"] > 0
 
 
+def test_a_warm_up_as_long_as_the_run_is_warned(tmp_path: Path, caplog) -> None:
+    """train.max_steps=3 with a warm-up of one epoch (many more steps): the rate only rose, to
+    lr * 3 / warm-up steps, and the run ended there without a word. Now a warning says so (by
+    hand: the last step's rate); a run with steps left to decay, or a time budget, is not warned."""
+    from vitlab.train.optim import warn_warmup
+
+    schedule = ["optim.lr=0.001", "optim.warmup_epochs=1", "optim.schedule=cosine"]
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        run = train(cfg(*schedule, "train.max_steps=3"), out=tmp_path / "steps")
+    said = [r.getMessage() for r in caplog.records if "spans the whole run" in r.getMessage()]
+    assert len(said) == 1, said
+    steps_per_epoch = int(re.search(r"\((\d+) steps\) spans the whole run \(3 steps\)", said[0])[1])
+    assert steps_per_epoch == len(load_split("digits", "train")) * 9 // 10 // 64  # val 10%
+    assert f"to {0.001 * 3 / steps_per_epoch:.3g} at the last step" in said[0], said
+    last = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["lr"] == pytest.approx(0.001 * 3 / steps_per_epoch)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        warn_warmup(load_run_config(None, schedule), 100, 40)  # decays over 60 steps
+        warn_warmup(load_run_config(None, [*schedule, "train.time_budget=1m"]), 30, 40)
+    assert not caplog.records
+
+
 def test_a_new_length_on_resume_is_refused_unless_extended(tmp_path: Path, capsys) -> None:
     """train.epochs on --resume used to reshape the cosine schedule silently. Now it is refused;
     with --extend the schedule spans the new length from the current step on, and says so."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import Tensor, nn
 
-from vitlab.config import OptimConfig
+from vitlab.config import OptimConfig, RunConfig
+
+log = logging.getLogger(__name__)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -55,6 +58,24 @@ def learning_rate(cfg: OptimConfig, step: int, total_steps: int, warmup_steps: i
     else:
         factor = 1.0 - progress
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
+
+
+def warn_warmup(cfg: RunConfig, total_steps: int, warmup_steps: int, said: bool = True) -> None:
+    """Warn when the warm-up takes every step (train.epochs=2, or train.max_steps=30, with the
+    default optim.warmup_epochs=2): the rate only rises, and never decays. A time budget lays its
+    own schedule (warm-up at most a fifth of its steps): not warned. `said`: this process says
+    it (rank 0 of many)."""
+    if not said or cfg.train.time_budget is not None or not 0 < total_steps <= warmup_steps:
+        return
+    o = cfg.optim
+    decay = "" if o.schedule == "constant" else f", with no {o.schedule} decay"
+    log.warning(
+        "optim.warmup_epochs=%g (%d steps) spans the whole run (%d steps): the learning rate only "
+        "rises, to %.3g at the last step (optim.lr=%g)%s; optim.warmup_epochs=%.3g (a fifth of "
+        "the steps, as a time budget lays it) leaves the rest to the schedule", o.warmup_epochs,
+        warmup_steps, total_steps, learning_rate(o, total_steps - 1, total_steps, warmup_steps),
+        o.lr, decay, o.warmup_epochs * total_steps / warmup_steps / 5,
+    )  # fmt: skip
 
 
 class EMA:
