@@ -136,6 +136,9 @@ def test_exports_leave_the_callers_model_as_it_was(tmp_path, capfd) -> None:
     capfd.readouterr()
     export_program(model, meta, tmp_path / "m.pt2")
     assert "Unable to load package" not in capfd.readouterr().err  # torch's, for a temp name
+    export_program(model, meta, tmp_path / "m.bin")  # torch warned of the temporary .tmp.bin
+    assert "ending in .pt2" not in capfd.readouterr().err
+    assert torch.export.load(str(tmp_path / "m.bin")).module() is not None
     assert model.training and all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
@@ -202,6 +205,10 @@ def test_device_names_and_output_paths_are_one_line_errors(trained, device, tmp_
         err = capsys.readouterr().err
         assert err.startswith("vitlab eval: error:") and "afile is a file: expected a folder" in err
         assert (tmp_path / "afile").read_text() == "mine"
+        both = str(tmp_path / "same.onnx")  # the program once replaced the ONNX model, exit 0
+        assert main(["export", str(trained), "--onnx", both, "--torch-export", both]) == 2
+        assert "--onnx and --torch-export name one file" in capsys.readouterr().err
+        assert not (tmp_path / "same.onnx").exists()
 
 
 @pytest.mark.parametrize(

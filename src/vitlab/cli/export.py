@@ -36,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
     for out in (args.onnx, args.torch_export):  # both, before either is written
         if out:
             check_out(Path(out))
+    if args.onnx and args.torch_export and args.onnx.resolve() == args.torch_export.resolve():
+        raise ValueError(f"--onnx and --torch-export name one file, {args.onnx}: the program "
+                         f"would replace the ONNX model; name two files")  # fmt: skip
     model, meta = load_checkpoint(args.checkpoint)
     if args.onnx:
         r = export_onnx(model, meta, args.onnx, args.dynamic_batch)

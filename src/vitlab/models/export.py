@@ -49,12 +49,13 @@ def check_out(out: Path) -> None:
 
 
 @contextmanager
-def _checked_file(out: Path) -> Iterator[Path]:
-    """A temporary name beside `out`, renamed over it only when the block (writing and checking
-    the export) succeeds: a file that failed its check, or a half-written one, is not left."""
+def _checked_file(out: Path, suffix: str | None = None) -> Iterator[Path]:
+    """A temporary name beside `out` (ending in `suffix`, else out's), renamed over it only when
+    the block (writing and checking the export) succeeds: a file that failed its check, or a
+    half-written one, is not left."""
     check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")  # the suffix kept: torch.export checks it
+    tmp = out.with_name(f".{out.stem}.tmp{out.suffix if suffix is None else suffix}")
     try:
         yield tmp
         fsync(tmp)
@@ -153,7 +154,7 @@ def export_program(
         lambda: torch.export.export(model, (_inputs(model, 2),), dynamic_shapes=shapes),
     )  # fmt: skip
     extra = {"vitlab.json": json.dumps(_meta(meta))}
-    with _checked_file(Path(out)) as tmp:
+    with _checked_file(Path(out), ".pt2") as tmp:  # torch.export warns about any other suffix
         torch.export.save(program, str(tmp), extra_files=extra)
         loaded = torch.export.load(str(tmp)).module()
         worst, batches = 0.0, [2] + ([5] if dynamic_batch else [])
