@@ -90,6 +90,21 @@ def test_class_names_are_matched_by_name_before_numbers_by_index() -> None:
         name_order(["crane", "crane", "ant"], ["crane", "ant", "crane2"], "x")
 
 
+def test_another_folder_without_train_is_evaluated_whole(run, tmp_path):
+    """`--data imagefolder:TEST` (class folders, no train/): eval scored a seeded fifth of it
+    (72 of digits' 359 test images), the share a run trained on that folder leaves out. Named
+    as another dataset, every image is a test image now; the run's own folder keeps its fifth."""
+    test_only = digits_folder(tmp_path / "imgs", [str(i) for i in range(10)]) / "test"
+    own = evaluate_checkpoint(str(run))
+    other = evaluate_checkpoint(str(run), data=f"imagefolder:{test_only}", out=tmp_path / "o")
+    assert other["num_images"] == own["num_images"] == 359
+    assert other["confusion"] == own["confusion"]  # the same images, every one
+    overrides = [*TINY_MODEL, f"data.name=imagefolder:{test_only}", "train.epochs=1"]
+    assert main(["train", "--out", str(tmp_path / "r"), *overrides]) == 0
+    restated = evaluate_checkpoint(str(tmp_path / "r"), data=f"imagefolder:{test_only}")
+    assert restated["num_images"] == evaluate_checkpoint(str(tmp_path / "r"))["num_images"] == 72
+
+
 def test_another_datasets_confusion_png_does_not_replace_the_runs(run, tmp_path, capsys):
     assert main(["eval", str(run), "--json"]) == 0
     own = Path(json.loads(capsys.readouterr().out)["confusion_png"])

@@ -16,7 +16,7 @@ from vitlab.data import ArraySplit, make_loader
 from vitlab.data.classes import name_order
 from vitlab.data.datasets import DatasetError, Split, load_run_split
 from vitlab.data.download import absolute_source
-from vitlab.data.folders import read_image
+from vitlab.data.folders import folder_root, read_image
 from vitlab.eval.backends import backend_device, describe, prepare
 from vitlab.eval.classification import (
     evaluate,
@@ -54,6 +54,15 @@ def data_config(run_cfg: RunConfig | None, data: str | None, data_dir: str | Non
     if data and absolute_source(data) != absolute_source(cfg.name):  # restated: the run's own
         cfg = DataConfig(name=data, split_seed=cfg.split_seed, val_fraction=cfg.val_fraction)
     return dataclasses.replace(cfg, dir=data_dir) if data_dir else cfg
+
+
+def _other_flat_folder(cfg: DataConfig, run_cfg: RunConfig | None) -> bool:
+    """Whether `cfg` names an image folder without train/ that is not the run's own data: its
+    test split would be a seeded fifth of it (the run's own folder keeps that share, the images
+    its training left out)."""
+    own = run_cfg is not None and absolute_source(cfg.name) == absolute_source(run_cfg.data.name)
+    return cfg.name.startswith("imagefolder:") and not own and not cfg.test and not (
+        folder_root(cfg.name) / "train").is_dir()  # fmt: skip
 
 
 def evaluation_split(
@@ -151,6 +160,8 @@ def evaluate_checkpoint(
     if split == "val" and run_cfg is None:
         raise DatasetError("--split val needs a run folder (its config defines the split)")
     cfg = data_config(run_cfg, data, data_dir)
+    if split == "test" and _other_flat_folder(cfg, run_cfg):  # a folder of test images: all
+        cfg = dataclasses.replace(cfg, test=cfg.name)  # read whole, as data.test reads it
     name = cfg.name
     source = cfg.test if split == "test" and cfg.test else name  # where the images come from
     part = evaluation_split(
