@@ -288,6 +288,8 @@ def test_out_naming_an_existing_run_is_refused_unless_overwritten(tmp_path: Path
     (out / "metrics.jsonl").write_text('{"epoch": 1, "marker": "old run"}\n')
     (out / "notes.txt").write_text("the user's own file")
     (out / "time_budget.json").write_text('{"steps": 3, "final": true}\n')  # an old plan
+    assert main(["eval", str(out), "--data", "digits", "--split", "val"]) == 0  # its matrix
+    assert (out / "confusion_matrix_val.png").is_file()
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "already holds a run" in err and "--resume" in err and "--overwrite" in err
@@ -302,6 +304,7 @@ def test_out_naming_an_existing_run_is_refused_unless_overwritten(tmp_path: Path
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     assert (out / "notes.txt").read_text() == "the user's own file"  # not a run file: kept
     assert not (out / "time_budget.json").exists()  # a later --resume would keep its plan
+    assert not (out / "confusion_matrix_val.png").exists()  # the old checkpoint's results
     assert main(["train", "--resume", str(out), "--overwrite"]) == 2  # once silently ignored
     assert "drop --config/--out/--overwrite" in capsys.readouterr().err
     kept = tmp_path / "elsewhere"  # a symlinked run folder part: the link goes, not its target

@@ -227,10 +227,11 @@ def _own_hold(folder: Path) -> _Hold | None:
 
 
 def remove_run_files(out: Path) -> str | None:
-    """Remove the run's files in `out` (RUN_FILES; a symlink among them is unlinked, not
-    followed; other files stay); what went wrong, or None."""
+    """Remove the run's files in `out` (RUN_FILES, and the confusion matrices vitlab eval saved
+    of its checkpoints; a symlink among them is unlinked, not followed; other files stay); what
+    went wrong, or None."""
     try:
-        for path in (out / name for name in RUN_FILES):
+        for path in [*(out / name for name in RUN_FILES), *out.glob("confusion_matrix_*.png")]:
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
             elif path.exists() or path.is_symlink():
