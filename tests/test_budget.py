@@ -53,6 +53,21 @@ def test_the_config_checks_the_budget() -> None:
         load_run_config(None, ["train.time_budget=3x"])
 
 
+def test_train_epochs_given_with_a_budget_is_said_to_be_unused(tmp_path, capsys) -> None:
+    """`vitlab train --config configs/digits.yaml train.epochs=2` (as --help's example once did
+    with the quick preset) trained the budget's 130 epochs without a word; now a warning says
+    train.epochs is not used (here before the missing data ends the command)."""
+    missing = f"data.name=imagefolder:{tmp_path / 'missing'}"
+    preset = str(Path(__file__).resolve().parents[1] / "configs" / "digits.yaml")
+    args = ["train", "--out", str(tmp_path / "r"), "--config", preset, missing]
+    assert main([*args, "train.epochs=2"]) == 2
+    err = capsys.readouterr().err
+    assert "train.epochs=2 is not used: train.time_budget=60s plans the steps" in err, err
+    assert main([*args, "train.epochs=2", "train.time_budget=null"]) == 2
+    assert main(args) == 2
+    assert "is not used" not in capsys.readouterr().err
+
+
 def test_plan_steps_by_hand() -> None:
     # 100 s, 20 s gone, 30 steps done (one epoch of 25 ended); 0.5 s a step, 2 s an epoch end,
     # 5 s for the test split. Usable: 100 * 0.95 - 1 - 20 - 5 = 69 s. N steps cost

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
 
 from vitlab.config import load_run_config
+
+log = logging.getLogger("vitlab.cli.train")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "made as needed). Unknown keys and wrong types are errors. Under torchrun "
         "(`torchrun --nproc_per_node=N -m vitlab train ...`) it trains with DDP or FSDP.",
         epilog="Presets: configs/*.yaml. Example: vitlab train --config configs/fashion-mnist-quick"
-        ".yaml train.epochs=5 optim.lr=0.002",
+        ".yaml train.time_budget=5m optim.lr=0.002 (a preset with a time budget plans its steps "
+        "from it; train.time_budget=null trains train.epochs)",
     )
     p.add_argument("--config", metavar="FILE.yaml", help="YAML file with model/data/optim/train")
     p.add_argument("--out", type=Path, help="run folder (default: runs/DATASET-DATE-TIME)")
@@ -90,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--extend lengthens a resumed run: use it with --resume")
         cfg = load_run_config(args.config, args.overrides)
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun: rank 0 speaks for all
+    epochs = [o for o in args.overrides if o.startswith("train.epochs=")]
+    if epochs and cfg.train.time_budget is not None and not args.resume and main_rank:
+        log.warning("%s is not used: train.time_budget=%s plans the steps (train.time_budget=null "
+                    "trains train.epochs)", epochs[-1], cfg.train.time_budget)  # fmt: skip
     try:
         out = train(cfg, out=args.out, resume=args.resume, extend=args.extend,
                     overwrite=args.overwrite, budget_from_process_start=True)  # fmt: skip
