@@ -107,6 +107,12 @@ def test_eval_with_onnxruntime_gives_torchs_accuracy(trained, capsys) -> None:
     assert ort["top1"] == torch_["top1"] and ort["confusion"] == torch_["confusion"]
     assert ort["loss"] == pytest.approx(torch_["loss"], abs=1e-5)
     assert abs(reports["onnxruntime int8"]["top1"] - torch_["top1"]) <= 0.03
+    pngs = {b: Path(r["confusion_png"]).name for b, r in reports.items()}  # one replaced another
+    assert pngs == {"torch": "confusion_matrix_test.png",
+                    "onnxruntime": "confusion_matrix_test_backend-onnxruntime.png",
+                    "onnxruntime int8": "confusion_matrix_test_backend-onnxruntime_int8.png",
+                    }  # fmt: skip
+    assert all((trained / name).is_file() for name in pngs.values())
     assert main(["eval", str(trained), "--int8"]) == 0
     assert "backend torch int8" in capsys.readouterr().out
 

@@ -179,7 +179,9 @@ def evaluate_checkpoint(
     augmented = tta != "none"
     other = run_cfg is None or name != run_cfg.data.name  # not the run's own split: not its PNG
     stem = f"confusion_matrix{f'_{_slug(name)}' if other else ''}_{split}"
-    png = target / f"{stem}{f'_tta-{tta}' if augmented else ''}.png"
+    how = [f"_backend-{backend}"] * (backend != "torch") + ["_int8"] * int8
+    how += [f"_tta-{tta}"] * augmented  # an int8 or onnxruntime matrix beside float32's
+    png = target / f"{stem}{''.join(how)}.png"
     title = f"{source} {split}{f' (TTA {tta})' if augmented else ''}"
     save_confusion_png(
         metrics["confusion"], meta.classes, png, f"{title}: top-1 {100 * metrics['top1']:.2f}%"
