@@ -182,7 +182,15 @@ def test_resume_may_only_change_the_length(tmp_path: Path, capsys) -> None:
     same = [f"optim.lr={saved.optim.lr}", f"train.seed={saved.train.seed}"]  # restated: no change
     assert resume_config(run, same) == saved
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "nothing: no such folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
     assert "no config.yaml" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "data.val_fraction=0.5"]) == 2  # a raw tuple
+    err = capsys.readouterr().err  # once
+    assert "(only the run's length: train.epochs, train.stop_at_epoch)" in err, err
+    assert main(["train", "--resume", str(run), "--extend"]) == 0  # finished: nothing to do
+    assert "the run's train.epochs is 1 already, so it keeps its length" in capsys.readouterr().err
 
 
 def test_a_relative_data_path_is_saved_absolute(tmp_path: Path, monkeypatch, capsys) -> None:

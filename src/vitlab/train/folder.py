@@ -48,13 +48,16 @@ def resume_config(run: Path, overrides: list[str]) -> RunConfig:
     """The saved config of run folder `run`; the overrides may change only the run's length
     (train.epochs, train.stop_at_epoch); others may only restate the saved value."""
     path = Path(run) / "config.yaml"
+    if not Path(run).is_dir():
+        raise CheckpointError(f"cannot resume {run}: no such folder (expected a run folder)")
     if not path.is_file():
         raise CheckpointError(f"cannot resume {run}: it has no config.yaml (not a vitlab run)")
     saved = saved_tree(load_run_config(str(path), []))
     for item in overrides:  # compared as saved: data.name=imagefolder:RELATIVE restates it
         key = item.partition("=")[0]
         if key not in RESUMABLE_KEYS and saved_tree(load_run_config(str(path), [item])) != saved:
-            raise ConfigError(f"cannot change {key} when resuming (only {RESUMABLE_KEYS})")
+            raise ConfigError(f"cannot change {key} when resuming (only the run's length: "
+                              f"{', '.join(RESUMABLE_KEYS)})")  # fmt: skip
     return load_run_config(str(path), overrides)
 
 
@@ -71,6 +74,9 @@ def check_resume_length(run: Path, cfg: RunConfig, extend: bool) -> int:
             f"(extend=True), and the schedule is recomputed as if the run had started with {new} "
             f"epochs"
         )
+    if extend and new == saved:  # said, not refused: the same command again after a stop
+        log.warning("--extend: the run's train.epochs is %d already, so it keeps its length "
+                    "(train.epochs=N with --extend lengthens it)", saved)  # fmt: skip
     return saved
 
 
