@@ -149,6 +149,25 @@ def test_exports_leave_the_callers_model_as_it_was(tmp_path, capfd) -> None:
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_a_model_without_a_classifier_exports_its_features(tmp_path) -> None:
+    """A masked-patch-prediction encoder (num_classes=0) exported its pooled features as an
+    output named `logits`, which eval and predict refuse to call them."""
+    ort = pytest.importorskip("onnxruntime")
+    from vitlab.models.export import export_onnx
+
+    cfg = config_of(ModelSection("vit_nano_patch4_28", {"depth": 1, "num_classes": 0}))
+    headless = build_model(cfg).eval()
+    pre = Preprocessing((28, 28), 1, (0.5,), (0.5,))
+    export_onnx(headless, CheckpointMeta(cfg, pre, []), tmp_path / "f.onnx")
+    session = ort.InferenceSession(str(tmp_path / "f.onnx"), providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == ["features"]
+    x = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        want = headless(x)
+    assert want.shape == (2, cfg.embed_dim)
+    assert abs(session.run(None, {"images": x.numpy()})[0] - want.numpy()).max() < 1e-4
+
+
 def test_relative_positions_export_and_a_failed_check_leaves_no_file(tmp_path, monkeypatch) -> None:
     """A relative-position ViT's attention (PyTorch's with a bias) once failed the ONNX exporter,
     so --backend onnxruntime and vitlab export --onnx refused it; and a file that failed its

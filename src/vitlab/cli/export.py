@@ -12,7 +12,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="export a checkpoint to ONNX (checked with onnxruntime) or a torch.export program",
         description="Export RUN_OR_CKPT (any checkpoint vitlab reads) for deployment. The ONNX "
         "model takes `images` (B, C, H, W) float32, normalised as the checkpoint's preprocessing "
-        "says (stored in the file's metadata), and returns `logits`; onnxruntime's output is "
+        "says (stored in the file's metadata), and returns `logits` (`features`, the pooled "
+        "features, for a model without a classifier, num_classes=0); onnxruntime's output is "
         "compared with PyTorch's (max abs diff <= 1e-4) before the command succeeds. "
         "--torch-export writes a program for torch.export.load(OUT).module().",
     )

@@ -101,7 +101,8 @@ def _float_copy(model: VisionTransformer) -> VisionTransformer:
 def export_onnx(
     model: VisionTransformer, meta: CheckpointMeta, out: Path, dynamic_batch: bool = False
 ) -> dict[str, float | int]:
-    """Write `out` (.onnx; input `images` (B, C, H, W) float32, output `logits`), then run it in
+    """Write `out` (.onnx; input `images` (B, C, H, W) float32, output `logits`, or `features`
+    for a model without a classifier: num_classes=0, the pooled features), then run it in
     onnxruntime and compare with PyTorch. Returns the batch sizes checked and the max diff."""
     try:
         import onnx
@@ -119,7 +120,7 @@ def export_onnx(
             str(tmp),
             dynamo=True,
             input_names=["images"],
-            output_names=["logits"],
+            output_names=["logits" if getattr(model.config, "num_classes", 1) else "features"],
             dynamic_shapes=_dynamic(dynamic_batch),
             external_data=False,
             verbose=False,
