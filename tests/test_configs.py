@@ -51,6 +51,24 @@ def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
         load_run_config(str(bad))
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_run_config(str(tmp_path / "missing.yaml"))
+    bad.write_text("train: 5\n")  # with an override: "'train' is not a config section"
+    for overrides in ([], ["train.epochs=2"]):
+        with pytest.raises(ConfigError, match="config section 'train' must be a mapping, got 5"):
+            load_run_config(str(bad), overrides)
+
+
+def test_a_value_that_yaml_reads_as_a_mapping_stays_text(tmp_path: Path) -> None:
+    """data.name=imagefolder: was YAML's {'imagefolder': None} ('expected str, got ... (dict)');
+    it is the text now, and an image folder without a path is an error, where it once read the
+    working folder (every file in it) as the dataset."""
+    from vitlab.config import parse_value
+    from vitlab.data import load_split
+    from vitlab.data.datasets import DatasetError
+
+    assert load_run_config(None, ["data.name=imagefolder:"]).data.name == "imagefolder:"
+    assert parse_value("a: 1") == "a: 1" and parse_value("{a: 1}") == {"a": 1}  # braces: a map
+    with pytest.raises(DatasetError, match="'imagefolder:' names no folder"):
+        load_split("imagefolder:", "train")
 
 
 @pytest.mark.parametrize(

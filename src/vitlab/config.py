@@ -143,13 +143,14 @@ def _plain(v: Any) -> Any:
 
 
 def parse_value(text: str) -> Any:
-    """A command-line value as YAML reads it: '0.1' -> 0.1, 'true' -> True, '[1, 2]' -> [1, 2],
-    'null' -> None; anything else stays a string."""
+    """A command-line value as YAML reads it ('0.1', 'true', '[1, 2]', 'null'), else the text."""
     import yaml
 
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
+        return text
+    if isinstance(value, dict) and not text.lstrip().startswith("{"):  # imagefolder: (a name)
         return text
     if isinstance(value, str):  # YAML 1.1 reads '1e-3' as a string
         with contextlib.suppress(ValueError):
@@ -169,7 +170,7 @@ def apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str]) -> di
             raise ConfigError(f"override keys are section.key (e.g. train.epochs), got {key!r}")
         node = out.setdefault(section, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"{section!r} is not a config section")
+            raise ConfigError(f"config section {section!r} must be a mapping, got {node!r}")
         node[field] = parse_value(value)
     return out
 
@@ -407,9 +408,8 @@ class RunConfig:
         name = model_tree.pop("name", ModelSection.name)
         if not isinstance(name, str):
             raise ConfigError(f"model.name: expected a model name, got {name!r}")
-        for key in model_tree:
-            if not isinstance(key, str):
-                raise ConfigError(f"keys of section 'model' are names, got {key!r}")
+        if bad := [key for key in model_tree if not isinstance(key, str)]:
+            raise ConfigError(f"keys of section 'model' are names, got {bad[0]!r}")
         kwargs: dict[str, Any] = {"model": ModelSection(name, model_tree)}
         for section, klass in cls.SECTIONS.items():
             body = {

@@ -135,4 +135,6 @@ def absolute_source(name: str | None) -> str | None:
     path = os.path.expanduser(spec)
     if (kind == "hf" and not os.path.exists(path)) or "://" in spec or spec.startswith("pipe:"):
         return name  # a hub name, a URL, a command
+    if not spec.strip():
+        return name  # no path: an error where it is read, not the working folder
     return f"{kind}:{os.path.abspath(path)}{mark}{split}"

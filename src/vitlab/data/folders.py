@@ -277,8 +277,12 @@ def _few(items: list) -> str:
 
 
 def folder_root(name: str) -> Path:
-    """The folder an `imagefolder:PATH` dataset name names."""
-    return Path(name.split(":", 1)[1]).expanduser()
+    """The folder an `imagefolder:PATH` dataset name names; a DatasetError for no PATH (an empty
+    Path is the working folder, which `imagefolder:` once read as the dataset)."""
+    path = name.split(":", 1)[1]
+    if not path.strip():
+        raise DatasetError(f"{name!r} names no folder: expected imagefolder:PATH")
+    return Path(path).expanduser()
 
 
 def folder_files(root: Path, whole: bool = False) -> list[str]:
