@@ -191,6 +191,10 @@ def test_a_drawn_image_that_does_not_decode_falls_back_to_every_image(tmp_path: 
     assert len(named) == 1, [r.getMessage() for r in named]  # not again by the second loader
     (kept,) = cache.glob("*.safetensors")  # the whole split's, not the two rows' (one short)
     assert kept == got.cache and len(load_weights(kept)["labels"]) == 7
+    caplog.clear()  # read from the cache, the image is not decoded again: said from the file
+    again = Extractor(str(ckpt), device="cpu", cache_dir=cache, progress=False)
+    assert len(again.features(f"imagefolder:{root}", None, "train")) == 7 and not again.loaded
+    assert f"1 of the imagefolder:{root} train images did not decode" in caplog.text
     fine = Extractor(str(ckpt), device="cpu", progress=False)
     two = fine.features(f"imagefolder:{root}", None, "train", lambda labels, classes: [1, 4])
     assert two.rows.tolist() == [1, 4] and len(two) == 2 and two.y.tolist() == [0, 1]

@@ -143,19 +143,26 @@ def read_cache(path: Path, key: dict[str, Any]) -> Features | None:
             return None
         tensors = load_weights(path)
         x, y, classes = tensors["features"], tensors["labels"], json.loads(meta["classes"])
+        skipped = int(meta.get("skipped", 0))
     except (CheckpointError, KeyError, ValueError) as e:
         log.warning("feature cache %s is unreadable (%s): extracting again", path, e)
         return None
+    if skipped:  # named when they were met: said again, or a cached run would not tell
+        log.warning("%d of the %s %s images did not decode when these features were cached "
+                    "(%s): they are left out", skipped, key["data"], key["split"],
+                    path.name)  # fmt: skip
     return Features(x, y, classes, cache=path, cached=True, rows=tensors.get("rows"))
 
 
-def write_cache(path: Path, key: dict[str, Any], features: Features) -> None:
-    """Write `features` with `key` in the metadata (a subset's with its rows), atomically; then
-    remove the files of the same split's subsets that these hold (of the whole split: all)."""
+def write_cache(path: Path, key: dict[str, Any], features: Features, skipped: int = 0) -> None:
+    """Write `features` with `key` in the metadata (a subset's with its rows; `skipped`: images
+    of the split that did not decode), atomically; then remove the files of the same split's
+    subsets that these hold (of the whole split: all)."""
     metadata = {
         "format": CACHE_FORMAT,
         "key": json.dumps(key, sort_keys=True),
         "classes": json.dumps(features.classes),
+        "skipped": str(skipped),
     }
     tensors = {"features": features.x.contiguous(), "labels": features.y.contiguous()}
     if features.rows is not None:

@@ -269,7 +269,7 @@ class Extractor:
         out = Features(x, y, list(part.classes), cache=path)
         out.rows = rows if len(out) == len(part) else None
         if path is not None and (rows is None or out.rows is not None):
-            write_cache(path, key, out)
+            write_cache(path, key, out, skipped=len(part) - len(out))
             log.info("cached %s features in %s", what, path)
         return out
 
