@@ -99,10 +99,19 @@ def test_another_folder_without_train_is_evaluated_whole(run, tmp_path):
     other = evaluate_checkpoint(str(run), data=f"imagefolder:{test_only}", out=tmp_path / "o")
     assert other["num_images"] == own["num_images"] == 359
     assert other["confusion"] == own["confusion"]  # the same images, every one
+    model, _ = load_checkpoint(run)  # class names in another order than the folder's (sorted
+    model.classes = WORDS  # as text): relabelled by name, as for any other dataset
+    save_pretrained(model, tmp_path / "named")
+    words = digits_folder(tmp_path / "words", WORDS) / "test"
+    named = evaluate_checkpoint(str(tmp_path / "named"), data=f"imagefolder:{words}")
+    assert named["num_images"] == 359 and named["confusion"] == own["confusion"]
     overrides = [*TINY_MODEL, f"data.name=imagefolder:{test_only}", "train.epochs=1"]
     assert main(["train", "--out", str(tmp_path / "r"), *overrides]) == 0
-    restated = evaluate_checkpoint(str(tmp_path / "r"), data=f"imagefolder:{test_only}")
-    assert restated["num_images"] == evaluate_checkpoint(str(tmp_path / "r"))["num_images"] == 72
+    (tmp_path / "link").symlink_to(test_only)  # the run's own folder, however it is named
+    for name in (test_only, tmp_path / "link", test_only / ".." / "test"):
+        restated = evaluate_checkpoint(str(tmp_path / "r"), data=f"imagefolder:{name}")
+        assert restated["num_images"] == 72, name  # the fifth its training left out
+    assert evaluate_checkpoint(str(tmp_path / "r"))["num_images"] == 72
 
 
 def test_another_datasets_confusion_png_does_not_replace_the_runs(run, tmp_path, capsys):

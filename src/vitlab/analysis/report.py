@@ -30,7 +30,7 @@ from vitlab.data.decode import decode_image
 from vitlab.data.folders import FolderSplit, read_image
 from vitlab.data.hf import HFSplit
 from vitlab.data.workers import warn_once
-from vitlab.eval.run import data_config, evaluation_split
+from vitlab.eval.run import data_config, evaluation_split, reads_whole
 from vitlab.models.cnn import CNN
 from vitlab.models.swin import SwinTransformer
 from vitlab.models.vit import VisionTransformer
@@ -53,7 +53,8 @@ def load_images(
     labelled by the checkpoint's `classes`, else digits; see dataset_images)."""
     if files:
         return file_images(pre, files)
-    return dataset_images(pre, data_config(run, data, data_dir), n, classes)
+    cfg = data_config(run, data, data_dir)
+    return dataset_images(pre, cfg, n, classes, whole=reads_whole(cfg, run))
 
 
 def file_images(pre: Preprocessing, files: list[str]) -> Images:
@@ -67,12 +68,13 @@ def file_images(pre: Preprocessing, files: list[str]) -> Images:
 
 
 def dataset_images(
-    pre: Preprocessing, cfg: DataConfig, n: int, classes: list[str] | None = None
+    pre: Preprocessing, cfg: DataConfig, n: int, classes: list[str] | None = None, whole=False
 ) -> Images:
     """The first n images of the test split of `cfg`'s data (eval's evaluation_split), named
     DATASET-test-I-CLASS: in-memory images with their channels matched to the model's (grey
     repeated to RGB, RGB to grey), an image folder's or a Hugging Face dataset's decoded in the
-    model's mode. Streamed shards cannot be indexed: DatasetError."""
+    model's mode; `whole`: all of the source (eval's reads_whole: another image folder without
+    train/). Streamed shards cannot be indexed: DatasetError."""
     name = cfg.test or cfg.name
     if name.startswith("wds:"):
         raise DatasetError(
@@ -80,7 +82,7 @@ def dataset_images(
             f"shards, which cannot be indexed: {IMAGES_OR_DATA}"
         )
     try:
-        split = evaluation_split(cfg, "test", classes, pre)
+        split = evaluation_split(cfg, "test", classes, pre, whole)  # whole: reads_whole
     except DatasetError as e:
         raise DatasetError(f"{e}; {IMAGES_OR_DATA}") from None
     if not len(split):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from vitlab.analysis.page import out_folder
 from vitlab.config import DataConfig, RunConfig
 from vitlab.data import ArraySplit, make_loader
 from vitlab.data.classes import name_order
-from vitlab.data.datasets import DatasetError, Split, load_run_split
+from vitlab.data.datasets import DatasetError, Split, load_run_split, load_split
 from vitlab.data.download import absolute_source
 from vitlab.data.folders import folder_root, read_image
 from vitlab.eval.backends import backend_device, describe, prepare
@@ -56,22 +57,32 @@ def data_config(run_cfg: RunConfig | None, data: str | None, data_dir: str | Non
     return dataclasses.replace(cfg, dir=data_dir) if data_dir else cfg
 
 
-def _other_flat_folder(cfg: DataConfig, run_cfg: RunConfig | None) -> bool:
-    """Whether `cfg` names an image folder without train/ that is not the run's own data: its
-    test split would be a seeded fifth of it (the run's own folder keeps that share, the images
-    its training left out)."""
-    own = run_cfg is not None and absolute_source(cfg.name) == absolute_source(run_cfg.data.name)
-    return cfg.name.startswith("imagefolder:") and not own and not cfg.test and not (
-        folder_root(cfg.name) / "train").is_dir()  # fmt: skip
+def reads_whole(cfg: DataConfig, run_cfg: RunConfig | None) -> bool:
+    """Whether the test split of `cfg` is all of it: an image folder without train/ (and no
+    data.test) that is not the run's own data, whose test split would be a seeded fifth of it.
+    The run's own folder, however named (a link, a relative path), keeps that fifth: the images
+    its training left out."""
+    if not cfg.name.startswith("imagefolder:") or cfg.test:
+        return False
+    folder = os.path.realpath(folder_root(cfg.name))
+    own = run_cfg is not None and run_cfg.data.name.startswith("imagefolder:")
+    if own and folder == os.path.realpath(folder_root(run_cfg.data.name)):
+        return False
+    return not os.path.isdir(os.path.join(folder, "train"))
 
 
 def evaluation_split(
-    cfg: DataConfig, split: str, classes: list[str] | None, pre: Preprocessing
+    cfg: DataConfig, split: str, classes: list[str] | None, pre: Preprocessing, whole: bool = False
 ) -> Split:
     """Split `split` ('val', 'test') of `cfg`'s data as vitlab eval and analyze read it: as the
     run's training read it (with data.test, labelled by the checkpoint's `classes`, so the
-    training source is not read for its class names), its channels matched to the model's."""
-    part = load_run_split(cfg, split, classes or None)
+    training source is not read for its class names), its channels matched to the model's.
+    `whole` (reads_whole): all of the source, its own classes (align_classes relabels them)."""
+    if whole:
+        keys = (cfg.image_key, cfg.label_key)
+        part = load_split(cfg.name, "all", cfg.dir, cfg.split_seed, keys)
+    else:
+        part = load_run_split(cfg, split, classes or None)
     return match_channels(part, pre, cfg.name)  # e.g. grey images, an RGB model
 
 
@@ -160,12 +171,11 @@ def evaluate_checkpoint(
     if split == "val" and run_cfg is None:
         raise DatasetError("--split val needs a run folder (its config defines the split)")
     cfg = data_config(run_cfg, data, data_dir)
-    if split == "test" and _other_flat_folder(cfg, run_cfg):  # a folder of test images: all
-        cfg = dataclasses.replace(cfg, test=cfg.name)  # read whole, as data.test reads it
+    whole = split == "test" and reads_whole(cfg, run_cfg)  # a folder of test images: all
     name = cfg.name
     source = cfg.test if split == "test" and cfg.test else name  # where the images come from
     part = evaluation_split(
-        cfg, "val" if split == "val" else "test", meta.classes, meta.preprocessing
+        cfg, "val" if split == "val" else "test", meta.classes, meta.preprocessing, whole
     )
     part = align_classes(part, meta.classes, meta.config.num_classes, name)
     loader = make_loader(part, batch_size, meta.preprocessing)
