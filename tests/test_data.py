@@ -417,6 +417,19 @@ def test_links_to_listed_files_are_not_listed_again(tmp_path, caplog) -> None:
     os.symlink(first, flat / "dog" / "again.png")
     assert first in scan_image_folder(flat).files
     assert str(flat / "dog" / "again.png") not in scan_image_folder(flat).files
+    # files the scans do not list are linked to: a loose image beside the class folders (in
+    # PATH or in train/), one in a test class that is no training class: listed once, here
+    (flat / "loose.png").write_bytes(b"png")
+    os.symlink("../loose.png", flat / "dog" / "loose.png")
+    assert str(flat / "dog" / "loose.png") in scan_image_folder(flat).files
+    (root / "train" / "beside.png").write_bytes(b"png")
+    (root / "test" / "bird").mkdir()
+    (root / "test" / "bird" / "b.png").write_bytes(b"png")
+    os.symlink("../beside.png", root / "train" / "cat" / "beside.png")
+    os.symlink("../../test/bird/b.png", root / "train" / "cat" / "bird.png")
+    train = load_folder_split(root, "train", 0)
+    assert {"train/cat/beside.png", "train/cat/bird.png"} <= set(names(train))
+    assert "train/cat/t2.png" not in names(train)  # test/cat is scanned: still not listed
 
 
 def test_a_link_to_the_dataset_holding_the_class_is_a_loop(tmp_path, caplog) -> None:

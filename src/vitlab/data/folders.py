@@ -87,6 +87,8 @@ class _Listed:
             targets += [os.path.join(os.path.realpath(p), "") for p in links]
         self.linked = {t for t in targets if not self.meets(t)}  # the others: not listed
         self._add([t for t in targets if t in self.linked])
+        self._roots, self._classes = list(real.values()), classes
+        self._listed: set[str] | None = None  # the folders whose files are listed (lists())
         self._real: dict[str, tuple] = {}  # a file link's target's folder: (real path, listed)
 
     def _add(self, paths: list[str]) -> None:
@@ -103,7 +105,8 @@ class _Listed:
         )
 
     def lists(self, link: str) -> bool:
-        """Whether the file a link to a file leads to lies in one of these folders (it is listed
+        """Whether the file a link to a file leads to lies in a folder whose files are listed: a
+        scanned class folder, a class folder's target, or an unlabelled split folder (listed
         there; False: it cannot be read, gone since). Its folder's real path is resolved once
         for all the links into it (a folder of links into one pool of images: a readlink each,
         not a realpath's lstat per part: 7 us a link more than listing it, against 28)."""
@@ -113,11 +116,31 @@ class _Listed:
             return False
         if (seen := self._real.get(folder)) is None:
             real = os.path.join(os.path.realpath(folder), "")
-            seen = self._real[folder] = real, any(self.count[up] for up in _ancestors(real))
+            seen = self._real[folder] = real, _under(real, self._listed_folders())
         if seen[1] or not os.path.islink(seen[0] + name):  # listed there, whatever it is
             return seen[1]
         real = os.path.join(os.path.dirname(os.path.realpath(seen[0] + name)), "")  # a link to
-        return any(self.count[up] for up in _ancestors(real))  # a link: followed to its end
+        return _under(real, self._listed_folders())  # a link: followed to its end
+
+    def _listed_folders(self) -> set[str]:
+        """The real paths of the folders whose files the scans list (found once, when a link to
+        a file is first met): each split's class folders that are scanned (a linked one: its
+        target, if listed), or the split folder itself where it has none."""
+        if self._listed is None:
+            self._listed = set(self.linked)
+            for root in self._roots:
+                try:
+                    with os.scandir(root) as entries:
+                        subs = [e for e in entries if e.is_dir(follow_symlinks=False)
+                                or e.is_symlink() and _leads_to(e) == "dir"]  # fmt: skip
+                except OSError:  # unreadable: the scan names it
+                    continue
+                if not subs:  # unlabelled: its every file
+                    self._listed.add(os.path.join(os.path.realpath(root), ""))
+                named = {e.name for e in subs} if self._classes is None else set(self._classes)
+                self._listed.update(os.path.join(os.path.realpath(e.path), "") for e in subs
+                                    if e.name in named and not e.is_symlink())  # fmt: skip
+        return self._listed
 
 
 def _leads_to(entry: os.DirEntry) -> str:
@@ -156,7 +179,7 @@ def _list_files(
     with `quiet`). A target above one followed already is followed, and the folder followed
     before is not entered again through it: each file is listed once, whichever link comes
     first. A link to a file is listed under its own name unless the file lies in a folder whose
-    images are listed (`listed`, for the same reason; warned)."""
+    files are listed (`listed.lists`, for the same reason; warned)."""
     found, skipped, broken, unreadable, files, twice = [], [], [], [], [], []
     start = os.path.join(target := os.path.realpath(folder), "")
     if not split and os.path.islink(folder) and listed.meets(start, own=True):
@@ -201,9 +224,9 @@ def _list_files(
              f"to a folder holding the link, or in one followed already: "
              f"{_few(sorted(skipped))}")  # fmt: skip
     if twice and not quiet:
-        _say(f"did not list {len(twice)} links to files in the dataset's split folders or a "
-             f"class folder's target (listed there; through the link a file would be listed "
-             f"twice, under another class, or in the other split): "
+        _say(f"did not list {len(twice)} links to files listed already (in a scanned class "
+             f"folder, a class folder's target or an unlabelled split folder: through the link "
+             f"a file would be listed twice, under another class, or in the other split): "
              f"{_few(sorted(twice))}")  # fmt: skip
     if broken and not quiet:
         _say(f"skipped {len(broken)} links to nothing (or to themselves) in {folder}: "
