@@ -69,6 +69,11 @@ def test_a_value_that_yaml_reads_as_a_mapping_stays_text(tmp_path: Path) -> None
     assert parse_value("a: 1") == "a: 1" and parse_value("{a: 1}") == {"a": 1}  # braces: a map
     with pytest.raises(DatasetError, match="'imagefolder:' names no folder"):
         load_split("imagefolder:", "train")
+    from vitlab.data.download import absolute_source
+    from vitlab.data.folders import folder_root
+
+    spaced = load_run_config(None, [f"data.name=imagefolder: {tmp_path}"]).data.name
+    assert folder_root(spaced) == tmp_path and absolute_source(spaced) == f"imagefolder:{tmp_path}"
 
 
 @pytest.mark.parametrize(

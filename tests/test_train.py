@@ -183,6 +183,8 @@ def test_resume_may_only_change_the_length(tmp_path: Path, capsys) -> None:
     assert resume_config(run, same) == saved
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
     assert "nothing: no such folder" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run / "config.yaml")]) == 2
+    assert "config.yaml: not a folder (expected a run folder)" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
     assert "no config.yaml" in capsys.readouterr().err

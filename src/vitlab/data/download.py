@@ -131,10 +131,10 @@ def absolute_source(name: str | None) -> str | None:
     kind, sep, rest = (name or "").partition(":")
     if not sep or kind not in ("imagefolder", "hf", "wds"):
         return name  # digits, fashion-mnist, cifar10, ... (and None)
-    spec, mark, split = rest.partition("#") if kind == "hf" else (rest, "", "")
+    spec, mark, split = rest.strip().partition("#") if kind == "hf" else (rest.strip(), "", "")
     path = os.path.expanduser(spec)
     if (kind == "hf" and not os.path.exists(path)) or "://" in spec or spec.startswith("pipe:"):
         return name  # a hub name, a URL, a command
-    if not spec.strip():
+    if not spec:
         return name  # no path: an error where it is read, not the working folder
     return f"{kind}:{os.path.abspath(path)}{mark}{split}"

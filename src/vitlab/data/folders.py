@@ -302,8 +302,8 @@ def _few(items: list) -> str:
 def folder_root(name: str) -> Path:
     """The folder an `imagefolder:PATH` dataset name names; a DatasetError for no PATH (an empty
     Path is the working folder, which `imagefolder:` once read as the dataset)."""
-    path = name.split(":", 1)[1]
-    if not path.strip():
+    path = name.split(":", 1)[1].strip()  # `imagefolder: /data/x` (a space) names /data/x
+    if not path:
         raise DatasetError(f"{name!r} names no folder: expected imagefolder:PATH")
     return Path(path).expanduser()
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import safe_open
 from torch import Tensor
@@ -145,7 +146,8 @@ def read_cache(path: Path, key: dict[str, Any]) -> Features | None:
         x, y, classes = tensors["features"], tensors["labels"], json.loads(meta["classes"])
         skipped = int(meta.get("skipped", 0))
     except (CheckpointError, KeyError, ValueError) as e:
-        log.warning("feature cache %s is unreadable (%s): extracting again", path, e)
+        if path.exists():  # else removed meanwhile (a process that wrote a file holding it)
+            log.warning("feature cache %s is unreadable (%s): extracting again", path, e)
         return None
     if skipped:  # named when they were met: said again, or a cached run would not tell
         log.warning("%d of the %s %s images did not decode when these features were cached "
@@ -176,13 +178,15 @@ def write_cache(path: Path, key: dict[str, Any], features: Features, skipped: in
 
 
 def read_covering(folder: Path, key: dict[str, Any], rows: np.ndarray) -> Features | None:
-    """The features of the split's `rows` from a subset file of the same key (but its rows)
-    holding every one of them (for more shots or seeds), or None. Their rows are the file's."""
+    """The features of the split's `rows` (sorted) from a subset file of the same key (but its
+    rows) holding every one of them (for more shots or seeds), or None."""
     for path, other, held in _subsets(folder, key):
         if held is not None and _covers(held, rows):
             found = read_cache(path, other)
             if found is not None and found.rows is not None:
-                return found
+                at = torch.from_numpy(np.searchsorted(found.rows.numpy(), rows))
+                return Features(found.x[at], found.y[at], found.classes, cache=path, cached=True,
+                                rows=torch.as_tensor(rows))  # fmt: skip
     return None
 
 

@@ -49,7 +49,8 @@ def resume_config(run: Path, overrides: list[str]) -> RunConfig:
     (train.epochs, train.stop_at_epoch); others may only restate the saved value."""
     path = Path(run) / "config.yaml"
     if not Path(run).is_dir():
-        raise CheckpointError(f"cannot resume {run}: no such folder (expected a run folder)")
+        what = "not a folder" if Path(run).exists() else "no such folder"
+        raise CheckpointError(f"cannot resume {run}: {what} (expected a run folder)")
     if not path.is_file():
         raise CheckpointError(f"cannot resume {run}: it has no config.yaml (not a vitlab run)")
     saved = saved_tree(load_run_config(str(path), []))
@@ -61,9 +62,10 @@ def resume_config(run: Path, overrides: list[str]) -> RunConfig:
     return load_run_config(str(path), overrides)
 
 
-def check_resume_length(run: Path, cfg: RunConfig, extend: bool) -> int:
+def check_resume_length(run: Path, cfg: RunConfig, extend: bool, said: bool = True) -> int:
     """The run's planned train.epochs (from its saved config). A different cfg.train.epochs
-    would silently reshape the learning-rate schedule mid-run: refused unless `extend`."""
+    would silently reshape the learning-rate schedule mid-run: refused unless `extend` (the
+    same one with `extend` is warned, where `said`: rank 0 of many)."""
     saved = load_run_config(str(run / "config.yaml"), []).train.epochs
     new = cfg.train.epochs
     if new != saved and not extend:
@@ -74,7 +76,7 @@ def check_resume_length(run: Path, cfg: RunConfig, extend: bool) -> int:
             f"(extend=True), and the schedule is recomputed as if the run had started with {new} "
             f"epochs"
         )
-    if extend and new == saved:  # said, not refused: the same command again after a stop
+    if extend and new == saved and said:  # not refused: the same command again after a stop
         log.warning("--extend: the run's train.epochs is %d already, so it keeps its length "
                     "(train.epochs=N with --extend lengthens it)", saved)  # fmt: skip
     return saved

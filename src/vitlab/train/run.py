@@ -124,7 +124,7 @@ class Run:
             if extend and (cfg.train.time_budget is not None or cfg.train.max_steps is not None):
                 raise ConfigError("--extend sets train.epochs, which the schedule of a train."
                                   "time_budget or train.max_steps run does not span")  # fmt: skip
-            planned = check_resume_length(Path(resume), cfg, extend)
+            planned = check_resume_length(Path(resume), cfg, extend, said=d.is_main)
         self.data = load_data(cfg)
         base = None  # fine-tuning: the architecture is the source's (kept in `last` on resume)
         source = None  # the fine-tuning checkpoint, read once
