@@ -430,6 +430,14 @@ def test_links_to_listed_files_are_not_listed_again(tmp_path, caplog) -> None:
     train = load_folder_split(root, "train", 0)
     assert {"train/cat/beside.png", "train/cat/bird.png"} <= set(names(train))
     assert "train/cat/t2.png" not in names(train)  # test/cat is scanned: still not listed
+    mixed = tmp_path / "mixed"  # train/ unlabelled, test/ with classes of its own: a link in
+    for name in ("train/u.png", "test/cat/t.png"):  # train/ to a test image is refused too
+        (mixed / name).parent.mkdir(parents=True, exist_ok=True)
+        (mixed / name).write_bytes(b"png")
+    os.symlink("../test/cat/t.png", mixed / "train" / "t.png")
+    assert [os.path.basename(f) for f in load_folder_split(mixed, "train", 0).files] == ["u.png"]
+    listed = [str(mixed / n) for n in ("test/cat/t.png", "train/u.png")]
+    assert sorted(folder_files(mixed)) == listed  # the digest's list: what the scans list
 
 
 def test_a_link_to_the_dataset_holding_the_class_is_a_loop(tmp_path, caplog) -> None:

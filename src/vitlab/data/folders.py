@@ -137,7 +137,7 @@ class _Listed:
                     continue
                 if not subs:  # unlabelled: its every file
                     self._listed.add(os.path.join(os.path.realpath(root), ""))
-                named = {e.name for e in subs} if self._classes is None else set(self._classes)
+                named = set(self._classes or (e.name for e in subs))  # none: the root's own
                 self._listed.update(os.path.join(os.path.realpath(e.path), "") for e in subs
                                     if e.name in named and not e.is_symlink())  # fmt: skip
         return self._listed
