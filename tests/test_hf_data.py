@@ -144,3 +144,18 @@ def test_train_from_parquet_files(tmp_path: Path, monkeypatch, capsys) -> None:
     again = evaluate_checkpoint(str(run / "checkpoints" / "best"), device="cpu")
     assert again["num_images"] == 30 and again["top1"] == result["top1"]
     assert again["data"] == f"hf:{tmp_path / 'test.parquet'}"  # it named train.parquet
+
+
+def test_quiet_hides_the_datasets_librarys_progress_bars(tmp_path: Path, capfd) -> None:
+    """`vitlab -q` hid vitlab's messages, but `datasets` still drew its own bars on stderr
+    ("Generating train split"); now -q hides them too, and a run without -q still shows them."""
+    import datasets
+
+    from vitlab.cli.main import main
+
+    for i, quiet in enumerate((True, False)):
+        table(12 + i).to_parquet(str(tmp_path / f"t{i}.parquet"))  # a new file: not cached
+        args = ["data", "shard", f"hf:{tmp_path / f't{i}.parquet'}", str(tmp_path / f"s{i}")]
+        assert main([*(["-q"] if quiet else []), *args, "--no-progress"]) == 0
+        assert ("Generating train split" in capfd.readouterr().err) != quiet
+    assert datasets.utils.logging.is_progress_bar_enabled()  # restored after -q

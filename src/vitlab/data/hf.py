@@ -14,6 +14,7 @@ hf:ILSVRC/imagenet-1k#train data.test=hf:ILSVRC/imagenet-1k#validation`)."""
 from __future__ import annotations
 
 import io
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -69,6 +70,9 @@ def _open(spec: str) -> dict:
     spec, _, chosen = spec.partition("#")
     path = Path(spec).expanduser()
     one = {"split": chosen} if chosen else {}
+    bars = datasets.utils.logging.is_progress_bar_enabled()  # -q (vitlab's messages at ERROR):
+    if logging.getLogger("vitlab").getEffectiveLevel() >= logging.ERROR:  # none of theirs
+        datasets.utils.logging.disable_progress_bar()
     try:
         if path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):
             found = datasets.load_from_disk(str(path))
@@ -80,6 +84,9 @@ def _open(spec: str) -> dict:
         raise DatasetError(f"cannot load the Hugging Face dataset {spec}"
                            f"{f' (split {chosen})' if chosen else ''}: {type(e).__name__}: "
                            f"{e}") from None  # fmt: skip
+    finally:
+        if bars:
+            datasets.utils.logging.enable_progress_bar()
     splits = dict(found) if isinstance(found, datasets.DatasetDict) else {chosen or "train": found}
     if chosen and chosen not in splits:
         raise DatasetError(f"hf:{spec} has no split {chosen!r}: it has {sorted(splits)}")
