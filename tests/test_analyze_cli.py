@@ -368,3 +368,6 @@ def test_a_run_with_a_test_folder_is_analysed_without_its_training_images(tmp_pa
     capsys.readouterr()
     assert main(args) == 2
     assert "none of the 5 test images decodes" in capsys.readouterr().err
+    assert main(["analyze", str(run), "--data", "imagefolder:", "--out", str(out)]) == 2
+    err = capsys.readouterr().err  # no folder named: the error says what to pass instead
+    assert "'imagefolder:' names no folder" in err and "--images FILE" in err

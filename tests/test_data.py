@@ -435,8 +435,13 @@ def test_links_to_listed_files_are_not_listed_again(tmp_path, caplog) -> None:
         (mixed / name).parent.mkdir(parents=True, exist_ok=True)
         (mixed / name).write_bytes(b"png")
     os.symlink("../test/cat/t.png", mixed / "train" / "t.png")
+    (tmp_path / "pool" / "dog").mkdir(parents=True)  # and test/dog -> a folder outside: a link
+    (tmp_path / "pool" / "dog" / "d.png").write_bytes(b"png")  # in train/ to its image too
+    os.symlink(tmp_path / "pool" / "dog", mixed / "test" / "dog")
+    os.symlink(tmp_path / "pool" / "dog" / "d.png", mixed / "train" / "d.png")
     assert [os.path.basename(f) for f in load_folder_split(mixed, "train", 0).files] == ["u.png"]
-    listed = [str(mixed / n) for n in ("test/cat/t.png", "train/u.png")]
+    assert len(load_folder_split(mixed, "test", 0)) == 2  # t.png and dog/d.png
+    listed = [str(mixed / n) for n in ("test/cat/t.png", "test/dog/d.png", "train/u.png")]
     assert sorted(folder_files(mixed)) == listed  # the digest's list: what the scans list
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +104,9 @@ def test_another_folder_without_train_is_evaluated_whole(run, tmp_path):
     model.classes = WORDS  # as text): relabelled by name, as for any other dataset
     save_pretrained(model, tmp_path / "named")
     words = digits_folder(tmp_path / "words", WORDS) / "test"
-    named = evaluate_checkpoint(str(tmp_path / "named"), data=f"imagefolder:{words}")
+    named = evaluate_checkpoint(
+        str(tmp_path / "named"), data=f"imagefolder:{words}", out=tmp_path / "o"
+    )
     assert named["num_images"] == 359 and named["confusion"] == own["confusion"]
     overrides = [*TINY_MODEL, f"data.name=imagefolder:{test_only}", "train.epochs=1"]
     assert main(["train", "--out", str(tmp_path / "r"), *overrides]) == 0
@@ -112,6 +115,15 @@ def test_another_folder_without_train_is_evaluated_whole(run, tmp_path):
         restated = evaluate_checkpoint(str(tmp_path / "r"), data=f"imagefolder:{name}")
         assert restated["num_images"] == 72, name  # the fifth its training left out
     assert evaluate_checkpoint(str(tmp_path / "r"))["num_images"] == 72
+    with_test = [*overrides, f"data.test=imagefolder:{test_only}"]  # trained on all of it: a
+    assert main(["train", "--out", str(tmp_path / "r2"), *with_test]) == 0  # link to it is the
+    linked = evaluate_checkpoint(str(tmp_path / "r2"), data=f"imagefolder:{tmp_path / 'link'}")
+    assert linked["num_images"] == 359  # run's data, its data.test read (not a fifth of it)
+    lacking = digits_folder(tmp_path / "lacking", [str(i) for i in range(10)]) / "test"
+    shutil.rmtree(lacking / "9")  # a test folder without one of the classes: labelled by name
+    part = evaluate_checkpoint(str(run), data=f"imagefolder:{lacking}")
+    nines = sum(own["confusion"][9])
+    assert part["num_images"] == 359 - nines and part["confusion"][:9] == own["confusion"][:9]
 
 
 def test_another_datasets_confusion_png_does_not_replace_the_runs(run, tmp_path, capsys):

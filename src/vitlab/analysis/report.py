@@ -53,8 +53,7 @@ def load_images(
     labelled by the checkpoint's `classes`, else digits; see dataset_images)."""
     if files:
         return file_images(pre, files)
-    cfg = data_config(run, data, data_dir)
-    return dataset_images(pre, cfg, n, classes, whole=reads_whole(cfg, run))
+    return dataset_images(pre, data_config(run, data, data_dir), n, classes, run)
 
 
 def file_images(pre: Preprocessing, files: list[str]) -> Images:
@@ -68,13 +67,17 @@ def file_images(pre: Preprocessing, files: list[str]) -> Images:
 
 
 def dataset_images(
-    pre: Preprocessing, cfg: DataConfig, n: int, classes: list[str] | None = None, whole=False
+    pre: Preprocessing,
+    cfg: DataConfig,
+    n: int,
+    classes: list[str] | None = None,
+    run: RunConfig | None = None,
 ) -> Images:
     """The first n images of the test split of `cfg`'s data (eval's evaluation_split), named
     DATASET-test-I-CLASS: in-memory images with their channels matched to the model's (grey
     repeated to RGB, RGB to grey), an image folder's or a Hugging Face dataset's decoded in the
-    model's mode; `whole`: all of the source (eval's reads_whole: another image folder without
-    train/). Streamed shards cannot be indexed: DatasetError."""
+    model's mode; another image folder without train/ than `run`'s is read whole, as eval reads
+    it (reads_whole). Streamed shards cannot be indexed: DatasetError."""
     name = cfg.test or cfg.name
     if name.startswith("wds:"):
         raise DatasetError(
@@ -82,7 +85,7 @@ def dataset_images(
             f"shards, which cannot be indexed: {IMAGES_OR_DATA}"
         )
     try:
-        split = evaluation_split(cfg, "test", classes, pre, whole)  # whole: reads_whole
+        split = evaluation_split(cfg, "test", classes, pre, reads_whole(cfg, run))
     except DatasetError as e:
         raise DatasetError(f"{e}; {IMAGES_OR_DATA}") from None
     if not len(split):

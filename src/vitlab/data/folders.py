@@ -125,7 +125,9 @@ class _Listed:
     def _listed_folders(self) -> set[str]:
         """The real paths of the folders whose files the scans list (found once, when a link to
         a file is first met): each split's class folders that are scanned (a linked one: its
-        target, if listed), or the split folder itself where it has none."""
+        target, if listed), or the split folder itself where it has none. Without class names
+        (train/ unlabelled) each split's own count, a linked one's target unless it meets a
+        split folder."""
         if self._listed is None:
             self._listed = set(self.linked)
             for root in self._roots:
@@ -138,8 +140,10 @@ class _Listed:
                 if not subs:  # unlabelled: its every file
                     self._listed.add(os.path.join(os.path.realpath(root), ""))
                 named = set(self._classes or (e.name for e in subs))  # none: the root's own
-                self._listed.update(os.path.join(os.path.realpath(e.path), "") for e in subs
-                                    if e.name in named and not e.is_symlink())  # fmt: skip
+                for e in (e for e in subs if e.name in named):  # a linked one: where it leads,
+                    real = os.path.join(os.path.realpath(e.path), "")  # if its scan lists it
+                    if not e.is_symlink() or not self._classes and not self.meets(real):
+                        self._listed.add(real)  # (with names given, self.linked holds those)
         return self._listed
 
 

@@ -14,7 +14,7 @@ import yaml
 from vitlab.analysis.page import out_folder
 from vitlab.config import DataConfig, RunConfig
 from vitlab.data import ArraySplit, make_loader
-from vitlab.data.classes import name_order
+from vitlab.data.classes import name_order, numbered
 from vitlab.data.datasets import DatasetError, Split, load_run_split, load_split
 from vitlab.data.download import absolute_source
 from vitlab.data.folders import folder_root, read_image
@@ -52,23 +52,32 @@ def data_config(run_cfg: RunConfig | None, data: str | None, data_dir: str | Non
     """The data a command evaluating a checkpoint reads: its run's (test source, columns, split
     seed and carve included) unless another dataset is named, then that one as it comes."""
     cfg = run_cfg.data if run_cfg else DataConfig(name="digits", split_seed=0)
-    if data and absolute_source(data) != absolute_source(cfg.name):  # restated: the run's own
+    if data and not _same_source(data, cfg.name):  # restated (a link to its folder too): its own
         cfg = DataConfig(name=data, split_seed=cfg.split_seed, val_fraction=cfg.val_fraction)
     return dataclasses.replace(cfg, dir=data_dir) if data_dir else cfg
 
 
+def _same_source(data: str, own: str) -> bool:
+    """Whether dataset name `data` names `own`: as written, or two image folders that are one
+    (a link, a relative path)."""
+    if absolute_source(data) == absolute_source(own):
+        return True
+    folders = [n.startswith("imagefolder:") and n.partition(":")[2].strip() for n in (data, own)]
+    if not all(folders):
+        return False
+    return os.path.realpath(folder_root(data)) == os.path.realpath(folder_root(own))
+
+
 def reads_whole(cfg: DataConfig, run_cfg: RunConfig | None) -> bool:
     """Whether the test split of `cfg` is all of it: an image folder without train/ (and no
-    data.test) that is not the run's own data, whose test split would be a seeded fifth of it.
-    The run's own folder, however named (a link, a relative path), keeps that fifth: the images
-    its training left out."""
+    data.test) that is not the run's own data (data_config keeps the run's own, however it is
+    named), whose test split would be a seeded fifth of it. The run's own folder keeps that
+    fifth: the images its training left out."""
     if not cfg.name.startswith("imagefolder:") or cfg.test:
         return False
-    folder = os.path.realpath(folder_root(cfg.name))
-    own = run_cfg is not None and run_cfg.data.name.startswith("imagefolder:")
-    if own and folder == os.path.realpath(folder_root(run_cfg.data.name)):
+    if run_cfg is not None and _same_source(cfg.name, run_cfg.data.name):
         return False
-    return not os.path.isdir(os.path.join(folder, "train"))
+    return not (folder_root(cfg.name) / "train").is_dir()
 
 
 def evaluation_split(
@@ -81,6 +90,12 @@ def evaluation_split(
     if whole:
         keys = (cfg.image_key, cfg.label_key)
         part = load_split(cfg.name, "all", cfg.dir, cfg.split_seed, keys)
+        if part.classes and classes and len(part.classes) < len(classes):  # lacking some
+            if set(part.classes) <= set(classes):  # by name
+                index = torch.tensor([classes.index(c) for c in part.classes], dtype=torch.long)
+                part = dataclasses.replace(part, labels=index[part.labels], classes=list(classes))
+            elif numbered(part.classes):  # by index, as data.test's folder is
+                part = dataclasses.replace(part, classes=list(classes))
     else:
         part = load_run_split(cfg, split, classes or None)
     return match_channels(part, pre, cfg.name)  # e.g. grey images, an RGB model
