@@ -132,7 +132,14 @@ def test_models_command(capsys) -> None:
     assert main(["models", "vit_nano*"]) == 0
     out = capsys.readouterr().out
     assert "vit_nano_patch4_28" in out and "vit_base" not in out
-    assert main(["models", "nothing*"]) == 1
+    capsys.readouterr()
+    assert main(["models", "nothing*", "--family", "swin"]) == 1  # said on stderr, as errors are
+    said = capsys.readouterr()
+    assert not said.out and "no model matches 'nothing*' in family 'swin'" in said.err
+    assert main(["models", "swin-t", "--json"]) == 0  # any case, as `cost b/16` resolves names
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == [
+        "swin_tiny_patch4_window7_224"
+    ]
 
 
 @pytest.mark.parametrize("command", [[], ["models"], ["cost"]])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -87,8 +88,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:  # no match: [] and exit code 1, as the table's "no model matches"
         print(json.dumps(rows, indent=2))
         return 0 if rows else 1
-    if not rows:
-        print(f"no model matches {args.pattern!r}")
+    if not rows:  # said on stderr, exit 1 (as grep: nothing found, no error)
+        family = f" in family {args.family!r}" if args.family else ""
+        print(f"vitlab models: no model matches {args.pattern!r}{family}", file=sys.stderr)
         return 1
     header = ["name", "alias", "input", "patch", "D", "L", "heads", "MLP", "params"]
     table = [

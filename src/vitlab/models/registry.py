@@ -328,13 +328,17 @@ def create_model(name: str, **overrides: object) -> Model:
 
 def list_models(pattern: str | None = None, family: str | None = None) -> list[str]:
     """Registered names (aliases excluded), optionally filtered by a glob pattern on names and
-    aliases ('B/*' lists B/16's name too) and a model family ('vit', 'swin', 'cnn'; None: all)."""
+    aliases, in any case as names are resolved ('B/*' and 'b/*' list B/16's name too) and a
+    model family ('vit', 'swin', 'cnn'; None: all)."""
     if family not in (None, "vit", "swin", "cnn"):
         raise ValueError(f"family must be 'vit', 'swin' or 'cnn' (or None: all), got {family!r}")
     return [
         n
         for n, cfg in _MODELS.items()
-        if (pattern is None or any(fnmatch.fnmatch(a, pattern) for a in [n, *aliases_of(n)]))
+        if (
+            pattern is None
+            or any(fnmatch.fnmatchcase(a.lower(), pattern.lower()) for a in [n, *aliases_of(n)])
+        )
         and (family is None or family_of(cfg) == family)
     ]
 
