@@ -444,6 +444,11 @@ def test_shard_sizes_and_keys_that_do_not_apply_are_refused(tmp_path, balanced, 
         assert main([*where, "digits", str(tmp_path / "s"), "--shard-size", "0"]) == 2
         err = capsys.readouterr().err
         assert "got '0'" in err and "unrecognized arguments" not in err, err
+    (tmp_path / "afile").write_text("mine")  # DST a file, or under one: "[Errno 17] File exists"
+    for dst in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        assert main(["data", "shard", "digits", str(dst), "--no-progress"]) == 2
+        assert f"{tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "mine"
     pattern = f"wds:{balanced}/part-{{00..07}}.tar"  # shards' extensions: the keys apply
     args = ["data", "shard", pattern, str(tmp_path / "w"), "--no-progress", "--workers", "1"]
     assert main([*args, "--image-key", "png", "--label-key", "cls"]) == 0

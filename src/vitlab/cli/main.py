@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from vitlab import __version__
 from vitlab.cli import (
@@ -158,6 +159,17 @@ def sigterm_raises() -> Iterator[None]:
         yield
 
 
+def _blocked(e: OSError) -> str:
+    """What an OSError from writing or reading a path says: a file where a folder is needed
+    (`--cache-dir FILE`, a DST that is a file) by name, else the error."""
+    if isinstance(e, FileExistsError | NotADirectoryError) and e.filename:
+        path = Path(os.fsdecode(e.filename))
+        file = next((p for p in (path, *path.parents) if p.exists()), None)
+        if file is not None and not file.is_dir():
+            return f"{file} is a file, not a folder: name a folder (new or existing) there"
+    return f"cannot write or read there: {e}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     if argv is None:  # the command (not a caller's in-process call): reuse freed memory
@@ -169,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vitlab {args.command}: error: {e}", file=sys.stderr)
         return 2
     except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
-        print(f"vitlab {args.command}: error: cannot write or read there: {e}", file=sys.stderr)
+        print(f"vitlab {args.command}: error: {_blocked(e)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `vitlab models | head`
         return 0
