@@ -292,6 +292,36 @@ def test_the_cache_key_sees_linked_folders_and_local_shards(
     assert ex.key(url, "train")["files"] is None  # a URL: by its name
 
 
+def test_one_command_digests_an_image_folder_once(run: Path, tmp_path: Path, monkeypatch):
+    """vitlab fewshot / probe listed and stat-ed an image folder's files once for each split's
+    key (a million-image folder: seconds each); now once for both, while a key asked for alone
+    still lists them anew (a changed folder counts)."""
+    from PIL import Image
+
+    from vitlab.eval import feature_cache
+    from vitlab.eval.features import train_and_test
+
+    root = tmp_path / "images"
+    for split, c in ((s, c) for s in ("train", "test") for c in ("a", "b")):
+        (root / split / c).mkdir(parents=True)
+        for i in range(3):
+            Image.new("L", (8, 8), 30 * i + 100 * (c == "b")).save(root / split / c / f"{i}.png")
+    listed = []
+
+    def counted(folder, whole=False):
+        listed.append(folder)
+        return real(folder, whole)
+
+    real = feature_cache.folder_files
+    monkeypatch.setattr(feature_cache, "folder_files", counted)
+    ex = Extractor(str(run), device="cpu", progress=False)
+    train, test, _ = train_and_test(ex, f"imagefolder:{root}", None)
+    assert len(train) == len(test) == 6 and len(listed) == 1
+    cfg = ex.dataset(f"imagefolder:{root}", None)
+    ex.key(cfg, "train"), ex.key(cfg, "test")
+    assert len(listed) == 3  # outside one command's reading: each key anew
+
+
 def test_damaged_cache_is_extracted_again(run: Path, caplog) -> None:
     a = Extractor(str(run), device="cpu", progress=False).features(None, None, "test")
     a.cache.write_bytes(a.cache.read_bytes()[:100])  # truncated

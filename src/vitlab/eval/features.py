@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,7 @@ class Extractor:
     forward_batches: int = field(init=False, default=0)  # batches run through the model
     _model: nn.Module | None = field(init=False, default=None, repr=False)
     _skipped: set[str] = field(init=False, default_factory=set, repr=False)  # named once, by any
+    _held: dict | None = field(init=False, default=None, repr=False)  # identities (held_keys)
 
     def __post_init__(self) -> None:
         if self.kind not in FEATURE_KINDS:
@@ -193,8 +195,8 @@ class Extractor:
         on disk, data.name's or data.test's: its absolute path and a digest of its files' names,
         sizes and times, so added or replaced images count)."""
         folder, seed = cfg.dir, cfg.split_seed
-        name, files = identity(cfg.name)
-        test, test_files = identity(cfg.test, test=True) if cfg.test else (None, None)
+        name, files = self._identity(cfg.name)
+        test, test_files = self._identity(cfg.test, test=True) if cfg.test else (None, None)
         return {
             "version": CACHE_VERSION,
             "weights": source_identity(self.source, self.weights),
@@ -209,6 +211,25 @@ class Extractor:
             "preprocessing": self.preprocessing.to_dict(),
             "features": self.kind,
         }
+
+    def _identity(self, name: str, test: bool = False) -> tuple[str, str | None]:
+        """identity(name, test), digested once while held_keys holds (a split each: an image
+        folder of a million files was stat-ed twice a command)."""
+        if self._held is None:
+            return identity(name, test)
+        if (name, test) not in self._held:
+            self._held[name, test] = identity(name, test)
+        return self._held[name, test]
+
+    @contextmanager
+    def held_keys(self) -> Iterator[None]:
+        """Within: each dataset's files are digested once, for every split's key (one command's
+        splits, read together); outside, each key digests them anew (changes count)."""
+        self._held = {}
+        try:
+            yield
+        finally:
+            self._held = None
 
     def features(
         self,
@@ -298,10 +319,11 @@ def train_and_test(
     Extractor.features) and what a report says about them."""
     cfg = extractor.dataset(data, data_dir)
     name, folder = cfg.name, cfg.dir
-    train = extractor.features(name, folder, "train", pick, labelled=True)
-    if not train.classes:
-        raise unlabelled(name)
-    test = extractor.features(name, folder, "test")
+    with extractor.held_keys():  # the dataset's files digested once for both splits' keys
+        train = extractor.features(name, folder, "train", pick, labelled=True)
+        if not train.classes:
+            raise unlabelled(name)
+        test = extractor.features(name, folder, "test")
     if train.classes != test.classes:
         raise DatasetError(f"{name}: the train and test splits name different classes")
     about = {
