@@ -15,10 +15,13 @@ from sklearn.linear_model import Ridge
 from tests.helpers import clusters, tiny_checkpoint
 from vitlab.cli.main import main
 from vitlab.data import DatasetError
+from vitlab.eval.feature_cache import Features
 from vitlab.eval.fewshot import (
     BIAS_CONSTANT,
     design,
+    drawable,
     fewshot,
+    fewshot_checkpoint,
     fit_ridge,
     kshot_indices,
 )
@@ -169,8 +172,8 @@ def test_fewshot_extracts_only_the_drawn_training_images(tmp_path: Path) -> None
 
 
 def test_a_drawn_image_that_does_not_decode_falls_back_to_every_image(tmp_path: Path, caplog):
-    """A picked image that does not decode: every image's features are extracted, and the draw
-    is from the labels of the images that decode (as when the whole split is extracted)."""
+    """A picked image that does not decode: every image's features are extracted (with the rows
+    that decoded), and the draw is from the labels of the images that decode."""
     from PIL import Image
 
     from vitlab.eval.features import Extractor
@@ -185,12 +188,18 @@ def test_a_drawn_image_that_does_not_decode_falls_back_to_every_image(tmp_path: 
     cache = tmp_path / "cache"
     ex = Extractor(str(ckpt), device="cpu", cache_dir=cache, progress=False)
     got = ex.features(f"imagefolder:{root}", None, "train", lambda labels, classes: [0, 4])
-    assert got.rows is None and len(got) == 7  # every image that decodes
+    assert got.rows.tolist() == list(range(1, 8)) and len(got) == 7  # every one that decodes
+    assert len(got.labels) == 8  # the split's listed labels
+    bad = Features(got.x, got.labels[1:], got.classes)  # drawn by the decoded images' labels
+    drawn = drawable(got, 4, 1)  # (row 0, which 4 shots draw, did not decode)
+    assert 0 in kshot_indices(got.labels.numpy(), 4, 0, got.classes)  # all four of class a
+    assert drawn.rows is None and torch.equal(drawn.labels, bad.y) and torch.equal(drawn.x, got.x)
     assert "1 of the images picked did not decode" in caplog.text
     named = [r for r in caplog.records if "does not decode" in r.getMessage()]
     assert len(named) == 1, [r.getMessage() for r in named]  # not again by the second loader
     (kept,) = cache.glob("*.safetensors")  # the whole split's, not the two rows' (one short)
     assert kept == got.cache and len(load_weights(kept)["labels"]) == 7
+    assert load_weights(kept)["rows"].tolist() == list(range(1, 8))
     caplog.clear()  # read from the cache, the image is not decoded again: said from the file
     again = Extractor(str(ckpt), device="cpu", cache_dir=cache, progress=False)
     assert len(again.features(f"imagefolder:{root}", None, "train")) == 7 and not again.loaded
@@ -239,3 +248,41 @@ def test_a_subset_file_serves_fewer_rows_and_gives_way_to_one_holding_it(tmp_pat
     assert len(whole.features(name, None, "train")) == 8 and len(files()) == 1
     ex, _ = rows([0, 3])  # from the whole split's file, found before any subset's
     assert ex.forward_batches == 0 and len(files()) == 1
+
+
+def test_draws_do_not_depend_on_where_the_features_come_from(tmp_path: Path) -> None:
+    """A training image no draw takes does not decode: drawn from the picked rows, the draws
+    followed every listed label; from the whole split's features (cached by `vitlab probe`),
+    the labels of the images that decode, so the same seed drew other images. Now both draw
+    by the listed labels (kshot_indices on the folder's labels, by hand), cached or not."""
+    from PIL import Image
+
+    from vitlab.eval.features import Extractor
+
+    root = tmp_path / "images"
+    for split, c in ((s, c) for s in ("train", "test") for c in ("a", "b")):
+        (root / split / c).mkdir(parents=True)
+        for i in range(4):
+            Image.new("L", (8, 8), 40 * i + 100 * (c == "b")).save(root / split / c / f"{i}.png")
+    listed = np.array([0] * 4 + [1] * 4)  # a/0-3, b/0-3: the scan's order
+    drawn = kshot_indices(listed, 2, 0, ["a", "b"])
+    bad = next(i for i in range(8) if i not in drawn)  # an image no draw takes
+    (root / "train" / ("a" if bad < 4 else "b") / f"{bad % 4}.png").write_bytes(b"broken")
+    name, ckpt = f"imagefolder:{root}", tiny_checkpoint(tmp_path / "tiny")
+    args = dict(data=name, shots=(2,), seeds=1, device="cpu", progress=False)
+    picked = fewshot_checkpoint(str(ckpt), cache_dir=tmp_path / "picked", **args)
+    assert picked["train_images_extracted"] == 4  # the drawn rows alone
+    whole = Extractor(str(ckpt), device="cpu", cache_dir=tmp_path / "whole", progress=False)
+    every = whole.features(name, None, "train")  # as `vitlab probe` caches it
+    assert len(every) == 7 and bad not in every.rows.tolist()
+    assert drawable(every, 2, 1) is every  # by the listed labels
+    cached = fewshot_checkpoint(str(ckpt), cache_dir=tmp_path / "whole", **args)
+    assert cached["cached"]["train"] and cached["results"] == picked["results"]
+    again = Extractor(str(ckpt), device="cpu", cache_dir=tmp_path / "whole", progress=False)
+    read = again.features(name, None, "train")
+    assert (
+        read.cached
+        and torch.equal(read.rows, every.rows)
+        and torch.equal(read.labels, every.labels)
+    )
+    torch.testing.assert_close(read.at(drawn), every.at(drawn))

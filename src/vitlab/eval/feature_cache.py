@@ -153,7 +153,8 @@ def read_cache(path: Path, key: dict[str, Any]) -> Features | None:
         log.warning("%d of the %s %s images did not decode when these features were cached "
                     "(%s): they are left out", skipped, key["data"], key["split"],
                     path.name)  # fmt: skip
-    return Features(x, y, classes, cache=path, cached=True, rows=tensors.get("rows"))
+    rows, labels = tensors.get("rows"), tensors.get("split_labels")
+    return Features(x, y, classes, cache=path, cached=True, rows=rows, split_labels=labels)
 
 
 def write_cache(path: Path, key: dict[str, Any], features: Features, skipped: int = 0) -> None:
@@ -169,6 +170,8 @@ def write_cache(path: Path, key: dict[str, Any], features: Features, skipped: in
     tensors = {"features": features.x.contiguous(), "labels": features.y.contiguous()}
     if features.rows is not None:
         tensors["rows"] = features.rows.contiguous()
+    if features.rows is not None and "rows" not in key:  # a whole split's, some images left out
+        tensors["split_labels"] = features.split_labels.contiguous()
     write_safetensors(path, tensors, metadata)
     held = None if features.rows is None else features.rows.numpy()
     for other, _, rows in _subsets(path.parent, key):

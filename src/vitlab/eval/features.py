@@ -288,7 +288,12 @@ class Extractor:
         self.forward_batches += len(loader)
         x, y = extract(self.model(), loader, self.kind, self.dev, self.progress, f"{what} features")
         out = Features(x, y, list(part.classes), cache=path)
-        out.rows = rows if len(out) == len(part) else None
+        if rows is not None:
+            out.rows = rows if len(out) == len(part) else None
+        elif len(out) < len(part) and hasattr(part, "subset"):  # the split's rows that decoded
+            kept = [i for i in range(len(part)) if part.where(i) not in self._skipped]
+            if len(kept) == len(out):  # (few-shot draws from every listed label: fewshot.py)
+                out.rows, out.split_labels = torch.tensor(kept), part.labels
         if path is not None and (rows is None or out.rows is not None):
             write_cache(path, key, out, skipped=len(part) - len(out))
             log.info("cached %s features in %s", what, path)

@@ -125,6 +125,20 @@ def kshot_accuracies(
     return accs
 
 
+def drawable(train: Features, shots: int, seeds: int) -> Features:
+    """`train` as the draws take it: by every listed image's label, where each image a draw takes
+    decoded; else (a drawn image did not decode) the images that decoded alone, drawn by their
+    labels. The same either way whether the features are the drawn rows' or the whole split's,
+    cached or not."""
+    if train.rows is None or len(train.labels) == len(train):  # every row is there
+        return train
+    labels = train.labels.numpy()
+    drawn = np.concatenate([kshot_indices(labels, shots, s, train.classes) for s in range(seeds)])
+    if np.isin(drawn, train.rows.numpy()).all():
+        return train
+    return Features(train.x, train.y, train.classes, train.cache, train.cached)
+
+
 def fewshot(
     train: Features,
     test: Features,
@@ -134,6 +148,8 @@ def fewshot(
 ) -> list[dict[str, Any]]:
     """Test top-1 of the k-shot classifier for every k in `shots` and seeds 0..seeds-1: one
     {"shots", "mean", "std" (over seeds, ddof 0), "per_seed"} per k."""
+    check_shots(shots, seeds, train.labels.numpy(), train.classes)
+    train = drawable(train, max(shots), seeds)
     y_train = train.labels.numpy()
     check_shots(shots, seeds, y_train, train.classes)
     x_test, y_test = test.x.double().numpy(), test.y.numpy()
