@@ -278,6 +278,8 @@ def test_draws_do_not_depend_on_where_the_features_come_from(tmp_path: Path) -> 
     assert drawable(every, 2, 1) is every  # by the listed labels
     cached = fewshot_checkpoint(str(ckpt), cache_dir=tmp_path / "whole", **args)
     assert cached["cached"]["train"] and cached["results"] == picked["results"]
+    assert cached["num_train_images"] == cached["train_images_extracted"] == 7  # that decode
+    assert picked["num_train_images"] == 8  # listed (no image but the drawn was decoded)
     again = Extractor(str(ckpt), device="cpu", cache_dir=tmp_path / "whole", progress=False)
     read = again.features(name, None, "train")
     assert (

@@ -66,6 +66,10 @@ def test_splits_chosen_labels_checked_greyscale_stats(tmp_path: Path) -> None:
     datasets.DatasetDict({"train": table(20), "test": unlabelled, "validation": table(9)}
                          ).save_to_disk(str(tmp_path / "dd"))  # fmt: skip
     assert len(load_split(f"hf:{tmp_path / 'dd'}", "test")) == 9
+    # each table names its rows: train's row 0 and validation's row 0 are two images (an image
+    # named once as undecodable in one hid the other's: a set of names shared by both splits)
+    wheres = {load_split(f"hf:{tmp_path / 'dd'}", s).where(0) for s in ("train", "test")}
+    assert wheres == {f"row 0 of hf:{tmp_path / 'dd'}#{t}" for t in ("train", "validation")}
     assert len(load_split(f"hf:{tmp_path / 'dd'}#validation", "all")) == 9
     # one split, named validation: carved into training and test, not both the whole split
     one = f"hf:{tmp_path / 'dd'}#validation"

@@ -143,8 +143,8 @@ def load_hf(
     if split == "all" and len(splits) > 1 and test is None:
         raise DatasetError(f"hf:{spec} has splits {sorted(splits)}: which is the test split? "
                            f"name it: hf:{spec}#SPLIT")  # fmt: skip
-    table = splits[test if split != "train" and test else train]
-    where = f"hf:{spec}"
+    chosen = test if split != "train" and test else train
+    table, where = splits[chosen], f"hf:{spec}"
     image = _column(table, keys[0], "Image", IMAGE_NAMES, "image")
     label = _column(table, keys[1], "ClassLabel", LABEL_NAMES, "label")
     feature = table.features[label]
@@ -162,7 +162,8 @@ def load_hf(
     images = table.select_columns([image])
     if isinstance(images.features[image], datasets.Image):
         images = images.cast_column(image, datasets.Image(decode=False))
-    full = HFSplit(images, where, torch.arange(len(labels)), labels, classes)
+    named = where if "#" in spec or len(splits) == 1 else f"{where}#{chosen}"  # per table:
+    full = HFSplit(images, named, torch.arange(len(labels)), labels, classes)  # "row 3 of" it
     full.in_chans = _channels(full)
     if full.in_chans == 1:
         full.stats = GREY_STATS

@@ -50,6 +50,7 @@ class Features:
     cached: bool = False  # read from the cache: the model did not run
     rows: Tensor | None = None  # (N,) sorted: the split's rows these are (None: every row)
     split_labels: Tensor | None = None  # with rows: the whole split's labels
+    skipped: int = 0  # of the whole split's images, those that did not decode
 
     def __len__(self) -> int:
         return len(self.y)
@@ -154,7 +155,7 @@ def read_cache(path: Path, key: dict[str, Any]) -> Features | None:
                     "(%s): they are left out", skipped, key["data"], key["split"],
                     path.name)  # fmt: skip
     rows, labels = tensors.get("rows"), tensors.get("split_labels")
-    return Features(x, y, classes, cache=path, cached=True, rows=rows, split_labels=labels)
+    return Features(x, y, classes, path, True, rows, labels, skipped)
 
 
 def write_cache(path: Path, key: dict[str, Any], features: Features, skipped: int = 0) -> None:
@@ -173,9 +174,9 @@ def write_cache(path: Path, key: dict[str, Any], features: Features, skipped: in
     if features.rows is not None and "rows" not in key:  # a whole split's, some images left out
         tensors["split_labels"] = features.split_labels.contiguous()
     write_safetensors(path, tensors, metadata)
-    held = None if features.rows is None else features.rows.numpy()
-    for other, _, rows in _subsets(path.parent, key):
-        if other != path and (held is None or (rows is not None and _covers(held, rows))):
+    held, whole = None if features.rows is None else features.rows.numpy(), "rows" not in key
+    for other, _, rows in _subsets(path.parent, key):  # a subset's images all decode: the whole
+        if other != path and (whole or (rows is not None and _covers(held, rows))):  # holds it
             other.unlink(missing_ok=True)
             log.info("removed feature cache %s: %s holds its features", other, path)
 

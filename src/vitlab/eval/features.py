@@ -294,6 +294,7 @@ class Extractor:
             kept = [i for i in range(len(part)) if part.where(i) not in self._skipped]
             if len(kept) == len(out):  # (few-shot draws from every listed label: fewshot.py)
                 out.rows, out.split_labels = torch.tensor(kept), part.labels
+            out.skipped = len(part) - len(out)
         if path is not None and (rows is None or out.rows is not None):
             write_cache(path, key, out, skipped=len(part) - len(out))
             log.info("cached %s features in %s", what, path)
@@ -337,7 +338,7 @@ def train_and_test(
         "data_dir": folder,
         "feature_dim": int(train.x.shape[1]),
         "num_classes": len(train.classes),
-        "num_train_images": len(train.labels),
+        "num_train_images": len(train) if train.skipped else len(train.labels),  # that decode
         "train_images_extracted": len(train),
         "num_test_images": len(test),
         "cache": {
