@@ -76,20 +76,30 @@ class _Listed:
         self.splits = list(real)
         self.count, self.above = Counter(), set()
         self._add(self.splits)
+        self._roots, self._classes = list(real.values()), classes
+        self._dirs: dict[Path, list | None] = {}  # a split folder's sub-folders (_sub_dirs)
         targets, named = [], set(classes or [])
-        for split in real.values() if classes != [] else []:  # [] (unlabelled): no class folders
-            try:  # scandir's entries know links without a stat (a split's files: millions)
-                with os.scandir(split) as entries:
-                    links = [e.path for e in entries if e.is_symlink() and _leads_to(e) == "dir"
-                             and (classes is None or e.name in named)]  # fmt: skip
-            except OSError:  # unreadable: the scan names it
-                continue
-            targets += [os.path.join(os.path.realpath(p), "") for p in links]
+        for split in self._roots if classes != [] else []:  # [] (unlabelled): no class folders
+            links = [e for e in self._sub_dirs(split) or [] if e.is_symlink()]
+            targets += [os.path.join(os.path.realpath(e.path), "") for e in links
+                        if classes is None or e.name in named]  # fmt: skip
         self.linked = {t for t in targets if not self.meets(t)}  # the others: not listed
         self._add([t for t in targets if t in self.linked])
-        self._roots, self._classes = list(real.values()), classes
         self._listed: set[str] | None = None  # the folders whose files are listed (lists())
         self._real: dict[str, tuple] = {}  # a file link's target's folder: (real path, listed)
+
+    def _sub_dirs(self, root: Path) -> list[os.DirEntry] | None:
+        """root's entries that are folders or links to folders, scanned once (scandir's entries
+        know links without a stat: a split's files are millions); None where unreadable (the
+        scan names it)."""
+        if root not in self._dirs:
+            try:
+                with os.scandir(root) as entries:
+                    self._dirs[root] = [e for e in entries if e.is_dir(follow_symlinks=False)
+                                        or e.is_symlink() and _leads_to(e) == "dir"]  # fmt: skip
+            except OSError:
+                self._dirs[root] = None
+        return self._dirs[root]
 
     def _add(self, paths: list[str]) -> None:
         self.count.update(paths)
@@ -131,11 +141,7 @@ class _Listed:
         if self._listed is None:
             self._listed = set(self.linked)
             for root in self._roots:
-                try:
-                    with os.scandir(root) as entries:
-                        subs = [e for e in entries if e.is_dir(follow_symlinks=False)
-                                or e.is_symlink() and _leads_to(e) == "dir"]  # fmt: skip
-                except OSError:  # unreadable: the scan names it
+                if (subs := self._sub_dirs(root)) is None:
                     continue
                 if not subs:  # unlabelled: its every file
                     self._listed.add(os.path.join(os.path.realpath(root), ""))
