@@ -162,11 +162,11 @@ def sigterm_raises() -> Iterator[None]:
 def _blocked(e: OSError) -> str:
     """What an OSError from writing or reading a path says: a file where a folder is needed
     (`--cache-dir FILE`, a DST that is a file) by name, else the error."""
-    if isinstance(e, FileExistsError | NotADirectoryError) and e.filename:
-        path = Path(os.fsdecode(e.filename))
-        file = next((p for p in (path, *path.parents) if p.exists()), None)
-        if file is not None and not file.is_dir():
-            return f"{file} is a file, not a folder: name a folder (new or existing) there"
+    from vitlab.analysis.page import blocking_file  # where nothing can be made: a file
+
+    file = e.filename and blocking_file(Path(os.fsdecode(e.filename)))
+    if isinstance(e, FileExistsError | NotADirectoryError) and file:
+        return f"{file} is a file, not a folder: name a folder (new or existing) there"
     return f"cannot write or read there: {e}"
 
 

@@ -158,15 +158,15 @@ def read_cache(path: Path, key: dict[str, Any]) -> Features | None:
     return Features(x, y, classes, path, True, rows, labels, skipped)
 
 
-def write_cache(path: Path, key: dict[str, Any], features: Features, skipped: int = 0) -> None:
-    """Write `features` with `key` in the metadata (a subset's with its rows; `skipped`: images
-    of the split that did not decode), atomically; then remove the files of the same split's
-    subsets that these hold (of the whole split: all)."""
+def write_cache(path: Path, key: dict[str, Any], features: Features) -> None:
+    """Write `features` with `key` in the metadata (a subset's with its rows; a whole split's
+    with the count of its images that did not decode), atomically; then remove the files of the
+    same split's subsets that these hold (of the whole split: all)."""
     metadata = {
         "format": CACHE_FORMAT,
         "key": json.dumps(key, sort_keys=True),
         "classes": json.dumps(features.classes),
-        "skipped": str(skipped),
+        "skipped": str(features.skipped),
     }
     tensors = {"features": features.x.contiguous(), "labels": features.y.contiguous()}
     if features.rows is not None:

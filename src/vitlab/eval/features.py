@@ -290,13 +290,14 @@ class Extractor:
         out = Features(x, y, list(part.classes), cache=path)
         if rows is not None:
             out.rows = rows if len(out) == len(part) else None
-        elif len(out) < len(part) and hasattr(part, "subset"):  # the split's rows that decoded
-            kept = [i for i in range(len(part)) if part.where(i) not in self._skipped]
-            if len(kept) == len(out):  # (few-shot draws from every listed label: fewshot.py)
-                out.rows, out.split_labels = torch.tensor(kept), part.labels
+        else:  # the whole split: how many did not decode, and which rows did
             out.skipped = len(part) - len(out)
+            if out.skipped and hasattr(part, "subset"):
+                kept = [i for i in range(len(part)) if part.where(i) not in self._skipped]
+                if len(kept) == len(out):  # (few-shot draws from every listed label: fewshot.py)
+                    out.rows, out.split_labels = torch.tensor(kept), part.labels
         if path is not None and (rows is None or out.rows is not None):
-            write_cache(path, key, out, skipped=len(part) - len(out))
+            write_cache(path, key, out)
             log.info("cached %s features in %s", what, path)
         return out
 
