@@ -69,13 +69,13 @@ def _same_source(data: str, own: str) -> bool:
 
 
 def reads_whole(cfg: DataConfig, run_cfg: RunConfig | None) -> bool:
-    """Whether the test split of `cfg` is all of it: an image folder without train/ (and no
-    data.test) that is not the run's own data (data_config keeps the run's own, however it is
-    named), whose test split would be a seeded fifth of it. The run's own folder keeps that
-    fifth: the images its training left out."""
+    """Whether the test split of `cfg` (data_config's, which keeps the run's own data however it
+    is named) is all of it: an image folder without train/ (and no data.test) that is not the
+    run's own data, whose test split would be a seeded fifth of it. The run's own folder keeps
+    that fifth: the images its training left out."""
     if not cfg.name.startswith("imagefolder:") or cfg.test:
         return False
-    if run_cfg is not None and _same_source(cfg.name, run_cfg.data.name):
+    if run_cfg is not None and cfg.name == run_cfg.data.name:  # data_config compared them
         return False
     return not (folder_root(cfg.name) / "train").is_dir()
 
