@@ -10,6 +10,8 @@ import re
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
+from timm.layers.pos_embed_rel import resize_rel_pos_bias_table
 from timm.models import swin_transformer as timm_swin
 from torch import nn
 
@@ -401,6 +403,24 @@ def test_resampling_the_table_keeps_the_same_window_and_resizes_others() -> None
     assert bigger.shape == (11 * 9, 3)
     # the zero offset sits on a sample point of both grids: bicubic keeps it
     torch.testing.assert_close(bigger[5 * 9 + 4], table[3 * 7 + 3])
+
+
+def test_the_tables_resample_as_the_official_swin_code_and_as_timms_loader() -> None:
+    table = torch.randn(13 * 13, 3)
+    grid = table.t().reshape(1, 3, 13, 13)  # Swin's load_pretrained: bicubic, no antialias
+    official = F.interpolate(grid, size=(23, 23), mode="bicubic", align_corners=False)
+    torch.testing.assert_close(
+        resample_rel_pos_table(table, (7, 7), (12, 12)), official.reshape(3, -1).t()
+    )
+    for old, new in [((7, 7), (12, 12)), ((7, 7), (4, 4)), ((4, 6), (7, 5))]:
+        rows = (2 * new[0] - 1) * (2 * new[1] - 1)
+        table = torch.randn((2 * old[0] - 1) * (2 * old[1] - 1), 2)
+        theirs = resize_rel_pos_bias_table(table, new, (rows, 2), old_window_size=old)
+        torch.testing.assert_close(resample_rel_pos_table(table, old, new, "timm"), theirs)
+    with pytest.raises(ValueError, match="one of .*'bicubic', 'timm'.*got 'cubic'"):
+        resample_rel_pos_table(table, (4, 4), (6, 6), "cubic")
+    with pytest.raises(ValueError, match="table_resampling must be one of"):
+        randomized(SwinTransformer(small())).set_image_size(32, table_resampling="cubic")
 
 
 @pytest.mark.parametrize("img_size, window_size", [(48, None), (64, 8), ((32, 48), 2)])

@@ -87,6 +87,25 @@ def test_timm_state_dict_files_give_timms_logits(kind: str, tmp_path: Path) -> N
               ref.forward_head(ref.forward_features(x), pre_logits=True))  # fmt: skip
 
 
+@pytest.mark.parametrize("resize", [dict(img_size=48, window_size=6), dict(img_size=8)])
+def test_a_timm_file_resized_gives_timms_logits_at_the_new_size(resize, tmp_path: Path) -> None:
+    """timm's loader resamples a table to another window its own way (BEiT's geometric spacing,
+    not bicubic): 48 / window 6 resizes every table, 8 clamps the second stage's window to 2."""
+    save_file(timm_model().state_dict(), tmp_path / "w.safetensors")
+    theirs = timm_model(**resize).eval()
+    state = load_file(tmp_path / "w.safetensors")
+    theirs.load_state_dict(timm.models.swin_transformer.checkpoint_filter_fn(state, theirs))
+    model = load_pretrained(tmp_path / "w.safetensors", **{"img_size": 32, **resize})
+    x = images(resize["img_size"])
+    close(logits(model, x), logits(theirs, x))
+    bicubic = load_pretrained(tmp_path / "w.safetensors", img_size=32)  # the official code's way
+    bicubic.set_image_size(**resize)
+    key = "layers.1.blocks.0.attn.relative_position_bias_table"  # resized in both cases
+    table = theirs.state_dict()[key]
+    close(model.state_dict()[key], table)
+    assert (bicubic.state_dict()[key] - table).abs().max() > 0.05 * table.abs().max()
+
+
 def test_timm_folder_gives_timms_logits_config_and_preprocessing(tmp_path: Path) -> None:
     from timm.models._hub import save_for_hf
 

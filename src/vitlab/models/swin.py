@@ -25,7 +25,13 @@ from torch import Tensor, nn
 
 from vitlab.config import ConfigError, check_keys, pair, validate
 from vitlab.models.indices import chosen_indices, positive
-from vitlab.models.swin_layers import StageSpec, SwinPatchEmbed, SwinStage, WindowAttention
+from vitlab.models.swin_layers import (
+    TABLE_RESAMPLING,
+    StageSpec,
+    SwinPatchEmbed,
+    SwinStage,
+    WindowAttention,
+)
 
 
 @dataclass
@@ -212,21 +218,29 @@ class SwinTransformer(nn.Module):
         self.head.fc = head
 
     def set_image_size(
-        self, img_size: int | tuple[int, int], window_size: int | tuple[int, int] | None = None
+        self,
+        img_size: int | tuple[int, int],
+        window_size: int | tuple[int, int] | None = None,
+        table_resampling: str = "bicubic",
     ) -> None:
         """Change the input resolution and, when given, the window (the configured M; each stage
-        clamps it to its map). Relative position tables are resampled bicubically to each block's
-        new window (swin_layers.resample_rel_pos_table), masks and indices rebuilt; all other
-        weights are kept. The model is then the one SwinConfig.replace(img_size=...,
-        window_size=...) builds. Unlike timm's set_input_size, the window is not scaled with the
-        image: pass window_size (e.g. 12 for 384 from a 224 / window 7 model)."""
+        clamps it to its map). Relative position tables are resampled to each block's new window
+        (swin_layers.resample_rel_pos_table: 'bicubic', the official Swin code's fine-tuning, or
+        'timm', as timm's checkpoint loader), masks and indices rebuilt; all other weights are
+        kept. The model is then the one SwinConfig.replace(img_size=..., window_size=...) builds.
+        Unlike timm's set_input_size, the window is not scaled with the image: pass window_size
+        (e.g. 12 for 384 from a 224 / window 7 model)."""
+        if table_resampling not in TABLE_RESAMPLING:
+            raise ValueError(
+                f"table_resampling must be one of {TABLE_RESAMPLING}, got {table_resampling!r}"
+            )
         changes: dict[str, object] = {"img_size": img_size}
         if window_size is not None:
             changes["window_size"] = window_size
         cfg = self.config.replace(**changes)
         self.patch_embed.set_image_size(cfg.img_hw)
         for i, stage in enumerate(self.layers):
-            stage.set_spec(cfg.stage(i))
+            stage.set_spec(cfg.stage(i), table_resampling)
         self.config = cfg
         if self.preprocessing is not None:  # inputs are now resized to the new size
             self.preprocessing = dataclasses.replace(self.preprocessing, img_size=cfg.img_hw)

@@ -7,6 +7,7 @@ timm state dict loads strictly."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,14 +107,58 @@ def shift_window_mask(
     return torch.zeros(same.shape, device=device).masked_fill(~same, MASKED)
 
 
-def resample_rel_pos_table(table: Tensor, old_window: Grid, new_window: Grid) -> Tensor:
-    """A ((2Mh - 1)(2Mw - 1), h) relative bias table resampled to another window: the offsets'
-    2-D grid interpolated bicubically in float32 (as the official Swin code fine-tunes 224 -> 384;
-    timm's resize_rel_pos_bias_table instead spaces the old offsets geometrically and interpolates
-    linearly). The same window returns the table unchanged."""
+TABLE_RESAMPLING = ("bicubic", "timm")  # how a relative position table takes another window
+
+
+def resample_rel_pos_table(
+    table: Tensor, old_window: Grid, new_window: Grid, method: str = "bicubic"
+) -> Tensor:
+    """A ((2Mh - 1)(2Mw - 1), h) relative bias table resampled to another window, in float32.
+    'bicubic': the offsets' 2-D grid interpolated bicubically, without antialias, as the official
+    Swin code fine-tunes 224 -> 384 (timm's resize_rel_pos_bias_table_simple alike). 'timm': as
+    timm's checkpoint loader (resize_rel_pos_bias_table, from BEiT): the old offsets spread
+    geometrically over the new ones (_spread_offsets), read off linearly, the outermost held. The
+    same window returns the table unchanged."""
+    if method not in TABLE_RESAMPLING:
+        raise ValueError(f"method must be one of {TABLE_RESAMPLING}, got {method!r}")
     old = (2 * old_window[0] - 1, 2 * old_window[1] - 1)
     new = (2 * new_window[0] - 1, 2 * new_window[1] - 1)
-    return resample_pos_embed(table[None], new, old, num_prefix_tokens=0)[0]
+    if old == new:
+        return table
+    if method == "bicubic":
+        return resample_pos_embed(table[None], new, old, num_prefix_tokens=0, antialias=False)[0]
+    rows, cols = (_linear_weights(_spread_offsets(o, n), n) for o, n in zip(old, new))
+    grid = table.float().t().reshape(-1, *old)  # (h, 2Mh - 1, 2Mw - 1)
+    out = rows @ grid @ cols.t()
+    return out.reshape(len(grid), -1).t().to(table.dtype)
+
+
+def _spread_offsets(old: int, new: int) -> Tensor:
+    """Where timm's loader places an axis's `old` offsets (-k..k) among the new ones: 0, +-1,
+    +-(1 + q), +-(1 + q + q^2), ..., the ratio q bisected in [1.01, 1.5] until the outermost
+    reach new // 2 (to 1e-6 in q; BEiT's fine-tuning code)."""
+    k, reach, low, high = old // 2, new // 2, 1.01, 1.5
+    while high - low > 1e-6:
+        q = (low + high) / 2
+        low, high = (low, q) if (1 - q**k) / (1 - q) > reach else (q, high)
+    out = list(itertools.accumulate(q**i for i in range(k)))  # summed in timm's order
+    return torch.tensor([-d for d in reversed(out)] + [0.0] + out)
+
+
+def _linear_weights(points: Tensor, size: int) -> Tensor:
+    """(size, len(points)) weights reading the integer offsets -(size // 2)..size // 2 off values
+    at `points` (increasing) linearly; beyond the outermost points, their values."""
+    at = torch.arange(size, dtype=points.dtype) - size // 2
+    weights = torch.zeros(size, len(points))
+    if len(points) == 1:
+        return weights + 1
+    right = torch.searchsorted(points, at).clamp(1, len(points) - 1)
+    left, span = right - 1, points[right] - points[right - 1]
+    frac = ((at - points[left]) / span).clamp(0, 1)
+    rows = torch.arange(size)
+    weights[rows, left] = 1 - frac
+    weights[rows, right] += frac
+    return weights
 
 
 # --- modules -------------------------------------------------------------------------------------
@@ -160,14 +205,14 @@ class WindowAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(spec.dropout)
 
-    def set_window(self, window: Grid) -> None:
-        """Resize to another window: the bias table resampled (resample_rel_pos_table), the index
-        rebuilt."""
+    def set_window(self, window: Grid, table_resampling: str = "bicubic") -> None:
+        """Resize to another window: the bias table resampled (resample_rel_pos_table's
+        `table_resampling` method), the index rebuilt."""
         if tuple(window) == tuple(self.window):
             return
         old = self.relative_position_bias_table
         with torch.no_grad():
-            table = resample_rel_pos_table(old.data, self.window, window)
+            table = resample_rel_pos_table(old.data, self.window, window, table_resampling)
         self.relative_position_bias_table = nn.Parameter(table, requires_grad=old.requires_grad)
         self.relative_position_index = relative_position_index(window, table.device)
         self.window = tuple(window)
@@ -232,11 +277,11 @@ class SwinBlock(nn.Module):
         self.drop_path2 = DropPath(drop_path)
         self.set_spec(spec)
 
-    def set_spec(self, spec: StageSpec) -> None:
+    def set_spec(self, spec: StageSpec, table_resampling: str = "bicubic") -> None:
         """Adopt another map size or window: bias table resampled, mask rebuilt."""
         self.grid, self.window, self.padded = spec.grid, spec.window, spec.padded
         self.shift = spec.shift if self.shifted else (0, 0)
-        self.attn.set_window(spec.window)
+        self.attn.set_window(spec.window, table_resampling)
         device = self.norm1.weight.device
         mask = shift_window_mask(spec.grid, spec.window, self.shift, device)
         self.register_buffer("attn_mask", mask, persistent=False)
@@ -298,9 +343,9 @@ class SwinStage(nn.Module):
         )
         self.grad_checkpointing = False
 
-    def set_spec(self, spec: StageSpec) -> None:
+    def set_spec(self, spec: StageSpec, table_resampling: str = "bicubic") -> None:
         for blk in self.blocks:
-            blk.set_spec(spec)
+            blk.set_spec(spec, table_resampling)
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, H, W, C_in) -> (B, H', W', C), H' = ceil(H / 2) after merging, else H."""
