@@ -17,7 +17,14 @@ from safetensors.torch import save_file
 
 from tests.helpers import tiny_checkpoint
 from vitlab import ConfigError, load_pretrained
-from vitlab.formats.timm import REGISTERED, timm_hybrid_arch, timm_model_args, vitlab_to_timm
+from vitlab.formats.timm import (
+    DEIT_HEADS,
+    REGISTERED,
+    REGISTERED_DEIT,
+    timm_hybrid_arch,
+    timm_model_args,
+    vitlab_to_timm,
+)
 from vitlab.models.checkpoint import CheckpointError, load_checkpoint, save_pretrained
 from vitlab.models.registry import get_config, list_models
 from vitlab.models.vit import VisionTransformer, ViTConfig
@@ -166,6 +173,36 @@ def test_timm_settings_vitlab_cannot_build_are_refused_or_said(tmp_path: Path, c
         close(model(images(32)), ref(images(32)))
 
 
+def test_timms_deit_folders_load_without_a_guess_and_are_written_by_their_name(
+    tmp_path: Path, caplog
+) -> None:
+    """timm's DeiT and DeiT III entry points are no names vitlab registers: their head counts
+    were guessed, with a warning on every load of such a folder (right at these widths, wrong
+    for a DeiT III of another width), and a tiny distilled DeiT was written as deit_base's."""
+    from timm.models._hub import save_for_hf
+
+    for name in timm.list_models("deit*"):  # every entry point's heads, as timm builds them
+        with torch.device("meta"):
+            heads = timm.create_model(name).blocks[0].attn.num_heads
+        assert DEIT_HEADS[name.split("_patch")[0].removesuffix("_distilled")] == heads, name
+    assert not REGISTERED_DEIT - set(timm.list_models("deit_*"))
+    ref = randomize(timm.create_model("deit_tiny_distilled_patch16_224", depth=1, img_size=32,
+                                      embed_dim=384))  # fmt: skip
+    assert ref.blocks[0].attn.num_heads == 3  # the entry point's, not the width's 6
+    save_for_hf(ref, tmp_path / "deit", safe_serialization=True)
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        model = load_pretrained(tmp_path / "deit")
+    assert "head count is guessed" not in caplog.text
+    assert model.config.num_heads == 3 and model.config.distilled
+    with torch.no_grad():
+        close(model(images(32)), ref(images(32)))
+    tiny = randomize(VisionTransformer(get_config("vit_tiny_patch16_224").replace(
+        distilled=True, depth=1, num_classes=3)))  # fmt: skip
+    save_pretrained(tiny, tmp_path / "out", "timm")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["architecture"] == "deit_tiny_distilled_patch16_224"
+
+
 def test_overrides_resample_positions_like_timm_and_replace_the_head(tmp_path: Path) -> None:
     ref = randomize(timm.create_model("vit_tiny_patch16_224", depth=2, num_classes=7))
     save_file(ref.state_dict(), tmp_path / "w.safetensors")
@@ -222,6 +259,34 @@ def test_hf_classifier_folder(tmp_path: Path) -> None:
     with torch.no_grad():
         close(model(x), ref(pixel_values=x).logits)
         close(ours_features(model, x), ref.vit(pixel_values=x).last_hidden_state[:, 0])
+
+
+def test_hf_deit_folders_give_transformers_outputs_and_are_written_back(tmp_path: Path) -> None:
+    """The hub's distilled DeiTs are transformers' DeiT classes (`deit.` names, two classifiers):
+    they were refused as tensors with no place in a ViT, and a distilled ViT was not written."""
+    cfg = transformers.DeiTConfig(**hf_config(num_labels=5).to_dict())
+    teacher = randomize(transformers.DeiTForImageClassificationWithTeacher(cfg))
+    teacher.save_pretrained(tmp_path / "teacher")
+    model = load_pretrained(tmp_path / "teacher")
+    assert model.config.distilled and model.config.norm_eps == 1e-12
+    x = images(32)
+    with torch.no_grad():
+        close(model(x), teacher(pixel_values=x).logits)  # the two heads' mean
+    save_pretrained(model, tmp_path / "back", "hf")
+    again = transformers.AutoModelForImageClassification.from_pretrained(tmp_path / "back")
+    assert type(again).__name__ == "DeiTForImageClassificationWithTeacher"
+    with torch.no_grad():
+        close(again.eval()(pixel_values=x).logits, model(x))
+    bare = randomize(transformers.DeiTModel(cfg))  # with its pooler: ignored, said
+    bare.save_pretrained(tmp_path / "bare")
+    features = load_pretrained(tmp_path / "bare")
+    assert features.config.num_classes == 0
+    with torch.no_grad():
+        close(features.forward_features(x), bare(pixel_values=x).last_hidden_state)
+    plain = randomize(transformers.DeiTForImageClassification(cfg))
+    plain.save_pretrained(tmp_path / "plain")
+    with pytest.raises(CheckpointError, match="classifier reads the class token alone"):
+        load_pretrained(tmp_path / "plain")
 
 
 def test_hf_model_with_pooler_is_the_pre_logits_layer(tmp_path: Path) -> None:

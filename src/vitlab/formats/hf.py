@@ -1,7 +1,8 @@
 """Hugging Face transformers' format: ViTModel or ViTForImageClassification weights (hub names,
-with or without the `vit.` prefix, or transformers 5's in-memory names) in a folder with
-config.json and preprocessor_config.json, as save_pretrained writes and from_pretrained loads.
-Query, key and value are separate Linear layers there and fused here. SwinModel and
+with or without the `vit.` prefix, or transformers 5's in-memory names), and a distilled ViT's as
+DeiTModel or DeiTForImageClassificationWithTeacher (`deit.`), in a folder with config.json and
+preprocessor_config.json, as save_pretrained writes and from_pretrained loads. Query, key and
+value are separate Linear layers there and fused here. SwinModel and
 SwinForImageClassification likewise, their names, config and limits in formats.hf_swin."""
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from vitlab.preprocessing import HALF, IMAGENET_MEAN, IMAGENET_STD, Preprocessin
 
 _RULES = [  # (transformers' hub / save_pretrained name, vitlab name)
     (r"embeddings\.cls_token", "cls_token"),
+    (r"embeddings\.distillation_token", "dist_token"),
     (r"embeddings\.position_embeddings", "pos_embed.weight"),
     (r"embeddings\.patch_embeddings\.projection\.(weight|bias)", r"patch_embed.proj.\1"),
     (r"encoder\.layer\.(\d+)\.layernorm_before\.(weight|bias)", r"blocks.\1.norm1.\2"),
@@ -50,7 +52,8 @@ _RULES = [  # (transformers' hub / save_pretrained name, vitlab name)
     (r"encoder\.layer\.(\d+)\.output\.dense\.(weight|bias)", r"blocks.\1.mlp.fc2.\2"),
     (r"layernorm\.(weight|bias)", r"norm.\1"),
     (r"pooler\.dense\.(weight|bias)", r"pre_logits.fc.\1"),
-    (r"classifier\.(weight|bias)", r"head.\1"),
+    (r"(?:cls_)?classifier\.(weight|bias)", r"head.\1"),
+    (r"distillation_classifier\.(weight|bias)", r"head_dist.\1"),
 ]
 _RULES_V5 = [  # transformers 5's in-memory names for the same modules
     (r"layers\.(\d+)\.layernorm_before\.(weight|bias)", r"blocks.\1.norm1.\2"),
@@ -71,6 +74,7 @@ _BLOCK_PARTS = {  # vitlab's block modules -> transformers' (attn.qkv is split)
 }
 _TOP = {  # vitlab's names outside the blocks -> transformers' (the classifier apart)
     "cls_token": "embeddings.cls_token",
+    "dist_token": "embeddings.distillation_token",
     "pos_embed.weight": "embeddings.position_embeddings",
     "patch_embed.proj.weight": "embeddings.patch_embeddings.projection.weight",
     "patch_embed.proj.bias": "embeddings.patch_embeddings.projection.bias",
@@ -86,7 +90,7 @@ def hf_to_vitlab(state: Mapping[str, Tensor]) -> StateDict:
     parts: dict[tuple[int, str], dict[str, Tensor]] = {}
     rest = {}
     for key, value in state.items():
-        key = key.removeprefix("vit.")
+        key = key.removeprefix("vit.").removeprefix("deit.")
         m = _QKV.match(key)
         if m:
             layer, long, short, kind = m.groups()
@@ -101,9 +105,14 @@ def hf_to_vitlab(state: Mapping[str, Tensor]) -> StateDict:
 
 def vitlab_to_hf(state: Mapping[str, Tensor], with_classifier: bool) -> StateDict:
     """vitlab -> the hub names of ViTForImageClassification (`vit.` prefix, `classifier`), or of
-    ViTModel when not `with_classifier`."""
-    out = {}
-    prefix = "vit." if with_classifier else ""
+    ViTModel when not `with_classifier`; a distilled ViT's as DeiTForImageClassificationWithTeacher
+    (`deit.`, `cls_classifier`, `distillation_classifier`) or DeiTModel."""
+    out, deit = {}, "dist_token" in state
+    prefix = ("deit." if deit else "vit.") if with_classifier else ""
+    heads = {
+        "head": "cls_classifier" if deit else "classifier",
+        "head_dist": "distillation_classifier",
+    }
     for key, value in state.items():
         m = re.match(r"^blocks\.(\d+)\.(\w+(?:\.\w+)?)\.(weight|bias)$", key)
         if m:
@@ -118,8 +127,8 @@ def vitlab_to_hf(state: Mapping[str, Tensor], with_classifier: bool) -> StateDic
                 raise unknown([key], "Hugging Face ViT")
         elif key in _TOP:
             out[prefix + _TOP[key]] = value
-        elif key in ("head.weight", "head.bias") and with_classifier:
-            out["classifier." + key.split(".")[1]] = value
+        elif key.split(".")[0] in heads and with_classifier:
+            out[f"{heads[key.split('.')[0]]}.{key.split('.')[1]}"] = value
         else:
             raise unknown([key], "Hugging Face ViT")
     return out
@@ -142,6 +151,15 @@ def read(files: Files) -> Source:
     src.preprocessing = dict(mean=HALF, std=HALF, crop_pct=None)
     # ViTEmbeddings.interpolate_pos_encoding: bicubic, no antialias (timm's has it)
     src.pos_resampling = dict(interpolation="bicubic", antialias=False)
+    if "dist_token" in state and "head.weight" in state and "head_dist.weight" not in state:
+        raise CheckpointError(
+            f"{files.where}: DeiTForImageClassification's classifier reads the class token alone; "
+            "vitlab's distilled ViT averages the class and distillation tokens' heads, as "
+            "DeiTForImageClassificationWithTeacher does: read that model's weights, or DeiTModel's"
+        )
+    if "dist_token" in state and "pre_logits.fc.weight" in state:  # DeiTModel's
+        del state["pre_logits.fc.weight"], state["pre_logits.fc.bias"]
+        src.notes.append("DeiTModel's pooler ignored: a distilled ViT has no pre-logits layer")
     if "head.weight" in state and "pre_logits.fc.weight" in state:
         # ViTForImageClassification has no pooler: transformers ignores these, so do we
         del state["pre_logits.fc.weight"], state["pre_logits.fc.bias"]
@@ -151,7 +169,7 @@ def read(files: Files) -> Source:
 
 def is_config(cfg: dict[str, Any]) -> bool:
     """Whether a config.json is transformers' (not timm's)."""
-    return cfg.get("model_type") in ("vit", "swin") or "hidden_size" in cfg
+    return cfg.get("model_type") in ("vit", "deit", "swin") or "hidden_size" in cfg
 
 
 def read_processor(processor: dict[str, Any], src: Source) -> None:
@@ -257,7 +275,7 @@ def _channels(src: Source) -> int | None:
 def read_config(cfg: dict[str, Any], src: Source) -> None:
     """Hints and class names from transformers' ViTConfig or SwinConfig (config.json)."""
     family, kind = state_family(src.state), cfg.get("model_type", "vit")
-    if kind != family and kind in ("vit", "swin"):
+    if {"deit": "vit"}.get(kind, kind) != family and kind in ("vit", "deit", "swin"):
         raise CheckpointError(f"{src.where}: config.json is a {kind}'s, the weights a {family}'s")
     if family == "swin":
         hf_swin.read_hints(cfg, src)
@@ -293,7 +311,8 @@ def _read_vit_hints(cfg: dict[str, Any], src: Source) -> None:
 
 def write(model: nn.Module, dst: Path) -> list[Path]:
     """Folder DST with model.safetensors (hub names), config.json and preprocessor_config.json,
-    which ViTForImageClassification.from_pretrained (ViTModel without a classifier) loads, or
+    which ViTForImageClassification.from_pretrained (ViTModel without a classifier) loads, a
+    distilled ViT's DeiTForImageClassificationWithTeacher (DeiTModel), or
     SwinForImageClassification's (SwinModel) for a Swin whose windows tile its maps."""
     if family_of(model.config) == "cnn":
         raise CheckpointError(
@@ -353,7 +372,8 @@ def processor_config(pre: Preprocessing, img_hw: tuple[int, int]) -> dict[str, A
 
 
 def hf_config(cfg: ViTConfig, classes: list[str]) -> tuple[dict[str, Any], bool]:
-    """(transformers ViTConfig dict, whether the model has a classifier) for `cfg`."""
+    """(transformers ViTConfig dict, or DeiTConfig's for a distilled ViT, whether the model has a
+    classifier) for `cfg`."""
     why = [
         text
         for bad, text in (
@@ -364,7 +384,6 @@ def hf_config(cfg: ViTConfig, classes: list[str]) -> tuple[dict[str, Any], bool]
             ),
             (cfg.fc_norm, "fc_norm"),
             (cfg.stem != "patch", "a conv stem"),
-            (cfg.distilled, "a distillation token (transformers has DeiT models for that)"),
             (cfg.layer_scale is not None, "layer scale"),
             (
                 bool(cfg.representation_size and cfg.num_classes),
@@ -377,9 +396,11 @@ def hf_config(cfg: ViTConfig, classes: list[str]) -> tuple[dict[str, Any], bool]
         raise CheckpointError("cannot write Hugging Face ViT's format: " + "; ".join(why))
     with_classifier = cfg.num_classes > 0
     h, w = cfg.img_hw
+    kind, head = "DeiT" if cfg.distilled else "ViT", "ForImageClassification"
+    head += "WithTeacher" if cfg.distilled else ""  # DeiT's classifier averages both heads
     out = {
-        "architectures": ["ViTForImageClassification" if with_classifier else "ViTModel"],
-        "model_type": "vit",
+        "architectures": [kind + (head if with_classifier else "Model")],
+        "model_type": kind.lower(),
         "hidden_size": cfg.embed_dim,
         "num_hidden_layers": cfg.depth,
         "num_attention_heads": cfg.num_heads,

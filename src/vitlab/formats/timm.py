@@ -196,6 +196,9 @@ def _read_vit_hints(cfg: dict[str, Any], src: Source) -> None:
     arch = str(cfg.get("architecture", ""))
     with contextlib.suppress(UnknownModelError):  # a name vitlab registers tells the heads
         src.hints["num_heads"] = get_config(arch).num_heads
+    deit = arch.split("_patch")[0].removesuffix("_distilled")  # deit_tiny_distilled_patch16_224
+    if deit in DEIT_HEADS:  # DeiT's and DeiT III's entry points, which vitlab does not register
+        src.hints["num_heads"] = DEIT_HEADS[deit]
     if "num_heads" in args:
         src.hints["num_heads"] = args["num_heads"]
     elif arch and "num_heads" not in src.hints:  # e.g. vit_base_patch16_gap_224: 16 at 768
@@ -285,7 +288,7 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
 # (width, heads) -> timm's family name, and the entry points timm registers for the paper's sizes
 # (tests check each against timm.list_models()). The name only picks timm's entry point: every
 # size, the image size included, is in model_args, so any other shape is built from
-# vit_base_patch16_224 (or the DeiT distilled one).
+# vit_base_patch16_224 (or deit_base_distilled_patch16_224).
 _FAMILIES = {
     (192, 3): "vit_tiny",
     (384, 6): "vit_small",
@@ -293,6 +296,14 @@ _FAMILIES = {
     (1024, 16): "vit_large",
     (1280, 16): "vit_huge",
 }
+# the head counts of timm's DeiT and DeiT III entry points (deit_tiny_patch16_224,
+# deit_small_distilled_patch16_224, deit3_medium_patch16_224 ...), by the name's family
+DEIT_HEADS = {"deit_tiny": 3, "deit_small": 6, "deit_base": 12, "deit3_small": 6,
+              "deit3_medium": 8, "deit3_base": 12, "deit3_large": 16, "deit3_huge": 16}  # fmt: skip
+REGISTERED_DEIT = frozenset(
+    [f"deit_{s}_distilled_patch16_224" for s in ("tiny", "small", "base")]
+    + ["deit_base_distilled_patch16_384"]
+)
 REGISTERED = frozenset(
     ["vit_tiny_patch16_224", "vit_tiny_patch16_384", "vit_small_patch8_224"]
     + [f"vit_{s}_patch{p}_{r}" for s in ("small", "base", "large") for p in (16, 32)
@@ -356,6 +367,16 @@ def timm_arch(cfg: ViTConfig) -> str:
     return "vit_base_patch16_224"
 
 
+def timm_deit_arch(cfg: ViTConfig) -> str:
+    """The registered timm DeiT (distilled) name closest to `cfg`, as timm_arch for a ViT."""
+    family = _FAMILIES.get((cfg.embed_dim, cfg.num_heads), "").replace("vit_", "deit_")
+    h, w = cfg.img_hw
+    for name in (f"{family}_distilled_patch16_{h}", f"{family}_distilled_patch16_224"):
+        if family and h == w and name in REGISTERED_DEIT:
+            return name
+    return "deit_base_distilled_patch16_224"
+
+
 def timm_mlp_ratio(dim: int, mlp_dim: int) -> float:
     """An mlp_ratio from which timm builds exactly `mlp_dim` hidden units: timm takes
     int(dim * mlp_ratio), and mlp_dim / dim can land just below mlp_dim (448 * (488 / 448) is
@@ -406,7 +427,7 @@ def timm_model_args(cfg: ViTConfig) -> tuple[str, dict[str, Any]]:
     if cfg.pos_embed == "none":
         args["pos_embed"] = "none"
     if cfg.distilled:  # a DeiT: the class and distillation tokens, token pooling
-        return "deit_base_distilled_patch16_224", args
+        return timm_deit_arch(cfg), args
     args.update(
         class_token=cfg.class_token,
         global_pool="avg" if cfg.pool == "gap" else "token",
