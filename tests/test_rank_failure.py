@@ -121,7 +121,7 @@ def check_kill_and_resume(uninterrupted, interrupted, straight: Path, broken: Pa
     assert seconds < 60, f"took {seconds:.0f}s to exit after the kill"
     # the survivor's own report, not torchrun's summary (which names the root cause anyway)
     assert "vitlab train: error: lost rank 0 of 2" in output, output[-3000:]
-    assert "--resume" in output
+    assert f"`torchrun --nproc_per_node=2 -m vitlab train --resume {broken}`" in output
 
     state = load_train_state(resolve_checkpoint(broken / "checkpoints" / "last").parent)
     assert (state["epoch"], state["batch"]) == (1, 0)  # killed in epoch 2: epoch 1's checkpoint

@@ -195,6 +195,57 @@ def test_resume_may_only_change_the_length(tmp_path: Path, capsys) -> None:
     assert "the run's train.epochs is 1 already, so it keeps its length" in capsys.readouterr().err
 
 
+def test_a_checkpoint_of_another_model_or_process_count_is_said_on_resume(
+    tmp_path: Path, capsys, caplog
+) -> None:
+    """Weights of another model in a run's checkpoint (copied over by hand) stopped --resume with
+    PyTorch's traceback (exit 1); a checkpoint saved by two processes resumed on one went on
+    without a word, though not as the run would have (each process's random stream)."""
+    run = train(cfg("train.epochs=2", "train.stop_at_epoch=1"), out=tmp_path / "r")
+    other = train(cfg("train.epochs=1", "model.depth=1"), out=tmp_path / "other")
+    weights = Path("checkpoints", "last", "model.safetensors")
+    shutil.copytree(run, tmp_path / "swapped")
+    shutil.copy(other / weights, tmp_path / "swapped" / weights)
+    assert main(["train", "--resume", str(tmp_path / "swapped")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'swapped' / weights} (the model is the run's config.yaml's)" in err, err
+    assert "does not fit the model" in err and "missing from the checkpoint: blocks.1." in err
+    state = torch.load(run / "checkpoints" / "last" / "state.pt", weights_only=True)
+    two = {**state, "rng_ranks": [state["rng_ranks"][0], state["rng_ranks"][0]]}
+    torch.save(two, run / "checkpoints" / "last" / "state.pt")
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        rng = state_mod.saved_rng(two, runtime.Dist(), 0, torch.device("cpu"))
+        assert torch.equal(rng["torch"], state["rng_ranks"][0]["torch"])  # rank 0's stream
+        state_mod.saved_rng(state, runtime.Dist(), 0, torch.device("cpu"))  # 1 and 1: nothing
+        resume(run)
+    said = [r.getMessage() for r in caplog.records if "is resumed on" in r.getMessage()]
+    assert (
+        said
+        == [
+            "the checkpoint was saved by 2 processes and is resumed on 1 process: "
+            "training goes on reproducibly, but not exactly as the run would have (each "
+            "process has its own random stream); resume on 2 processes for that"
+        ]
+        * 2
+    )
+
+
+def test_the_command_that_continues_a_run_is_the_one_it_ran_under(monkeypatch) -> None:
+    """Under torchrun a stop said `vitlab train --resume RUN`: one process, which goes on but not
+    exactly (the same number of processes continues exactly)."""
+    from vitlab.train.distributed import resume_command
+
+    assert resume_command("r", runtime.Dist()) == "`vitlab train --resume r`"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    two = runtime.Dist(rank=1, world=2)
+    assert resume_command("r", two) == "`torchrun --nproc_per_node=2 -m vitlab train --resume r`"
+    four = runtime.Dist(rank=0, world=4)  # two nodes of two
+    assert resume_command("r", four) == (
+        "`torchrun --nnodes=2 (and your rendezvous options) --nproc_per_node=2 -m vitlab train "
+        "--resume r`"
+    )
+
+
 def test_a_relative_data_path_is_saved_absolute(tmp_path: Path, monkeypatch, capsys) -> None:
     """data.name=imagefolder:RELATIVE was saved as typed, so eval / fewshot / probe of the run
     from any other folder said "image folder ... does not exist"; a restated relative path on
@@ -304,6 +355,15 @@ def test_out_naming_an_existing_run_is_refused_unless_overwritten(tmp_path: Path
     err = capsys.readouterr().err
     assert "already holds a run" in err and "--resume" in err and "--overwrite" in err
     assert "old run" in (out / "metrics.jsonl").read_text()
+    (out / "elsewhere").mkdir()  # a run that stopped before its first checkpoint (a NaN loss):
+    shutil.copytree(out / "checkpoints", out / "elsewhere" / "checkpoints")
+    shutil.rmtree(out / "checkpoints")  # not told to --resume it, which would fail
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "it has no checkpoint to continue from: choose another --out, or pass --overwrite" in err
+    assert "--resume" not in err
+    shutil.move(out / "elsewhere" / "checkpoints", out / "checkpoints")
+    shutil.rmtree(out / "elsewhere")
     missing = "data.name=imagefolder:" + str(tmp_path / "missing")
     assert main([*args[:-2], missing, *args[-2:], "--overwrite"]) == 2  # fails on bad input:
     assert "old run" in (out / "metrics.jsonl").read_text()  # the old run stays whole

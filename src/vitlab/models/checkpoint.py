@@ -7,14 +7,13 @@ states, build the model, apply overrides and load the weights strictly.
     load_checkpoint(source, ...)        -> (model, CheckpointMeta)
     save_pretrained(model, dst, format)  vitlab's, timm's or Hugging Face's format
 
-The family is the tensors' (Swin blocks are `layers.{i}.blocks.{j}`, a ResNet's `layer{i}.{j}`)
-or the vitlab metadata's.
-A ViT's architecture is read from the tensors (width, depth, MLP, patch, grid, prefix tokens,
-pooling, pre-logits; a hybrid's ResNet stem in models.hybrid_checkpoint), from the config a format
-carries (heads, eps, activation, labels), and from what the format implies (Google: tanh GELU,
-inputs in [-1, 1]); a Swin's in models.swin_checkpoint, a ResNet's in models.cnn_checkpoint.
-Every tensor must find its place and every parameter must be filled: anything else is an error
-with names and shapes.
+The family is the tensors' (Swin blocks are `layers.{i}.blocks.{j}`, a ResNet's `layer{i}.{j}`) or
+the vitlab metadata's. A ViT's architecture is read from the tensors (width, depth, MLP, patch,
+grid, prefix tokens, pooling, pre-logits; a hybrid's ResNet stem in models.hybrid_checkpoint), from
+the config a format carries (heads, eps, activation, labels), and from what the format implies
+(Google: tanh GELU, inputs in [-1, 1]); a Swin's in models.swin_checkpoint, a ResNet's in
+models.cnn_checkpoint. Every tensor must find its place and every parameter must be filled:
+anything else is an error with names and shapes.
 """
 
 from __future__ import annotations
@@ -407,8 +406,9 @@ def load_pretrained(source: str | Path, format: str = "auto", **overrides: Any) 
     return model
 
 
-def load_state_strict(model: torch.nn.Module, state: dict[str, Tensor], where: str) -> None:
-    """Load `state` into `model`, or raise naming every missing, unexpected or misshapen tensor."""
+def load_state_strict(model: torch.nn.Module, state: dict, where: str, load: bool = True) -> None:
+    """Load `state` into `model` (`load`; else only check that it fits: a sharded model's whole
+    state), or raise naming every missing, unexpected or misshapen tensor."""
     own = model.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -426,7 +426,8 @@ def load_state_strict(model: torch.nn.Module, state: dict[str, Tensor], where: s
         if unexpected:
             parts.append(f"no place in the model: {', '.join(unexpected[:8])}")
         raise CheckpointError(f"{where} does not fit the model: " + " | ".join(parts))
-    model.load_state_dict(state)
+    if load:
+        model.load_state_dict(state)
 
 
 def save_pretrained(

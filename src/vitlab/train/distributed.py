@@ -166,13 +166,26 @@ def raise_if_rank_lost(d: Dist, error: Exception, out: Path | None) -> None:
     lost = rank_lost(d, error)
     if lost is None:
         return
+    from vitlab.train.state import has_checkpoint
+
     folder = out if out is not None else "RUN_FOLDER (named when the run started)"
-    raise RankLost(
-        f"{lost}. The run folder keeps the checkpoint of the last finished epoch; continue with "
-        f"`torchrun --nproc_per_node=... -m vitlab train --resume {folder}` on {d.world} "
-        f"processes again for an exact continuation",
-        lost.lost,
-    ) from error
+    how = (
+        f"The run folder keeps the checkpoint of the last finished epoch; continue with "
+        f"{resume_command(folder, d)} (as many processes: an exact continuation)"
+    )
+    if out is not None and not has_checkpoint(out):
+        how = "No epoch had finished, so the run folder holds no checkpoint: start it again"
+    raise RankLost(f"{lost}. {how}", lost.lost) from error
+
+
+def resume_command(out: object, d: Dist) -> str:
+    """How to continue run folder `out` as it ran: `vitlab train --resume OUT`, or under torchrun
+    torchrun's command for as many processes (per node, and nodes)."""
+    if not d.enabled:
+        return f"`vitlab train --resume {out}`"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", d.world))
+    nodes = f"--nnodes={d.world // local} (and your rendezvous options) " if local < d.world else ""
+    return f"`torchrun {nodes}--nproc_per_node={local} -m vitlab train --resume {out}`"
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -305,9 +318,14 @@ def full_optimizer_state(model: nn.Module, optimizer, d: Dist, strategy: str) ->
 
 
 def load_full_state(
-    model: nn.Module, optimizer, model_state: dict, optim_state: dict, d: Dist, strategy: str
-) -> None:
-    """Load whole (unsharded) states into a possibly sharded model and its optimizer (if any)."""
+    model: nn.Module, optimizer, model_state: dict, optim_state: dict, d: Dist, strategy: str,
+    where: str = "the checkpoint",
+) -> None:  # fmt: skip
+    """Load whole (unsharded) states into a possibly sharded model and its optimizer (if any);
+    weights that do not fit the model are a CheckpointError naming the tensors, from `where`."""
+    from vitlab.models.checkpoint import load_state_strict
+
+    load_state_strict(model, model_state, where, load=False)  # a sharded model's whole shapes
     if not is_sharded(d, strategy):
         model.load_state_dict(model_state)
         if optimizer is not None:

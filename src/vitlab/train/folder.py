@@ -21,7 +21,7 @@ from vitlab.config import ConfigError, RunConfig, load_run_config
 from vitlab.runtime import Dist
 from vitlab.train import distributed
 from vitlab.train.log import RUN_FILES, saved_tree
-from vitlab.train.state import CheckpointError
+from vitlab.train.state import CheckpointError, has_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def claim_run_folder(out: Path, overwrite: bool, resuming: bool = False) -> str | None:
+def claim_run_folder(
+    out: Path, overwrite: bool, resuming: bool = False, d: Dist | None = None
+) -> str | None:
     """Why a run may not start in `out` (None: it may, and this thread now holds the folder's
     lock until release_run_folders, which train() calls as the run ends): another `vitlab train`
     runs there (two runs writing one folder would mix their files), or, for a new run, it holds
@@ -109,10 +111,11 @@ def claim_run_folder(out: Path, overwrite: bool, resuming: bool = False) -> str 
     refusal = _lock(out)
     found = [name for name in RUN_FILES if (out / name).exists()]
     if refusal is None and found and not overwrite and not resuming:
+        go_on = f"continue it with {distributed.resume_command(out, d or Dist())}, "  # or:
+        go_on = go_on if has_checkpoint(out) else "it has no checkpoint to continue from: "
         refusal = (
-            f"{out} already holds a run ({', '.join(found)}): continue it with "
-            f"`vitlab train --resume {out}`, choose another --out, or pass --overwrite to "
-            f"replace it"
+            f"{out} already holds a run ({', '.join(found)}): {go_on}choose another --out, or "
+            f"pass --overwrite to replace it"
         )
     return refusal
 

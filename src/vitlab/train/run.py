@@ -30,7 +30,7 @@ from vitlab.eval.mpp import evaluate_mpp
 from vitlab.models.checkpoint import infer_config, read_source
 from vitlab.models.mpp import MaskedPatchViT
 from vitlab.models.registry import build_model, config_of, family_of
-from vitlab.runtime import Dist, derive_seed, pick_device, rng_state, set_rng_state, use_bf16
+from vitlab.runtime import Dist, pick_device, set_rng_state, use_bf16
 from vitlab.train import budget, build, distill, distributed, engine, folder
 from vitlab.train.build import finetune_weights, load_data, normalization, resolve_model_config
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
@@ -44,6 +44,7 @@ from vitlab.train.state import (
     read_metadata,
     resolve_checkpoint,
     save_checkpoint,
+    saved_rng,
 )
 from vitlab.train.stop import StopFlag, TrainingStopped
 
@@ -82,7 +83,7 @@ def train(
     try:
         if resume is None and out is None:  # rank 0 names it, every rank uses that name
             out = distributed.broadcast(default_run_folder(cfg) if d.is_main else None, d)
-        claim = d.is_main and claim_run_folder(Path(resume or out), overwrite, resume is not None)
+        claim = d.is_main and claim_run_folder(Path(resume or out), overwrite, bool(resume), d)
         if distributed.any_rank(bool(claim), d, device):  # rank 0 writes the folder: it decides
             raise ConfigError(claim or f"rank 0 refused the run folder {resume or out}")
         run = Run(cfg, out, resume, device, d, extend, before, overwrite)
@@ -256,26 +257,17 @@ class Run:
         state = load_train_state(weights.parent)
         distributed.load_full_state(
             self.model, self.optimizer, load_weights(weights), state["optimizer"], self.d,
-            self.strategy,
+            self.strategy, f"{weights} (the model is the run's config.yaml's)",
         )  # fmt: skip
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
-        self.pos = Position(state["epoch"], state["batch"], state["step"], self._saved_rng(state),
+        rng = saved_rng(state, self.d, self.cfg.train.seed, self.device)
+        self.pos = Position(state["epoch"], state["batch"], state["step"], rng,
                             state.get("partial") or [])  # fmt: skip
         set_rng_state(self.pos.rng, self.device)
         self.best = float(state["best"])
         if self.d.is_main:
             distill.check_resumed(self.teacher, state.get("teacher"))
-
-    def _saved_rng(self, state: dict) -> dict[str, torch.Tensor]:
-        """This rank's RNG state at the checkpoint (each rank's is saved). A rank the saving run
-        did not have, or any rank but 0 of a checkpoint from before per-rank states, starts a
-        stream seeded by (seed, rank, step) instead: reproducible, but not the run it continues."""
-        ranks = state.get("rng_ranks") or [state["rng"]]
-        if self.d.rank < len(ranks):
-            return ranks[self.d.rank]
-        torch.manual_seed(derive_seed(self.cfg.train.seed, self.d.rank, state["step"]))
-        return rng_state(self.device)
 
     def _extend(self, planned: int) -> None:
         """Say how the learning-rate schedule changes when a resumed run's length changes: it now
@@ -372,7 +364,7 @@ class Run:
                         self.log.finish()
                         print(
                             f"stopped after epoch {pos.epoch} (train.stop_at_epoch); continue "
-                            f"with `vitlab train --resume {self.out}`",
+                            f"with {distributed.resume_command(self.out, self.d)}",
                             file=sys.stderr,
                         )
                     return False
@@ -408,7 +400,8 @@ class Run:
         if stopped:
             self.save("last", with_state=True)
             raise TrainingStopped(
-                f"stopped at epoch {pos.epoch + 1}, batch {pos.batch}; checkpoint saved", self.out
+                f"stopped at epoch {pos.epoch + 1}, batch {pos.batch}; checkpoint saved",
+                distributed.resume_command(self.out, self.d),
             )
         return stats
 

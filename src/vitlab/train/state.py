@@ -11,6 +11,7 @@ loadable checkpoint: the old one, the new one, or (mid-swap) the old one under i
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -20,6 +21,9 @@ import torch
 
 from vitlab.formats.base import WEIGHTS, CheckpointError, fsync, load_weights
 from vitlab.formats.vitlab import CheckpointMeta, read_metadata, resolve_checkpoint, write_weights
+from vitlab.runtime import Dist, derive_seed, rng_state
+
+log = logging.getLogger(__name__)
 
 STATE = "state.pt"
 
@@ -93,6 +97,15 @@ def _write_failure(folder: Path, e: BaseException) -> str:
     return f"cannot save checkpoint {folder}: {why}; {kept}, the partial copy removed"
 
 
+def has_checkpoint(run: Path) -> bool:
+    """Whether run folder `run` holds a last checkpoint to resume from (one mid-swap too)."""
+    try:
+        resolve_checkpoint(Path(run) / "checkpoints" / "last")
+    except CheckpointError:
+        return False
+    return True
+
+
 def load_train_state(folder: Path) -> dict[str, Any]:
     path = Path(folder) / STATE
     try:
@@ -101,3 +114,22 @@ def load_train_state(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"{folder} has no training state ({STATE}) to resume from") from None
     except Exception as e:
         raise CheckpointError(f"{path} is truncated or not a vitlab training state: {e}") from None
+
+
+def saved_rng(state: dict, d: Dist, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's RNG state at the checkpoint (each rank's is saved). A rank the saving run
+    did not have, or any rank but 0 of a checkpoint from before per-rank states, starts a
+    stream seeded by (seed, rank, step) instead: reproducible, but not the run it continues; a
+    checkpoint resumed on another number of processes says so."""
+    ranks = state.get("rng_ranks") or [state["rng"]]
+    if "rng_ranks" in state and len(ranks) != d.world and d.is_main:
+        n = [f"{k} process" + "es" * (k > 1) for k in (len(ranks), d.world)]
+        log.warning(
+            "the checkpoint was saved by %s and is resumed on %s: training goes on "
+            "reproducibly, but not exactly as the run would have (each process has its own "
+            "random stream); resume on %s for that", n[0], n[1], n[0],
+        )  # fmt: skip
+    if d.rank < len(ranks):
+        return ranks[d.rank]
+    torch.manual_seed(derive_seed(seed, d.rank, state["step"]))
+    return rng_state(device)

@@ -45,8 +45,8 @@ class StopFlag:
 
 class TrainingStopped(RuntimeError):
     """The run was stopped on request after saving a checkpoint: `where` (the epoch and batch),
-    and in the message how to continue it (`vitlab train --resume RUN`), where a run is named."""
+    and in the message how to continue it (`command`: distributed.resume_command), if given."""
 
-    def __init__(self, where: str, run: object = None) -> None:
+    def __init__(self, where: str, command: str | None = None) -> None:
         self.where = where
-        super().__init__(f"{where}: continue with `vitlab train --resume {run}`" if run else where)
+        super().__init__(f"{where}: continue with {command}" if command else where)
