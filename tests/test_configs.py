@@ -51,6 +51,15 @@ def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
         load_run_config(str(bad))
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_run_config(str(tmp_path / "missing.yaml"))
+    bad.write_text("train:\n  epochs: 3\n  batch_size: 32\n  epochs: 4\n")  # YAML keeps the
+    with pytest.raises(ConfigError, match="(?s)'epochs' is given twice.*line 4"):  # last: 4 epochs
+        load_run_config(str(bad))
+    bad.write_text("train: {epochs: 3}\noptim: {lr: 0.1}\ntrain: {epochs: 4}\n")
+    with pytest.raises(ConfigError, match="'train' is given twice"):
+        load_run_config(str(bad))
+    bad.write_text("train: {epochs: 3}\noptim: {epochs: 4}\n")  # two sections: not given twice
+    with pytest.raises(ConfigError, match="unknown key 'epochs' for section 'optim'"):
+        load_run_config(str(bad))
     bad.write_text("train: 5\n")  # with an override: "'train' is not a config section"
     for overrides in ([], ["train.epochs=2"]):
         with pytest.raises(ConfigError, match="config section 'train' must be a mapping, got 5"):

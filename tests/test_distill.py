@@ -346,3 +346,7 @@ def test_two_processes_with_a_teacher_equal_one(teacher: Path, tmp_path: Path) -
         torch.testing.assert_close(b[k], a[k], atol=5e-5, rtol=1e-4, msg=k)
     result = json.loads((multi / "results.json").read_text())
     assert result["num_images"] == 359 and {"top1_cls", "top1_dist"} <= result.keys()
+    refused = torchrun_train(tmp_path / "fsdp", *common, "train.strategy=fsdp", timeout=240)
+    assert refused.returncode != 0  # a setting every rank refuses: said once, by rank 0
+    assert refused.stderr.count("vitlab train: error:") == 1, refused.stderr[-3000:]
+    assert "train.strategy=fsdp" in refused.stderr

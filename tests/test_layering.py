@@ -29,7 +29,7 @@ FORBIDDEN = {
     "vitlab.formats": ("vitlab.models.checkpoint", "vitlab.data", "vitlab.analysis", *HIGH),
     "vitlab.hub": ("vitlab.models.checkpoint", "vitlab.data", "vitlab.analysis", *HIGH),
 }
-LEAVES = ("vitlab.runtime", "vitlab.preprocessing", "vitlab.duration")  # import no vitlab module
+LEAVES = ("vitlab.runtime", "vitlab.preprocessing", "vitlab.duration", "vitlab.validation")
 
 Edge = tuple[str, str]  # (importer, imported)
 

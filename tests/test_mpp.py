@@ -199,6 +199,12 @@ def test_pretraining_learns_colours_and_finetuning_starts_from_its_encoder(
     tuned = weights_of(ft)
     assert tuned["head.weight"].shape == (10, 32)
     assert tuned["blocks.0.attn.qkv.weight"].shape == weights["blocks.0.attn.qkv.weight"].shape
+    assert "fine-tune: new zero-initialised head for 10 classes" in text
+    caplog.clear()  # and back to pre-training from the classifier: it had no "head for 0 classes"
+    with caplog.at_level(logging.INFO, logger="vitlab"):
+        train(cfg("train.max_steps=2", f"finetune.from={ft}"), out=tmp_path / "again")
+    assert "fine-tune: the classifier of 10 classes left out" in caplog.text
+    assert "head for 0 classes" not in caplog.text
 
 
 def test_pretraining_resumes_exactly(tmp_path: Path) -> None:

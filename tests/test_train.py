@@ -276,6 +276,17 @@ def test_a_relative_data_path_is_saved_absolute(tmp_path: Path, monkeypatch, cap
     assert json.loads(capsys.readouterr().out)["num_images"] > 0
 
 
+def test_the_progress_bar_counts_the_epochs_max_steps_covers() -> None:
+    """train.max_steps=30 ends a 40-epoch run of 22 steps an epoch in its second epoch; the bar
+    said `epoch 1/40`."""
+    from vitlab.train.budget import epochs_shown
+
+    assert epochs_shown(None, cfg("train.epochs=40", "train.max_steps=30"), 22) == "2"
+    assert epochs_shown(None, cfg("train.epochs=40", "train.max_steps=44"), 22) == "2"
+    assert epochs_shown(None, cfg("train.epochs=40"), 22) == "40"
+    assert epochs_shown(None, cfg("train.epochs=1", "train.max_steps=30"), 22) == "1"
+
+
 def test_a_warm_up_as_long_as_the_run_is_warned(tmp_path: Path, caplog) -> None:
     """train.max_steps=3 with a warm-up of one epoch (many more steps): the rate only rose, to
     lr * 3 / warm-up steps, and the run ended there without a word. Now a warning says so (by
@@ -760,8 +771,9 @@ def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
         ("optim.clip_grad=-1", "clip_grad >= 0 \\(0, null: none\\)"),
         ("optim.min_lr=0.01", "min_lr in \\[0, lr\\]"),
         ("optim.momentum=2", "momentum and label_smoothing in \\[0, 1\\)"),
-        ("optim.lr=nan", "OptimConfig.lr: expected float, got nan"),
-        ("optim.lr=1e400", "OptimConfig.lr: expected float, got inf"),
+        ("optim.lr=nan", "OptimConfig.lr: expected float, got nan \\(float\\): numbers must be"),
+        ("optim.lr=1e400", "OptimConfig.lr: expected float, got inf \\(float\\): numbers must be"),
+        ("train.time_budget=inf", "expected str \\| float \\| None, got inf .*must be finite"),
         ("train.max_steps=0", "batch_threads and max_steps must be >= 1"),
         ("train.threads=-2", "threads, stop_at_epoch >= 0"),
         ("train.stop_at_epoch=-1", "threads, stop_at_epoch >= 0"),

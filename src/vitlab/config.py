@@ -1,143 +1,26 @@
-"""Strict, typed configuration: dataclasses whose fields are checked against their annotations.
-
-Every config object in vitlab (models' configs, the run's sections) is a dataclass validated by
-`validate`: a wrong type or an unknown key is a `ConfigError` naming field, expected and given."""
+"""The run's configuration (`vitlab train`): its sections as typed dataclasses, read from YAML and
+dotted key=value overrides. Every config object in vitlab (models' configs, these sections) is a
+dataclass checked by vitlab.validation (re-exported here): a wrong type or an unknown key is a
+`ConfigError` naming field, expected and given."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import difflib
-import math
-import re
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from vitlab.duration import parse_duration
+from vitlab.validation import ConfigError, check_keys, from_dict, pair, to_dict, validate
 
-T = TypeVar("T")
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE | re.ASCII)
-
-
-class ConfigError(ValueError):
-    """A configuration value or key that cannot be used."""
-
-
-def pair(size: int | tuple[int, int]) -> tuple[int, int]:
-    """(height, width) of a size given as one side or as a pair (img_size, window_size)."""
-    return (size, size) if isinstance(size, int) else (size[0], size[1])
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is typing.Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return f"tuple[{_type_name(args[0])}, ...]"
-        return "tuple[" + ", ".join(_type_name(a) for a in args) + "]"
-    if tp is type(None):
-        return "None"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
-    """(ok, value converted to `tp`), converting only losslessly (int -> float, list -> tuple)."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return True, value
-    if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            ok, out = _coerce(value, arg)
-            if ok:
-                return True, out
-        return False, value
-    if origin is typing.Literal:
-        return value in typing.get_args(tp), value
-    if tp is type(None):
-        return value is None, value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:  # a string of digits too: YAML 1.1 reads 1e-3 as text; NaN, inf no setting
-        if isinstance(value, str) and _NUMBER.fullmatch(value):
-            value = float(value)
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        return ok, float(value) if ok else value
-    if tp is str:
-        return isinstance(value, str), value
-    if origin is tuple:
-        if not isinstance(value, (tuple, list)):
-            return False, value
-        args = typing.get_args(tp)
-        elem_types = [args[0]] * len(value) if args[1:] == (Ellipsis,) else list(args)
-        if len(elem_types) != len(value):
-            return False, value
-        out = []
-        for v, t in zip(value, elem_types):
-            ok, c = _coerce(v, t)
-            if not ok:
-                return False, value
-            out.append(c)
-        return True, tuple(out)
-    if isinstance(tp, type):
-        return isinstance(value, tp), value
-    return True, value
-
-
-def validate(obj: Any, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Check every field of dataclass `obj` against its type hint, converting losslessly; with
-    `values` (some fields' values, `obj` its class), check and return those converted instead."""
-    in_place, cls = values is None, obj if values is not None else type(obj)
-    if in_place:
-        values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    hints, out = typing.get_type_hints(cls), {}
-    for name, value in values.items():
-        ok, out[name] = _coerce(value, hints[name])
-        if not ok:
-            raise ConfigError(f"{cls.__name__}.{name}: expected {_type_name(hints[name])}, "
-                              f"got {value!r} ({type(value).__name__})")  # fmt: skip
-        if in_place and out[name] is not value:
-            object.__setattr__(obj, name, out[name])
-    return out
-
-
-def check_keys(cls: type, keys: typing.Iterable[str], where: str | None = None) -> None:
-    """Raise ConfigError naming any key that is not a field of dataclass `cls`."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in keys:
-        if not isinstance(key, str):
-            raise ConfigError(f"keys of {where or cls.__name__} are names, got {key!r}")
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(
-                f"unknown key {key!r} for {where or cls.__name__}{hint} "
-                f"(valid keys: {', '.join(names)})"
-            )
-
-
-def from_dict(cls: type[T], data: Mapping[str, Any], where: str | None = None) -> T:
-    """Build dataclass `cls` from a mapping, refusing unknown keys and wrong types."""
-    check_keys(cls, data.keys(), where)
-    return cls(**data)
-
-
-def to_dict(obj: Any) -> dict[str, Any]:
-    """A plain dict of a config dataclass (tuples as lists), ready for JSON or YAML."""
-    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-
-
-def _plain(v: Any) -> Any:
-    return [_plain(x) for x in v] if isinstance(v, tuple) else v
-
+__all__ = [  # the validation helpers too: every config module imports them from here
+    "ConfigError", "DataConfig", "DistillConfig", "FinetuneConfig", "MPPConfig", "ModelSection",
+    "OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "check_keys", "from_dict",
+    "load_run_config", "pair", "parse_value", "to_dict", "validate",
+]  # fmt: skip
 
 # --- run configuration (vitlab train): YAML file + dotted key=value overrides --------------------
 
@@ -428,6 +311,30 @@ class RunConfig:
         return tree
 
 
+def _strict_loader() -> type:
+    """YAML's safe loader (libyaml's where built: Python's scanner is quadratic in nesting,
+    libyaml's takes 1,000 levels) that refuses a key given twice in one mapping, where YAML
+    keeps the last (`train: {epochs: 3, epochs: 4}` trained 4 epochs without a word)."""
+    import yaml
+
+    class Strict(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, str):  # other keys: refused by name, as before
+                    continue
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark, f"{key!r} is given twice",
+                        key_node.start_mark,
+                    )  # fmt: skip
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return Strict
+
+
 def load_run_config(path: str | None = None, overrides: typing.Iterable[str] = ()) -> RunConfig:
     """A RunConfig from an optional YAML file plus 'section.key=value' overrides."""
     import yaml
@@ -436,8 +343,7 @@ def load_run_config(path: str | None = None, overrides: typing.Iterable[str] = (
     if path:
         try:
             with open(path, encoding="utf-8") as f:
-                # libyaml's where built: Python's scanner is quadratic in nesting (libyaml: 1,000)
-                tree = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
+                tree = yaml.load(f, Loader=_strict_loader()) or {}
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
         except UnicodeDecodeError as e:

@@ -6,12 +6,12 @@ the threads that share a batch, and signal handlers installed for a block."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -105,8 +105,9 @@ def all_reduce_(t: Tensor) -> Tensor:
         while t.device.type == "cpu" and (t._use_count() > 1 or sys.getrefcount(t) > base):
             if time.monotonic() > deadline:
                 if _let_go_s:
-                    warnings.warn(f"gloo kept a summed tensor for {_let_go_s:.0f} s; no longer "
-                                  "waiting for it", RuntimeWarning, stacklevel=2)  # fmt: skip
+                    logging.getLogger(__name__).warning(  # vitlab's warning, not Python's
+                        "gloo kept a summed tensor for %.0f s; no longer waiting for it", _let_go_s
+                    )
                 _let_go_s = 0.0
                 break
             spins += 1

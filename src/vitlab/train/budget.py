@@ -19,7 +19,9 @@ typical_step) is left out of the pace, its time only lost: N is planned again; s
 epoch end that took a window's steps longer than the plan's estimate. (A stall at the first epoch
 end is taken for every epoch end's cost: the plan stays short for the rest of the run.)
 The schedule (warm-up as configured, at most a fifth of the steps, then the configured decay) is
-laid over the first plan's N, its warm-up kept step for step. A longer plan stretches what is left
+laid over the first plan's N, its warm-up kept step for step (the steps before the first plan,
+unplanned, take the configured schedule: a plan of under 5 x (SKIP_STEPS + TIMED_STEPS) steps
+has warmed up past a fifth by then). A longer plan stretches what is left
 of it over the steps left: the learning rate goes on from where it is (late in the run the decay
 slows instead of being undone). A shorter plan first moves along it to where the step would be had
 the run been planned that short from the start (a step down: the decay comes early, and a run cut
@@ -393,10 +395,16 @@ def typical_step(seconds: Sequence[float], count: int | None = None) -> tuple[fl
     return mean, sum(s - mean for s in seconds if s > limit)
 
 
-def epochs_shown(b: TimeBudget | None, cfg: RunConfig) -> str:
+def epochs_shown(b: TimeBudget | None, cfg: RunConfig, steps_per_epoch: int = 0) -> str:
     """The epoch count a progress bar shows: "?" while a time budget has not planned yet
-    (train.epochs is not what the run will train), then the plan's."""
-    return "?" if b is not None and b.total is None else str(cfg.train.epochs)
+    (train.epochs is not what the run will train), then the plan's; those train.max_steps
+    covers where it ends the run sooner (`steps_per_epoch` optimizer steps an epoch)."""
+    if b is not None and b.total is None:
+        return "?"
+    steps = cfg.train.max_steps if b is None and steps_per_epoch else None
+    return str(
+        min(cfg.train.epochs, math.ceil(steps / steps_per_epoch)) if steps else cfg.train.epochs
+    )
 
 
 def attach(

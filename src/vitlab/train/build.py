@@ -121,8 +121,10 @@ def finetune_weights(model: nn.Module, source: Source) -> list[str]:
             note += (" (approximate: the summed kernels of a weight-standardised conv are "
                      "standardised anew, which rescales each channel's response)")  # fmt: skip
         notes.append(note)
-    if src_cfg.num_classes != cfg.num_classes:
+    if src_cfg.num_classes != cfg.num_classes and cfg.num_classes:
         notes.append(f"new zero-initialised head for {cfg.num_classes} classes")
+    elif src_cfg.num_classes != cfg.num_classes:  # masked patch prediction: no classifier
+        notes.append(f"the classifier of {src_cfg.num_classes} classes left out")
     src, _ = load_checkpoint(source, in_chans=cfg.in_chans, num_classes=cfg.num_classes, **moves)
     state = src.state_dict()
     fresh = {k: v for k, v in model.state_dict().items() if k.startswith(MPP_PREFIX)}

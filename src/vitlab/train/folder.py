@@ -73,8 +73,8 @@ def check_resume_length(run: Path, cfg: RunConfig, extend: bool, said: bool = Tr
             f"train.epochs={new} differs from the run's {saved}: the {cfg.optim.schedule} "
             f"learning-rate schedule was planned over {saved} epochs. To stop early keep "
             f"train.epochs and set train.stop_at_epoch; to train to {new} epochs pass --extend "
-            f"(extend=True), and the schedule is recomputed as if the run had started with {new} "
-            f"epochs"
+            f"(in Python: train(..., extend=True)), and the schedule is recomputed as if the run "
+            f"had started with {new} epochs"
         )
     if extend and new == saved and said:  # not refused: the same command again after a stop
         log.warning("--extend: the run's train.epochs is %d already, so it keeps its length "

@@ -374,7 +374,8 @@ class Run:
 
     def _epoch(self, stop: StopFlag) -> dict:
         cfg, pos = self.cfg, self.pos
-        shown = partial(budget.epochs_shown, self.budget, cfg)  # "?" until a time budget plans
+        spe = len(self.loader) // cfg.train.accum_steps  # "?" until a time budget plans:
+        shown = partial(budget.epochs_shown, self.budget, cfg, spe)
         bar = self.log.bar(pos.epoch, shown, len(self.loader), pos.batch, cfg.train.batch_size)
         try:
             stats, stopped = train_epoch(

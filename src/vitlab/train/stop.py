@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -33,7 +34,9 @@ class StopFlag:
             raise KeyboardInterrupt
         self.requested = True
         note = " (if every rank is still there)" if self.distributed else ""
-        print(f"\nstop requested: saving a checkpoint after this step{note} ...", file=sys.stderr)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # torchrun signals every rank: one says it
+            print(f"\nstop requested: saving a checkpoint after this step{note} ...",
+                  file=sys.stderr)  # fmt: skip
 
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
         failed = exc_type is not None and not issubclass(exc_type, TrainingStopped)

@@ -1,0 +1,138 @@
+"""Typed dataclass validation, which every config in vitlab (models' configs, the run's sections)
+goes through: `validate` checks each field against its annotation, converting only losslessly;
+`check_keys` / `from_dict` refuse unknown keys, naming the close ones. A wrong type or an unknown
+key is a `ConfigError` naming field, expected and given."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE | re.ASCII)
+
+
+class ConfigError(ValueError):
+    """A configuration value or key that cannot be used."""
+
+
+def pair(size: int | tuple[int, int]) -> tuple[int, int]:
+    """(height, width) of a size given as one side or as a pair (img_size, window_size)."""
+    return (size, size) if isinstance(size, int) else (size[0], size[1])
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"tuple[{_type_name(args[0])}, ...]"
+        return "tuple[" + ", ".join(_type_name(a) for a in args) + "]"
+    if tp is type(None):
+        return "None"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(ok, value converted to `tp`), converting only losslessly (int -> float, list -> tuple)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True, value
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            ok, out = _coerce(value, arg)
+            if ok:
+                return True, out
+        return False, value
+    if origin is typing.Literal:
+        return value in typing.get_args(tp), value
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:  # a string of digits too: YAML 1.1 reads 1e-3 as text; NaN, inf no setting
+        if isinstance(value, str) and _NUMBER.fullmatch(value):
+            value = float(value)
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        return ok, float(value) if ok else value
+    if tp is str:
+        return isinstance(value, str), value
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            return False, value
+        args = typing.get_args(tp)
+        elem_types = [args[0]] * len(value) if args[1:] == (Ellipsis,) else list(args)
+        if len(elem_types) != len(value):
+            return False, value
+        out = []
+        for v, t in zip(value, elem_types):
+            ok, c = _coerce(v, t)
+            if not ok:
+                return False, value
+            out.append(c)
+        return True, tuple(out)
+    if isinstance(tp, type):
+        return isinstance(value, tp), value
+    return True, value
+
+
+def validate(obj: Any, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Check every field of dataclass `obj` against its type hint, converting losslessly; with
+    `values` (some fields' values, `obj` its class), check and return those converted instead."""
+    in_place, cls = values is None, obj if values is not None else type(obj)
+    if in_place:
+        values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    hints, out = typing.get_type_hints(cls), {}
+    for name, value in values.items():
+        ok, out[name] = _coerce(value, hints[name])
+        if not ok:
+            finite = isinstance(value, float) and not math.isfinite(value)  # nan, inf
+            raise ConfigError(
+                f"{cls.__name__}.{name}: expected {_type_name(hints[name])}, got {value!r} "
+                f"({type(value).__name__}){': numbers must be finite' if finite else ''}"
+            )
+        if in_place and out[name] is not value:
+            object.__setattr__(obj, name, out[name])
+    return out
+
+
+def check_keys(cls: type, keys: typing.Iterable[str], where: str | None = None) -> None:
+    """Raise ConfigError naming any key that is not a field of dataclass `cls`."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in keys:
+        if not isinstance(key, str):
+            raise ConfigError(f"keys of {where or cls.__name__} are names, got {key!r}")
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(
+                f"unknown key {key!r} for {where or cls.__name__}{hint} "
+                f"(valid keys: {', '.join(names)})"
+            )
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], where: str | None = None) -> T:
+    """Build dataclass `cls` from a mapping, refusing unknown keys and wrong types."""
+    check_keys(cls, data.keys(), where)
+    return cls(**data)
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """A plain dict of a config dataclass (tuples as lists), ready for JSON or YAML."""
+    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def _plain(v: Any) -> Any:
+    return [_plain(x) for x in v] if isinstance(v, tuple) else v
