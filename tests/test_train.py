@@ -174,7 +174,7 @@ def test_every_epoch_is_a_fresh_shuffle(tmp_path: Path, monkeypatch) -> None:
     assert set(seen[0]) != set(seen[1])  # the dropped remainder differs too
 
 
-def test_resume_may_only_change_the_length(tmp_path: Path, capsys) -> None:
+def test_resume_may_only_change_the_length(tmp_path: Path, capsys, caplog) -> None:
     run = train(cfg("train.epochs=1"), out=tmp_path / "r")
     assert main(["train", "--resume", str(run), "optim.lr=0.1"]) == 2
     assert "cannot change optim.lr when resuming" in capsys.readouterr().err
@@ -190,7 +190,14 @@ def test_resume_may_only_change_the_length(tmp_path: Path, capsys) -> None:
     assert "no config.yaml" in capsys.readouterr().err
     assert main(["train", "--resume", str(run), "data.val_fraction=0.5"]) == 2  # a raw tuple
     err = capsys.readouterr().err  # once
-    assert "(only the run's length: train.epochs, train.stop_at_epoch)" in err, err
+    assert (
+        "(only the run's length: train.epochs, train.stop_at_epoch; and the CPU it takes: "
+        "train.threads, data.workers)" in err
+    ), err
+    with caplog.at_level(logging.WARNING, logger="vitlab"):  # another machine's cores
+        machine = resume_config(run, ["train.threads=1", "data.workers=0"])
+    assert (machine.train.threads, machine.data.workers) == (1, 0)
+    assert "train.threads None -> 1: float sums run in another order" in caplog.text
     assert main(["train", "--resume", str(run), "--extend"]) == 0  # finished: nothing to do
     assert "the run's train.epochs is 1 already, so it keeps its length" in capsys.readouterr().err
 

@@ -25,7 +25,8 @@ from vitlab.train.state import CheckpointError, has_checkpoint
 
 log = logging.getLogger(__name__)
 
-RESUMABLE_KEYS = ("train.epochs", "train.stop_at_epoch")
+RESUMABLE_KEYS = ("train.epochs", "train.stop_at_epoch")  # the run's length
+MACHINE_KEYS = ("train.threads", "data.workers")  # where it runs (another machine's cores)
 LOCK = ".vitlab-lock"  # in a run folder: locked (flock) by the process whose run it is
 _TRIES = 5  # attempts at a lock whose file a failed start removes as it is taken
 
@@ -46,7 +47,10 @@ _held: list[_Hold] = []
 
 def resume_config(run: Path, overrides: list[str]) -> RunConfig:
     """The saved config of run folder `run`; the overrides may change only the run's length
-    (train.epochs, train.stop_at_epoch); others may only restate the saved value."""
+    (train.epochs, train.stop_at_epoch) and the CPU it takes (train.threads, data.workers: a
+    batch's augmentation is seeded by its place, whatever the workers; other threads sum floats
+    in another order, so the run goes on, not bit for bit: warned); others may only restate the
+    saved value."""
     path = Path(run) / "config.yaml"
     if not Path(run).is_dir():
         what = "not a folder" if Path(run).exists() else "no such folder"
@@ -56,10 +60,18 @@ def resume_config(run: Path, overrides: list[str]) -> RunConfig:
     saved = saved_tree(load_run_config(str(path), []))
     for item in overrides:  # compared as saved: data.name=imagefolder:RELATIVE restates it
         key = item.partition("=")[0]
-        if key not in RESUMABLE_KEYS and saved_tree(load_run_config(str(path), [item])) != saved:
+        mine = key in RESUMABLE_KEYS + MACHINE_KEYS
+        if not mine and saved_tree(load_run_config(str(path), [item])) != saved:
             raise ConfigError(f"cannot change {key} when resuming (only the run's length: "
-                              f"{', '.join(RESUMABLE_KEYS)})")  # fmt: skip
-    return load_run_config(str(path), overrides)
+                              f"{', '.join(RESUMABLE_KEYS)}; and the CPU it takes: "
+                              f"{', '.join(MACHINE_KEYS)})")  # fmt: skip
+    cfg = load_run_config(str(path), overrides)
+    threads = saved["train"].get("threads"), cfg.train.threads
+    if threads[0] != threads[1] and os.environ.get("RANK", "0") == "0":
+        log.warning("train.threads %s -> %s: float sums run in another order, so the run goes on "
+                    "as the same computation but not bit for bit as it would have (in bf16 the "
+                    "difference grows with the steps)", *threads)  # fmt: skip
+    return cfg
 
 
 def check_resume_length(run: Path, cfg: RunConfig, extend: bool, said: bool = True) -> int:
