@@ -60,6 +60,12 @@ def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
     bad.write_text("train: {epochs: 3}\noptim: {epochs: 4}\n")  # two sections: not given twice
     with pytest.raises(ConfigError, match="unknown key 'epochs' for section 'optim'"):
         load_run_config(str(bad))
+    good = tmp_path / "merged.yaml"  # anchors and merge keys, overridden where given: no
+    good.write_text("optim: &base {lr: 0.1, momentum: 0.8}\nmodel:\n  <<: {name: vit_nano_pat"
+                    "ch4_28, depth: 2}\n  depth: 3\n")  # fmt: skip
+    merged = load_run_config(str(good))  # duplicate (a key given twice in one mapping)
+    assert merged.model.name == "vit_nano_patch4_28" and merged.model.overrides == {"depth": 3}
+    assert merged.optim.lr == 0.1
     bad.write_text("train: 5\n")  # with an override: "'train' is not a config section"
     for overrides in ([], ["train.epochs=2"]):
         with pytest.raises(ConfigError, match="config section 'train' must be a mapping, got 5"):

@@ -95,7 +95,7 @@ def test_a_timm_file_resized_gives_timms_logits_at_the_new_size(resize, tmp_path
     theirs = timm_model(**resize).eval()
     state = load_file(tmp_path / "w.safetensors")
     theirs.load_state_dict(timm.models.swin_transformer.checkpoint_filter_fn(state, theirs))
-    model = load_pretrained(tmp_path / "w.safetensors", **{"img_size": 32, **resize})
+    model = load_pretrained(tmp_path / "w.safetensors", **resize)
     x = images(resize["img_size"])
     close(logits(model, x), logits(theirs, x))
     bicubic = load_pretrained(tmp_path / "w.safetensors", img_size=32)  # the official code's way
@@ -151,6 +151,11 @@ def test_the_original_microsoft_layout_loads(tmp_path: Path) -> None:
     model, meta = load_checkpoint(tmp_path / "swin.pth", img_size=32)
     assert any("original Swin layout" in n for n in meta.info["notes"])
     close(logits(model, images(32)), logits(ref, images(32)))
+    key = "layers.0.blocks.0.attn.relative_position_bias_table"  # at another window, its
+    resized = load_pretrained(tmp_path / "swin.pth", img_size=48, window_size=6)  # code's way:
+    grid = old[key].t().reshape(1, 2, 7, 7)  # bicubic, no antialias (Swin's load_pretrained)
+    official = torch.nn.functional.interpolate(grid, size=(11, 11), mode="bicubic")
+    close(resized.state_dict()[key], official.reshape(2, -1).t())
 
 
 def test_timm_arch_names_are_registered_in_timm_and_build_vitlabs_shapes() -> None:

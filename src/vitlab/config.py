@@ -321,6 +321,8 @@ def _strict_loader() -> type:
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: merged, may be
+                    continue  # overridden by a key of this mapping
                 key = self.construct_object(key_node, deep=deep)
                 if not isinstance(key, str):  # other keys: refused by name, as before
                     continue

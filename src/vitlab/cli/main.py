@@ -178,9 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with cli_logging(args.verbose, args.quiet), sigterm_raises():
             return args.run(args) or 0
     except (ConfigError, UnknownModelError, ValueError) as e:
-        if not isinstance(e, ConfigError) or os.environ.get("RANK", "0") == "0":
-            print(f"vitlab {args.command}: error: {e}", file=sys.stderr)  # torchrun: rank 0
-        return 2  # states the settings every rank refuses alike
+        mine = not isinstance(e, ConfigError | UnknownModelError)  # settings: every rank of a
+        if mine or os.environ.get("LOCAL_RANK", "0") == "0":  # machine refuses them alike,
+            print(f"vitlab {args.command}: error: {e}", file=sys.stderr)  # one says so
+        return 2
     except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
         print(f"vitlab {args.command}: error: {_blocked(e)}", file=sys.stderr)
         return 2

@@ -161,6 +161,7 @@ class Source:
     # how the writing library resamples a ViT's position table to another size (keywords of
     # resample_pos_embed); empty: timm's way, the default
     pos_resampling: dict[str, Any] = field(default_factory=dict)
+    table_resampling: str = "bicubic"  # a Swin's tables (resample_rel_pos_table's method)
 
 
 # --- key maps ------------------------------------------------------------------------------------

@@ -117,6 +117,8 @@ def read(files: Files) -> Source:
         refuse_swin_v2(tensors, files.where)
         src = Source({}, "timm", files.where)
         src.state = convert(files.where, timm_swin.timm_swin_to_vitlab, tensors, src.notes)
+        if "layers.0.downsample.reduction.weight" not in tensors:  # the original layout: its
+            src.table_resampling = "timm"  # code's bicubic; timm's names: timm's loader's way
     else:
         src = Source(convert(files.where, timm_to_vitlab, tensors), "timm", files.where)
     src.preprocessing = dict(

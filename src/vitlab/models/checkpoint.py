@@ -359,8 +359,8 @@ def load_checkpoint(
     load_state_strict(model, state, src.where)
     resize = {k: overrides[k] for k in ("img_size", "window_size") if k in overrides}
     if resize:  # to the model's own size, when only a Swin's window changes
-        if getattr(cfg, "family", "") == "swin" and src.format == "timm":  # as timm resamples
-            resize["table_resampling"] = "timm"
+        if getattr(cfg, "family", "") == "swin":  # its tables as the writing library does
+            resize["table_resampling"] = src.table_resampling
         model.set_image_size(resize.pop("img_size", cfg.img_size), **resize)
         if src.pos_resampling:  # a ViT's, from a library that resamples its own way
             _resample_as_written(model, src, cfg.grid)

@@ -129,7 +129,7 @@ def resample_rel_pos_table(
         return resample_pos_embed(table[None], new, old, num_prefix_tokens=0, antialias=False)[0]
     rows, cols = (_linear_weights(_spread_offsets(o, n), n) for o, n in zip(old, new))
     grid = table.float().t().reshape(-1, *old)  # (h, 2Mh - 1, 2Mw - 1)
-    out = rows @ grid @ cols.t()
+    out = rows.to(grid.device) @ grid @ cols.t().to(grid.device)
     return out.reshape(len(grid), -1).t().to(table.dtype)
 
 

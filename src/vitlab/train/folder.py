@@ -49,8 +49,8 @@ def resume_config(run: Path, overrides: list[str]) -> RunConfig:
     """The saved config of run folder `run`; the overrides may change only the run's length
     (train.epochs, train.stop_at_epoch) and the CPU it takes (train.threads, data.workers: a
     batch's augmentation is seeded by its place, whatever the workers; other threads sum floats
-    in another order, so the run goes on, not bit for bit: warned); others may only restate the
-    saved value."""
+    in another order, so the run goes on, not bit for bit: state.check_threads warns); others
+    may only restate the saved value."""
     path = Path(run) / "config.yaml"
     if not Path(run).is_dir():
         what = "not a folder" if Path(run).exists() else "no such folder"
@@ -65,13 +65,7 @@ def resume_config(run: Path, overrides: list[str]) -> RunConfig:
             raise ConfigError(f"cannot change {key} when resuming (only the run's length: "
                               f"{', '.join(RESUMABLE_KEYS)}; and the CPU it takes: "
                               f"{', '.join(MACHINE_KEYS)})")  # fmt: skip
-    cfg = load_run_config(str(path), overrides)
-    threads = saved["train"].get("threads"), cfg.train.threads
-    if threads[0] != threads[1] and os.environ.get("RANK", "0") == "0":
-        log.warning("train.threads %s -> %s: float sums run in another order, so the run goes on "
-                    "as the same computation but not bit for bit as it would have (in bf16 the "
-                    "difference grows with the steps)", *threads)  # fmt: skip
-    return cfg
+    return load_run_config(str(path), overrides)
 
 
 def check_resume_length(run: Path, cfg: RunConfig, extend: bool, said: bool = True) -> int:

@@ -39,6 +39,7 @@ from vitlab.train.log import RunLog
 from vitlab.train.optim import EMA, build_optimizer, learning_rate, warn_warmup
 from vitlab.train.state import (
     CheckpointMeta,
+    check_threads,
     load_train_state,
     load_weights,
     read_metadata,
@@ -262,6 +263,7 @@ class Run:
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
         rng = saved_rng(state, self.d, self.cfg.train.seed, self.device)
+        check_threads(state, self.d)
         self.pos = Position(state["epoch"], state["batch"], state["step"], rng,
                             state.get("partial") or [])  # fmt: skip
         set_rng_state(self.pos.rng, self.device)
@@ -342,6 +344,7 @@ class Run:
                 "step": self.pos.step,
                 "rng": self.pos.rng,
                 "rng_ranks": rngs,
+                "threads": torch.get_num_threads(),  # float sums' order (check_threads)
                 "partial": self.pos.partial,  # a stopped epoch's figures so far
                 "best": self.best,
                 "ema": self.ema.state_dict() if self.ema else None,

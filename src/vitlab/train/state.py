@@ -116,6 +116,18 @@ def load_train_state(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is truncated or not a vitlab training state: {e}") from None
 
 
+def check_threads(state: dict, d: Dist) -> None:
+    """Warn (rank 0) when the run goes on with another number of PyTorch threads than saved its
+    checkpoint (train.threads changed, or unset on a machine with other cores): float sums run
+    in another order, so the run goes on as the same computation but not bit for bit."""
+    saved, now = state.get("threads"), torch.get_num_threads()  # none: saved before 2026-12-05
+    if saved is not None and saved != now and d.is_main:
+        log.warning("the checkpoint was saved by a run on %d threads and goes on with %d: float "
+                    "sums run in another order, so training goes on as the same computation but "
+                    "not bit for bit as it would have (in bf16 the runs part visibly within an "
+                    "epoch); train.threads=%d restores it", saved, now, saved)  # fmt: skip
+
+
 def saved_rng(state: dict, d: Dist, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
     """This rank's RNG state at the checkpoint (each rank's is saved). A rank the saving run
     did not have, or any rank but 0 of a checkpoint from before per-rank states, starts a
