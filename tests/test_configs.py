@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,21 @@ def test_digits_preset_smoke(tmp_path: Path) -> None:
     assert main(["train", "--config", "configs/digits.yaml", "--out", str(tmp_path / "r"),
                  "train.time_budget=null", "train.epochs=1"]) == 0  # fmt: skip
     assert (tmp_path / "r" / "results.json").is_file()
+
+
+def test_another_model_name_says_which_of_the_files_model_keys_still_apply(caplog) -> None:
+    """digits.yaml's patch_size=7 applied to `model.name=S/16` too (1,024 tokens an image: out
+    of memory), and a ResNet refused it as an unknown key without saying where it came from."""
+    refused = pytest.raises(ConfigError, match="unknown key 'patch_size' for CNNConfig")
+    with caplog.at_level(logging.WARNING, logger="vitlab"), refused:
+        config_of(load_run_config("configs/digits.yaml", ["model.name=resnet18_28"]).model)
+    assert ("model.name=resnet18_28 replaces configs/digits.yaml's vit_nano_patch4_28, whose "
+            "model keys still apply to it: patch_size=7") in caplog.text  # fmt: skip
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitlab"):  # restated, or the same model: quiet
+        load_run_config("configs/digits.yaml", ["model.name=S/16", "model.patch_size=16"])
+        load_run_config("configs/digits.yaml", ["model.name=vit_nano_patch4_28"])
+    assert not caplog.records
 
 
 def test_yaml_errors_name_the_file(tmp_path: Path) -> None:

@@ -137,6 +137,14 @@ def test_another_datasets_confusion_png_does_not_replace_the_runs(run, tmp_path,
     assert other.parent == run and other.is_file() and other != own
     assert other.name.startswith("confusion_matrix_imagefolder-") and "_test" in other.name
     assert own.read_bytes() == before
+    last = run / "checkpoints" / "last"  # the last checkpoint's matrix beside the best one's
+    assert main(["eval", str(last), "--json"]) == 0  # (it replaced it)
+    assert json.loads(capsys.readouterr().out)["confusion_png"] == str(
+        run / "confusion_matrix_test_last.png"
+    )
+    assert own.read_bytes() == before
+    assert main(["eval", str(run / "checkpoints" / "best"), "--json"]) == 0  # best: the run's
+    assert json.loads(capsys.readouterr().out)["confusion_png"] == str(own)
 
 
 def test_a_class_without_test_images_is_not_scored_zero(run, tmp_path, capsys):

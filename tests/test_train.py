@@ -784,6 +784,8 @@ def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
         ("optim.lr=nan", "OptimConfig.lr: expected float, got nan \\(float\\): numbers must be"),
         ("optim.lr=1e400", "OptimConfig.lr: expected float, got inf \\(float\\): numbers must be"),
         ("train.time_budget=inf", "expected str \\| float \\| None, got inf .*must be finite"),
+        ("train.time_budget=off", "=null \\(or ~\\) turns the budget off, got False \\(YAML reads"),
+        ("train.time_budget=None", "=null \\(or ~\\) turns the budget off, got 'None'"),
         ("train.max_steps=0", "batch_threads and max_steps must be >= 1"),
         ("train.threads=-2", "threads, stop_at_epoch >= 0"),
         ("train.stop_at_epoch=-1", "threads, stop_at_epoch >= 0"),
@@ -835,6 +837,24 @@ def test_finetune_at_another_resolution_with_a_new_head(
     model, meta = load_checkpoint(run)
     assert meta.config.img_hw == (32, 32)
     assert model.pos_embed.weight.shape == (1, 1 + 64, 64)
+
+
+def test_finetune_leaves_out_the_pre_logits_layer_as_the_paper_does(tmp_path, caplog) -> None:
+    """The paper fine-tunes with one zero-initialised linear head: the pre-training head's
+    pre-logits layer goes (model.representation_size=null, as the imagenet-finetune-384 preset
+    has it). Left in the source's weights, it was refused as having no place in the model; the
+    preset also fine-tuned at the source's 224 (the 384 of its model.name is not used)."""
+    pre = train(cfg("train.epochs=1", "model.representation_size=16"), out=tmp_path / "pre")
+    assert "pre_logits.fc.weight" in weights_of(pre)
+    with caplog.at_level(logging.INFO, logger="vitlab"):
+        tuned = train(cfg("train.epochs=1", f"finetune.from={pre}", "model.img_size=16",
+                          "model.representation_size=null"), out=tmp_path / "ft")  # fmt: skip
+    assert "head (pre-logits layer and classifier) replaced by one zero-init" in caplog.text
+    model, meta = load_checkpoint(tuned)
+    assert meta.config.representation_size is None and meta.config.img_hw == (16, 16)
+    assert not any(k.startswith("pre_logits.") for k in model.state_dict())
+    preset = load_run_config("configs/imagenet-finetune-384.yaml").model.overrides
+    assert preset == {"img_size": 384, "representation_size": None}
 
 
 # SGD: Adam would turn the float noise in the key bias's (mathematically zero) gradient into

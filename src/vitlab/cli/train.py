@@ -16,10 +16,12 @@ log = logging.getLogger("vitlab.cli.train")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
-        help="train or fine-tune a ViT or Swin on a dataset",
-        description="Train a ViT or Swin from scratch or fine-tune one. Settings come from the "
-        "defaults (digits, vit_nano_patch4_28), then --config FILE.yaml, then key=value overrides "
-        "with dotted keys: model.* (name and any field of its config: ViTConfig or SwinConfig), "
+        help="train or fine-tune a ViT, Swin or ResNet on a dataset",
+        description="Train a ViT, Swin or ResNet from scratch or fine-tune one. Settings come from "
+        "the defaults (digits, vit_nano_patch4_28), then --config FILE.yaml, then key=value "
+        "overrides with dotted keys: model.* (name and any field of its config: ViTConfig, "
+        "SwinConfig or CNNConfig; another model.name than the file's keeps the file's model keys, "
+        "warned), "
         "data.* (name: digits | fashion-mnist | cifar10 | cifar100 | imagefolder:PATH | "
         "wds:SHARDS (a `vitlab data shard` folder or a brace pattern of tar shards) | hf:NAME (a "
         "save_to_disk folder, parquet file or hub name; hf:NAME#SPLIT: that split alone), test "

@@ -25,7 +25,7 @@ from vitlab.eval.classification import (
     save_confusion_png,
     top5_name,
 )
-from vitlab.formats.vitlab import vitlab_weights
+from vitlab.formats.vitlab import resolve_checkpoint, vitlab_weights
 from vitlab.models.checkpoint import load_checkpoint
 from vitlab.preprocessing import Preprocessing
 from vitlab.runtime import pick_device
@@ -204,7 +204,9 @@ def evaluate_checkpoint(
     augmented = tta != "none"
     other = run_cfg is None or name != run_cfg.data.name  # not the run's own split: not its PNG
     stem = f"confusion_matrix{f'_{_slug(name)}' if other else ''}_{split}"
-    how = [f"_backend-{backend}"] * (backend != "torch") + ["_int8"] * int8
+    chosen = run is not None and weights != resolve_checkpoint(run)  # RUN/checkpoints/last:
+    how = [f"_{weights.parent.name.strip('.').removesuffix('.old')}"] * chosen  # not best's PNG
+    how += [f"_backend-{backend}"] * (backend != "torch") + ["_int8"] * int8
     how += [f"_tta-{tta}"] * augmented  # an int8 or onnxruntime matrix beside float32's
     png = target / f"{stem}{''.join(how)}.png"
     title = f"{source} {split}{f' (TTA {tta})' if augmented else ''}"

@@ -98,7 +98,9 @@ def finetune_weights(model: nn.Module, source: Source) -> list[str]:
     model: the source is moved to the model's resolution (position embeddings of any kind
     resampled; a Swin's relative position tables, also to a new window; a CNN's size only
     recorded) and channels (patch kernels, a CNN's conv1, adapted), and gets a zero-initialised
-    head when the class count differs. Returns what was adapted."""
+    head when the class count differs, or when the model has no pre-logits layer where the
+    source has one (model.representation_size=null: the paper's fine-tuning head, one linear
+    layer). Returns what was adapted."""
     cfg = model.config
     src_cfg = infer_config(source)
     notes = []
@@ -127,6 +129,12 @@ def finetune_weights(model: nn.Module, source: Source) -> list[str]:
         notes.append(f"the classifier of {src_cfg.num_classes} classes left out")
     src, _ = load_checkpoint(source, in_chans=cfg.in_chans, num_classes=cfg.num_classes, **moves)
     state = src.state_dict()
+    if getattr(src_cfg, "representation_size", None) and not getattr(cfg, "representation_size", 0):
+        state = {k: v for k, v in state.items() if not k.startswith(("pre_logits.", "head."))}
+        state.update({k: torch.zeros_like(v) for k, v in model.state_dict().items()
+                      if k.startswith("head.")})  # fmt: skip
+        notes.append("the pre-training head (pre-logits layer and classifier) replaced by one "
+                     "zero-initialised linear layer")  # fmt: skip
     fresh = {k: v for k, v in model.state_dict().items() if k.startswith(MPP_PREFIX)}
     if fresh:  # pre-training goes on from an encoder: its head and [mask] start new
         notes.append("new masked-patch-prediction head and [mask] embedding")
