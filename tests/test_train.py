@@ -224,10 +224,6 @@ def test_a_checkpoint_of_another_model_or_process_count_is_said_on_resume(
         assert torch.equal(rng["torch"], state["rng_ranks"][0]["torch"])  # rank 0's stream
         state_mod.saved_rng(state, runtime.Dist(), 0, torch.device("cpu"))  # 1 and 1: nothing
         resume(run)
-    threads = [
-        r.getMessage() for r in caplog.records if "float sums run in another" in r.getMessage()
-    ]
-    assert len(threads) == 1 and f"saved by a run on {other} threads and goes on with" in threads[0]
     said = [r.getMessage() for r in caplog.records if "is resumed on" in r.getMessage()]
     assert (
         said
@@ -238,6 +234,18 @@ def test_a_checkpoint_of_another_model_or_process_count_is_said_on_resume(
         ]
         * 2
     )
+    assert "float sums run in another order" not in caplog.text  # the process count says it
+    caplog.clear()
+    again = train(cfg("train.epochs=2", "train.stop_at_epoch=1"), out=tmp_path / "threads")
+    saved = torch.load(again / "checkpoints" / "last" / "state.pt", weights_only=True)
+    assert saved["threads"] == torch.get_num_threads()  # the count that summed its floats
+    torch.save({**saved, "threads": other}, again / "checkpoints" / "last" / "state.pt")
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        resume(again)
+        older = {k: v for k, v in saved.items() if k != "threads"}  # saved before the count
+        state_mod.check_threads(older, runtime.Dist(), torch.device("cpu"))  # was kept: quiet
+    threads = [r.getMessage() for r in caplog.records if "float sums run" in r.getMessage()]
+    assert len(threads) == 1 and f"saved by a run on {other} threads and goes on with" in threads[0]
 
 
 def test_the_command_that_continues_a_run_is_the_one_it_ran_under(monkeypatch) -> None:
@@ -784,8 +792,10 @@ def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
         ("optim.lr=nan", "OptimConfig.lr: expected float, got nan \\(float\\): numbers must be"),
         ("optim.lr=1e400", "OptimConfig.lr: expected float, got inf \\(float\\): numbers must be"),
         ("train.time_budget=inf", "expected str \\| float \\| None, got inf .*must be finite"),
-        ("train.time_budget=off", "=null \\(or ~\\) turns the budget off, got False \\(YAML reads"),
-        ("train.time_budget=None", "=null \\(or ~\\) turns the budget off, got 'None'"),
+        ("train.time_budget=off", "\\(null or ~: no budget\\), got False \\(YAML reads off"),
+        ("train.time_budget=yes", "\\(null or ~: no budget\\), got True \\(YAML reads on, yes"),
+        ("train.time_budget=None", "\\(null or ~: no budget\\), got 'None'"),
+        ("train.time_budget=0", "got 0.0 \\(null turns the budget off\\)"),
         ("train.max_steps=0", "batch_threads and max_steps must be >= 1"),
         ("train.threads=-2", "threads, stop_at_epoch >= 0"),
         ("train.stop_at_epoch=-1", "threads, stop_at_epoch >= 0"),

@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import logging
-import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,8 +15,6 @@ from typing import Any
 
 from vitlab.duration import parse_duration
 from vitlab.validation import ConfigError, check_keys, from_dict, pair, to_dict, validate
-
-log = logging.getLogger(__name__)
 
 __all__ = [  # the validation helpers too: every config module imports them from here
     "ConfigError", "DataConfig", "DistillConfig", "FinetuneConfig", "MPPConfig", "ModelSection",
@@ -182,9 +178,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         off = self.time_budget  # off, no, false (YAML's booleans), None, none: meant as "no budget"
         if isinstance(off, bool) or isinstance(off, str) and off.strip().lower() in ("none", "off"):
-            said = " (YAML reads off, no and false as False)" if isinstance(off, bool) else ""
-            raise ConfigError(f"train.time_budget=null (or ~) turns the budget off, got "
-                              f"{off!r}{said}")  # fmt: skip
+            said = f" (YAML reads {'on, yes, true' if off else 'off, no, false'} as {off})"
+            said = said if isinstance(off, bool) else ""
+            raise ConfigError(f"train.time_budget is a duration such as 90s, 3m or 1h30m (null "
+                              f"or ~: no budget), got {off!r}{said}")  # fmt: skip
         validate(self)
         if self.time_budget is not None:
             if self.max_steps is not None:
@@ -192,7 +189,7 @@ class TrainConfig:
             try:
                 parse_duration(self.time_budget, "train.time_budget")
             except ValueError as e:
-                raise ConfigError(str(e)) from None
+                raise ConfigError(f"{e} (null turns the budget off)") from None
         counts = (self.epochs, self.batch_size, self.accum_steps, self.batch_threads)
         unset = min(self.threads or 0, self.stop_at_epoch or 0)  # 0: unset (threads: torch's)
         if min(*counts, 1 if self.max_steps is None else self.max_steps) < 1 or unset < 0:
@@ -364,24 +361,4 @@ def load_run_config(path: str | None = None, overrides: typing.Iterable[str] = (
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
-        _say_kept_model_keys(path, tree.get("model"), list(overrides))
     return RunConfig.from_tree(apply_overrides(tree, overrides))
-
-
-def _say_kept_model_keys(path: str, model: Any, overrides: list[str]) -> None:
-    """Warn when an override names another model than the config file's, whose model keys (a
-    preset's patch size, stem ...) then still apply to it: digits.yaml's patch_size=7 made S/16
-    a 1,024-token model, and refused a ResNet ("unknown key 'patch_size'") without saying where
-    the key came from."""
-    names = [o.partition("=")[2] for o in overrides if o.startswith("model.name=")]
-    if not names or not isinstance(model, dict) or os.environ.get("RANK", "0") != "0":
-        return
-    given = {o.partition("=")[0].removeprefix("model.") for o in overrides}
-    kept = {k: v for k, v in model.items() if k != "name" and k not in given}
-    if kept and names[-1] != model.get("name", ModelSection.name):
-        log.warning(
-            "model.name=%s replaces %s's %s, whose model keys still apply to it: %s (restate "
-            "one as model.KEY=VALUE to change it; a model without such a key needs a config file "
-            "without it)", names[-1], path, model.get("name",
-            ModelSection.name), ", ".join(f"{k}={v}" for k, v in kept.items()),
-        )  # fmt: skip

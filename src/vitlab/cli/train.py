@@ -96,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--extend lengthens a resumed run: use it with --resume")
         cfg = load_run_config(args.config, args.overrides)
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun: rank 0 speaks for all
+    if args.config and not args.resume and not cfg.finetune.from_ and main_rank:
+        say_kept_model_keys(args.config, cfg, args.overrides)
     epochs = [o for o in args.overrides if o.startswith("train.epochs=")]
     if epochs and cfg.train.time_budget is not None and not args.resume and main_rank:
         log.warning("%s is not used: train.time_budget=%s plans the steps (train.time_budget=null "
@@ -116,3 +118,28 @@ def run(args: argparse.Namespace) -> int:
     if main_rank:  # one line, for `RUN=$(torchrun ... vitlab train ...)`
         print(out)
     return 0
+
+
+def say_kept_model_keys(path: str, cfg, overrides: list[str]) -> None:
+    """Warn when the overrides name another model than the config file's, whose model keys (a
+    preset's patch size, stem ...) then still apply to it: digits.yaml's patch_size=7 made S/16
+    a 1,024-token model, and a ResNet refused it ("unknown key 'patch_size'") without saying
+    where the key came from. Names are compared as registered (aliases, any case)."""
+    import json
+
+    from vitlab.models.registry import UnknownModelError, resolve_name
+
+    file = load_run_config(path).model
+    given = {o.partition("=")[0].removeprefix("model.") for o in overrides}
+    kept = {k: v for k, v in file.overrides.items() if k not in given}
+    try:
+        same = resolve_name(cfg.model.name) == resolve_name(file.name)
+    except UnknownModelError:  # said when the model is built
+        return
+    if kept and not same:
+        log.warning(
+            "model.name=%s replaces %s's %s, whose model keys still apply to it: %s (restate one "
+            "as model.KEY=VALUE to change it; a model without such a key needs a config file "
+            "without it)", cfg.model.name, path, file.name,
+            ", ".join(f"{k}={json.dumps(v)}" for k, v in kept.items()),
+        )  # fmt: skip

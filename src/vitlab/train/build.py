@@ -133,8 +133,8 @@ def finetune_weights(model: nn.Module, source: Source) -> list[str]:
         state = {k: v for k, v in state.items() if not k.startswith(("pre_logits.", "head."))}
         state.update({k: torch.zeros_like(v) for k, v in model.state_dict().items()
                       if k.startswith("head.")})  # fmt: skip
-        notes.append("the pre-training head (pre-logits layer and classifier) replaced by one "
-                     "zero-initialised linear layer")  # fmt: skip
+        now = "replaced by one zero-initialised linear layer" if cfg.num_classes else "left out"
+        notes.append(f"the pre-training head (pre-logits layer and classifier) {now}")
     fresh = {k: v for k, v in model.state_dict().items() if k.startswith(MPP_PREFIX)}
     if fresh:  # pre-training goes on from an encoder: its head and [mask] start new
         notes.append("new masked-patch-prediction head and [mask] embedding")

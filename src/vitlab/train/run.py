@@ -263,7 +263,7 @@ class Run:
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
         rng = saved_rng(state, self.d, self.cfg.train.seed, self.device)
-        check_threads(state, self.d)
+        check_threads(state, self.d, self.device)
         self.pos = Position(state["epoch"], state["batch"], state["step"], rng,
                             state.get("partial") or [])  # fmt: skip
         set_rng_state(self.pos.rng, self.device)

@@ -116,16 +116,20 @@ def load_train_state(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is truncated or not a vitlab training state: {e}") from None
 
 
-def check_threads(state: dict, d: Dist) -> None:
-    """Warn (rank 0) when the run goes on with another number of PyTorch threads than saved its
-    checkpoint (train.threads changed, or unset on a machine with other cores): float sums run
-    in another order, so the run goes on as the same computation but not bit for bit."""
-    saved, now = state.get("threads"), torch.get_num_threads()  # none: saved before 2026-12-05
-    if saved is not None and saved != now and d.is_main:
-        log.warning("the checkpoint was saved by a run on %d threads and goes on with %d: float "
-                    "sums run in another order, so training goes on as the same computation but "
-                    "not bit for bit as it would have (in bf16 the runs part visibly within an "
-                    "epoch); train.threads=%d restores it", saved, now, saved)  # fmt: skip
+def check_threads(state: dict, d: Dist, device: torch.device) -> None:
+    """Warn (rank 0) when a CPU run goes on with another number of PyTorch threads than saved
+    its checkpoint (train.threads changed, or unset on a machine with other cores): float sums
+    run in another order, so the run goes on as the same computation but not bit for bit. Not
+    where the process count changed too (saved_rng says that), nor for a checkpoint saved
+    before the count was kept (2026-12-05)."""
+    saved, now = state.get("threads"), torch.get_num_threads()
+    ranks = len(state.get("rng_ranks") or [None])
+    if saved is None or saved == now or ranks != d.world or device.type != "cpu" or not d.is_main:
+        return
+    log.warning("the checkpoint was saved by a run on %d thread%s and goes on with %d: float sums "
+                "run in another order, so training goes on as the same computation but not bit "
+                "for bit as it would have (in bf16 the runs part visibly within an epoch); "
+                "train.threads=%d restores it", saved, "s" * (saved > 1), now, saved)  # fmt: skip
 
 
 def saved_rng(state: dict, d: Dist, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
