@@ -3,7 +3,6 @@ mean attention distance, attention rollout, position-embedding similarity, embed
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal
@@ -12,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vitlab.models.indices import whole_number
 from vitlab.models.swin import SwinTransformer
 from vitlab.models.vit import VisionTransformer
 
@@ -133,7 +133,7 @@ def embedding_filters(model: VisionTransformer | SwinTransformer, k: int = 28) -
     """The top-k principal components of the patch-embedding filters E (a ViT's or a Swin's) as
     images (k, C, P, P); fewer where E has fewer components (min(D, C*P*P)). A conv stem has no
     such linear filters, and k must be a positive whole number: ValueError."""
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+    if whole_number(k) is None or k < 1:
         raise ValueError(f"k must be a positive number of components, got {k!r}")
     stem = getattr(model.config, "stem", "patch")  # a Swin always embeds linear patches
     if stem != "patch":

@@ -215,10 +215,14 @@ class Run:
     def autocast(self):
         return torch.autocast(self.device.type, torch.bfloat16) if self.bf16 else nullcontext()
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps an epoch: the loader's batches in whole accumulation windows."""
+        return len(self.loader) // self.cfg.train.accum_steps
+
     def _step_settings(self) -> StepSettings:
         cfg = self.cfg
-        steps_per_epoch = len(self.loader) // cfg.train.accum_steps
-        if steps_per_epoch == 0:
+        if self.steps_per_epoch == 0:
             raise ConfigError(
                 f"{len(self.data.train)} training images give no full step of batch_size "
                 f"{cfg.train.batch_size} x accum_steps {cfg.train.accum_steps}"
@@ -246,12 +250,11 @@ class Run:
         return engine.classification(smoothing)
 
     def _total_steps(self) -> int:
-        total = len(self.loader) // self.cfg.train.accum_steps * self.cfg.train.epochs
+        total = self.steps_per_epoch * self.cfg.train.epochs
         return min(total, self.cfg.train.max_steps or total)
 
     def _warmup_steps(self) -> int:
-        steps_per_epoch = len(self.loader) // self.cfg.train.accum_steps
-        return int(round(self.cfg.optim.warmup_epochs * steps_per_epoch))
+        return int(round(self.cfg.optim.warmup_epochs * self.steps_per_epoch))
 
     def _restore(self, run: Path) -> None:
         weights = resolve_checkpoint(run / "checkpoints" / "last")
@@ -282,8 +285,7 @@ class Run:
             )
         if not self.d.is_main:
             return
-        steps_per_epoch = len(self.loader) // cfg.train.accum_steps
-        old_total = steps_per_epoch * planned
+        old_total = self.steps_per_epoch * planned
         old_lr = learning_rate(cfg.optim, step, old_total, self._warmup_steps())
         print(
             f"{'extending' if new > planned else 'shortening'} the run from {planned} to {new} "
@@ -377,8 +379,8 @@ class Run:
 
     def _epoch(self, stop: StopFlag) -> dict:
         cfg, pos = self.cfg, self.pos
-        spe = len(self.loader) // cfg.train.accum_steps  # "?" until a time budget plans:
-        shown = partial(budget.epochs_shown, self.budget, cfg, spe)
+        shown = partial(budget.epochs_shown, self.budget, cfg, self.steps_per_epoch)  # "?": no plan
+
         bar = self.log.bar(pos.epoch, shown, len(self.loader), pos.batch, cfg.train.batch_size)
         try:
             stats, stopped = train_epoch(
