@@ -685,6 +685,58 @@ def test_close_ends_the_workers_and_the_default_count_is_capped(tmp_path: Path, 
     assert len(list(loader.iterate(1))) == 3  # usable again: new workers
 
 
+def test_more_workers_than_cores_are_said_once_in_vitlabs_words(tmp_path: Path) -> None:
+    """PyTorch warned of more DataLoader workers than cores in Python's format at each iterator
+    (four times a run, inside the progress bar): the command says it once, before training, as a
+    `vitlab: warning:` line that -q hides; the count is the cores this process may use."""
+    import sys
+
+    from tests.helpers import TINY_MODEL, run_together
+
+    for split in ("train", "test"):
+        make_folder(tmp_path / "imgs" / split)
+    one_core = (  # the command, held to one of this machine's cores: 2 workers are too many
+        "import os, runpy, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "sys.argv[0] = 'vitlab'; runpy.run_module('vitlab', run_name='__main__')"
+    )
+    args = ["train", *TINY_MODEL, f"data.name=imagefolder:{tmp_path / 'imgs'}", "data.workers=2",
+            "train.epochs=2", "train.batch_size=4", "optim.warmup_epochs=0",
+            "train.threads=1"]  # fmt: skip
+    said, quiet = run_together(
+        ([sys.executable, "-c", one_core, *args, "--out", str(tmp_path / "a")], None),
+        ([sys.executable, "-c", one_core, "-q", *args, "--out", str(tmp_path / "b")], None),
+    )
+    assert said.returncode == 0 and quiet.returncode == 0, said.stderr + quiet.stderr
+    lines = [x for x in said.stderr.splitlines() if "DataLoader" in x or "data.workers" in x]
+    assert lines == [
+        "vitlab: warning: data.workers=2 starts 2 loader processes on the 1 core this process "
+        "may use, where they compete with training's threads (more workers than cores help only "
+        "where loading waits on storage; the default is this process's share of the cores)"
+    ], said.stderr
+    assert "UserWarning" not in said.stderr and "warning" not in quiet.stderr, quiet.stderr
+
+
+def test_python_warnings_of_a_command_are_vitlabs_warning_lines(capsys) -> None:
+    """A library's warnings.warn during a command: one `vitlab: warning:` line naming its kind and
+    source file (inside site-packages from there), hidden by -q; Python's way again after."""
+    import warnings
+
+    from vitlab.cli.main import cli_logging
+
+    before = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with cli_logging(0, 0, python_warnings=True):
+            warnings.warn_explicit("slow path", UserWarning, "/v/lib/site-packages/torch/x.py", 7)
+        assert capsys.readouterr().err == "vitlab: warning: slow path (UserWarning, torch/x.py:7)\n"
+        with cli_logging(0, 1, python_warnings=True):
+            warnings.warn("hidden", UserWarning, stacklevel=1)
+        assert capsys.readouterr().err == ""
+        with cli_logging(0, 0):  # an in-process call: the caller's warnings stay the caller's
+            assert warnings.showwarning is before
+    assert warnings.showwarning is before
+
+
 def test_file_batches_are_the_same_wherever_they_are_normalised(tmp_path: Path) -> None:
     """Training batches of an image folder with random erasing and mixup: normalised in two
     workers, in this process (workers=0), or after the workers as for a GPU (uint8 across, then

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -101,23 +102,40 @@ class _CliFormatter(logging.Formatter):
         return f"vitlab: {kind}{record.getMessage()}{where}"
 
 
+def _library_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, *_: object
+) -> None:
+    """A Python warning (PyTorch's, another library's) as a `vitlab: warning:` line naming its
+    kind and source, which -q hides with vitlab's own."""
+    parts = Path(filename).parts
+    if "site-packages" in parts:  # torch/utils/data/dataloader.py, not the venv's whole path
+        parts = parts[len(parts) - parts[::-1].index("site-packages") :]
+    where = "/".join(parts[-4:])
+    logging.getLogger("vitlab.warnings").warning(
+        "%s (%s, %s:%d)", str(message).strip(), category.__name__, where, lineno
+    )
+
+
 @contextlib.contextmanager
-def cli_logging(verbose: int, quiet: int) -> Iterator[None]:
+def cli_logging(verbose: int, quiet: int, python_warnings: bool = False) -> Iterator[None]:
     """While a command runs, messages of the `vitlab` loggers go to stderr through one handler,
-    at the level -v / -q set (default: notes and warnings shown)."""
+    at the level -v / -q set (default: notes and warnings shown); with `python_warnings` (the
+    command, not an in-process call) Python's warnings too, as vitlab's warning lines."""
     level = logging.DEBUG if verbose > quiet else logging.ERROR if quiet > verbose else logging.INFO
     logger = logging.getLogger("vitlab")
-    saved = logger.level, logger.propagate
+    saved = logger.level, logger.propagate, warnings.showwarning
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_CliFormatter(level == logging.DEBUG))
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False
+    if python_warnings:
+        warnings.showwarning = _library_warning
     try:
         yield
     finally:
         logger.removeHandler(handler)
-        logger.level, logger.propagate = saved
+        logger.level, logger.propagate, warnings.showwarning = saved
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -175,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # the command (not a caller's in-process call): reuse freed memory
         tune_allocator()
     try:
-        with cli_logging(args.verbose, args.quiet), sigterm_raises():
+        with cli_logging(args.verbose, args.quiet, argv is None), sigterm_raises():
             return args.run(args) or 0
     except (ConfigError, UnknownModelError, ValueError) as e:
         mine = not isinstance(e, ConfigError | UnknownModelError)  # settings: every rank of a

@@ -261,6 +261,7 @@ def make_loader(
     # process, which also runs the model, is left the batch-level random erasing and mixing);
     # for a GPU the batches cross from the workers as uint8, a quarter of the bytes to pin and copy
     prepare, last = (_as_is, finish) if pin_memory else (pre.normalize, mix)
+    options.say_if_many()
     if isinstance(split, ShardSplit):
         return StreamLoader(
             split, batch_size, per_image, prepare, last, in_chans=pre.in_chans,

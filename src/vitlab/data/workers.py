@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -19,6 +20,13 @@ Batch = tuple[Tensor, Tensor]
 PADDING = -1  # the label of a padding sample: evaluated so ranks step together, never counted
 MAX_WORKERS = 8  # data.workers' default at most: more rarely helps and each holds memory
 log = logging.getLogger(__name__)
+_said_workers: set[tuple[int, int]] = set()  # (workers, cores) said of in this process
+
+# PyTorch warns of more workers than cores at each iterator it starts, in Python's format, mid
+# progress bar (four times a run); make_loader says it once, as vitlab's warning
+warnings.filterwarnings(
+    "ignore", "This DataLoader will create", UserWarning, module=r"torch\.utils\.data\.dataloader"
+)
 
 
 def warn_once(seen: set[str], bad: list[tuple[str, str]]) -> None:
@@ -48,6 +56,19 @@ class LoaderOptions:
     prefetch: int = 2  # batches each worker prepares ahead
     persistent: bool = True  # keep the workers from one epoch to the next
     chosen: bool = True  # workers set by data.workers (False: the default, this process's share)
+
+    def say_if_many(self) -> None:
+        """Warn (once a process for each count) where the workers outnumber the cores."""
+        cores = available_cores()
+        if self.workers > cores and (self.workers, cores) not in _said_workers:
+            _said_workers.add((self.workers, cores))
+            log.warning(
+                "data.workers=%d starts %d loader processes on the %d core%s this process may "
+                "use, where they compete with training's threads (more workers than cores help "
+                "only where loading waits on storage; the default is this process's share of the "
+                "cores)",
+                self.workers, self.workers, cores, "" if cores == 1 else "s",
+            )  # fmt: skip
 
     def dataloader(self, dataset: Dataset, **kw: object) -> DataLoader:
         extra = {}
