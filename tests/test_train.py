@@ -1029,3 +1029,16 @@ def test_signal_handlers_for_a_block_leave_the_callers_as_they_were(monkeypatch)
     finally:
         signal.signal(signal.SIGTERM, before[0])
         signal.signal(signal.SIGINT, before[1])
+
+
+def test_quiet_hides_the_training_progress_bar_not_the_epoch_lines(tmp_path: Path, capsys) -> None:
+    """`vitlab -q train` printed the progress bar (fewshot's and probe's -q hid theirs): now the
+    run says its header, epoch and test lines only."""
+    args = ["train", *FAST, "data.name=digits", "train.epochs=1", "optim.warmup_epochs=0"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    shown = capsys.readouterr().err
+    assert main(["-q", *args, "--out", str(tmp_path / "b")]) == 0
+    quiet = capsys.readouterr().err
+    assert "epoch 1/1" in shown and "batch/s" in shown  # the bar, without -q
+    assert "epoch 1/1" not in quiet and "batch/s" not in quiet, quiet
+    assert "epoch 1: train loss" in quiet and "test: top-1" in quiet

@@ -4,6 +4,7 @@ and results.json (rank 0 only)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -176,7 +177,8 @@ class _Bar:
             initial=start,
             desc=self.desc,
             unit="batch",
-            disable=not active,
+            # -q (vitlab's loggers at ERROR) hides it, as fewshot's and probe's; epoch lines stay
+            disable=not active or logging.getLogger("vitlab").getEffectiveLevel() >= logging.ERROR,
             dynamic_ncols=True,
             mininterval=1.0 if sys.stderr.isatty() else 30.0,  # keep logs short
             file=sys.stderr,
