@@ -88,6 +88,27 @@ def test_mean_color_target_equals_a_hand_computation() -> None:
     assert mean_color_classes(gray, 2, 1).tolist() == [[0, 1]]
 
 
+def test_a_patch_mean_on_a_class_edge_is_the_class_above_through_the_normalisation() -> None:
+    """8-bit 4x4 patches whose sums are multiples of 510 have means on 3-bit class edges (k / 8):
+    the class is sum // 510, by integers. The targets were taken from the normalised input's
+    floats, which put some just under their edge (a QA run: 4 of 12,544 digits patches)."""
+    vit = ViTConfig(img_size=4, patch_size=4, in_chans=1, num_classes=0, embed_dim=16, depth=1,
+                    num_heads=2, mlp_dim=32)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    patches = torch.randint(0, 256, (4000, 16), generator=gen)
+    patches[:, -1] = 0
+    edge = (patches.sum(1) + 255) // 510 * 510  # the next edge the last pixel can reach
+    patches[:, -1] = edge - patches.sum(1)
+    patches = patches[(patches[:, -1] >= 0) & (patches[:, -1] <= 255)]
+    assert len(patches) > 1500 and (patches.sum(1) % 510 == 0).all()
+    expected = (patches.sum(1) // 510).clamp(max=7).view(-1, 1)
+    img = patches.view(-1, 1, 4, 4).float() / 255
+    assert torch.equal(mean_color_classes(img, 4, 3), expected)
+    for mean, std in ((0.3061,), (0.3954,)), ((0.2860,), (0.3530,)), ((0.485,), (0.229,)):
+        model = MaskedPatchViT(vit, MPPConfig(), mean, std)
+        assert torch.equal(model.targets((img - mean[0]) / std[0]), expected), (mean, std)
+
+
 def test_model_targets_undo_the_input_normalisation() -> None:
     torch.manual_seed(0)
     mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)

@@ -34,10 +34,14 @@ PREFIX = "mpp."  # state-dict names of the pre-training parts
 def mean_color_classes(pixels: Tensor, patch: int, bits: int) -> Tensor:
     """(B, C, H, W) pixels in [0, 1] -> (B, N) classes, patches in row-major order: channel c's
     mean over the patch quantised to q_c = min(floor(mean * 2^bits), 2^bits - 1), and the class
-    sum_c q_c * 2^(bits * (C - 1 - c)) (the first channel most significant)."""
+    sum_c q_c * 2^(bits * (C - 1 - c)) (the first channel most significant). The pixels are read
+    as 8-bit values (the nearest of 0, 1/255, ..., 1: an image's own, whatever float error the
+    normalisation's round trip added) and the floor taken on their integer sums, exactly: a mean
+    on a class edge (0.5 of 0 and 255 halves) is the class above, not below by a rounding."""
     levels = 2**bits
-    means = F.avg_pool2d(pixels.float(), patch)  # (B, C, H/P, W/P)
-    q = (means * levels).floor().clamp_(0, levels - 1).long()
+    values = (pixels.float().clamp(0.0, 1.0) * 255).round()
+    sums = F.avg_pool2d(values, patch, divisor_override=1).long()  # (B, C, H/P, W/P), exact
+    q = (sums * levels).div(255 * patch * patch, rounding_mode="floor").clamp_(0, levels - 1)
     c = pixels.shape[1]
     weights = levels ** torch.arange(c - 1, -1, -1, device=pixels.device)
     return (q * weights.view(1, c, 1, 1)).sum(dim=1).flatten(1)
