@@ -427,3 +427,20 @@ def test_hf_refuses_another_layernorm_eps(tmp_path: Path) -> None:
     model = create_model("swin_nano_patch2_window4_32", norm_eps=1e-6)
     with pytest.raises(CheckpointError, match="layer_norm_eps"):
         save_pretrained(model, tmp_path / "hf", format="hf")
+
+
+def test_cost_takes_its_img_size_as_the_trained_one_where_the_tables_fit(tmp_path, capsys):
+    """A Swin state dict trained at 32 (16 patches, the last window clamped to 4 as at 28): the
+    size is guessed as 28 and warned of, with the way a command is given it (analyze and cost take
+    no img_size=); `vitlab cost --img-size 32` takes it without a guess (it warned and guessed)."""
+    ref = timm_model(num_classes=3, **{**CLAMPED, "img_size": 32})
+    torch.save(ref.state_dict(), tmp_path / "w.pth")
+    assert main(["cost", str(tmp_path / "w.pth")]) == 0
+    out, err = capsys.readouterr()
+    assert "assuming img_size=28" in err and "`vitlab convert SRC DST img_size=N`" in err
+    assert "28x28 image" in out
+    assert main(["cost", str(tmp_path / "w.pth"), "--img-size", "32"]) == 0
+    out, err = capsys.readouterr()
+    assert "assuming" not in err and "32x32 image" in out
+    assert main(["convert", str(tmp_path / "w.pth"), str(tmp_path / "v"), "img_size=32"]) == 0
+    assert infer_config(read_source(tmp_path / "v")).img_size == 32  # as the warning says

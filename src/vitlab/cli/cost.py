@@ -64,7 +64,9 @@ def parse_int_list(text: str) -> list[int]:
 CONFIG_SUFFIXES = (".yaml", ".yml")
 
 
-def read_model(text: str) -> tuple[str | ModelConfig, str | None]:
+def read_model(
+    text: str, img_size: int | tuple[int, int] | None = None
+) -> tuple[str | ModelConfig, str | None]:
     """MODEL as given on the command line, and the label its report goes under (None: its
     registered name). A path that exists gives the model config it holds, labelled by the path:
     a run config file (.yaml / .yml: the registered config with the file's model overrides;
@@ -72,7 +74,9 @@ def read_model(text: str) -> tuple[str | ModelConfig, str | None]:
     the data), a run folder (the config of its best, else last checkpoint; its config.yaml before
     the first one), or a checkpoint file or folder of any format vitlab reads (a vitlab file's
     config, else the architecture inferred from the tensors). Other text is a registered name or
-    alias; a path holding no model that is also a registered name is taken as the name."""
+    alias; a path holding no model that is also a registered name is taken as the name.
+    `img_size` (--img-size) is a checkpoint's trained size where its tensors fit it and state
+    none (a Swin's tables: no size guessed and warned of)."""
     path = Path(text).expanduser()
     if not path.exists():
         if path.suffix.lower() in (*CONFIG_SUFFIXES, ".safetensors", ".npz", *TORCH_SUFFIXES):
@@ -81,7 +85,7 @@ def read_model(text: str) -> tuple[str | ModelConfig, str | None]:
             )
         return text, None
     try:
-        return config_at(path), text
+        return config_at(path, img_size), text
     except CheckpointError as e:
         try:
             return resolve_name(text), None
@@ -89,13 +93,13 @@ def read_model(text: str) -> tuple[str | ModelConfig, str | None]:
             raise ValueError(f"{text} holds no model vitlab reads: {e}") from None
 
 
-def config_at(path: Path) -> ModelConfig:
+def config_at(path: Path, img_size: int | tuple[int, int] | None = None) -> ModelConfig:
     """The model config a run config file, a run folder or a checkpoint holds (read_model)."""
     if path.is_dir() and vitlab_weights(path) is None and (path / "config.yaml").is_file():
         path = path / "config.yaml"  # a run before its first checkpoint
     if path.suffix.lower() in CONFIG_SUFFIXES:
         return config_of(load_run_config(str(path)).model)
-    return infer_config(read_source(path))
+    return infer_config(read_source(path), img_size)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -182,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     if given:
         verb = "applies" if len(given) == 1 else "apply"
         raise ValueError(f"{', '.join(given)} {verb} to --scaling only")
-    model, label = read_model(args.model)
+    model, label = read_model(args.model, args.img_size)
     report = cost_report(model, args.img_size, args.patch_sizes, label)
     print(json.dumps(report, indent=2) if args.json else format_cost_report(report))
     return 0

@@ -52,6 +52,7 @@ from vitlab.formats.base import (
 )
 from vitlab.models.cnn import CNNConfig
 from vitlab.models.registry import UnknownModelError, family_of, get_config
+from vitlab.models.swin_checkpoint import pass_key
 from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import CROP_MODES, IMAGENET_MEAN, IMAGENET_STD
 
@@ -207,8 +208,7 @@ def _read_vit_hints(cfg: dict[str, Any], src: Source) -> None:
         src.notes.append(
             f"architecture {arch!r} is not one vitlab registers and model_args name no "
             f"num_heads: the head count is guessed from the width; if timm builds it otherwise, "
-            f"pass num_heads=N (`vitlab convert SRC DST num_heads=N` writes a checkpoint that "
-            f"states it, for every command)"
+            f"{pass_key('num_heads')}"
         )
     pool = args.get("global_pool", cfg.get("global_pool"))
     if pool in ("avg", "token"):

@@ -37,13 +37,12 @@ from vitlab.models.hybrid_checkpoint import infer_resnet_stem
 from vitlab.models.indices import whole_number
 from vitlab.models.pos_embed import Grid, resample_pos_embed
 from vitlab.models.registry import Model, ModelConfig, build_model, family_of
-from vitlab.models.swin_checkpoint import infer_swin_config
+from vitlab.models.swin_checkpoint import infer_swin_config, pass_key
 from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 
 log = logging.getLogger(__name__)
-HEADS = ("pass num_heads=N (`vitlab convert SRC DST num_heads=N` writes a checkpoint that states "
-         "it, for every command)")  # fmt: skip
+HEADS = pass_key("num_heads")
 
 
 # --- the files a source names --------------------------------------------------------------------
@@ -135,10 +134,11 @@ def source_family(src: Source) -> str:
     return family_of(src.config) if src.config is not None else state_family(src.state)
 
 
-def infer_config(src: Source) -> ModelConfig:
+def infer_config(src: Source, img_size: int | tuple[int, int] | None = None) -> ModelConfig:
     """The ViTConfig, SwinConfig or CNNConfig that `src`'s tensors were trained with (at their own
-    size and classes)."""
-    return _infer(src)
+    size and classes); `img_size`, the size the caller means, is the trained one where _infer
+    takes it (a size no guess need be warned of)."""
+    return _infer(src, img_size)
 
 
 def _infer(src: Source, img_size: int | tuple[int, int] | None = None) -> ModelConfig:
@@ -220,7 +220,7 @@ def _infer_vit(src: Source, img_size: int | tuple[int, int] | None = None) -> Vi
         pos_kind, img = "none", img if img is not None else img_size  # nothing to resample
         if img is None:
             raise CheckpointError(f"{where}: no position table to read the image size from: "
-                                  f"pass img_size=")  # fmt: skip
+                                  f"{pass_key('img_size')}")  # fmt: skip
     rep = s["pre_logits.fc.weight"].shape[0] if "pre_logits.fc.weight" in s else None
     num_classes = s["head.weight"].shape[0] if "head.weight" in s else 0
     pool = hints.pop("pool", None) or ("gap" if fc_norm or not class_token else "token")

@@ -24,6 +24,13 @@ from vitlab.models.swin import SwinConfig
 
 log = logging.getLogger(__name__)
 
+
+def pass_key(key: str) -> str:
+    """How a value no tensor holds is given: in Python, or once for every command by convert."""
+    return (f"pass {key}=N (`vitlab convert SRC DST {key}=N` writes a checkpoint that states it, "
+            f"for every command)")  # fmt: skip
+
+
 _BLOCK = re.compile(r"^layers\.(\d+)\.blocks\.(\d+)\.")
 
 
@@ -99,7 +106,7 @@ def infer_swin_config(src: Source, img_size: int | tuple[int, int] | None = None
         if windows[0] is None:
             raise CheckpointError(
                 f"{where}: a bias table of {tables[0].shape[0]} rows is no square window's "
-                "((2M - 1)^2): pass window_size="
+                f"((2M - 1)^2): {pass_key('window_size')}"
             )
         window = windows[0]
     img = hints.pop("img_size", None)
@@ -135,7 +142,8 @@ def _trained_size(
     windows as the tables say, else the smallest that does (guess_grid), with a warning."""
     if (isinstance(window, tuple) and window[0] != window[1]) or None in windows:
         raise CheckpointError(
-            f"{where}: cannot tell the image size of a Swin with non-square windows: pass img_size="
+            f"{where}: cannot tell the image size of a Swin with non-square windows: "
+            f"{pass_key('img_size')}"
         )
     m = window if isinstance(window, int) else window[0]
     if wanted is not None:
@@ -149,19 +157,19 @@ def _trained_size(
     grid = guess_grid(windows, m)  # type: ignore[arg-type]
     if grid is None:
         raise CheckpointError(
-            f"{where}: bias tables for windows {windows} fit no image size with window {m}: pass "
-            "img_size="
+            f"{where}: bias tables for windows {windows} fit no image size with window {m}: "
+            f"{pass_key('img_size')}"
         )
     clamped = [f"stage {i}: {n}" for i, n in enumerate(windows) if n != m]
     why = f"; windows clamped to the map at {', '.join(clamped)}" if clamped else ""
     maps = [-(-grid // 2**i) for i in range(len(windows))]
     tiles = all(n % w == 0 for n, w in zip(maps, windows))
     log.warning(
-        "%s: assuming img_size=%d, the smallest %s%s (the size is in no tensor); pass img_size= "
-        "if not",
+        "%s: assuming img_size=%d, the smallest %s%s (the size is in no tensor); if not, %s",
         where,
         grid * patch,
         f"whose maps windows of {m} tile" if tiles else "that fits the bias tables",
         why,
+        pass_key("img_size"),
     )
     return grid * patch
