@@ -120,7 +120,12 @@ def test_cost_rejects_bad_input(capsys) -> None:
     assert "not a multiple of patch_size 16" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["cost", "B/16", "--patch-sizes", "16,x"])
-    assert "comma-separated integers" in capsys.readouterr().err
+    assert "comma-separated whole numbers >= 1" in capsys.readouterr().err
+    for bad, said in (("10,10", "10 given twice in '10,10'"), ("8,,16", "got '8,,16'"),
+                      ("0,16", "got '0,16'")):  # fmt: skip
+        with pytest.raises(SystemExit):  # the row twice, an entry dropped: slips, refused
+            main(["cost", "B/16", "--patch-sizes", bad])
+        assert said in capsys.readouterr().err
 
 
 def test_models_command(capsys) -> None:

@@ -134,7 +134,11 @@ def test_fewshot_cli_errors(tmp_path: Path, capsys) -> None:
         assert "l2 must be a positive finite number" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["fewshot", str(ckpt), "--data", "digits", "--shots", "1,x"])
-    assert "expected numbers like 1,5,10,25" in capsys.readouterr().err
+    assert "comma-separated whole numbers >= 1 like 1,5,10" in capsys.readouterr().err
+    for bad, said in (("5,5,1", "5 given twice in '5,5,1'"), ("1,,5", "got '1,,5'")):
+        with pytest.raises(SystemExit):  # the 5-shot row twice, an entry dropped silently
+            main(["fewshot", str(ckpt), "--data", "digits", "--shots", bad])
+        assert said in capsys.readouterr().err
 
 
 def test_fewshot_extracts_only_the_drawn_training_images(tmp_path: Path) -> None:

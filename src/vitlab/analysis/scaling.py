@@ -96,7 +96,7 @@ def format_scaling(result: dict) -> str:
             f"{r['tokens'][1]:,}",
             human(r["attention_macs"][1]),
             f"x{r['growth'][1]:.1f}",
-            f"{r['ratio']:.1f}",
+            f"{r['ratio']:.1f}" if r["ratio"] >= 10 else f"{r['ratio']:.3g}",  # 0.0043, not 0.0
         ]
         for r in result["rows"]
     ]

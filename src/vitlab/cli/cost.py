@@ -17,6 +17,7 @@ from vitlab.analysis.scaling import (
     plot_path,
     plot_scaling,
 )
+from vitlab.cli.eval import positive_int_list
 from vitlab.config import load_run_config
 from vitlab.formats.base import TORCH_SUFFIXES, CheckpointError
 from vitlab.formats.vitlab import vitlab_weights
@@ -47,18 +48,6 @@ def parse_size(text: str) -> int | tuple[int, int]:
     if len(parts) == 2:
         return parts[0], parts[1]
     raise argparse.ArgumentTypeError(f"expected a size like 224 or 224x320, got {text!r}")
-
-
-def parse_int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one value")
-    return values
 
 
 CONFIG_SUFFIXES = (".yaml", ".yml")
@@ -139,7 +128,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--patch-sizes",
-        type=parse_int_list,
+        type=positive_int_list,
         default=None,
         metavar="P,P,...",
         help=f"patch sides for the per-layer table (default: those of {DEFAULTS} that tile the "
@@ -163,7 +152,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     scaling.add_argument(
         "--sides",
-        type=parse_int_list,
+        type=positive_int_list,
         default=None,
         metavar="S,S,...",
         help=f"square image sides, multiples of both models' patch sizes (default {SIDES})",

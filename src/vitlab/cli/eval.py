@@ -87,6 +87,23 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_int_list(text: str) -> list[int]:
+    """'1,5,10' -> [1, 5, 10]: comma-separated whole numbers >= 1, each once (an empty entry or a
+    repeat, which would add nothing or give one row twice, is refused as a slip)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = [0]
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated whole numbers >= 1 like 1,5,10, got {text!r}"
+        )
+    twice = sorted({str(v) for v in values if values.count(v) > 1}, key=int)
+    if twice:
+        raise argparse.ArgumentTypeError(f"{', '.join(twice)} given twice in {text!r}: each once")
+    return values
+
+
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     """--backend, --int8 and --tta, as `vitlab eval` and `vitlab predict` take them."""
     p.add_argument(

@@ -6,21 +6,12 @@ import argparse
 import json
 from pathlib import Path
 
+from vitlab.cli.eval import positive_int_list
+
 SOURCES = (
     "RUN_OR_CKPT: a run folder (its best checkpoint), a checkpoint folder, a .safetensors file, "
     "or any timm / HF / torchvision / .npz source `vitlab convert` reads."
 )
-
-
-def shot_list(text: str) -> list[int]:
-    """'1,5,10,25' -> [1, 5, 10, 25]."""
-    try:
-        shots = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,5,10,25, got {text!r}") from None
-    if not shots or min(shots) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive numbers like 1,5,10,25, got {text!r}")
-    return shots
 
 
 def add_feature_options(p: argparse.ArgumentParser) -> None:
@@ -57,7 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_feature_options(p)
     p.add_argument(
-        "--shots", type=shot_list, default=[1, 5, 10, 25], help="images per class (1,5,10,25)"
+        "--shots",
+        type=positive_int_list,
+        default=[1, 5, 10, 25],
+        help="images per class (1,5,10,25)",
     )
     p.add_argument("--seeds", type=int, default=3, help="draws per shot count, seeds 0..N-1 (3)")
     p.add_argument("--l2", type=float, default=1024.0, help="ridge penalty λ (default 2^10)")
