@@ -147,6 +147,21 @@ def test_another_datasets_confusion_png_does_not_replace_the_runs(run, tmp_path,
     assert json.loads(capsys.readouterr().out)["confusion_png"] == str(own)
 
 
+def test_a_checkpoint_of_another_library_is_evaluated(run, tmp_path, capsys):
+    """eval ran the whole split of a timm / HF / .pth source, then failed naming its matrix
+    (AttributeError, exit 1): it gives the metrics of the same weights in vitlab's format."""
+    assert main(["eval", str(run), "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)
+    for fmt in ("timm", "hf"):
+        assert main(["convert", str(run), str(tmp_path / fmt), "--to", fmt]) == 0
+        capsys.readouterr()
+        args = ["eval", str(tmp_path / fmt), "--data", "digits", "--out", str(tmp_path / "o")]
+        assert main([*args, "--json"]) == 0, capsys.readouterr().err
+        other = json.loads(capsys.readouterr().out)
+        assert other["top1"] == own["top1"] and other["loss"] == pytest.approx(own["loss"], 1e-5)
+        assert Path(other["confusion_png"]).parent == tmp_path / "o"
+
+
 def test_a_class_without_test_images_is_not_scored_zero(run, tmp_path, capsys):
     """A test split lacking a class once reported that class at 0.00% (0 of 0 read as all
     wrong); and with 3 classes "top-5" was top-3, always 100%. Checked against scikit-learn."""

@@ -205,7 +205,7 @@ def evaluate_checkpoint(
     other = run_cfg is None or name != run_cfg.data.name  # not the run's own split: not its PNG
     stem = f"confusion_matrix{f'_{_slug(name)}' if other else ''}_{split}"
     chosen = run is not None and weights != resolve_checkpoint(run)  # RUN/checkpoints/last:
-    how = [f"_{weights.parent.name.strip('.').removesuffix('.old')}"] * chosen  # not best's PNG
+    how = [f"_{weights.parent.name.strip('.').removesuffix('.old')}"] if chosen else []  # best's
     how += [f"_backend-{backend}"] * (backend != "torch") + ["_int8"] * int8
     how += [f"_tta-{tta}"] * augmented  # an int8 or onnxruntime matrix beside float32's
     png = target / f"{stem}{''.join(how)}.png"
