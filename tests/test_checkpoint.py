@@ -151,6 +151,27 @@ def test_timm_folder_carries_preprocessing_and_infers_pooling(tmp_path: Path) ->
     assert load_pretrained(tmp_path).preprocessing.crop_pct is None  # whole image resized
 
 
+def test_timm_weights_without_their_config_say_the_preprocessing_assumed(tmp_path, caplog):
+    """A bare timm ViT state dict states no preprocessing: ImageNet's is taken (README), which
+    for timm's augreg ViTs (mean = std = 0.5) flips predictions; it was taken without a word. The
+    same weights in a folder with timm's config.json take its mean, and say nothing."""
+    from timm.models._hub import save_for_hf
+
+    ref = randomize(timm.create_model("vit_tiny_patch16_224", depth=1, img_size=32))
+    assert tuple(ref.pretrained_cfg["mean"]) == (0.5, 0.5, 0.5)
+    torch.save(ref.state_dict(), tmp_path / "w.pth")
+    save_for_hf(ref, tmp_path / "hub", safe_serialization=True)
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        bare = load_pretrained(tmp_path / "w.pth").preprocessing
+    assert bare.mean == (0.485, 0.456, 0.406)
+    assert "timm weights without timm's config.json: ImageNet mean and std" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        assert load_pretrained(tmp_path / "hub").preprocessing.mean == (0.5, 0.5, 0.5)
+        assert load_pretrained(tmp_path / "hub" / "model.safetensors").preprocessing.mean[0] == 0.5
+    assert "without timm's config.json" not in caplog.text
+
+
 def test_timm_settings_vitlab_cannot_build_are_refused_or_said(tmp_path: Path, caplog) -> None:
     """An act_layer other than GELU once loaded as GELU (logits 0.3 off for relu), and an
     architecture vitlab does not register took the paper's head count without a word

@@ -42,12 +42,14 @@ def read(files: Files, name: str) -> Source:
     whatever format its weights are in: config.json (transformers' or timm's) and
     preprocessor_config.json."""
     src = get(name).read(files)
-    if files.folder is None or timm.CONFIG_KEY in files.metadata():  # the file states its own
+    if timm.CONFIG_KEY in files.metadata():  # the file states its own
         return src
-    config = files.json("config.json")
+    config = files.json("config.json") if files.folder is not None else None
     if config is not None:
         (hf.read_config if hf.is_config(config) else timm.read_config)(config, src)
-    processor = files.json("preprocessor_config.json")
+    if name == "timm" and "mean" not in ((config or {}).get("pretrained_cfg") or {}):
+        timm.note_assumed_preprocessing(src)
+    processor = files.json("preprocessor_config.json") if files.folder is not None else None
     if processor is not None:
         hf.read_processor(processor, src)
     return src

@@ -138,6 +138,18 @@ def read(files: Files) -> Source:
     return src  # a folder's config.json: formats.read applies it
 
 
+def note_assumed_preprocessing(src: Source) -> None:
+    """A timm ViT (or hybrid / ResNetV2) state dict whose preprocessing nothing states: what read
+    assumes, in a note (timm's ViTs differ: augreg's mean = std = 0.5, DeiT's crop 0.875). A
+    Swin's is every timm Swin's (ImageNet's, crop 0.9): no note."""
+    if state_family(src.state) != "swin":
+        src.notes.append(
+            "timm weights without timm's config.json: ImageNet mean and std, crop 0.9, bicubic "
+            "assumed (timm's augreg ViTs take mean = std = 0.5, DeiT crop 0.875); a folder of "
+            "the weights as model.safetensors and the hub's config.json gives the model's own"
+        )
+
+
 def read_config(cfg: dict[str, Any], src: Source) -> None:
     """Hints, preprocessing and class names from timm's config.json."""
     family = state_family(src.state)
