@@ -452,3 +452,31 @@ def test_shard_sizes_and_keys_that_do_not_apply_are_refused(tmp_path, balanced, 
     pattern = f"wds:{balanced}/part-{{00..07}}.tar"  # shards' extensions: the keys apply
     args = ["data", "shard", pattern, str(tmp_path / "w"), "--no-progress", "--workers", "1"]
     assert main([*args, "--image-key", "png", "--label-key", "cls"]) == 0
+
+
+def test_eval_takes_shards_named_by_a_pattern_as_its_test_images(balanced: Path, tmp_path, capsys):
+    """`vitlab eval CKPT --data wds:PATTERN` was refused ("set data.test", which eval has no way
+    to set): the pattern's shards are the images evaluated, every one, scored as the model's own
+    argmax over them (read here from the tar files with PIL)."""
+    import tarfile
+
+    from tests.helpers import tiny_checkpoint
+    from vitlab import load_checkpoint
+
+    ckpt = tiny_checkpoint(tmp_path / "c", img_size=8, in_chans=3, num_classes=3)
+    model, meta = load_checkpoint(ckpt)
+    images, labels = [], []
+    for s in range(SHARDS):
+        with tarfile.open(balanced / f"part-{s:02d}.tar") as tar:
+            files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+        for name in sorted(n for n in files if n.endswith(".png")):
+            images.append(torch.from_numpy(np.array(Image.open(io.BytesIO(files[name])))))
+            labels.append(int(files[name.removesuffix("png") + "cls"]))
+    batch = torch.stack(images).permute(0, 3, 1, 2)
+    with torch.no_grad():
+        right = (model(meta.preprocessing.batch(batch)).argmax(1) == torch.tensor(labels)).sum()
+    pattern = f"wds:{balanced}/part-{{00..07}}.tar"
+    assert main(["eval", str(ckpt), "--data", pattern, "--out", str(tmp_path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["num_images"] == SHARDS * PER_SHARD == len(labels)
+    assert result["top1"] == pytest.approx(right.item() / len(labels))

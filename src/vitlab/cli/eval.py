@@ -28,7 +28,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="test",
         help="test split (default), or the run's validation split carved from train",
     )
-    p.add_argument("--batch-size", type=positive_int, default=256)
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=256,
+        help="images a forward pass (default 256; with --int8 the activations are quantised per "
+        "batch, so scores move slightly with it)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(
         "--out",
@@ -119,7 +125,7 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="int8 dynamic quantisation of the linear layers' weights (torch: torch.ao "
         "quantize_dynamic; onnxruntime: its quantize_dynamic of the exported MatMul/Gemm "
-        "weights); CPU only, not for CNNs",
+        "weights; activations quantised per batch); CPU only, not for CNNs",
     )
     p.add_argument(
         "--tta",
