@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vitlab.experiments import plots
-from vitlab.experiments.arms import SHOTS, Arm, Context
+from vitlab.experiments.arms import SHOTS, Arm, Context, subset_size
 from vitlab.experiments.base import Experiment, Summary, by_group
 from vitlab.experiments.verdict import (
     FLOOR_TEXT,
@@ -38,11 +38,14 @@ def arms(ctx: Context) -> list[Arm]:
     out = []
     for seed in ctx.seed_list(NAME):
         for size in sizes:
+            # reported by the images trained on: label_fraction rounds each class's share (a
+            # planned 48 digits are 50); folders keep the planned size (reruns find their arms)
+            images = subset_size(ctx.data, size / total, seed)
             for label, (slug, kind, overrides, vit) in MODELS.items():
                 extra = plan.model if vit else plan.cnn
-                out.append(ctx.arm(NAME, f"{slug}-n{size}", f"{label} @ {size:,}", seed, kind,
+                out.append(ctx.arm(NAME, f"{slug}-n{size}", f"{label} @ {images:,}", seed, kind,
                                    [*overrides, *extra], size=size,
-                                   info={"model": label, "size": size}))  # fmt: skip
+                                   info={"model": label, "size": images}))  # fmt: skip
     return out
 
 

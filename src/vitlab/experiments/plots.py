@@ -22,8 +22,8 @@ def bars(groups: dict[str, Stat], path: Path, ylabel: str, title: str) -> None:
     ax.bar(range(len(names)), means, yerr=[_err(groups[n]) for n in names], capsize=4,
            color="#4c78a8")  # fmt: skip
     ax.set_xticks(range(len(names)), names, rotation=15, ha="right", fontsize=8)
-    lo = min(m - _err(groups[n]) for m, n in zip(means, names))
-    ax.set_ylim(max(0.0, lo - 5), min(100.0, max(means) + 3))
+    top = max(m + _err(groups[n]) for m, n in zip(means, names))
+    ax.set_ylim(0.0, min(100.0, top + 3))  # from 0: a bar's length is its accuracy
     ax.set(ylabel=ylabel, title=title)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
