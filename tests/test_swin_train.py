@@ -91,3 +91,22 @@ def test_a_swin_checkpoint_works_with_every_command(tmp_path: Path, capsys, capl
     config = load_checkpoint(tuned)[1].config
     assert config.img_hw == (16, 16) and config.window_size == 4
     assert "relative position tables resampled to the window 2 -> 4" in caplog.text
+
+
+def test_fine_tuning_a_swin_takes_its_keys_without_model_name(tmp_path: Path, capsys) -> None:
+    """`finetune.from=SWIN model.window_size=4` was refused ("unknown key 'window_size' for
+    ViTConfig": the keys were checked against the default model.name, which fine-tuning does
+    not use); a model.name of another family is said to be unused."""
+    run = train(cfg("train.epochs=1"), out=tmp_path / "run")
+    args = ["train", f"finetune.from={run}", "model.img_size=16", "model.window_size=4",
+            "train.epochs=1", "train.batch_size=64"]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "ft")]) == 0, capsys.readouterr().err
+    config = load_checkpoint(tmp_path / "ft")[1].config
+    assert config.img_hw == (16, 16) and config.window_size == 4 and config.depths == (2, 2)
+    capsys.readouterr()
+    assert main([*args, "model.name=resnet18_28", "--out", str(tmp_path / "ft2")]) == 0
+    err = capsys.readouterr().err
+    assert "model.name=resnet18_28 is a cnn and not used: finetune.from's architecture, a " in err
+    assert "a swin, is trained" in err
+    assert main([*args, "model.depth=2", "--out", str(tmp_path / "ft3")]) == 2  # a ViT's key
+    assert "unknown key 'depth' for SwinConfig" in capsys.readouterr().err

@@ -10,17 +10,27 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vitlab.config import ConfigError, RunConfig
+from vitlab.config import ConfigError, ModelSection, RunConfig
 from vitlab.data import dataset_info, label_subset, train_val_split
 from vitlab.data.datasets import DatasetInfo, Split, load_run_split
 from vitlab.formats.base import Source
 from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
-from vitlab.models.registry import ModelConfig, config_of, family_of, shape_of
+from vitlab.models.registry import ModelConfig, config_of, family_of, get_config, shape_of
 from vitlab.runtime import Dist
 from vitlab.train import distill
 
 log = logging.getLogger(__name__)
+
+
+def check_model_section(cfg: RunConfig) -> None:
+    """An unknown model name, key or type fails before anything is built, naming it. With
+    finetune.from the keys apply to the source's architecture, checked once it is read (a Swin's
+    window_size was refused as no ViTConfig key): here only the name."""
+    if cfg.finetune.from_:
+        get_config(cfg.model.name)
+    else:
+        config_of(cfg.model)
 
 
 def resolve_model_config(
@@ -43,6 +53,12 @@ def resolve_model_config(
         auto["in_chans"] = info.in_chans
     if base is not None and family_of(base) == "cnn":  # the source's stem, at any new size
         base = base.replace(small_stem=base.uses_small_stem)
+    if base is not None and cfg.model.name != ModelSection().name:  # set, and not used:
+        named = family_of(get_config(cfg.model.name))  # said where it names another family
+        if named != family_of(base):
+            log.warning("model.name=%s is a %s and not used: finetune.from's architecture, a %s, "
+                        "is trained (model.* keys apply to it)", cfg.model.name, named,
+                        family_of(base))  # fmt: skip
     mc = config_of(cfg.model) if base is None else base.replace(**cfg.model.overrides)
     mc = mc.replace(**auto)
     batchnorm = family_of(mc) == "cnn" and not mc.bit  # BiT's ResNet-v2 has GroupNorm

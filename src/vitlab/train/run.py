@@ -29,7 +29,7 @@ from vitlab.eval.classification import evaluate
 from vitlab.eval.mpp import evaluate_mpp
 from vitlab.models.checkpoint import infer_config, read_source
 from vitlab.models.mpp import MaskedPatchViT
-from vitlab.models.registry import build_model, config_of, family_of
+from vitlab.models.registry import build_model, family_of
 from vitlab.runtime import Dist, pick_device, set_rng_state, use_bf16
 from vitlab.train import budget, build, distill, distributed, engine, folder
 from vitlab.train.build import finetune_weights, load_data, normalization, resolve_model_config
@@ -69,7 +69,7 @@ def train(
     before = 0.0 if budget_from_process_start else budget.process_age()
     if resume is not None:
         out = Path(resume)
-    config_of(cfg.model)  # an unknown model, key or type fails now, naming it
+    build.check_model_section(cfg)  # an unknown model, key or type fails now, naming it
     try:
         device = pick_device(cfg.train.device, "train.device")
     except ValueError as e:
