@@ -867,6 +867,28 @@ def test_finetune_leaves_out_the_pre_logits_layer_as_the_paper_does(tmp_path, ca
     assert preset == {"img_size": 384, "representation_size": None}
 
 
+def test_finetune_from_timm_weights_takes_model_num_heads_as_the_sources(tmp_path) -> None:
+    """A timm ViT of width 32 (no head count to guess from it): the refusal asked to pass
+    num_heads=, which `vitlab train` had no way to: model.num_heads=2 is now the source's count.
+    Checked against timm's own features of the same weights (1 head reads them otherwise)."""
+    import timm
+
+    ref = timm.create_model("vit_tiny_patch16_224", img_size=8, patch_size=2, in_chans=1,
+                            embed_dim=32, depth=1, num_heads=2, num_classes=10).eval()  # fmt: skip
+    torch.save(ref.state_dict(), tmp_path / "w.pth")
+    args = ["train", f"finetune.from={tmp_path / 'w.pth'}", "data.name=digits", "train.epochs=1",
+            "train.max_steps=1", "optim.lr=1e-30", "optim.warmup_epochs=0",
+            "train.threads=1"]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "a")]) == 2  # heads unknown: refused, as before
+    assert main([*args, "model.num_heads=2", "--out", str(tmp_path / "b")]) == 0
+    model, meta = load_checkpoint(tmp_path / "b" / "checkpoints" / "last")
+    assert meta.config.num_heads == 2
+    x = torch.randn(4, 1, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval().forward_features(x), ref.forward_features(x),
+                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
 # SGD: Adam would turn the float noise in the key bias's (mathematically zero) gradient into
 # full-size steps, so two summation orders drift apart there
 TWO_RANKS = [*FAST, "train.epochs=2", "data.val_fraction=0", "train.precision=fp32",

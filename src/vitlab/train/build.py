@@ -14,7 +14,13 @@ from vitlab.config import ConfigError, ModelSection, RunConfig
 from vitlab.data import dataset_info, label_subset, train_val_split
 from vitlab.data.datasets import DatasetInfo, Split, load_run_split
 from vitlab.formats.base import Source
-from vitlab.models.checkpoint import infer_config, load_checkpoint, load_state_strict
+from vitlab.models.checkpoint import (
+    infer_config,
+    load_checkpoint,
+    load_state_strict,
+    read_source,
+    source_family,
+)
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
 from vitlab.models.registry import ModelConfig, config_of, family_of, get_config, shape_of
 from vitlab.runtime import Dist
@@ -31,6 +37,18 @@ def check_model_section(cfg: RunConfig) -> None:
         get_config(cfg.model.name)
     else:
         config_of(cfg.model)
+
+
+def finetune_source(cfg: RunConfig) -> tuple[Source, ModelConfig]:
+    """finetune.from, read once, and its architecture (inferred, and any guess warned, once). A
+    ViT's model.num_heads is also the source's head count, which no tensor's shape tells (the
+    loader's hint: it was applied after a refusal to guess, which asked to pass num_heads=)."""
+    source = read_source(cfg.finetune.from_)
+    heads = cfg.model.overrides.get("num_heads")
+    if heads is not None and source_family(source) == "vit":
+        source.hints.setdefault("num_heads", heads)
+    source.config = infer_config(source)
+    return source, source.config
 
 
 def resolve_model_config(

@@ -27,7 +27,6 @@ from vitlab.data.datasets import Split
 from vitlab.data.loader import Loader
 from vitlab.eval.classification import evaluate
 from vitlab.eval.mpp import evaluate_mpp
-from vitlab.models.checkpoint import infer_config, read_source
 from vitlab.models.mpp import MaskedPatchViT
 from vitlab.models.registry import build_model, family_of
 from vitlab.runtime import Dist, pick_device, set_rng_state, use_bf16
@@ -133,8 +132,7 @@ class Run:
         if cfg.finetune.from_ and resume is not None:
             base = read_metadata(resolve_checkpoint(Path(resume) / "checkpoints" / "last")).config
         elif cfg.finetune.from_:
-            source = read_source(cfg.finetune.from_)
-            base = source.config = infer_config(source)  # inferred (and any guess warned) once
+            source, base = build.finetune_source(cfg)
         mc = self.model_cfg = resolve_model_config(cfg, self.data.info, base)
         if cfg.train.batch_size % d.world:
             raise ConfigError(
