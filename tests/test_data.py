@@ -737,6 +737,37 @@ def test_python_warnings_of_a_command_are_vitlabs_warning_lines(capsys) -> None:
     assert warnings.showwarning is before
 
 
+def test_a_folder_of_grey_images_trains_a_grey_model(tmp_path: Path) -> None:
+    """Grey PNGs were read as RGB (3 channels, ImageNet's colour statistics), where an hf:
+    dataset of them is read grey: a folder whose sampled images are all grey is too (one RGB
+    image among them keeps it in colour; a file that does not open is passed over)."""
+    from vitlab import load_checkpoint
+    from vitlab.cli.main import main
+    from vitlab.data import dataset_info
+    from vitlab.data.decode import GREY_STATS
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        for cls in ("a", "b"):
+            (tmp_path / "grey" / split / cls).mkdir(parents=True)
+            for i in range(6):
+                pixels = rng.integers(0, 256, (10, 12), dtype=np.uint8)
+                Image.fromarray(pixels).save(tmp_path / "grey" / split / cls / f"{i}.png")
+    (tmp_path / "grey" / "train" / "a" / "0.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    grey = load_split(f"imagefolder:{tmp_path / 'grey'}", "train")
+    info = dataset_info("imagefolder:g", grey)
+    assert info.in_chans == 1 and (info.mean, info.std) == GREY_STATS
+    make_folder(tmp_path / "mixed")  # RGB, L and RGBA images
+    info = dataset_info("imagefolder:m", load_split(f"imagefolder:{tmp_path / 'mixed'}", "all"))
+    assert info.in_chans == 3 and info.mean == (0.485, 0.456, 0.406)
+    args = ["train", f"data.name=imagefolder:{tmp_path / 'grey'}", "model.img_size=8",
+            "model.patch_size=4", "model.depth=1", "train.epochs=1",
+            "train.batch_size=4"]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "run")]) == 0
+    model, meta = load_checkpoint(tmp_path / "run")
+    assert meta.config.in_chans == 1 and meta.preprocessing.mean == GREY_STATS[0]
+
+
 def test_file_batches_are_the_same_wherever_they_are_normalised(tmp_path: Path) -> None:
     """Training batches of an image folder with random erasing and mixup: normalised in two
     workers, in this process (workers=0), or after the workers as for a GPU (uint8 across, then

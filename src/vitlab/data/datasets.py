@@ -35,6 +35,7 @@ from torch import Tensor
 from vitlab.config import DataConfig
 from vitlab.data.cifar import read_cifar
 from vitlab.data.classes import named, numbered
+from vitlab.data.decode import GREY_STATS, channels_of
 from vitlab.data.download import FASHION_SHA256, DatasetError, find_or_fetch_fashion_mnist
 from vitlab.data.folders import FolderSplit, folder_root, load_folder_split, scan_image_folder
 from vitlab.data.hf import HFSplit, load_hf
@@ -264,8 +265,9 @@ def dataset_info(name: str, split: Split) -> DatasetInfo:
     mean, std = STATS[key]
     if isinstance(split, ArraySplit):
         chans, size = split.images.shape[1], tuple(split.images.shape[2:])
-    else:
-        chans, size = 3, None
+    else:  # image files: grey where a sample of them all are, as an hf: dataset's rows
+        chans, size = channels_of(split, skip_unreadable=True), None
+        mean, std = GREY_STATS if chans == 1 else (mean, std)
     return DatasetInfo(name, split.classes, chans, size, mean, std)
 
 

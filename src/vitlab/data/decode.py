@@ -142,3 +142,31 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+GREY_STATS = ((0.449,), (0.226,))  # ImageNet's, averaged over the channels: for greyscale data
+GREY_MODES = ("1", "L", "I", "I;16", "F")  # PIL's modes of one channel (16-bit and float too)
+
+
+def channels_of(split: object, sample: int = 16, skip_unreadable: bool = False) -> int:
+    """1 when every one of `sample` images spread over `split` (len, read(i) -> bytes and
+    where(i); the first and last included) is greyscale, else 3: a colour dataset whose first
+    image is grey is still read in colour. An image that does not open is a DatasetError, or,
+    `skip_unreadable` (image folders: skipped and named when loaded), passed over."""
+    from PIL import Image
+
+    n = len(split)  # type: ignore[arg-type]
+    if not n:
+        raise DatasetError(f"{split} has no images")
+    seen = 0
+    for i in sorted({round(k * (n - 1) / max(1, sample - 1)) for k in range(sample)}):
+        try:
+            with Image.open(io.BytesIO(split.read(i))) as im:  # type: ignore[attr-defined]
+                if im.mode not in GREY_MODES:
+                    return 3
+                seen += 1
+        except Exception as e:
+            if not skip_unreadable:
+                where = split.where(i)  # type: ignore[attr-defined]
+                raise DatasetError(f"cannot read image {where}: {type(e).__name__}: {e}") from None
+    return 1 if seen else 3

@@ -13,7 +13,6 @@ hf:ILSVRC/imagenet-1k#train data.test=hf:ILSVRC/imagenet-1k#validation`)."""
 
 from __future__ import annotations
 
-import io
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,13 +20,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from vitlab.data.decode import GREY_STATS, channels_of
 from vitlab.data.download import DatasetError
 from vitlab.runtime import seeded_split
 
 IMAGE_NAMES = ("image", "img", "jpg", "png")
 LABEL_NAMES = ("label", "labels", "cls", "fine_label", "target")
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-GREY_STATS = ((0.449,), (0.226,))  # ImageNet's, averaged over the channels: for greyscale data
 
 
 @dataclass
@@ -164,30 +163,12 @@ def load_hf(
         images = images.cast_column(image, datasets.Image(decode=False))
     named = where if "#" in spec or len(splits) == 1 else f"{where}#{chosen}"  # per table:
     full = HFSplit(images, named, torch.arange(len(labels)), labels, classes)  # "row 3 of" it
-    full.in_chans = _channels(full)
+    if not len(full):
+        raise DatasetError(f"{named} has no rows")
+    full.in_chans = channels_of(full)
     if full.in_chans == 1:
         full.stats = GREY_STATS
     if split == "all" or test is not None or (whole and split == "train"):
         return full
     kept, carved = seeded_split(len(full), 0.2, seed)
     return full.subset(carved if split == "test" else kept)
-
-
-def _channels(split: HFSplit, sample: int = 16) -> int:
-    """1 when every one of `sample` images spread over the rows (the first and last included) is
-    greyscale, else 3: a colour dataset whose first image is grey is still read in colour."""
-    from PIL import Image
-
-    if not len(split):
-        raise DatasetError(f"{split.name} has no rows")
-    n = len(split)
-    for i in sorted({round(k * (n - 1) / max(1, sample - 1)) for k in range(sample)}):
-        try:
-            with Image.open(io.BytesIO(split.read(i))) as im:
-                if im.mode not in ("1", "L", "I", "I;16", "F"):
-                    return 3
-        except Exception as e:
-            raise DatasetError(
-                f"cannot read image {split.where(i)}: {type(e).__name__}: {e}"
-            ) from None
-    return 1
