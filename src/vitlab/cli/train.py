@@ -27,10 +27,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "save_to_disk folder, parquet file or hub name; hf:NAME#SPLIT: that split alone), test "
         "(the test split's source for a one-split source, labelled by the training split's "
         "classes; the training source is then read whole), image_key, label_key, workers, "
-        "prefetch, shuffle_buffer, dir, val_fraction, label_fraction, crop_padding, "
-        "random_resized_crop, hflip, randaugment_ops, random_erasing, mixup, cutmix, ...), "
-        "optim.* (name adamw | sgd, lr, weight_decay, "
-        "schedule cosine | linear | constant, warmup_epochs, clip_grad, label_smoothing, ...), "
+        "prefetch, shuffle_buffer, dir, val_fraction, split_seed, label_fraction, test_fraction, "
+        "crop_padding, random_resized_crop, crop_scale, hflip, randaugment_ops, "
+        "randaugment_magnitude, random_erasing, mixup, cutmix, normalize), "
+        "optim.* (name adamw | sgd, lr, weight_decay, betas (adamw), momentum (sgd), "
+        "schedule cosine | linear | constant, warmup_epochs, min_lr, clip_grad, label_smoothing), "
         "train.* (time_budget=DURATION such as 90s, 3m, 1h30m: the whole command then fits it, "
         "the steps planned from measured throughput and the schedule spanning them; epochs, "
         "max_steps, batch_size, accum_steps, seed, ema, precision auto | fp32 | bf16 (auto: "
@@ -38,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "grad_checkpointing, channels_last (NHWC convolutions: faster conv stems and CNNs on "
         "CPU), batch_threads=N (each batch in N parts, their forward and backward on N threads "
         "of one process: time it first, off by default; BatchNorm per part, no dropout), "
-        "strategy ddp | fsdp, device, objective classify | mpp), mpp.* "
+        "strategy ddp | fsdp, device, threads, stop_at_epoch, objective classify | mpp), mpp.* "
         "(masked patch prediction without labels: target mean_color | patch_l2, corrupt, mask, "
         "random, bits), distill.* (DeiT, for model.distilled=true: teacher=RUN_OR_CKPT, type "
         "hard | soft, alpha, tau), finetune.from=RUN_OR_CKPT (a vitlab run or checkpoint, or "
@@ -57,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=Path,
         metavar="DIR",
         help="continue the run in DIR exactly where it stopped; train.stop_at_epoch may change, "
-        "train.epochs only with --extend",
+        "train.epochs only with --extend, and the CPU it takes (train.threads, data.workers)",
     )
     p.add_argument(
         "--extend",
