@@ -328,6 +328,27 @@ def test_a_warm_up_as_long_as_the_run_is_warned(tmp_path: Path, caplog) -> None:
     assert not caplog.records
 
 
+def test_a_length_the_run_cannot_reach_is_warned(tmp_path: Path, caplog) -> None:
+    """train.max_steps=100 with train.epochs=1 trained one epoch's 20 steps without a word (a
+    timm user expects 100: epochs bound it, README says), and train.stop_at_epoch past the
+    epochs was taken silently: both are warned, with the step the run ends at (as trained)."""
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        run = train(cfg("train.epochs=1", "train.max_steps=100", "train.stop_at_epoch=3",
+                        "optim.warmup_epochs=0"), out=tmp_path / "r")  # fmt: skip
+    per_epoch = len(load_split("digits", "train")) * 9 // 10 // 64  # val 10%
+    assert torch.load(run / "checkpoints" / "last" / "state.pt", weights_only=True)["step"] == (
+        per_epoch
+    )
+    text = caplog.text
+    assert f"train.max_steps=100 is more than train.epochs=1 take ({per_epoch} steps)" in text
+    assert "train.stop_at_epoch=3 is past train.epochs=1" in text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        train(cfg("train.epochs=2", "train.max_steps=3", "optim.warmup_epochs=0"),
+              out=tmp_path / "s")  # fmt: skip
+    assert "max_steps" not in caplog.text and "stop_at_epoch" not in caplog.text
+
+
 def test_a_new_length_on_resume_is_refused_unless_extended(tmp_path: Path, capsys) -> None:
     """train.epochs on --resume used to reshape the cosine schedule silently. Now it is refused;
     with --extend the schedule spans the new length from the current step on, and says so."""
@@ -786,9 +807,10 @@ def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "override, message",
     [  # each once accepted: trained uphill, 40 empty epochs, a traceback, ignored, ...
-        ("optim.clip_grad=-1", "clip_grad >= 0 \\(0, null: none\\)"),
-        ("optim.min_lr=0.01", "min_lr in \\[0, lr\\]"),
-        ("optim.momentum=2", "momentum and label_smoothing in \\[0, 1\\)"),
+        ("optim.clip_grad=-1", "^optim.clip_grad must be >= 0 \\(0, null: none\\), got -1"),
+        ("optim.min_lr=0.01", "^optim.min_lr must be in \\[0, lr\\], got 0.01$"),
+        ("optim.momentum=2", "^optim.momentum must be in \\[0, 1\\), got 2"),
+        ("optim.betas=[0.9,1.5]", "optim.betas must be in \\[0, 1\\) each, got \\(0.9, 1.5\\)"),
         ("optim.lr=nan", "OptimConfig.lr: expected float, got nan \\(float\\): numbers must be"),
         ("optim.lr=1e400", "OptimConfig.lr: expected float, got inf \\(float\\): numbers must be"),
         ("train.time_budget=inf", "expected str \\| float \\| None, got inf .*must be finite"),

@@ -128,7 +128,8 @@ class OptimConfig:
 
     name: typing.Literal["adamw", "sgd"] = "adamw"
     lr: float = 2e-3  # peak learning rate, reached after warm-up
-    weight_decay: float = 0.05  # decoupled; never on biases, norms, positions, class token
+    weight_decay: float = 0.05  # adamw: decoupled; sgd: L2 in the gradient; never on biases,
+    # norms, positions, class tokens
     betas: tuple[float, float] = (0.9, 0.999)
     momentum: float = 0.9  # sgd
     schedule: typing.Literal["cosine", "linear", "constant"] = "cosine"
@@ -140,12 +141,20 @@ class OptimConfig:
     def __post_init__(self) -> None:
         validate(self)
         clip = self.clip_grad is None or self.clip_grad >= 0  # below 0: gradients reversed
-        if not (self.lr > 0 and self.lr >= self.min_lr >= 0 and clip and 0 <= self.momentum < 1
-                and min(self.weight_decay, self.warmup_epochs) >= 0
-                and 0 <= self.label_smoothing < 1):  # fmt: skip
-            raise ConfigError(f"optim: lr must be > 0, min_lr in [0, lr], clip_grad >= 0 (0, "
-                              f"null: none), momentum and label_smoothing in [0, 1), weight_decay "
-                              f"and warmup_epochs >= 0; got {self}")  # fmt: skip
+        rules = [
+            (self.lr > 0, "lr", "> 0"),
+            (self.lr >= self.min_lr >= 0, "min_lr", "in [0, lr]"),
+            (clip, "clip_grad", ">= 0 (0, null: none)"),
+            (0 <= self.momentum < 1, "momentum", "in [0, 1)"),
+            (all(0 <= b < 1 for b in self.betas), "betas", "in [0, 1) each"),
+            (0 <= self.label_smoothing < 1, "label_smoothing", "in [0, 1)"),
+            (self.weight_decay >= 0, "weight_decay", ">= 0"),
+            (self.warmup_epochs >= 0, "warmup_epochs", ">= 0"),
+        ]
+        broken = [f"optim.{k} must be {rule}, got {getattr(self, k)!r}" for ok, k, rule in rules
+                  if not ok]  # fmt: skip
+        if broken:
+            raise ConfigError("; ".join(broken))
 
 
 @dataclass

@@ -78,6 +78,22 @@ def warn_warmup(cfg: RunConfig, total_steps: int, warmup_steps: int, said: bool 
     )  # fmt: skip
 
 
+def warn_schedule(cfg: RunConfig, total_steps: int, warmup_steps: int, said: bool = True) -> None:
+    """warn_warmup, and a length the run will not reach: train.max_steps past train.epochs (the
+    run ends with the epochs: a timm user expects the steps) or train.stop_at_epoch past them."""
+    if not said:
+        return
+    warn_warmup(cfg, total_steps, warmup_steps)
+    t = cfg.train
+    if t.time_budget is None and t.max_steps and t.max_steps > total_steps:
+        log.warning("train.max_steps=%d is more than train.epochs=%d take (%d steps): the run ends "
+                    "at step %d; raise train.epochs for more (it is the most a run may take)",
+                    t.max_steps, t.epochs, total_steps, total_steps)  # fmt: skip
+    if t.stop_at_epoch is not None and t.stop_at_epoch > t.epochs:
+        log.warning("train.stop_at_epoch=%d is past train.epochs=%d: the run ends at epoch %d",
+                    t.stop_at_epoch, t.epochs, t.epochs)  # fmt: skip
+
+
 class EMA:
     """Exponential moving average of a model's floating-point state: ema = d ema + (1 - d) w."""
 

@@ -35,7 +35,7 @@ from vitlab.train.build import finetune_weights, load_data, normalization, resol
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
 from vitlab.train.folder import check_resume_length, claim_run_folder, default_run_folder
 from vitlab.train.log import RunLog
-from vitlab.train.optim import EMA, build_optimizer, learning_rate, warn_warmup
+from vitlab.train.optim import EMA, build_optimizer, learning_rate, warn_schedule
 from vitlab.train.state import (
     CheckpointMeta,
     check_threads,
@@ -226,7 +226,7 @@ class Run:
                 f"{cfg.train.batch_size} x accum_steps {cfg.train.accum_steps}"
             )
         total, warmup = self._total_steps(), self._warmup_steps()
-        warn_warmup(cfg, total, warmup, said=self.d.is_main)  # rank 0 says it
+        warn_schedule(cfg, total, warmup, said=self.d.is_main)  # rank 0 says it
         return StepSettings(
             accum_steps=cfg.train.accum_steps,
             clip_grad=cfg.optim.clip_grad,
