@@ -577,7 +577,7 @@ def test_each_seed_draws_its_own_subsets(tmp_path: Path) -> None:
     from vitlab.train.build import load_data
 
     ctx = Context("digits", get_budget("smoke"), tmp_path, seeds=2)
-    arms = [a for a in EXPERIMENTS["data-scale"].arms(ctx) if a.info["size"] == 48]
+    arms = [a for a in EXPERIMENTS["data-scale"].arms(ctx) if "-n48-" in a.folder]
     data = {}
     for a in arms:
         d = load_data(load_run_config(None, a.config(tmp_path)))

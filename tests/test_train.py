@@ -35,7 +35,7 @@ from vitlab.data.datasets import DatasetError
 from vitlab.formats import base as formats_base
 from vitlab.models import checkpoint as checkpoint_mod
 from vitlab.runtime import use_bf16
-from vitlab.train import run as run_mod
+from vitlab.train import build as build_mod
 from vitlab.train import state as state_mod
 from vitlab.train.engine import NonFiniteLoss
 from vitlab.train.folder import LOCK, claim_run_folder, holding, resume_config
@@ -850,8 +850,8 @@ def test_finetune_at_another_resolution_with_a_new_head(
     trained_run: Path, tmp_path: Path, monkeypatch
 ) -> None:
     reads = []
-    real_read = run_mod.read_source
-    for module in (run_mod, checkpoint_mod):
+    real_read = build_mod.read_source
+    for module in (build_mod, checkpoint_mod):
         monkeypatch.setattr(module, "read_source", lambda *a: reads.append(a) or real_read(*a))
     run = train(
         load_run_config(
@@ -889,7 +889,7 @@ def test_finetune_leaves_out_the_pre_logits_layer_as_the_paper_does(tmp_path, ca
     assert preset == {"img_size": 384, "representation_size": None}
 
 
-def test_finetune_from_timm_weights_takes_model_num_heads_as_the_sources(tmp_path) -> None:
+def test_finetune_from_timm_weights_takes_model_num_heads_as_the_sources(tmp_path, capsys):
     """A timm ViT of width 32 (no head count to guess from it): the refusal asked to pass
     num_heads=, which `vitlab train` had no way to: model.num_heads=2 is now the source's count.
     Checked against timm's own features of the same weights (1 head reads them otherwise)."""
@@ -902,6 +902,7 @@ def test_finetune_from_timm_weights_takes_model_num_heads_as_the_sources(tmp_pat
             "train.max_steps=1", "optim.lr=1e-30", "optim.warmup_epochs=0",
             "train.threads=1"]  # fmt: skip
     assert main([*args, "--out", str(tmp_path / "a")]) == 2  # heads unknown: refused, as before
+    assert "`vitlab convert SRC DST num_heads=N`" in capsys.readouterr().err  # a remedy for all
     assert main([*args, "model.num_heads=2", "--out", str(tmp_path / "b")]) == 0
     model, meta = load_checkpoint(tmp_path / "b" / "checkpoints" / "last")
     assert meta.config.num_heads == 2

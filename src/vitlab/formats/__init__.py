@@ -47,11 +47,11 @@ def read(files: Files, name: str) -> Source:
     config = files.json("config.json") if files.folder is not None else None
     if config is not None:
         (hf.read_config if hf.is_config(config) else timm.read_config)(config, src)
-    if name == "timm" and "mean" not in ((config or {}).get("pretrained_cfg") or {}):
-        timm.note_assumed_preprocessing(src)
     processor = files.json("preprocessor_config.json") if files.folder is not None else None
     if processor is not None:
         hf.read_processor(processor, src)
+    elif name == "timm" and "mean" not in ((config or {}).get("pretrained_cfg") or {}):
+        timm.note_assumed_preprocessing(src)
     return src
 
 

@@ -42,6 +42,11 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, truncated, hostile, or does not fit the model."""
 
 
+def pass_key(key: str) -> str:
+    """How a value no tensor holds is given: in Python, or once for every command by convert."""
+    return f"pass {key}=N (`vitlab convert SRC DST {key}=N` writes a checkpoint that states it)"
+
+
 class FormatError(ValueError):
     """A tensor that has no place in the format being read or written."""
 

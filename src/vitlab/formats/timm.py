@@ -41,6 +41,7 @@ from vitlab.formats.base import (
     convert,
     cpu_state,
     is_resnetv2,
+    pass_key,
     preprocessing_of,
     refuse_swin_v2,
     rename,
@@ -52,7 +53,6 @@ from vitlab.formats.base import (
 )
 from vitlab.models.cnn import CNNConfig
 from vitlab.models.registry import UnknownModelError, family_of, get_config
-from vitlab.models.swin_checkpoint import pass_key
 from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import CROP_MODES, IMAGENET_MEAN, IMAGENET_STD
 
@@ -139,9 +139,8 @@ def read(files: Files) -> Source:
 
 
 def note_assumed_preprocessing(src: Source) -> None:
-    """A timm ViT (or hybrid / ResNetV2) state dict whose preprocessing nothing states: what read
-    assumes, in a note (timm's ViTs differ: augreg's mean = std = 0.5, DeiT's crop 0.875). A
-    Swin's is every timm Swin's (ImageNet's, crop 0.9): no note."""
+    """What read assumes of a timm ViT's (or ResNetV2's) preprocessing nothing states, as a note
+    (a Swin's is every timm Swin's, ImageNet's with crop 0.9: none)."""
     if state_family(src.state) != "swin":
         src.notes.append(
             "timm weights without timm's config.json: ImageNet mean and std, crop 0.9, bicubic "

@@ -37,12 +37,12 @@ from vitlab.models.hybrid_checkpoint import infer_resnet_stem
 from vitlab.models.indices import whole_number
 from vitlab.models.pos_embed import Grid, resample_pos_embed
 from vitlab.models.registry import Model, ModelConfig, build_model, family_of
-from vitlab.models.swin_checkpoint import infer_swin_config, pass_key
+from vitlab.models.swin_checkpoint import infer_swin_config
 from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 
 log = logging.getLogger(__name__)
-HEADS = pass_key("num_heads")
+HEADS = formats.base.pass_key("num_heads")
 
 
 # --- the files a source names --------------------------------------------------------------------
@@ -220,7 +220,7 @@ def _infer_vit(src: Source, img_size: int | tuple[int, int] | None = None) -> Vi
         pos_kind, img = "none", img if img is not None else img_size  # nothing to resample
         if img is None:
             raise CheckpointError(f"{where}: no position table to read the image size from: "
-                                  f"{pass_key('img_size')}")  # fmt: skip
+                                  f"{formats.base.pass_key('img_size')}")  # fmt: skip
     rep = s["pre_logits.fc.weight"].shape[0] if "pre_logits.fc.weight" in s else None
     num_classes = s["head.weight"].shape[0] if "head.weight" in s else 0
     pool = hints.pop("pool", None) or ("gap" if fc_norm or not class_token else "token")

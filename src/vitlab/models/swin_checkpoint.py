@@ -19,16 +19,10 @@ import re
 from torch import Tensor
 
 from vitlab.config import ConfigError
-from vitlab.formats.base import CheckpointError, Source
+from vitlab.formats.base import CheckpointError, Source, pass_key
 from vitlab.models.swin import SwinConfig
 
 log = logging.getLogger(__name__)
-
-
-def pass_key(key: str) -> str:
-    """How a value no tensor holds is given: in Python, or once for every command by convert."""
-    return (f"pass {key}=N (`vitlab convert SRC DST {key}=N` writes a checkpoint that states it, "
-            f"for every command)")  # fmt: skip
 
 
 _BLOCK = re.compile(r"^layers\.(\d+)\.blocks\.(\d+)\.")
