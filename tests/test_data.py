@@ -766,6 +766,16 @@ def test_a_folder_of_grey_images_trains_a_grey_model(tmp_path: Path) -> None:
     assert main([*args, "--out", str(tmp_path / "run")]) == 0
     model, meta = load_checkpoint(tmp_path / "run")
     assert meta.config.in_chans == 1 and meta.preprocessing.mean == GREY_STATS[0]
+    # files decode in the model's mode: model.in_chans=3 trains RGB on them (the grey statistics
+    # on every channel), and 1 a grey model on colour files (ImageNet's averaged, it was refused)
+    assert main([*args, "model.in_chans=3", "--out", str(tmp_path / "rgb")]) == 0
+    meta = load_checkpoint(tmp_path / "rgb")[1]
+    assert meta.config.in_chans == 3 and meta.preprocessing.mean == GREY_STATS[0] * 3
+    colour = [f"data.name=imagefolder:{tmp_path / 'mixed'}", "data.test_fraction=0.5"]
+    assert main([*args, *colour, "model.in_chans=1", "--out", str(tmp_path / "g")]) == 0
+    meta = load_checkpoint(tmp_path / "g")[1]
+    assert meta.config.in_chans == 1
+    assert meta.preprocessing.mean == pytest.approx(GREY_STATS[0], abs=1e-9)
 
 
 def test_file_batches_are_the_same_wherever_they_are_normalised(tmp_path: Path) -> None:

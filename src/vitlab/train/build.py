@@ -110,7 +110,8 @@ def resolve_model_config(
     if mc.num_classes != classes:
         why = "masked patch prediction trains no classifier" if mpp else f"dataset {info.name} has"
         raise ConfigError(f"model.num_classes={mc.num_classes} but {why} {classes}")
-    if mc.in_chans != info.in_chans:
+    files = info.image_size is None  # image files: decoded in the model's mode, grey or RGB
+    if mc.in_chans != info.in_chans and not (files and mc.in_chans in (1, 3)):
         raise ConfigError(
             f"model.in_chans={mc.in_chans} but dataset {info.name} has {info.in_chans} channels"
         )
@@ -121,6 +122,8 @@ def normalization(cfg: RunConfig, info: DatasetInfo, in_chans: int) -> tuple[tup
     """(mean, std) per channel: the data's (one value for every channel when it has one), or
     none (0, 1) when data.normalize is off; a ConfigError when they fit neither."""
     mean, std = (info.mean, info.std) if cfg.data.normalize else ((0.0,), (1.0,))
+    if in_chans == 1 and len(mean) == 3 and info.image_size is None:  # colour files read grey
+        mean, std = (sum(mean) / 3,), (sum(std) / 3,)  # (ImageNet's: GREY_STATS)
     if len(mean) not in (1, in_chans) or len(std) != len(mean):
         raise ConfigError(f"dataset {info.name}'s statistics have {len(mean)} channels, the model "
                           f"{in_chans}")  # fmt: skip
