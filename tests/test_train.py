@@ -349,6 +349,24 @@ def test_a_length_the_run_cannot_reach_is_warned(tmp_path: Path, caplog) -> None
     assert "max_steps" not in caplog.text and "stop_at_epoch" not in caplog.text
 
 
+def test_settings_nothing_reads_are_warned(tmp_path: Path, capsys) -> None:
+    """optim.momentum under adamw, optim.betas under sgd, a RandAugment magnitude without its
+    ops and a crop scale without the random resized crop were taken silently (a QA run set
+    each, expecting an effect); each is warned, and one that applies is not."""
+    base = ["train", *FAST, "train.epochs=1", "optim.warmup_epochs=0"]
+    unused = ["optim.momentum=0.5", "data.randaugment_magnitude=20", "data.crop_scale=[0.5,1.0]"]
+    assert main([*base, *unused, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "optim.momentum is set but not used: it applies with optim.name=sgd" in err
+    assert "data.randaugment_magnitude is set but not used: it applies with" in err
+    assert "data.crop_scale is set but not used: it applies with data.random_resized_crop" in err
+    used = ["optim.name=sgd", "optim.momentum=0.5", "optim.betas=[0.8,0.9]"]
+    assert main([*base, *used, "--out", str(tmp_path / "b")]) == 0
+    err = capsys.readouterr().err
+    assert "optim.betas is set but not used: it applies with optim.name=adamw" in err
+    assert "momentum" not in err
+
+
 def test_a_new_length_on_resume_is_refused_unless_extended(tmp_path: Path, capsys) -> None:
     """train.epochs on --resume used to reshape the cosine schedule silently. Now it is refused;
     with --extend the schedule spans the new length from the current step on, and says so."""

@@ -4,6 +4,7 @@ fine-tuning source's weights."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -29,14 +30,30 @@ from vitlab.train import distill
 log = logging.getLogger(__name__)
 
 
-def check_model_section(cfg: RunConfig) -> None:
+def check_settings(cfg: RunConfig) -> None:
     """An unknown model name, key or type fails before anything is built, naming it. With
     finetune.from the keys apply to the source's architecture, checked once it is read (a Swin's
-    window_size was refused as no ViTConfig key): here only the name."""
+    window_size was refused as no ViTConfig key): here only the name. Settings changed from their
+    defaults that nothing reads are warned of (by rank 0 under torchrun)."""
     if cfg.finetune.from_:
         get_config(cfg.model.name)
     else:
         config_of(cfg.model)
+    o, data = cfg.optim, cfg.data
+    default_o, default_d = type(o)(), type(data)()
+    unused = [
+        (o.name != "sgd" and o.momentum != default_o.momentum, "optim.momentum", "optim.name=sgd"),
+        (o.name != "adamw" and o.betas != default_o.betas, "optim.betas", "optim.name=adamw"),
+        (not data.randaugment_ops and data.randaugment_magnitude != default_d.randaugment_magnitude,
+         "data.randaugment_magnitude", "data.randaugment_ops > 0"),
+        (not data.random_resized_crop and data.crop_scale != default_d.crop_scale,
+         "data.crop_scale", "data.random_resized_crop=true"),
+    ]  # fmt: skip
+    if os.environ.get("RANK", "0") != "0":
+        return
+    for found, key, needs in unused:
+        if found:
+            log.warning("%s is set but not used: it applies with %s", key, needs)
 
 
 def finetune_source(cfg: RunConfig) -> tuple[Source, ModelConfig]:

@@ -68,7 +68,7 @@ def train(
     before = 0.0 if budget_from_process_start else budget.process_age()
     if resume is not None:
         out = Path(resume)
-    build.check_model_section(cfg)  # an unknown model, key or type fails now, naming it
+    build.check_settings(cfg)  # an unknown model, key or type fails now, naming it
     try:
         device = pick_device(cfg.train.device, "train.device")
     except ValueError as e:
