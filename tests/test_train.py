@@ -750,8 +750,12 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, 
         return loss * float("nan") if calls[0] == 5 else loss
 
     monkeypatch.setattr(torch.nn.functional, "cross_entropy", poisoned)
-    with pytest.raises(NonFiniteLoss, match=r"loss became nan at step \d+ \(epoch 2, batch 5\)"):
+    with pytest.raises(
+        NonFiniteLoss, match=r"loss became nan at step \d+ \(epoch 2, batch 5\)"
+    ) as e:
         resume(run)
+    rate = re.search(r"at learning rate ([0-9.e+-]+) \(optim.lr=0.002\)", str(e.value))
+    assert rate and 0 < float(rate[1]) <= 0.002, str(e.value)  # the usual cause, said
     monkeypatch.undo()
     after = weights_of(run)
     assert all(torch.equal(before[k], after[k]) for k in before)

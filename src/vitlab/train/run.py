@@ -396,8 +396,10 @@ class Run:
         except NonFiniteLoss as e:
             last = self.out / "checkpoints" / "last"
             kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint"
+            lr = self.optimizer.param_groups[0]["lr"]  # the usual cause: too high a rate
             raise NonFiniteLoss(
-                f"{e}; stopped, {kept} (weights after this step not saved)"
+                f"{e} at learning rate {lr:.3g} (optim.lr={self.cfg.optim.lr:g}); "
+                f"stopped, {kept} (weights after this step not saved)"
             ) from None
         finally:
             bar.close()
