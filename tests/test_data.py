@@ -737,6 +737,41 @@ def test_python_warnings_of_a_command_are_vitlabs_warning_lines(capsys) -> None:
     assert warnings.showwarning is before
 
 
+def grey_folder(root: Path) -> Path:
+    """train/ and test/ of two classes of six random 10x12 grey PNGs each."""
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        for cls in ("a", "b"):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(6):
+                pixels = rng.integers(0, 256, (10, 12), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / cls / f"{i}.png")
+    return root
+
+
+def test_a_run_on_a_grey_folder_from_before_resumes_as_it_was(tmp_path, monkeypatch) -> None:
+    """Folders were read as RGB: a run stopped then (3 channels, ImageNet's colour statistics)
+    was refused on --resume ("does not fit the model": a 1-channel model from the data). It
+    resumes with its checkpoint's channels and statistics, as it trained."""
+    from vitlab import load_checkpoint
+    from vitlab.cli.main import main
+    from vitlab.data import datasets as datasets_mod
+
+    folder = grey_folder(tmp_path / "grey")
+    monkeypatch.setattr(datasets_mod, "channels_of", lambda split, **kw: 3)  # as folders were
+    args = ["train", f"data.name=imagefolder:{folder}", "model.img_size=8", "model.patch_size=4",
+            "model.depth=1", "train.epochs=2", "train.stop_at_epoch=1",
+            "train.batch_size=4"]  # fmt: skip
+    run = tmp_path / "run"
+    assert main([*args, "--out", str(run)]) == 0
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(run)]) == 0
+    meta = load_checkpoint(run / "checkpoints" / "last")[1]
+    assert meta.config.in_chans == 3 and meta.preprocessing.mean == (0.485, 0.456, 0.406)
+    state = torch.load(run / "checkpoints" / "last" / "state.pt", weights_only=True)
+    assert state["epoch"] == 2
+
+
 def test_a_folder_of_grey_images_trains_a_grey_model(tmp_path: Path) -> None:
     """Grey PNGs were read as RGB (3 channels, ImageNet's colour statistics), where an hf:
     dataset of them is read grey: a folder whose sampled images are all grey is too (one RGB
@@ -746,13 +781,7 @@ def test_a_folder_of_grey_images_trains_a_grey_model(tmp_path: Path) -> None:
     from vitlab.data import dataset_info
     from vitlab.data.decode import GREY_STATS
 
-    rng = np.random.default_rng(0)
-    for split in ("train", "test"):
-        for cls in ("a", "b"):
-            (tmp_path / "grey" / split / cls).mkdir(parents=True)
-            for i in range(6):
-                pixels = rng.integers(0, 256, (10, 12), dtype=np.uint8)
-                Image.fromarray(pixels).save(tmp_path / "grey" / split / cls / f"{i}.png")
+    grey_folder(tmp_path / "grey")
     (tmp_path / "grey" / "train" / "a" / "0.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
     grey = load_split(f"imagefolder:{tmp_path / 'grey'}", "train")
     info = dataset_info("imagefolder:g", grey)

@@ -69,11 +69,13 @@ def finetune_source(cfg: RunConfig) -> tuple[Source, ModelConfig]:
 
 
 def resolve_model_config(
-    cfg: RunConfig, info: DatasetInfo, base: ModelConfig | None = None
+    cfg: RunConfig, info: DatasetInfo, base: ModelConfig | None = None, resumed: bool = False
 ) -> ModelConfig:
-    """The registry's config (or `base`, a fine-tuning source's architecture) with the run's
-    overrides; class count and channels follow the data unless set explicitly (no classifier for
-    masked patch prediction). Fails before training when the data cannot fit the model."""
+    """The registry's config (or `base`, a fine-tuning source's architecture, or with `resumed`
+    the run's own as its checkpoint keeps it) with the run's overrides; class count and channels
+    follow the data unless set explicitly or resumed (a run trained on a grey folder before
+    folders were read grey keeps its 3 channels), no classifier for masked patch prediction.
+    Fails before training when the data cannot fit the model."""
     auto = {}
     mpp = cfg.train.objective == "mpp"
     classes = 0 if mpp else len(info.classes)
@@ -84,11 +86,12 @@ def resolve_model_config(
         )
     if "num_classes" not in cfg.model.overrides:
         auto["num_classes"] = classes
-    if "in_chans" not in cfg.model.overrides:
+    if "in_chans" not in cfg.model.overrides and not resumed:
         auto["in_chans"] = info.in_chans
-    if base is not None and family_of(base) == "cnn":  # the source's stem, at any new size
+    tuned = base is not None and not resumed  # a fine-tuning source's architecture
+    if tuned and family_of(base) == "cnn":  # the source's stem, at any new size
         base = base.replace(small_stem=base.uses_small_stem)
-    if base is not None and cfg.model.name != ModelSection().name:  # set, and not used:
+    if tuned and cfg.model.name != ModelSection().name and os.environ.get("RANK", "0") == "0":
         named = family_of(get_config(cfg.model.name))  # said where it names another family
         if named != family_of(base):
             log.warning("model.name=%s is a %s and not used: finetune.from's architecture, a %s, "
@@ -227,6 +230,23 @@ def model_label(cfg: RunConfig, mc: ModelConfig) -> str:
         return f"the architecture of {cfg.finetune.from_} [{shape}]"
     changes = ", ".join(f"{k}={v}" for k, v in cfg.model.overrides.items())
     return f"{cfg.model.name}{f' with {changes}' if changes else ''} [{shape}]"
+
+
+def check_objective(cfg: RunConfig, mc: ModelConfig) -> bool:
+    """Whether the run pre-trains by masked patch prediction (a ViT's, without mixed labels)."""
+    if cfg.train.objective != "mpp":
+        return False
+    if family_of(mc) != "vit":
+        raise ConfigError(
+            f"train.objective=mpp pre-trains a ViT (patch tokens in, one per patch out); "
+            f"{cfg.model.name} is a {family_of(mc)} model"
+        )
+    if cfg.data.mixup or cfg.data.cutmix:
+        raise ConfigError(
+            "train.objective=mpp uses no labels, and data.mixup / data.cutmix mix labels: "
+            "set them to 0"
+        )
+    return True
 
 
 def check_processes(cfg: RunConfig, d: Dist, device: torch.device) -> None:

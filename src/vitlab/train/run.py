@@ -28,7 +28,7 @@ from vitlab.data.loader import Loader
 from vitlab.eval.classification import evaluate
 from vitlab.eval.mpp import evaluate_mpp
 from vitlab.models.mpp import MaskedPatchViT
-from vitlab.models.registry import build_model, family_of
+from vitlab.models.registry import build_model
 from vitlab.runtime import Dist, pick_device, set_rng_state, use_bf16
 from vitlab.train import budget, build, distill, distributed, engine, folder
 from vitlab.train.build import finetune_weights, load_data, normalization, resolve_model_config
@@ -127,32 +127,23 @@ class Run:
                                   "time_budget or train.max_steps run does not span")  # fmt: skip
             planned = check_resume_length(Path(resume), cfg, extend, said=d.is_main)
         self.data = load_data(cfg)
-        base = None  # fine-tuning: the architecture is the source's (kept in `last` on resume)
-        source = None  # the fine-tuning checkpoint, read once
-        if cfg.finetune.from_ and resume is not None:
-            base = read_metadata(resolve_checkpoint(Path(resume) / "checkpoints" / "last")).config
-        elif cfg.finetune.from_:
+        # resumed: the run's model and preprocessing as `last` keeps them; fine-tuning: the
+        # source's architecture, the source read once
+        saved = resume and read_metadata(resolve_checkpoint(Path(resume) / "checkpoints" / "last"))
+        base, source = (saved.config if saved else None), None
+        if cfg.finetune.from_ and not saved:
             source, base = build.finetune_source(cfg)
-        mc = self.model_cfg = resolve_model_config(cfg, self.data.info, base)
+        mc = self.model_cfg = resolve_model_config(cfg, self.data.info, base, bool(saved))
         if cfg.train.batch_size % d.world:
             raise ConfigError(
                 f"train.batch_size {cfg.train.batch_size} is not divisible by {d.world} processes"
             )
         build.check_processes(cfg, d, device)
-        self.mpp = cfg.train.objective == "mpp"
-        if self.mpp and family_of(mc) != "vit":
-            raise ConfigError(
-                f"train.objective=mpp pre-trains a ViT (patch tokens in, one per patch out); "
-                f"{cfg.model.name} is a {family_of(mc)} model"
-            )
-        if self.mpp and (cfg.data.mixup or cfg.data.cutmix):
-            raise ConfigError(
-                "train.objective=mpp uses no labels, and data.mixup / data.cutmix mix labels: "
-                "set them to 0"
-            )
+        self.mpp = build.check_objective(cfg, mc)
         self.out = Path(out or default_run_folder(cfg))
         info = self.data.info
-        mean, std = normalization(cfg, info, mc.in_chans)
+        kept = saved and (saved.preprocessing.mean, saved.preprocessing.std)
+        mean, std = kept or normalization(cfg, info, mc.in_chans)
         self.pre = Preprocessing(mc.img_hw, mc.in_chans, mean, std)
         # the teacher is loaded before the seed: a student starts the same with or without one
         sharded = d.enabled and self.strategy == "fsdp"
@@ -396,9 +387,10 @@ class Run:
         except NonFiniteLoss as e:
             last = self.out / "checkpoints" / "last"
             kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint"
-            lr = self.optimizer.param_groups[0]["lr"]  # the usual cause: too high a rate
+            rate = pos.step and self.settings.lr_at(pos.step - 1)  # the weights' last update's
+            why = f"after an update at learning rate {rate:.3g}" if rate else "before any update"
             raise NonFiniteLoss(
-                f"{e} at learning rate {lr:.3g} (optim.lr={self.cfg.optim.lr:g}); "
+                f"{e}, {why} (optim.lr={cfg.optim.lr:g}); "
                 f"stopped, {kept} (weights after this step not saved)"
             ) from None
         finally:
