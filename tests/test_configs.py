@@ -152,7 +152,12 @@ def test_train_help_names_every_key_of_every_section(capsys) -> None:
     from vitlab.config import DataConfig, DistillConfig, MPPConfig, OptimConfig, TrainConfig
 
     text = help_of(capsys, "train")
-    for section in (DataConfig, OptimConfig, TrainConfig, MPPConfig, DistillConfig):
-        for field in dataclasses.fields(section):
-            assert re.search(rf"\b{field.name}\b", text), f"{section.__name__}.{field.name}"
+    sections = {"data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
+                "mpp": MPPConfig, "distill": DistillConfig}  # fmt: skip
+    starts = sorted((text.index(f"{name}.* ("), name) for name in sections)
+    ends = [start for start, _ in starts[1:]] + [text.index("finetune.from=RUN_OR_CKPT")]
+    for (start, name), end in zip(starts, ends, strict=True):  # each key in its own section
+        part = text[start:end]
+        for field in dataclasses.fields(sections[name]):
+            assert re.search(rf"\b{field.name}\b", part), f"{name}.{field.name}"
     assert "train.threads, data.workers" in text  # what --resume may change

@@ -685,6 +685,7 @@ def test_close_ends_the_workers_and_the_default_count_is_capped(tmp_path: Path, 
     assert len(list(loader.iterate(1))) == 3  # usable again: new workers
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
 def test_more_workers_than_cores_are_said_once_in_vitlabs_words(tmp_path: Path) -> None:
     """PyTorch warned of more DataLoader workers than cores in Python's format at each iterator
     (four times a run, inside the progress bar): the command says it once, before training, as a
@@ -723,18 +724,18 @@ def test_python_warnings_of_a_command_are_vitlabs_warning_lines(capsys) -> None:
 
     from vitlab.cli.main import cli_logging
 
-    before = warnings.showwarning
     with warnings.catch_warnings():
         warnings.simplefilter("always")
+        before = warnings.showwarning
         with cli_logging(0, 0, python_warnings=True):
             warnings.warn_explicit("slow path", UserWarning, "/v/lib/site-packages/torch/x.py", 7)
         assert capsys.readouterr().err == "vitlab: warning: slow path (UserWarning, torch/x.py:7)\n"
+        assert warnings.showwarning is before  # restored by cli_logging itself
         with cli_logging(0, 1, python_warnings=True):
             warnings.warn("hidden", UserWarning, stacklevel=1)
         assert capsys.readouterr().err == ""
         with cli_logging(0, 0):  # an in-process call: the caller's warnings stay the caller's
             assert warnings.showwarning is before
-    assert warnings.showwarning is before
 
 
 def grey_folder(root: Path) -> Path:

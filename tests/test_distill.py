@@ -350,3 +350,29 @@ def test_two_processes_with_a_teacher_equal_one(teacher: Path, tmp_path: Path) -
     assert refused.returncode != 0  # a setting every rank refuses: said once, by rank 0
     assert refused.stderr.count("vitlab train: error:") == 1, refused.stderr[-3000:]
     assert "train.strategy=fsdp" in refused.stderr
+
+
+def test_a_nearest_teacher_sees_pils_nearest_pixels() -> None:
+    """A teacher whose preprocessing resizes by "nearest" got F.interpolate's legacy nearest (a
+    grid shifted from PIL's pixel centres); it gets PIL's NEAREST pixels of the same image."""
+    import numpy as np
+    from PIL import Image
+
+    from vitlab.preprocessing import Preprocessing
+
+    class Identity(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    # 6 -> 16: no output pixel centre falls on a source pixel's edge (those ties PIL and PyTorch
+    # round apart, by their scales' float error)
+    student = Preprocessing((6, 6), 1, (0.0,), (1.0,))
+    own = Preprocessing((16, 16), 1, (0.0,), (1.0,), "nearest")
+    seen = []
+    model = Identity()
+    model.register_forward_hook(lambda m, a, out: seen.append(out))
+    teacher = distill.Teacher(model, "t", student, own, torch.device("cpu"))
+    pixels = torch.randint(0, 256, (6, 6), generator=torch.Generator().manual_seed(0))
+    teacher(pixels.float().view(1, 1, 6, 6))
+    pil = Image.fromarray(pixels.numpy().astype("uint8")).resize((16, 16), Image.NEAREST)
+    assert torch.equal(seen[0][0, 0], torch.tensor(np.asarray(pil), dtype=torch.float32))

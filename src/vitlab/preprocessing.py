@@ -96,6 +96,13 @@ class Preprocessing:
             reference=d.get("reference"),
         )
 
+    @property
+    def resampling(self) -> str:
+        """The interpolation as torchvision and F.interpolate name it: "nearest" as PIL, timm and
+        transformers sample it, each output pixel's centre ("nearest-exact"; the legacy nearest
+        floors, a shifted grid: 99% of pixels differ at 457x300 -> 224)."""
+        return "nearest-exact" if self.interpolation == "nearest" else self.interpolation
+
     def resize(self, images: Tensor | Image.Image) -> Tensor | Image.Image:
         """uint8 (B, C, H, W), or a PIL image -> the same at img_size (see crop_pct)."""
         size = tuple(images.shape[-2:]) if isinstance(images, Tensor) else images.size[::-1]
@@ -104,9 +111,7 @@ class Preprocessing:
         TF = _tf()
         from torchvision.transforms import InterpolationMode
 
-        # "nearest" as PIL, timm and transformers sample it: each output pixel's centre (the
-        # legacy NEAREST floors, a shifted grid: 99% of pixels differ at 457x300 -> 224)
-        mode = InterpolationMode(self.interpolation.replace("nearest", "nearest-exact"))
+        mode = InterpolationMode(self.resampling)
         if self.crop_pct is None:
             return TF.resize(images, list(self.img_size), interpolation=mode, antialias=True)
         images = TF.resize(images, self.scale_size(*size), interpolation=mode, antialias=True)

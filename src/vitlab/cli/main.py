@@ -84,7 +84,7 @@ def add_verbosity(parser: argparse.ArgumentParser) -> None:
         action="count",
         default=argparse.SUPPRESS,
         help="fewer messages: -q hides notes and warnings (skipped images, loading notes, "
-        "guesses), leaving errors",
+        "guesses, libraries' warnings) and progress bars, leaving results and errors",
     )
 
 

@@ -145,7 +145,8 @@ def available_cores() -> int:
 
 
 GREY_STATS = ((0.449,), (0.226,))  # ImageNet's, averaged over the channels: for greyscale data
-GREY_MODES = ("1", "L", "I", "I;16", "F")  # PIL's modes of one channel (16-bit and float too)
+# PIL's modes of one grey channel (1-bit, 8-bit, with alpha, 16-bit of either order, float)
+GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 
 
 def channels_of(split: object, sample: int = 16, skip_unreadable: bool = False) -> int:

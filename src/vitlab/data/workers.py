@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,11 +21,13 @@ MAX_WORKERS = 8  # data.workers' default at most: more rarely helps and each hol
 log = logging.getLogger(__name__)
 _said_workers: set[tuple[int, int]] = set()  # (workers, cores) said of in this process
 
-# PyTorch warns of more workers than cores at each iterator it starts, in Python's format, mid
-# progress bar (four times a run); make_loader says it once, as vitlab's warning
-warnings.filterwarnings(
-    "ignore", "This DataLoader will create", UserWarning, module=r"torch\.utils\.data\.dataloader"
-)
+
+class _Loader(DataLoader):
+    """PyTorch's DataLoader without its more-workers-than-cores warning, which it gives at each
+    iterator it starts (four times a run, mid progress bar): make_loader says it once."""
+
+    def check_worker_number_rationality(self) -> None:
+        pass
 
 
 def warn_once(seen: set[str], bad: list[tuple[str, str]]) -> None:
@@ -60,7 +61,8 @@ class LoaderOptions:
     def say_if_many(self) -> None:
         """Warn (once a process for each count) where the workers outnumber the cores."""
         cores = available_cores()
-        if self.workers > cores and (self.workers, cores) not in _said_workers:
+        said = os.environ.get("LOCAL_RANK", "0") == "0"  # each machine's processes alike: one
+        if said and self.workers > cores and (self.workers, cores) not in _said_workers:
             _said_workers.add((self.workers, cores))
             log.warning(
                 "data.workers=%d starts %d loader processes on the %d core%s this process may "
@@ -76,7 +78,7 @@ class LoaderOptions:
             extra = {"prefetch_factor": self.prefetch, "persistent_workers": self.persistent}
         # the workers' base seed (unused: each batch has its own), not from the global RNG
         gen = torch.Generator().manual_seed(0)
-        return DataLoader(
+        return _Loader(
             dataset, num_workers=self.workers, pin_memory=self.pin_memory, generator=gen,
             **extra, **kw,
         )  # fmt: skip

@@ -50,7 +50,7 @@ def read(files: Files, name: str) -> Source:
     processor = files.json("preprocessor_config.json") if files.folder is not None else None
     if processor is not None:
         hf.read_processor(processor, src)
-    elif name == "timm" and "mean" not in ((config or {}).get("pretrained_cfg") or {}):
+    elif name == "timm" and config is None:  # nothing states the preprocessing
         timm.note_assumed_preprocessing(src)
     return src
 

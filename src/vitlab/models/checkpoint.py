@@ -42,7 +42,7 @@ from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 
 log = logging.getLogger(__name__)
-HEADS = formats.base.pass_key("num_heads")
+HEADS = formats.base.pass_key("num_heads") + "; to `vitlab train finetune.from=` model.num_heads=N"
 
 
 # --- the files a source names --------------------------------------------------------------------

@@ -90,7 +90,7 @@ class Teacher:
     ) -> None:
         self.model, self.source = model.eval().requires_grad_(False), source
         self.size = own.img_size if own.img_size != student.img_size else None
-        self.mode = own.interpolation
+        self.mode = own.resampling
         self.shift: tuple[Tensor, Tensor] | None = None  # x_teacher = x * scale + offset
         if (own.mean, own.std) != (student.mean, student.std):
             s_mean, s_std, t_mean, t_std = (
@@ -118,7 +118,7 @@ class Teacher:
             scale, offset = self.shift
             x = x * scale + offset
         if self.size is not None:
-            x = F.interpolate(x, self.size, mode=self.mode, antialias=self.mode != "nearest")
+            x = F.interpolate(x, self.size, mode=self.mode, antialias=self.mode != "nearest-exact")
         logits = self.model(x)
         return logits if self.order is None else logits[:, self.order]
 
