@@ -761,7 +761,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, 
     rate = 0.002 * step / warmup
     assert f"after an update at learning rate {rate:.3g} (optim.lr=0.002)" in str(e.value)
     calls[0] = 4  # a new run's first loss: no update made those weights, so no rate is blamed
-    with pytest.raises(NonFiniteLoss, match=r"at step 0 .*, before any update \(optim.lr="):
+    with pytest.raises(NonFiniteLoss, match=r"at step 0 .*, before an update \(optim.lr="):
         train(cfg("train.epochs=1"), out=tmp_path / "fresh")
     monkeypatch.undo()
     after = weights_of(run)

@@ -388,7 +388,7 @@ class Run:
             last = self.out / "checkpoints" / "last"
             kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint"
             rate = pos.step and self.settings.lr_at(pos.step - 1)  # the weights' last update's
-            why = f"after an update at learning rate {rate:.3g}" if rate else "before any update"
+            why = f"after an update at learning rate {rate:.3g}" if pos.step else "before an update"
             raise NonFiniteLoss(
                 f"{e}, {why} (optim.lr={cfg.optim.lr:g}); "
                 f"stopped, {kept} (weights after this step not saved)"
