@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +98,31 @@ def test_splits_chosen_labels_checked_greyscale_stats(tmp_path: Path) -> None:
     mixed.to_parquet(str(tmp_path / "mixed.parquet"))
     split = load_split(f"hf:{tmp_path / 'mixed.parquet'}", "all")
     assert split.in_chans == 3 and Image.open(io.BytesIO(split.read(0))).mode == "L"
+
+
+def test_stray_and_missing_labels_are_named_not_taken(tmp_path: Path, caplog) -> None:
+    """A label of 10**12 among three classes (no ClassLabel) made a list of 10**12 class names:
+    the process was killed for memory (20 GB). A label past the rows' count is refused; a stray
+    50 (51 classes, 47 without a row) is warned; a missing label (None) is named, not a
+    TypeError from torch."""
+    import datasets
+
+    def parquet(name: str, labels: list) -> str:
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")})
+        images = table(len(labels))["image"]
+        data = datasets.Dataset.from_dict({"image": images, "label": labels}, features=features)
+        data.to_parquet(str(tmp_path / name))
+        return f"hf:{tmp_path / name}"
+
+    huge = parquet("huge.parquet", [0, 1, 2] * 19 + [0, 1, 10**12])
+    with pytest.raises(DatasetError, match=r"label 1000000000000 in a column of 60 rows"):
+        load_split(huge, "all")
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        stray = load_split(parquet("stray.parquet", [0, 1, 2] * 19 + [0, 1, 50]), "all")
+    assert len(stray.classes) == 51
+    assert "labels 0..50 number 51 classes, 47 of them with no row" in caplog.text
+    with pytest.raises(DatasetError, match=r"holds NoneType values \(such as None\)"):
+        load_split(parquet("none.parquet", [0, 1, None] * 4), "all")
 
 
 def test_data_test_classes_must_be_the_training_splits(tmp_path: Path) -> None:

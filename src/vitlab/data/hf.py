@@ -27,6 +27,7 @@ from vitlab.runtime import seeded_split
 IMAGE_NAMES = ("image", "img", "jpg", "png")
 LABEL_NAMES = ("label", "labels", "cls", "fine_label", "target")
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,9 +95,9 @@ def _open(spec: str) -> dict:
 
 def _labels(table, column: str, where: str) -> Tensor:
     """The label column as class indices, or a DatasetError saying what it holds instead."""
-    values = list(table[column])
-    wrong = next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), None)
-    if values and wrong is not None:
+    values, fine = list(table[column]), object()
+    wrong = next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), fine)
+    if wrong is not fine:  # None too: a missing label
         raise DatasetError(f"{where}: label column {column!r} holds {type(wrong).__name__} "
                            f"values (such as {wrong!r}), not class indices: name another with "
                            f"data.label_key")  # fmt: skip
@@ -150,8 +151,17 @@ def load_hf(
     labels = _labels(table, label, where)
     if isinstance(feature, datasets.ClassLabel):
         classes = list(feature.names)
-    else:
-        classes = [str(i) for i in range(int(labels.max()) + 1 if len(labels) else 0)]
+    else:  # numbered by the labels: 0..max, as many classes as rows at most (a stray 10**12
+        top = int(labels.max()) + 1 if len(labels) else 0  # made a list that exhausted memory)
+        if top > len(labels):
+            raise DatasetError(f"{where}: label {top - 1} in a column of {len(labels)} rows: "
+                               f"labels are class indices 0..K-1, no more classes than rows "
+                               f"(a ClassLabel feature names them)")  # fmt: skip
+        empty = top - len(labels[labels >= 0].unique())
+        if empty:
+            log.warning("%s: labels 0..%d number %d classes, %d of them with no row (a stray "
+                        "label makes a class of its own)", where, top - 1, top, empty)  # fmt: skip
+        classes = [str(i) for i in range(top)]
     bad = ((labels < 0) | (labels >= len(classes))).nonzero().flatten()
     if len(bad):
         span = f" {0}..{len(classes) - 1}" if classes else ""
