@@ -206,3 +206,27 @@ def test_a_test_split_with_no_readable_image_is_an_error_not_zero(run, tmp_path,
     err = capsys.readouterr().err
     assert "no image could be evaluated" in err and "(test)" in err
     assert not list((tmp_path / "out").glob("*.png"))
+
+
+def test_a_damaged_run_config_is_named_by_every_command(run, tmp_path, capsys) -> None:
+    """A run folder's config.yaml cut short, emptied or made a list: eval, fewshot, probe and
+    analyze stopped with a traceback (exit 1), and train --resume said an override "cannot
+    change" the empty one; each now says which file is damaged (exit 2), and none of them reads
+    an empty file as the defaults."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    text = (copy / "config.yaml").read_text()
+    commands = (
+        ["eval", str(copy)],
+        ["fewshot", str(copy), "--shots", "1", "--seeds", "1"],
+        ["probe", str(copy), "--kind", "knn"],
+        ["analyze", str(copy), "--out", str(tmp_path / "a")],
+        ["train", "--resume", str(copy), "model.depth=2"],
+    )
+    for damage, said in ((text[: len(text) // 2] + ": [", "cannot be read"), ("", "empty"),
+                         ("- 1\n- 2\n", "a list, not a mapping")):  # fmt: skip
+        (copy / "config.yaml").write_text(damage)
+        for command in commands:
+            assert main(command) == 2, (damage[:20], command)
+            err = capsys.readouterr().err
+            assert f"{copy / 'config.yaml'}, the run's settings, " in err and said in err, err

@@ -11,6 +11,7 @@ import difflib
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from vitlab.duration import parse_duration
@@ -19,7 +20,7 @@ from vitlab.validation import ConfigError, check_keys, from_dict, pair, to_dict,
 __all__ = [  # the validation helpers too: every config module imports them from here
     "ConfigError", "DataConfig", "DistillConfig", "FinetuneConfig", "MPPConfig", "ModelSection",
     "OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "check_keys", "from_dict",
-    "load_run_config", "pair", "parse_value", "to_dict", "validate",
+    "load_run_config", "load_saved_config", "pair", "parse_value", "to_dict", "validate",
 ]  # fmt: skip
 
 # --- run configuration (vitlab train): YAML file + dotted key=value overrides --------------------
@@ -371,3 +372,22 @@ def load_run_config(path: str | None = None, overrides: typing.Iterable[str] = (
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
     return RunConfig.from_tree(apply_overrides(tree, overrides))
+
+
+def load_saved_config(path: str | Path) -> RunConfig:
+    """A run folder's config.yaml, the settings `vitlab train` wrote for it: a ConfigError naming
+    the file where it is damaged (not YAML, empty, not a mapping, not a run's settings), which
+    defaults must not stand in for (an empty one read as the defaults: digits)."""
+    import yaml
+
+    try:
+        tree = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{path}, the run's settings, cannot be read: {e}") from None
+    if not isinstance(tree, dict) or not tree:
+        what = "empty" if not tree else f"a {type(tree).__name__}, not a mapping of sections"
+        raise ConfigError(f"{path}, the run's settings, is damaged: {what}")
+    try:
+        return RunConfig.from_tree(tree)
+    except ConfigError as e:
+        raise ConfigError(f"{path}, the run's settings, is damaged: {e}") from None

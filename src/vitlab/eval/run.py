@@ -9,10 +9,9 @@ import re
 from pathlib import Path
 
 import torch
-import yaml
 
 from vitlab.analysis.page import out_folder
-from vitlab.config import DataConfig, RunConfig
+from vitlab.config import DataConfig, RunConfig, load_saved_config
 from vitlab.data import ArraySplit, make_loader
 from vitlab.data.classes import name_order, numbered
 from vitlab.data.datasets import DatasetError, Split, load_run_split, load_split
@@ -45,8 +44,7 @@ def run_config_of(weights: Path) -> RunConfig | None:
     run = run_folder(weights)
     if run is None:
         return None
-    with open(run / "config.yaml") as f:
-        return RunConfig.from_tree(yaml.safe_load(f))
+    return load_saved_config(run / "config.yaml")
 
 
 def data_config(run_cfg: RunConfig | None, data: str | None, data_dir: str | None) -> DataConfig:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from vitlab.config import ConfigError, RunConfig, load_run_config
+from vitlab.config import ConfigError, RunConfig, load_run_config, load_saved_config
 from vitlab.runtime import Dist
 from vitlab.train import distributed
 from vitlab.train.log import RUN_FILES, saved_tree
@@ -57,7 +57,7 @@ def resume_config(run: Path, overrides: list[str]) -> RunConfig:
         raise CheckpointError(f"cannot resume {run}: {what} (expected a run folder)")
     if not path.is_file():
         raise CheckpointError(f"cannot resume {run}: it has no config.yaml (not a vitlab run)")
-    saved = saved_tree(load_run_config(str(path), []))
+    saved = saved_tree(load_saved_config(path))  # damaged: said, not read as the defaults
     for item in overrides:  # compared as saved: data.name=imagefolder:RELATIVE restates it
         key = item.partition("=")[0]
         mine = key in RESUMABLE_KEYS + MACHINE_KEYS
