@@ -232,3 +232,40 @@ def test_the_cli_under_a_file_size_limit_fails_with_an_error_not_a_signal(tmp_pa
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert "file-size limit was hit" in r.stderr, r.stderr[-2000:]
     assert not list((tmp_path / "run" / "checkpoints").glob(".*tmp*"))
+
+
+class _Pwn:
+    """A pickle that would create a file when loaded without weights_only."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_a_damaged_or_crafted_training_state_is_one_line_and_runs_nothing(tmp_path, capsys):
+    """state.pt with a pickle that runs code, or with flipped bytes: `--resume` printed
+    PyTorch's four-line refusal, which advises loading with weights_only=False ("will likely
+    succeed"); it is one line now, exit 2, and the code never runs."""
+    from vitlab.cli.main import main
+
+    run = stopped_run(tmp_path, "run")
+    capsys.readouterr()
+    state = run / "checkpoints" / "last" / "state.pt"
+    good = state.read_bytes()
+    pwned = tmp_path / "PWNED"
+    torch.save({"epoch": 1, "evil": _Pwn(pwned)}, state)
+    flipped = bytearray(good)
+    for i in range(len(flipped) // 3, len(flipped) // 3 + 64):
+        flipped[i] ^= 0xFF
+    for damage in (state.read_bytes(), bytes(flipped), good[: len(good) // 2]):
+        state.write_bytes(damage)
+        assert main(["train", "--resume", str(run)]) == 2
+        err = capsys.readouterr().err
+        errors = [x for x in err.splitlines() if x.startswith("vitlab train: error:")]
+        assert len(errors) == 1 and str(state) in errors[0], err
+        assert "weights_only" not in err and "Please file an issue" not in err, err
+    assert not pwned.exists()
+    state.write_bytes(good)
+    assert main(["train", "--resume", str(run)]) == 0  # the real one goes on

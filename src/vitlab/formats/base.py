@@ -358,8 +358,8 @@ def load_weights(path: Path) -> StateDict:
         raise CheckpointError(why) from None
 
 
-def read_torch(path: Path) -> StateDict:
-    """The state dict in a PyTorch file, loaded with weights_only=True."""
+def read_torch(path: Path, state_dict: bool = True) -> StateDict | Any:
+    """The state dict (else whatever it holds) in a PyTorch file, loaded with weights_only=True."""
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -379,7 +379,7 @@ def read_torch(path: Path) -> StateDict:
         raise CheckpointError(
             f"{path} is truncated or not a PyTorch checkpoint ({type(e).__name__}: {text[:200]})"
         ) from None
-    return unwrap(obj, path)
+    return unwrap(obj, path) if state_dict else obj
 
 
 def unwrap(obj: Any, path: Path | str) -> StateDict:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vitlab.formats.base import WEIGHTS, CheckpointError, fsync, load_weights
+from vitlab.formats.base import WEIGHTS, CheckpointError, fsync, load_weights, read_torch
 from vitlab.formats.vitlab import CheckpointMeta, read_metadata, resolve_checkpoint, write_weights
 from vitlab.runtime import Dist, derive_seed, rng_state
 
@@ -108,12 +108,12 @@ def has_checkpoint(run: Path) -> bool:
 
 def load_train_state(folder: Path) -> dict[str, Any]:
     path = Path(folder) / STATE
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{folder} has no training state ({STATE}) to resume from") from None
-    except Exception as e:
-        raise CheckpointError(f"{path} is truncated or not a vitlab training state: {e}") from None
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no training state ({STATE}) to resume from")
+    state = read_torch(path, state_dict=False)  # damaged or crafted: one line saying so
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is not a vitlab training state (a {type(state).__name__})")
+    return state
 
 
 def check_threads(state: dict, d: Dist, device: torch.device) -> None:
