@@ -230,3 +230,36 @@ def test_a_damaged_run_config_is_named_by_every_command(run, tmp_path, capsys) -
             assert main(command) == 2, (damage[:20], command)
             err = capsys.readouterr().err
             assert f"{copy / 'config.yaml'}, the run's settings, " in err and said in err, err
+
+
+def test_a_run_folder_that_cannot_be_written_still_gets_its_results(
+    run, tmp_path, capsys, monkeypatch
+) -> None:
+    """A read-only run folder: eval computed the whole split, then stopped on the confusion
+    matrix's PNG with no result (exit 1); fewshot and probe on their feature cache. The results
+    come, with a warning naming what was not written and --out / --cache-dir."""
+    import errno
+
+    from vitlab.eval import features as features_mod
+    from vitlab.eval import run as run_mod
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(run))
+
+    monkeypatch.setattr(run_mod, "save_confusion_png", read_only)
+    monkeypatch.setattr(features_mod, "write_cache", read_only)
+    assert main(["eval", str(run), "--json"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert result["confusion_png"] is None and 0 < result["top1"] <= 1
+    assert "cannot write" in err and "--out DIR writes it elsewhere" in err
+    args = ["fewshot", str(run), "--shots", "1", "--seeds", "1", "--cache-dir", str(tmp_path)]
+    assert main([*args, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["results"] and "cannot cache the" in err and "--cache-dir" in err
+    assert not list(tmp_path.glob("*.safetensors"))  # nothing cached: the writes failed
+    from vitlab.cli import models as models_cmd  # elsewhere: input the command cannot take (2)
+
+    monkeypatch.setattr(models_cmd, "run", read_only)
+    assert main(["models"]) == 2
+    assert "error: cannot write or read there: [Errno 30]" in capsys.readouterr().err

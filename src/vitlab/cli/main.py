@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -216,6 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 143
     except OSError as e:  # a lost mount, a full disk outside checkpoints: one line (-v: raised)
+        if e.errno == errno.EROFS:  # a read-only place to write: input the command cannot take
+            print(f"vitlab {args.command}: error: {_blocked(e)}", file=sys.stderr)
+            return 2
         if args.verbose > args.quiet:
             raise
         print(f"vitlab {args.command}: error: {e} (-v shows where)", file=sys.stderr)

@@ -297,8 +297,13 @@ class Extractor:
                 if len(kept) == len(out):  # (few-shot draws from every listed label: fewshot.py)
                     out.rows, out.split_labels = torch.tensor(kept), part.labels
         if path is not None and (rows is None or out.rows is not None):
-            write_cache(path, key, out)
-            log.info("cached %s features in %s", what, path)
+            try:
+                write_cache(path, key, out)
+                log.info("cached %s features in %s", what, path)
+            except OSError as e:  # a read-only run folder: the features stand, uncached
+                log.warning("cannot cache the %s features in %s (%s): they are extracted "
+                            "again next time; --cache-dir DIR keeps them elsewhere", what, path,
+                            e)  # fmt: skip
         return out
 
     def describe(self) -> dict[str, Any]:

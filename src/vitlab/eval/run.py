@@ -200,7 +200,6 @@ def evaluate_checkpoint(
         raise DatasetError(f"{source} ({split}): no image could be evaluated ({len(part)} listed, "
                            f"the rest skipped as unreadable)")  # fmt: skip
     target = Path(out) if out else (run or Path("."))
-    target.mkdir(parents=True, exist_ok=True)
     augmented = tta != "none"
     other = run_cfg is None or name != run_cfg.data.name  # not the run's own split: not its PNG
     stem = f"confusion_matrix{f'_{_slug(name)}' if other else ''}_{split}"
@@ -210,9 +209,16 @@ def evaluate_checkpoint(
     how += [f"_tta-{tta}"] * augmented  # an int8 or onnxruntime matrix beside float32's
     png = target / f"{stem}{''.join(how)}.png"
     title = f"{source} {split}{f' (TTA {tta})' if augmented else ''}"
-    save_confusion_png(
-        metrics["confusion"], meta.classes, png, f"{title}: top-1 {100 * metrics['top1']:.2f}%"
-    )
+    try:  # the metrics stand where the picture cannot be written (a read-only run folder)
+        target.mkdir(parents=True, exist_ok=True)
+        save_confusion_png(
+            metrics["confusion"], meta.classes, png, f"{title}: top-1 {100 * metrics['top1']:.2f}%"
+        )
+    except OSError as e:
+        if isinstance(e, FileExistsError | NotADirectoryError):
+            raise  # --out under or at a file: said as such (cli.main)
+        log.warning("cannot write %s (%s): --out DIR writes it elsewhere", png, e)
+        png = None
     return {
         "checkpoint": str(weights or checkpoint),
         "data": source,
@@ -221,7 +227,7 @@ def evaluate_checkpoint(
         "tta": tta,
         **metrics,
         "classes": meta.classes,
-        "confusion_png": str(png),
+        "confusion_png": png and str(png),
     }
 
 
@@ -244,7 +250,8 @@ def format_report(r: dict) -> str:
         for c, a in zip(r["classes"], r["per_class"], strict=True)
     ]
     lines += ["", "confusion matrix (rows: true, columns: predicted):"]
-    lines += [format_confusion(r["confusion"], r["classes"]), "", f"saved {r['confusion_png']}"]
+    lines += [format_confusion(r["confusion"], r["classes"])]
+    lines += ["", f"saved {r['confusion_png']}"] if r["confusion_png"] else []
     return "\n".join(lines)
 
 
