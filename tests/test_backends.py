@@ -213,6 +213,15 @@ def test_an_unsupported_export_is_one_clean_line(tmp_path, capsys) -> None:
     assert not list(tmp_path.iterdir())
     assert isinstance(export.UnsupportedExport("x"), ValueError)  # the CLI's one-line errors
 
+    def interrupted():  # Ctrl-C inside the exporter, which wraps what it meets in its own error
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise RuntimeError("Failed to export the model with torch.export") from e
+
+    with pytest.raises(KeyboardInterrupt):  # it said the model cannot be exported (exit 2)
+        export._exported("to ONNX", Branchy(), interrupted)
+
 
 @pytest.mark.parametrize("device", ["foo", "CPU", "meta", "cuda:x", "cuda:7"])
 def test_device_names_and_output_paths_are_one_line_errors(trained, device, tmp_path, capsys):

@@ -35,6 +35,11 @@ def _exported(what: str, model: torch.nn.Module, export: Callable[[], object]) -
     except ExportError:
         raise
     except Exception as e:
+        cause: BaseException | None = e
+        for _ in range(32):  # a Ctrl-C the exporter wrapped in its own error: interrupted
+            if isinstance(cause, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
+            cause = cause and (cause.__cause__ or cause.__context__)
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
         first = text.splitlines()[0] if text else type(e).__name__
         raise UnsupportedExport(
