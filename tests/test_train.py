@@ -1116,3 +1116,17 @@ def test_quiet_hides_the_training_progress_bar_not_the_epoch_lines(tmp_path: Pat
     assert "epoch 1/1" in shown and "batch/s" in shown  # the bar, without -q
     assert "epoch 1/1" not in quiet and "batch/s" not in quiet, quiet
     assert "epoch 1: train loss" in quiet and "test: top-1" in quiet
+
+
+def test_a_torn_metrics_line_is_said_on_resume(tmp_path: Path, caplog) -> None:
+    """A kill mid-write cut metrics.jsonl's last line: --resume dropped it silently (and a
+    non-UTF-8 byte stopped the run with a decode error naming no file). The line is named."""
+    run = train(cfg("train.epochs=3", "train.stop_at_epoch=2"), out=tmp_path / "r")
+    metrics = run / "metrics.jsonl"
+    text = metrics.read_bytes()
+    metrics.write_bytes(text[:-20] + b"\xff\n")  # epoch 2's line cut short, a stray byte
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        resume(run)
+    assert f"{metrics}: line 2 is not an epoch's record (cut short?)" in caplog.text
+    epochs = [json.loads(x)["epoch"] for x in metrics.read_text().splitlines()]
+    assert epochs == [1, 3]  # epoch 2's figures are lost, its weights were in the checkpoint

@@ -18,6 +18,8 @@ from vitlab.data.download import absolute_source
 from vitlab.eval.classification import top5_name
 from vitlab.formats.base import write_text
 
+log = logging.getLogger(__name__)
+
 # what a run writes into its folder (a folder holding any of these holds a run)
 RUN_FILES = (
     "config.yaml",
@@ -69,9 +71,14 @@ class RunLog:
         self.metrics = out / "metrics.jsonl"
         if resumed_at is None or not self.metrics.exists():
             self.metrics.write_text("")
-        else:
-            lines = self.metrics.read_text().splitlines()
+        else:  # the epochs the checkpoint holds; a torn line (a kill mid-write) is said
+            lines = self.metrics.read_text(errors="replace").splitlines()
             kept = [x for x in lines if x.strip() and _epoch_of(x) <= resumed_at]
+            torn = [i + 1 for i, x in enumerate(lines) if x.strip() and _epoch_of(x) == 1 << 30]
+            if torn:
+                log.warning("%s: line %s is not an epoch's record (cut short?): left out, the "
+                            "epoch's figures lost from it (the checkpoint holds its weights)",
+                            self.metrics, ", ".join(map(str, torn)))  # fmt: skip
             if len(kept) != len(lines):
                 write_text(self.metrics, "".join(x + "\n" for x in kept))
         try:
