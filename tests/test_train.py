@@ -1130,3 +1130,20 @@ def test_a_torn_metrics_line_is_said_on_resume(tmp_path: Path, caplog) -> None:
     assert f"{metrics}: line 2 is not an epoch's record (cut short?)" in caplog.text
     epochs = [json.loads(x)["epoch"] for x in metrics.read_text().splitlines()]
     assert epochs == [1, 3]  # epoch 2's figures are lost, its weights were in the checkpoint
+
+
+def test_resuming_a_run_killed_before_its_first_checkpoint_says_how_to_start_it(
+    tmp_path: Path, capsys
+) -> None:
+    """A run killed in its first epoch leaves config.yaml and no checkpoint: --resume said "no
+    checkpoint at .../last: expected a run folder ...", though it is one; it says what happened
+    and what starts it again (which works)."""
+    run = tmp_path / "r"
+    assert main(["train", *FAST, "train.epochs=1", "--out", str(run)]) == 0
+    shutil.rmtree(run / "checkpoints")  # as a kill -9 before the first save leaves it
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "has no checkpoint yet (stopped before its first epoch ended)" in err
+    assert f"--out {run} --overwrite" in err
+    assert main(["train", *FAST, "train.epochs=1", "--out", str(run), "--overwrite"]) == 0
