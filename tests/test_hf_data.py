@@ -117,6 +117,8 @@ def test_stray_and_missing_labels_are_named_not_taken(tmp_path: Path, caplog) ->
     huge = parquet("huge.parquet", [0, 1, 2] * 19 + [0, 1, 10**12])
     with pytest.raises(DatasetError, match=r"label 1000000000000 in a column of 60 rows"):
         load_split(huge, "all")
+    few = load_split(parquet("few.parquet", [0, 99, 5]), "all")  # a small split of 100 classes
+    assert len(few.classes) == 100
     with caplog.at_level(logging.WARNING, logger="vitlab"):
         stray = load_split(parquet("stray.parquet", [0, 1, 2] * 19 + [0, 1, 50]), "all")
     assert len(stray.classes) == 51

@@ -1144,6 +1144,22 @@ def test_resuming_a_run_killed_before_its_first_checkpoint_says_how_to_start_it(
     capsys.readouterr()
     assert main(["train", "--resume", str(run)]) == 2
     err = capsys.readouterr().err
-    assert "has no checkpoint yet (stopped before its first epoch ended)" in err
+    assert "has no checkpoint yet (a run still in its first epoch, or stopped before" in err
     assert f"--out {run} --overwrite" in err
     assert main(["train", *FAST, "train.epochs=1", "--out", str(run), "--overwrite"]) == 0
+
+
+def test_weights_of_another_depth_copied_in_are_refused_on_resume(tmp_path: Path, capsys):
+    """The run's model is its config.yaml's, whatever `last` holds: a checkpoint of a 2-layer
+    model copied into a 4-layer run (no depth override to compare) is refused, exit 2 (a review
+    caught a resume that took the checkpoint's architecture and trained it on)."""
+    args = ["train", "model.img_size=8", "model.patch_size=2", "train.epochs=2",
+            "train.stop_at_epoch=1", "train.batch_size=64"]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert main([*args, "model.depth=2", "--out", str(tmp_path / "b")]) == 0
+    last = tmp_path / "a" / "checkpoints" / "last"
+    shutil.rmtree(last)
+    shutil.copytree(tmp_path / "b" / "checkpoints" / "last", last)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "a")]) == 2
+    assert "does not fit the model" in capsys.readouterr().err

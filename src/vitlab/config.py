@@ -382,12 +382,14 @@ def load_saved_config(path: str | Path) -> RunConfig:
 
     try:
         tree = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError, RecursionError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError, OverflowError,
+            RecursionError) as e:  # fmt: skip
         raise ConfigError(f"{path}, the run's settings, cannot be read: {e}") from None
     if not isinstance(tree, dict) or not tree:
         what = "empty" if not tree else f"a {type(tree).__name__}, not a mapping of sections"
         raise ConfigError(f"{path}, the run's settings, is damaged: {what}")
     try:
         return RunConfig.from_tree(tree)
-    except ConfigError as e:
-        raise ConfigError(f"{path}, the run's settings, is damaged: {e}") from None
+    except ConfigError as e:  # or written by another version of vitlab
+        raise ConfigError(f"{path}, the run's settings, is damaged or another version's: "
+                          f"{e}") from None  # fmt: skip

@@ -28,6 +28,7 @@ IMAGE_NAMES = ("image", "img", "jpg", "png")
 LABEL_NAMES = ("label", "labels", "cls", "fine_label", "target")
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 log = logging.getLogger(__name__)
+MAX_NUMBERED = 1 << 20  # classes numbered by a label column without names, past the rows' count
 
 
 @dataclass
@@ -151,14 +152,14 @@ def load_hf(
     labels = _labels(table, label, where)
     if isinstance(feature, datasets.ClassLabel):
         classes = list(feature.names)
-    else:  # numbered by the labels: 0..max, as many classes as rows at most (a stray 10**12
-        top = int(labels.max()) + 1 if len(labels) else 0  # made a list that exhausted memory)
-        if top > len(labels):
+    else:  # numbered by the labels, 0..max (a stray 10**12 made a list that exhausted memory:
+        top = int(labels.max()) + 1 if len(labels) else 0  # past 2^20 classes and the rows, no)
+        if top > max(len(labels), MAX_NUMBERED):
             raise DatasetError(f"{where}: label {top - 1} in a column of {len(labels)} rows: "
-                               f"labels are class indices 0..K-1, no more classes than rows "
-                               f"(a ClassLabel feature names them)")  # fmt: skip
+                               f"labels are class indices 0..K-1 (a ClassLabel feature names "
+                               f"them)")  # fmt: skip
         empty = top - len(labels[labels >= 0].unique())
-        if empty:
+        if top > 0 and empty:
             log.warning("%s: labels 0..%d number %d classes, %d of them with no row (a stray "
                         "label makes a class of its own)", where, top - 1, top, empty)  # fmt: skip
         classes = [str(i) for i in range(top)]

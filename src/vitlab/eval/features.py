@@ -301,6 +301,8 @@ class Extractor:
                 write_cache(path, key, out)
                 log.info("cached %s features in %s", what, path)
             except OSError as e:  # a read-only run folder: the features stand, uncached
+                if isinstance(e, FileExistsError | NotADirectoryError):
+                    raise  # --cache-dir at or under a file: said as such (cli.main)
                 log.warning("cannot cache the %s features in %s (%s): they are extracted "
                             "again next time; --cache-dir DIR keeps them elsewhere", what, path,
                             e)  # fmt: skip

@@ -15,6 +15,7 @@ from vitlab.config import ConfigError, ModelSection, RunConfig
 from vitlab.data import dataset_info, label_subset, train_val_split
 from vitlab.data.datasets import DatasetInfo, Split, load_run_split
 from vitlab.formats.base import Source
+from vitlab.formats.vitlab import CheckpointMeta
 from vitlab.models.checkpoint import (
     infer_config,
     load_checkpoint,
@@ -69,13 +70,16 @@ def finetune_source(cfg: RunConfig) -> tuple[Source, ModelConfig]:
 
 
 def resolve_model_config(
-    cfg: RunConfig, info: DatasetInfo, base: ModelConfig | None = None, resumed: bool = False
+    cfg: RunConfig,
+    info: DatasetInfo,
+    base: ModelConfig | None = None,
+    saved: CheckpointMeta | None = None,
 ) -> ModelConfig:
-    """The registry's config (or `base`, a fine-tuning source's architecture, or with `resumed`
-    the run's own as its checkpoint keeps it) with the run's overrides; class count and channels
-    follow the data unless set explicitly or resumed (a run trained on a grey folder before
-    folders were read grey keeps its 3 channels), no classifier for masked patch prediction.
-    Fails before training when the data cannot fit the model."""
+    """The registry's config (or `base`, a fine-tuning source's architecture) with the run's
+    overrides; class count and channels follow the data unless set explicitly, or for a resumed
+    run (`saved`: its last checkpoint's CheckpointMeta) its channels (a run trained on a grey
+    folder before folders were read grey keeps its 3); no classifier for masked patch
+    prediction. Fails before training when the data cannot fit the model."""
     auto = {}
     mpp = cfg.train.objective == "mpp"
     classes = 0 if mpp else len(info.classes)
@@ -86,12 +90,12 @@ def resolve_model_config(
         )
     if "num_classes" not in cfg.model.overrides:
         auto["num_classes"] = classes
-    if "in_chans" not in cfg.model.overrides and not resumed:
-        auto["in_chans"] = info.in_chans
-    tuned = base is not None and not resumed  # a fine-tuning source's architecture
-    if tuned and family_of(base) == "cnn":  # the source's stem, at any new size
+    if "in_chans" not in cfg.model.overrides:
+        auto["in_chans"] = info.in_chans if saved is None else saved.config.in_chans
+    if base is not None and family_of(base) == "cnn":  # the source's stem, at any new size
         base = base.replace(small_stem=base.uses_small_stem)
-    if tuned and cfg.model.name != ModelSection().name and os.environ.get("RANK", "0") == "0":
+    said = saved is None and os.environ.get("RANK", "0") == "0"  # once: not again on resume
+    if base is not None and said and cfg.model.name != ModelSection().name:
         named = family_of(get_config(cfg.model.name))  # said where it names another family
         if named != family_of(base):
             log.warning("model.name=%s is a %s and not used: finetune.from's architecture, a %s, "

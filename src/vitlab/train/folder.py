@@ -57,10 +57,10 @@ def resume_config(run: Path, overrides: list[str]) -> RunConfig:
         raise CheckpointError(f"cannot resume {run}: {what} (expected a run folder)")
     if not path.is_file():
         raise CheckpointError(f"cannot resume {run}: it has no config.yaml (not a vitlab run)")
-    if not has_checkpoint(Path(run)):  # stopped (or killed) before its first epoch ended
-        raise CheckpointError(f"cannot resume {run}: it has no checkpoint yet (stopped before "
-                              f"its first epoch ended): start it again, its command with "
-                              f"--out {run} --overwrite")  # fmt: skip
+    if not has_checkpoint(Path(run)):  # in, or stopped (or killed) in, its first epoch
+        raise CheckpointError(f"cannot resume {run}: it has no checkpoint yet (a run still in "
+                              f"its first epoch, or stopped before it ended: start that one "
+                              f"again, its command with --out {run} --overwrite)")  # fmt: skip
     saved = saved_tree(load_saved_config(path))  # damaged: said, not read as the defaults
     for item in overrides:  # compared as saved: data.name=imagefolder:RELATIVE restates it
         key = item.partition("=")[0]

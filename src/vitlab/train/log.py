@@ -76,9 +76,10 @@ class RunLog:
             kept = [x for x in lines if x.strip() and _epoch_of(x) <= resumed_at]
             torn = [i + 1 for i, x in enumerate(lines) if x.strip() and _epoch_of(x) == 1 << 30]
             if torn:
-                log.warning("%s: line %s is not an epoch's record (cut short?): left out, the "
-                            "epoch's figures lost from it (the checkpoint holds its weights)",
-                            self.metrics, ", ".join(map(str, torn)))  # fmt: skip
+                log.warning("%s: line %s is not an epoch's record (cut short?): left out; an "
+                            "epoch the checkpoint holds loses its figures, a later one is "
+                            "trained and logged again", self.metrics,
+                            ", ".join(map(str, torn)))  # fmt: skip
             if len(kept) != len(lines):
                 write_text(self.metrics, "".join(x + "\n" for x in kept))
         try:

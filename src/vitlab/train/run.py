@@ -127,13 +127,14 @@ class Run:
                                   "time_budget or train.max_steps run does not span")  # fmt: skip
             planned = check_resume_length(Path(resume), cfg, extend, said=d.is_main)
         self.data = load_data(cfg)
-        # resumed: the run's model and preprocessing as `last` keeps them; fine-tuning: the
-        # source's architecture, the source read once
+        # resumed: the channels and statistics `last` keeps (the model is config.yaml's, which
+        # the weights must fit); fine-tuning: the source's architecture, the source read once
         saved = resume and read_metadata(resolve_checkpoint(Path(resume) / "checkpoints" / "last"))
-        base, source = (saved.config if saved else None), None
+        base = saved.config if saved and cfg.finetune.from_ else None
+        source = None
         if cfg.finetune.from_ and not saved:
             source, base = build.finetune_source(cfg)
-        mc = self.model_cfg = resolve_model_config(cfg, self.data.info, base, bool(saved))
+        mc = self.model_cfg = resolve_model_config(cfg, self.data.info, base, saved or None)
         if cfg.train.batch_size % d.world:
             raise ConfigError(
                 f"train.batch_size {cfg.train.batch_size} is not divisible by {d.world} processes"
