@@ -84,6 +84,12 @@ class Dist:
         return self.rank == 0
 
 
+def first_rank(local: bool = False) -> bool:
+    """Whether this process is torchrun's rank 0 (of its machine, `local`), or runs alone: the one
+    that says what every process would say alike (read before the process group is joined)."""
+    return os.environ.get("LOCAL_RANK" if local else "RANK", "0") == "0"
+
+
 _let_go_s = 10.0  # how long all_reduce_ waits for gloo (0 once a wait timed out: warned once)
 
 

@@ -30,7 +30,7 @@ from vitlab.cli import data as data_cmd
 from vitlab.cli import eval as eval_cmd
 from vitlab.config import ConfigError
 from vitlab.models.registry import UnknownModelError
-from vitlab.runtime import handling, tune_allocator
+from vitlab.runtime import first_rank, handling, tune_allocator
 
 COMMANDS = (
     models,
@@ -198,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return args.run(args) or 0
     except (ConfigError, UnknownModelError, ValueError) as e:
         mine = not isinstance(e, ConfigError | UnknownModelError)  # settings: every rank of a
-        if mine or os.environ.get("LOCAL_RANK", "0") == "0":  # machine refuses them alike,
+        if mine or first_rank(local=True):  # machine refuses them alike,
             print(f"vitlab {args.command}: error: {e}", file=sys.stderr)  # one says so
         return 2
     except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
 from vitlab.config import load_run_config
+from vitlab.runtime import first_rank
 
 log = logging.getLogger("vitlab.cli.train")
 
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         if args.extend:
             raise ValueError("--extend lengthens a resumed run: use it with --resume")
         cfg = load_run_config(args.config, args.overrides)
-    main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun: rank 0 speaks for all
+    main_rank = first_rank()  # under torchrun: rank 0 speaks for all
     if args.config and not args.resume and not cfg.finetune.from_ and main_rank:
         say_kept_model_keys(args.config, cfg, args.overrides)
     epochs = [o for o in args.overrides if o.startswith("train.epochs=")]

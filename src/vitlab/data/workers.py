@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitlab.config import DataConfig
 from vitlab.data.decode import available_cores
+from vitlab.runtime import first_rank
 
 Batch = tuple[Tensor, Tensor]
 PADDING = -1  # the label of a padding sample: evaluated so ranks step together, never counted
@@ -61,7 +62,7 @@ class LoaderOptions:
     def say_if_many(self) -> None:
         """Warn (once a process for each count) where the workers outnumber the cores."""
         cores = available_cores()
-        said = os.environ.get("LOCAL_RANK", "0") == "0"  # each machine's processes alike: one
+        said = first_rank(local=True)  # each machine's processes alike: one says it
         if said and self.workers > cores and (self.workers, cores) not in _said_workers:
             _said_workers.add((self.workers, cores))
             log.warning(

@@ -136,15 +136,10 @@ def source_family(src: Source) -> str:
 
 def infer_config(src: Source, img_size: int | tuple[int, int] | None = None) -> ModelConfig:
     """The ViTConfig, SwinConfig or CNNConfig that `src`'s tensors were trained with (at their own
-    size and classes); `img_size`, the size the caller means, is the trained one where _infer
-    takes it (a size no guess need be warned of)."""
-    return _infer(src, img_size)
-
-
-def _infer(src: Source, img_size: int | tuple[int, int] | None = None) -> ModelConfig:
-    """infer_config; `img_size` is taken as a Swin's or a ViT's trained size when the source states
-    none and its tables fit it (a ViT's position table of that grid: a non-square one cannot be
-    read from the table alone), and as a CNN's when the source states none."""
+    size and classes). `img_size`, the size the caller means, is taken as a Swin's or a ViT's
+    trained size when the source states none and its tables fit it (a ViT's position table of
+    that grid: a non-square one cannot be read from the table alone; no guess warned then), and
+    as a CNN's when the source states none."""
     if src.config is not None:
         return src.config
     if source_family(src) == "swin":
@@ -341,7 +336,7 @@ def load_checkpoint(
     before = {k: v for k, v in overrides.items() if k not in _AFTER_LOADING}
     src.hints.update(before)  # e.g. num_heads, which no tensor shape tells
     try:
-        native = _infer(src, overrides.get("img_size"))
+        native = infer_config(src, overrides.get("img_size"))
     except CheckpointError as e:  # e.g. num_heads=3 at width 256: the override's fault
         raise CheckpointError(f"{e} (with the overrides {before})" if before else str(e)) from None
     try:

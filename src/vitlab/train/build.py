@@ -4,7 +4,6 @@ fine-tuning source's weights."""
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ from vitlab.models.checkpoint import (
 )
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
 from vitlab.models.registry import ModelConfig, config_of, family_of, get_config, shape_of
-from vitlab.runtime import Dist
+from vitlab.runtime import Dist, first_rank
 from vitlab.train import distill
 
 log = logging.getLogger(__name__)
@@ -50,7 +49,7 @@ def check_settings(cfg: RunConfig) -> None:
         (not data.random_resized_crop and data.crop_scale != default_d.crop_scale,
          "data.crop_scale", "data.random_resized_crop=true"),
     ]  # fmt: skip
-    if os.environ.get("RANK", "0") != "0":
+    if not first_rank():
         return
     for found, key, needs in unused:
         if found:
@@ -94,7 +93,7 @@ def resolve_model_config(
         auto["in_chans"] = info.in_chans if saved is None else saved.config.in_chans
     if base is not None and family_of(base) == "cnn":  # the source's stem, at any new size
         base = base.replace(small_stem=base.uses_small_stem)
-    said = saved is None and os.environ.get("RANK", "0") == "0"  # once: not again on resume
+    said = saved is None and first_rank()  # once: not again on resume
     if base is not None and said and cfg.model.name != ModelSection().name:
         named = family_of(get_config(cfg.model.name))  # said where it names another family
         if named != family_of(base):

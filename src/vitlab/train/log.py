@@ -73,8 +73,9 @@ class RunLog:
             self.metrics.write_text("")
         else:  # the epochs the checkpoint holds; a torn line (a kill mid-write) is said
             lines = self.metrics.read_text(errors="replace").splitlines()
-            kept = [x for x in lines if x.strip() and _epoch_of(x) <= resumed_at]
-            torn = [i + 1 for i, x in enumerate(lines) if x.strip() and _epoch_of(x) == 1 << 30]
+            epochs = [_epoch_of(x) if x.strip() else None for x in lines]  # None: blank
+            kept = [x for x, e in zip(lines, epochs) if e is not None and e <= resumed_at]
+            torn = [i + 1 for i, e in enumerate(epochs) if e is not None and e == _TORN]
             if torn:
                 log.warning("%s: line %s is not an epoch's record (cut short?): left out; an "
                             "epoch the checkpoint holds loses its figures, a later one is "
@@ -162,11 +163,14 @@ def _acc(value: float | None) -> str:
     return "" if value is None else f" acc {100 * value:.2f}%"
 
 
+_TORN = 1 << 30  # the epoch of a line that is no epoch's record
+
+
 def _epoch_of(line: str) -> int:
     try:
         return int(json.loads(line)["epoch"])
     except (ValueError, KeyError, TypeError):
-        return 1 << 30  # a torn or foreign line: dropped
+        return _TORN  # a torn or foreign line: dropped
 
 
 class _Bar:

@@ -134,7 +134,7 @@ class Run:
         source = None
         if cfg.finetune.from_ and not saved:
             source, base = build.finetune_source(cfg)
-        mc = self.model_cfg = resolve_model_config(cfg, self.data.info, base, saved or None)
+        mc = self.model_cfg = resolve_model_config(cfg, self.data.info, base, saved)
         if cfg.train.batch_size % d.world:
             raise ConfigError(
                 f"train.batch_size {cfg.train.batch_size} is not divisible by {d.world} processes"

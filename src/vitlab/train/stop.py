@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
-from vitlab.runtime import handling
+from vitlab.runtime import first_rank, handling
 
 
 class StopFlag:
@@ -34,7 +33,7 @@ class StopFlag:
             raise KeyboardInterrupt
         self.requested = True
         note = " (if every rank is still there)" if self.distributed else ""
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # torchrun signals every rank: one says it
+        if first_rank(local=True):  # torchrun signals every rank: one a machine says it
             print(f"\nstop requested: saving a checkpoint after this step{note} ...",
                   file=sys.stderr)  # fmt: skip
 
