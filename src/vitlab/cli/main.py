@@ -178,6 +178,10 @@ def sigterm_raises() -> Iterator[None]:
         yield
 
 
+# a file where a folder is needed, a folder where a file is, no permission: input, not a fault
+BLOCKED = (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
 def _blocked(e: OSError) -> str:
     """What an OSError from writing or reading a path says: a file where a folder is needed
     (`--cache-dir FILE`, a DST that is a file) by name, else the error."""
@@ -201,9 +205,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if mine or first_rank(local=True):  # machine refuses them alike,
             print(f"vitlab {args.command}: error: {e}", file=sys.stderr)  # one says so
         return 2
-    except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
-        print(f"vitlab {args.command}: error: {_blocked(e)}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # `vitlab models | head`
         return 0
     except KeyboardInterrupt:  # a Ctrl-C outside training's loop (a second one inside it)
@@ -217,8 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 143
     except OSError as e:  # a lost mount, a full disk outside checkpoints: one line (-v: raised)
-        if e.errno == errno.EROFS:  # a read-only place to write: input the command cannot take
-            print(f"vitlab {args.command}: error: {_blocked(e)}", file=sys.stderr)
+        if isinstance(e, BLOCKED) or e.errno == errno.EROFS:  # a place the command cannot use:
+            print(f"vitlab {args.command}: error: {_blocked(e)}", file=sys.stderr)  # input (2)
             return 2
         if args.verbose > args.quiet:
             raise
