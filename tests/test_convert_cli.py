@@ -80,7 +80,7 @@ def test_convert_with_overrides_and_bad_input(tmp_path: Path, capsys) -> None:
     # a file where the Hugging Face folder would go: said, not a traceback
     (tmp_path / "taken").write_text("a file")
     assert main(["convert", str(tmp_path / "t.pth"), str(tmp_path / "taken"), "--to", "hf"]) == 2
-    assert f"cannot write {tmp_path / 'taken'}" in capsys.readouterr().err
+    assert f"{tmp_path / 'taken'} is a file: expected a folder" in capsys.readouterr().err
     # a file name the format does not write as a file (it once became a folder of that name)
     for to, dst in (("hf", "t.pth"), ("vitlab", "x.pth"), ("hf", "h.safetensors")):
         assert main(["convert", str(tmp_path / "t.pth"), str(tmp_path / dst), "--to", to]) == 2
@@ -89,6 +89,31 @@ def test_convert_with_overrides_and_bad_input(tmp_path: Path, capsys) -> None:
     for bad in ("num_classes=2.5", "num_classes=true", "in_chans=abc", "in_chans=0"):
         assert main([*args, bad]) == 2  # once 2 classes, 1 class, a ValueError without the key
         assert f"{bad.partition('=')[0]} must be a whole number" in capsys.readouterr().err
+
+
+def test_a_file_where_the_destination_folder_goes_is_named(tmp_path: Path, capsys) -> None:
+    """DST a file (a format writing a folder), or under one: convert said `cannot write DST:
+    [Errno 17] File exists` (or `[Errno 20] Not a directory`) naming no file; now which path is
+    a file and that a folder was expected, exit 2, and the file is left as it was."""
+    from tests.helpers import tiny_checkpoint
+
+    src = str(tiny_checkpoint(tmp_path / "tiny"))
+    file = tmp_path / "afile"
+    file.write_text("mine")
+    cases = (
+        ([str(file)], f"{file} is a file: expected a folder (new or existing) for the converted"),
+        ([str(file), "--to", "hf"], f"{file} is a file: expected a folder"),
+        ([str(file / "x"), "--to", "hf"],
+         f"{file / 'x'} cannot be made: {file} is a file, not a folder; expected a folder"),
+        ([str(file / "x.safetensors")], f"{file} is a file: expected a folder (new or existing) "
+                                        "for x.safetensors"),
+    )  # fmt: skip
+    for dst, said in cases:
+        assert main(["convert", src, *dst]) == 2, dst
+        err = capsys.readouterr().err
+        assert err.startswith("vitlab convert: error: ") and said in err, err
+        assert "Errno" not in err
+    assert file.read_text() == "mine"
 
 
 def test_convert_refuses_to_write_into_a_runs_checkpoints(tmp_path: Path, capsys) -> None:

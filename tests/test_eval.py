@@ -208,6 +208,18 @@ def test_a_test_split_with_no_readable_image_is_an_error_not_zero(run, tmp_path,
     assert not list((tmp_path / "out").glob("*.png"))
 
 
+def test_an_image_folder_that_is_a_file_is_said_to_be_one(run, tmp_path, capsys) -> None:
+    """`--data imagefolder:FILE` said the folder "does not exist"; it says the path is a file."""
+    file = tmp_path / "afile"
+    file.write_text("")
+    assert main(["eval", str(run), "--data", f"imagefolder:{file}"]) == 2
+    err = capsys.readouterr().err
+    assert f"image folder {file} is a file, not a folder: expected a folder of images" in err
+    assert "does not exist" not in err
+    assert main(["eval", str(run), "--data", f"imagefolder:{tmp_path / 'none'}"]) == 2
+    assert f"image folder {tmp_path / 'none'} does not exist" in capsys.readouterr().err
+
+
 def test_a_damaged_run_config_is_named_by_every_command(run, tmp_path, capsys) -> None:
     """A run folder's config.yaml cut short, emptied or made a list: eval, fewshot, probe and
     analyze stopped with a traceback (exit 1), and train --resume said an override "cannot

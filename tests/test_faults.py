@@ -199,6 +199,55 @@ def test_a_full_disk_fails_clearly_and_keeps_the_previous(tmp_path: Path) -> Non
         subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
+def test_a_full_disk_mid_run_says_how_the_run_goes_on(tmp_path: Path, capsys, monkeypatch):
+    """ENOSPC saving a checkpoint said only that the previous one was intact, and one appending to
+    metrics.jsonl stopped `vitlab train` with the bare OSError (exit 1); each now says how the
+    run goes on once space is freed: --resume from the last checkpoint (intact: checkpoints are
+    written whole or not at all), which finishes the run, or a new start where none was saved."""
+    import builtins
+    import errno
+
+    from vitlab.cli.main import main
+    from vitlab.train import log as log_mod
+    from vitlab.train import state as state_mod
+
+    def full(path: object) -> OSError:
+        return OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    real_write, written = state_mod.write_weights, []
+
+    def write_twice(path, *args, **kwargs):  # epoch 1's best and last, then no room
+        written.append(path)
+        if len(written) > 2:
+            raise full(path)
+        return real_write(path, *args, **kwargs)
+
+    args = ["train", *FAST, "train.epochs=2", "optim.warmup_epochs=0"]
+    run = tmp_path / "run"
+    monkeypatch.setattr(state_mod, "write_weights", write_twice)
+    assert main([*args, "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot save checkpoint {run / 'checkpoints'}" in err and "(ENOSPC)" in err, err
+    assert f"once space is freed, continue the run with `vitlab train --resume {run}`" in err
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(run)]) == 0  # as said: the run goes on, and ends
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (run / "results.json").is_file()
+
+    def no_appending(path, mode="r", *args, **kwargs):  # epoch 1's metrics line
+        if "a" in mode:
+            raise full(path)
+        return builtins.open(path, mode, *args, **kwargs)
+
+    run = tmp_path / "first"
+    monkeypatch.setattr(log_mod, "open", no_appending, raising=False)
+    assert main([*args, "--out", str(run)]) == 2  # the bare OSError's exit status was 1
+    err = capsys.readouterr().err
+    assert f"error: cannot write {run / 'metrics.jsonl'}: the disk is full (ENOSPC)" in err, err
+    assert (f"the run has no checkpoint yet: once space is freed, start it again: its command "
+            f"with --out {run} --overwrite") in err  # fmt: skip
+
+
 def test_a_run_killed_mid_swap_of_best_still_serves_its_best(tmp_path: Path) -> None:
     """A kill between the two renames of a `best` save leaves best under its aside name: a run
     folder then resolves to that best (it resolved to `last`, so `vitlab eval RUN` silently

@@ -141,6 +141,20 @@ def test_fewshot_cli_errors(tmp_path: Path, capsys) -> None:
         assert said in capsys.readouterr().err
 
 
+def test_a_data_dir_that_is_a_file_is_refused(tmp_path: Path, capsys) -> None:
+    """`--data-dir FILE` was ignored silently (digits read as without it; a feature cache was
+    even written under its name); it is refused, naming the file, as `train data.dir=FILE` is."""
+    ckpt = tiny_checkpoint(tmp_path / "tiny")
+    file = tmp_path / "afile"
+    file.write_text("")
+    cache = tmp_path / "cache"
+    args = ["fewshot", str(ckpt), "--data", "digits", "--shots", "1", "--seeds", "1"]
+    assert main([*args, "--data-dir", str(file), "--cache-dir", str(cache)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitlab fewshot: error: the data folder") and str(file) in err
+    assert "is a file, not a folder" in err and not cache.exists()
+
+
 def test_fewshot_extracts_only_the_drawn_training_images(tmp_path: Path) -> None:
     """`vitlab fewshot` extracted every training image's features to use k per class and seed
     (ImageNet's 1.28 million for 25 shots of 1,000 classes): now only the images some draw

@@ -534,6 +534,48 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert "finetune.from" in err
 
 
+def test_a_record_of_other_types_names_its_file_and_arm(tmp_path: Path, capsys) -> None:
+    """reproduce.json edited (text where a number goes, a list for a mapping): `vitlab reproduce`
+    trained the arm, then stopped on a TypeError traceback, or on `could not convert string to
+    float: 'abc'` naming neither file nor arm, or took the record as empty; now it names both
+    and what was expected (exit 2), before training anything or rewriting the record."""
+    out = tmp_path / "out"
+    arm = EXPERIMENTS["pos-embed"].arms(Context("digits", get_budget("smoke"), out))[0]
+    record = out / arm.folder / "reproduce.json"
+    record.parent.mkdir(parents=True)
+    for content, said in (
+        ({"train_seconds": "abc"}, "train_seconds is 'abc' (a str): expected a number"),
+        ({"last": [1, 2]}, "last is [1, 2] (a list): expected a mapping of top1, fewshot5"),
+        ({"last": {"top1": 0.5}}, "last has no fewshot5"),
+        ([1, 2], "expected a mapping (train_seconds, source, last), got a list"),
+    ):
+        record.write_text(json.dumps(content))
+        assert main(["-q", "reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 2, content
+        err = capsys.readouterr().err
+        assert f"error: {record} (arm {arm.folder}): {said}" in err, err
+        assert "delete it to have the arm measured again" in err
+        assert json.loads(record.read_text()) == content
+        assert not (record.parent / "config.yaml").exists()  # nothing trained
+
+
+def test_a_full_disk_says_to_rerun_the_same_command(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A full disk in an arm's run is said as `vitlab train` says it, but the way on is the
+    command rerun (which resumes the arm), not the arm's `vitlab train --resume`."""
+    import errno
+
+    from vitlab.train import state as state_mod
+
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(state_mod, "write_weights", full)
+    assert main(["-q", "reproduce", "pos-embed", *SMOKE, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "error: cannot save checkpoint" in err and "the disk is full (ENOSPC)" in err
+    assert "once space is freed, rerun the same command to continue" in err
+    assert "--resume" not in err
+
+
 def test_a_folder_trained_by_any_of_its_rows_counts_as_trained() -> None:
     """Two patch-size levels that round to the same steps share a folder: the first row trains
     it, the second finds it finished; the folder was trained in this experiment."""

@@ -502,7 +502,7 @@ def test_a_folder_another_vitlab_train_runs_in_is_refused(tmp_path: Path, capsys
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     (tmp_path / "a-file").write_text("not a folder")
     assert main([*args[:-1], str(tmp_path / "a-file")]) == 2
-    assert "cannot use" in capsys.readouterr().err  # said, not a traceback
+    assert f"{tmp_path / 'a-file'} is a file: expected a folder" in capsys.readouterr().err
     bad = "data.name=imagefolder:" + str(tmp_path / "missing")
     assert main([*args[:-2], bad, "--out", str(tmp_path / "new" / "nested")]) == 2
     assert not (tmp_path / "new").exists()  # a start that failed left nothing, lock included
@@ -1116,6 +1116,33 @@ def test_quiet_hides_the_training_progress_bar_not_the_epoch_lines(tmp_path: Pat
     assert "epoch 1/1" in shown and "batch/s" in shown  # the bar, without -q
     assert "epoch 1/1" not in quiet and "batch/s" not in quiet, quiet
     assert "epoch 1: train loss" in quiet and "test: top-1" in quiet
+
+
+def test_an_out_that_is_a_file_is_refused_naming_it(tmp_path: Path, capsys) -> None:
+    """`--out FILE`, or a path under a file: the run was refused with `cannot use FILE as a run
+    folder: [Errno 17] File exists`; now the file is named and a folder said to be expected."""
+    file = tmp_path / "afile"
+    file.write_text("mine")
+    args = ["train", *FAST, "train.epochs=1"]
+    assert main([*args, "--out", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {file} is a file: expected a folder (new or existing) for the run" in err, err
+    assert main([*args, "--out", str(file / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"{file / 'run'} cannot be made: {file} is a file, not a folder" in err, err
+    assert "Errno" not in err and file.read_text() == "mine"
+
+
+def test_a_data_dir_that_is_a_file_is_refused_not_ignored(tmp_path: Path, capsys) -> None:
+    """data.dir=FILE trained on digits as if it were not given (and fewshot's --data-dir FILE
+    was ignored alike: tests/test_fewshot.py); it is refused, whatever the dataset."""
+    file = tmp_path / "afile"
+    file.write_text("")
+    out = tmp_path / "run"
+    assert main(["train", *FAST, "train.epochs=1", f"data.dir={file}", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"the data folder {file} (data.dir, --data-dir) is a file, not a folder" in err, err
+    assert not (out / "checkpoints").exists()
 
 
 def test_a_torn_metrics_line_is_said_on_resume(tmp_path: Path, caplog) -> None:

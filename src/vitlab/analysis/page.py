@@ -42,18 +42,26 @@ def blocking_file(path: Path) -> Path | None:
     return None
 
 
+def folder_refusal(path: Path, purpose: str) -> str | None:
+    """Why `path` cannot be the folder for `purpose` (it, or a folder above it, is a file), in
+    words; None when the way is clear."""
+    blocked = blocking_file(path)
+    if blocked == path:
+        return f"{path} is a file: expected a folder (new or existing) for {purpose}"
+    if blocked is not None:
+        return (
+            f"{path} cannot be made: {blocked} is a file, not a folder; expected a folder (new or "
+            f"existing) for {purpose}"
+        )
+    return None
+
+
 def out_folder(out: Path) -> Path:
     """`out` as a folder the figures can go into (existing, or made later); a ValueError saying
     what came when it, or a folder above it, is a file."""
     out = Path(out)
-    blocked = blocking_file(out)
-    if blocked == out:
-        raise ValueError(f"{out} is a file: expected a folder (new or existing) for the figures")
-    if blocked is not None:
-        raise ValueError(
-            f"{out} cannot be made: {blocked} is a file, not a folder; expected a folder (new or "
-            "existing) for the figures"
-        )
+    if refusal := folder_refusal(out, "the figures"):
+        raise ValueError(refusal)
     return out
 
 

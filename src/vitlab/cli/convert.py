@@ -76,14 +76,20 @@ WEIGHT_SUFFIXES = (".safetensors", ".npz", ".onnx", ".pt2", ".json", *TORCH_SUFF
 
 def check_dest(dest: Path, to: str) -> None:
     """A ValueError for a DST named as a file the format does not write (it would become a
-    folder of that name), or inside a vitlab run's checkpoints (train, eval and --resume read
-    them in vitlab's format)."""
+    folder of that name), a DST folder where a file is (or a folder above it is one), or a DST
+    inside a vitlab run's checkpoints (train, eval and --resume read them in vitlab's format)."""
+    from vitlab.analysis.page import folder_refusal
+
     if dest.suffix.lower() in WEIGHT_SUFFIXES and dest.suffix not in FILE_SUFFIXES[to]:
         files = " or ".join(f"DST{s}" for s in FILE_SUFFIXES[to])
         raise ValueError(
             f"--to {to} writes {files + ' or ' if files else ''}a folder DST; "
             f"{dest} names a {dest.suffix} file"
         )
+    file = dest.suffix in FILE_SUFFIXES[to]  # else a folder
+    place, what = (dest.parent, dest.name) if file else (dest, "the converted checkpoint")
+    if refusal := folder_refusal(place, what):
+        raise ValueError(refusal)
     for folder in (p for p in (dest.resolve(), *dest.resolve().parents) if p.name == "checkpoints"):
         if _is_run(folder.parent):
             raise ValueError(

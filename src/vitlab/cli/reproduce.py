@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.experiments.arms import Context
     from vitlab.experiments.budgets import get_budget
     from vitlab.experiments.runner import format_list, get_experiment, run_all, run_experiment
+    from vitlab.train.folder import OutOfSpace
     from vitlab.train.stop import TrainingStopped
 
     if args.list:
@@ -70,4 +71,8 @@ def run(args: argparse.Namespace) -> int:
     except TrainingStopped as e:
         print(f"vitlab reproduce: {e.where}; rerun the same command to continue", file=sys.stderr)
         return 130
+    except OutOfSpace as e:  # an arm's run: rerunning resumes it (its --resume is not the way)
+        print(f"vitlab reproduce: error: {e.where}; once space is freed, rerun the same command "
+              f"to continue", file=sys.stderr)  # fmt: skip
+        return 2
     return 0

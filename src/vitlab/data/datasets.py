@@ -192,6 +192,17 @@ NAMES = (
 )
 
 
+def check_data_dir(data_dir: str | None) -> None:
+    """A DatasetError for a data.dir (--data-dir) that is a file, whatever the dataset: refused,
+    not silently ignored."""
+    path = os.path.expanduser(data_dir or "")
+    if path and os.path.exists(path) and not os.path.isdir(path):
+        raise DatasetError(
+            f"the data folder {data_dir} (data.dir, --data-dir) is a file, not a folder: "
+            "expected the folder that holds the dataset's files"
+        )
+
+
 def load_split(
     name: str,
     split: str,
@@ -205,6 +216,7 @@ def load_split(
     'train' of a source of one split is all of it (its test split is another source's)."""
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
+    check_data_dir(data_dir)
     if name.startswith("wds:"):
         return load_shards(name[4:], split, keys)
     if name.startswith("hf:"):

@@ -263,6 +263,9 @@ def scan_image_folder(
     dataset scanned, train/ and test/; root alone by default) or another class folder's target,
     or hold one of those (`/`, PATH), or loop; a class folder that is such a link is not listed,
     nor a link to a file in one of those folders (_list_files)."""
+    if root.exists() and not root.is_dir():
+        raise DatasetError(f"image folder {root} is a file, not a folder: expected a folder of "
+                           "images (in a sub-folder per class)")  # fmt: skip
     if not root.is_dir():
         raise DatasetError(f"image folder {root} does not exist")
     found = _sub_folders(root)

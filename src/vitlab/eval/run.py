@@ -14,7 +14,7 @@ from vitlab.analysis.page import out_folder
 from vitlab.config import DataConfig, RunConfig, load_saved_config
 from vitlab.data import ArraySplit, make_loader
 from vitlab.data.classes import name_order, numbered
-from vitlab.data.datasets import DatasetError, Split, load_run_split, load_split
+from vitlab.data.datasets import DatasetError, Split, check_data_dir, load_run_split, load_split
 from vitlab.data.download import absolute_source
 from vitlab.data.folders import folder_root, read_image
 from vitlab.data.shards import is_pattern
@@ -53,6 +53,7 @@ def data_config(run_cfg: RunConfig | None, data: str | None, data_dir: str | Non
     cfg = run_cfg.data if run_cfg else DataConfig(name="digits", split_seed=0)
     if data and not _same_source(data, cfg.name):  # restated (a link to its folder too): its own
         cfg = DataConfig(name=data, split_seed=cfg.split_seed, val_fraction=cfg.val_fraction)
+    check_data_dir(data_dir)  # before a cache of its features is looked for
     return dataclasses.replace(cfg, dir=data_dir) if data_dir else cfg
 
 

@@ -191,9 +191,15 @@ def subset_size(data: str, fraction: float, seed: int) -> int:
 # --- running -------------------------------------------------------------------------------------
 
 
-def _state(folder: Path) -> dict:
-    """What reproduce.json holds; a damaged one (from before its writes were atomic) is named, and
-    taken as empty: the arm is measured again, its earlier training time lost."""
+# what run_arm writes to reproduce.json, each entry when it has it: KEY or KEY.SUBKEY -> its type
+RECORD = {"train_seconds": float, "source.path": str, "source.sha256": str, f"{LAST}.top1": float,
+          f"{LAST}.fewshot{SHOTS}": float}  # fmt: skip
+
+
+def _state(folder: Path, arm: Arm) -> dict:
+    """What reproduce.json of `arm` (in `folder`) holds; a damaged one (from before its writes
+    were atomic) is named, and taken as empty: the arm is measured again, its earlier training
+    time lost. Values of other types (an edit) are a ValueError naming the file, arm and value."""
     path = folder / STATE
     if not path.is_file():
         return {}
@@ -203,7 +209,33 @@ def _state(folder: Path) -> dict:
         print(f"vitlab reproduce: warning: {path} is damaged ({e}): measuring the run again",
               file=sys.stderr, flush=True)  # fmt: skip
         return {}
-    return state if isinstance(state, dict) else {}
+    if problem := _wrong_record(state):
+        again = "trained" if arm.source else "measured"  # the record names a fine-tuning source
+        raise ValueError(f"{path} (arm {arm.folder}): {problem}; correct it, or delete it to have "
+                         f"the arm {again} again")  # fmt: skip
+    return state
+
+
+def _wrong_record(state: object) -> str | None:
+    """What in reproduce.json's contents is not as RECORD has it (None: all is)."""
+    if not isinstance(state, dict):
+        return f"expected a mapping (train_seconds, source, {LAST}), got a {type(state).__name__}"
+    for name, kind in RECORD.items():
+        key, _, sub = name.partition(".")
+        if key not in state:
+            continue
+        value = state[key]
+        if sub and not isinstance(value, dict):
+            subs = ", ".join(n.partition(".")[2] for n in RECORD if n.startswith(f"{key}."))
+            return f"{key} is {value!r} (a {type(value).__name__}): expected a mapping of {subs}"
+        if sub and sub not in value:
+            return f"{key} has no {sub}"
+        value = value[sub] if sub else value
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (number if kind is float else isinstance(value, kind)):
+            expected = "a number" if kind is float else "text"
+            return f"{name} is {value!r} (a {type(value).__name__}): expected {expected}"
+    return None
 
 
 def _save_state(folder: Path, state: dict) -> None:
@@ -221,7 +253,7 @@ def _same_config(folder: Path, arm: Arm, out: Path) -> None:
         for s, body in wanted.items()
         for k, v in body.items()
         if saved.get(s, {}).get(k) != v
-        and not ((s, k) == ("finetune", "from") and _same_source(folder, arm.source))
+        and not ((s, k) == ("finetune", "from") and _same_source(folder, arm))
     ]
     if diff:
         raise ConfigError(
@@ -231,9 +263,10 @@ def _same_config(folder: Path, arm: Arm, out: Path) -> None:
         )
 
 
-def _same_source(folder: Path, source: str | None) -> bool:
-    """Whether the run in `folder` was fine-tuned from `source` (relative to its --out)."""
-    return source is not None and _state(folder).get("source", {}).get("path") == source
+def _same_source(folder: Path, arm: Arm) -> bool:
+    """Whether the run in `folder` was fine-tuned from the arm's source (relative to its --out)."""
+    source = arm.source
+    return source is not None and _state(folder, arm).get("source", {}).get("path") == source
 
 
 def source_id(out: Path, source: str) -> dict:
@@ -251,7 +284,7 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
     tag = f"vitlab reproduce: arm {index}/{total} ({total - index} after it): {arm.folder}"
     if (folder / "config.yaml").is_file():  # before anything in it is reused or overwritten
         _same_config(folder, arm, out)
-    state = _state(folder)
+    state = _state(folder, arm)
     source = source_id(out, arm.source) if arm.source else None
     has_last = (folder / "checkpoints" / LAST).exists()
     finished = (folder / "results.json").is_file()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -21,7 +22,7 @@ from vitlab.config import ConfigError, RunConfig, load_run_config, load_saved_co
 from vitlab.runtime import Dist
 from vitlab.train import distributed
 from vitlab.train.log import RUN_FILES, saved_tree
-from vitlab.train.state import CheckpointError, has_checkpoint
+from vitlab.train.state import CheckpointError, CheckpointWriteError, has_checkpoint, limit_hit
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,41 @@ def check_resume_length(run: Path, cfg: RunConfig, extend: bool, said: bool = Tr
     return saved
 
 
+class OutOfSpace(ValueError):
+    """A run stopped by a full disk or quota while writing its folder: `where` says what could not
+    be written, `how` how the run goes on once space is freed."""
+
+    def __init__(self, where: str, how: str) -> None:
+        self.where, self.how = where, how
+        super().__init__(f"{where}; {how}")
+
+
+def raise_if_out_of_space(error: BaseException, out: Path | None, d: Dist) -> None:
+    """Raise OutOfSpace from `error` where it is a full disk's or quota's (ENOSPC, EDQUOT) writing
+    a checkpoint, metrics.jsonl, results.json ... Checkpoints are written whole or not at all
+    (state.save_checkpoint), so the last one is intact: --resume continues from it (the epochs
+    after it trained again); a run without one starts again."""
+    if isinstance(error, CheckpointWriteError):  # its message says the limit and what is kept
+        hit, where = limit_hit(error.__cause__ or error), str(error)
+    elif isinstance(error, OSError):
+        hit = limit_hit(error)
+        place = os.fsdecode(error.filename) if error.filename else f"in {out}"
+        where = f"cannot write {place}: {hit[1] if hit else error}"
+    else:
+        return
+    if out is None or hit is None or hit[0] not in (errno.ENOSPC, errno.EDQUOT):
+        return
+    out = Path(out)
+    if has_checkpoint(out):
+        command = distributed.resume_command(out, d)
+        how = f"once space is freed, continue the run with {command}, from its last checkpoint"
+    else:
+        files = any((out / name).exists() for name in RUN_FILES)
+        again = f": its command with --out {out} --overwrite" if files else ""
+        how = f"the run has no checkpoint yet: once space is freed, start it again{again}"
+    raise OutOfSpace(where, how) from error
+
+
 def _forget_in_child() -> None:
     """A forked child (a DataLoader worker) closes its copies of the locks' descriptors: the
     lock goes as the process whose run it is ends, even where a child outlives it a moment (the
@@ -153,7 +189,12 @@ def _lock(out: Path, user: str = "`vitlab train`", run: bool = True) -> str | No
             except FileExistsError:  # another user's lock file in a shared folder: read-only
                 fd, made = _open_existing(out / LOCK), False
         except OSError as e:
-            return f"cannot use {out} as a run folder: {e}"
+            from vitlab.analysis.page import folder_refusal  # a file where the folder goes
+
+            refusal = None
+            if isinstance(e, FileExistsError | NotADirectoryError):
+                refusal = folder_refusal(out, "the run" if run else f"the runs of {user}")
+            return refusal or f"cannot use {out} as a run folder: {e}"
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # held

@@ -58,13 +58,12 @@ def train(
     overwrite: bool = False,
     budget_from_process_start: bool = False,
 ) -> Path:
-    """Run cfg; returns the run folder. With `resume` (a run folder, whose saved config cfg must
-    be, see vitlab.train.folder.resume_config) training continues exactly where it stopped; a
-    different train.epochs is refused unless `extend` (the schedule is then recomputed for it, see
-    Run._extend). An `out` that already holds a run is refused unless `overwrite` (its files
-    are then removed once the new run is built). train.time_budget counts from this call, or
-    from the process's start with `budget_from_process_start` (`vitlab train`: Python's
-    start-up is in the budget too)."""
+    """Run cfg; returns the run folder. With `resume` (a run folder, whose saved config cfg must be,
+    see vitlab.train.folder.resume_config) training continues exactly where it stopped; a different
+    train.epochs is refused unless `extend` (the schedule is recomputed for it, see Run._extend). An
+    `out` that already holds a run is refused unless `overwrite` (its files removed once the new run
+    is built). train.time_budget counts from this call, or from the process's start with
+    `budget_from_process_start` (`vitlab train`: Python's start-up is in the budget too)."""
     before = 0.0 if budget_from_process_start else budget.process_age()
     if resume is not None:
         out = Path(resume)
@@ -96,6 +95,7 @@ def train(
         failed = True
         if d.enabled and isinstance(e, Exception):
             distributed.raise_if_rank_lost(d, e, out)
+        folder.raise_if_out_of_space(e, out, d)  # a full disk: said with how the run goes on
         raise
     finally:
         if run is not None:  # its loaders' workers would outlive it (Run is in a cycle)

@@ -79,20 +79,27 @@ class CheckpointWriteError(CheckpointError):
     checkpoint in its place is intact."""
 
 
-def _write_failure(folder: Path, e: BaseException) -> str:
-    """Why writing checkpoint `folder` failed, in words, from the errno wherever it was kept (torch
-    raises a RuntimeError whose context is the OSError of the failed write)."""
+def limit_hit(e: BaseException) -> tuple[int, str] | None:
+    """(errno, in words) of the limit a failed write hit: a full disk, the file-size limit, a
+    quota, from the errno wherever it was kept (torch raises a RuntimeError whose context is the
+    OSError of the failed write; safetensors' error only says it); None: another failure."""
     text, no, link = str(e), None, e
     while link is not None and no is None:
         no, link = getattr(link, "errno", None), link.__cause__ or link.__context__
     if no == errno.ENOSPC or "No space left" in text or "os error 28" in text:
-        why = "the disk is full (ENOSPC)"
-    elif no == errno.EFBIG or "File too large" in text or "os error 27" in text:
-        why = "the file-size limit was hit (EFBIG, e.g. ulimit -f)"
-    elif no == errno.EDQUOT or "quota" in text.lower():
-        why = "the disk quota is exceeded (EDQUOT)"
-    else:
-        why = f"writing failed ({type(e).__name__}: {text.splitlines()[0][:200] if text else ''})"
+        return errno.ENOSPC, "the disk is full (ENOSPC)"
+    if no == errno.EFBIG or "File too large" in text or "os error 27" in text:
+        return errno.EFBIG, "the file-size limit was hit (EFBIG, e.g. ulimit -f)"
+    if no == errno.EDQUOT or "quota" in text.lower():
+        return errno.EDQUOT, "the disk quota is exceeded (EDQUOT)"
+    return None
+
+
+def _write_failure(folder: Path, e: BaseException) -> str:
+    """Why writing checkpoint `folder` failed, in words."""
+    text, hit = str(e), limit_hit(e)
+    first = text.splitlines()[0][:200] if text else ""
+    why = hit[1] if hit else f"writing failed ({type(e).__name__}: {first})"
     kept = f"the previous checkpoint {folder} is intact" if folder.exists() else "nothing replaced"
     return f"cannot save checkpoint {folder}: {why}; {kept}, the partial copy removed"
 
