@@ -27,7 +27,7 @@ from tests.helpers import (
     torchrun_train,
     weights_of,
 )
-from vitlab import load_checkpoint, runtime
+from vitlab import create_model, load_checkpoint, runtime
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
 from vitlab.data import load_split
@@ -1190,3 +1190,39 @@ def test_weights_of_another_depth_copied_in_are_refused_on_resume(tmp_path: Path
     capsys.readouterr()
     assert main(["train", "--resume", str(tmp_path / "a")]) == 2
     assert "does not fit the model" in capsys.readouterr().err
+
+
+def test_resuming_a_finished_run_says_so_and_how_to_train_longer(tmp_path: Path, capsys) -> None:
+    """--resume of a run that had finished trained nothing and printed the same test without a
+    word; it now says the run had finished, and (an epochs run) that --extend lengthens it."""
+    out = tmp_path / "run"
+    assert main(["train", *FAST, "train.epochs=1", "--out", str(out)]) == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert "the run had finished" not in capsys.readouterr().err  # a fresh run: nothing said
+    assert main(["train", "--resume", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "note: the run had finished (epoch 1 of 1): nothing left to train" in err, err
+    assert "--extend train.epochs=N trains it longer" in err
+    assert (out / "metrics.jsonl").read_text().splitlines() == lines  # no epoch trained again
+    steps = tmp_path / "steps"  # a train.max_steps run cannot be extended: not offered
+    assert main(["train", *FAST, "train.epochs=2", "train.max_steps=3", "--out", str(steps)]) == 0
+    assert main(["train", "--resume", str(steps)]) == 0
+    err = capsys.readouterr().err
+    assert "note: the run had finished (epoch 1 of 2)" in err and "--extend" not in err, err
+
+
+def test_fsdp_in_one_process_is_said_to_shard_nothing(tmp_path: Path, capsys) -> None:
+    """train.strategy=fsdp without torchrun trained the whole model in one process without a
+    word, as if FSDP had been tried; ddp (the default) has nothing to say."""
+    args = ["train", *FAST, "train.epochs=1", "model.depth=1"]
+    assert main([*args, "train.strategy=fsdp", "--out", str(tmp_path / "f")]) == 0
+    assert "train.strategy=fsdp in one process shards nothing" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "d")]) == 0
+    assert "shards nothing" not in capsys.readouterr().err
+
+
+def test_the_channel_count_is_worded_for_one_channel() -> None:
+    """'expected images with 1 channels': the count's noun agrees with it."""
+    model = create_model("vit_nano_patch4_28")  # grey, one channel
+    with pytest.raises(ValueError, match=r"expected images with 1 channel, got 3$"):
+        model(torch.zeros(1, 3, 28, 28))

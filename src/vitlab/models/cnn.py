@@ -248,7 +248,7 @@ class CNN(nn.Module):
                 f"{tuple(x.shape)}"
             )
         if x.shape[1] != c:
-            raise ValueError(f"expected images with {c} channels, got {x.shape[1]} channels")
+            raise ValueError(f"expected images with {c} channel{'s' * (c != 1)}, got {x.shape[1]}")
 
     def _stem(self, x: Tensor) -> Tensor:
         """(B, C, H, W) images -> (B, 64, H/s, W/s), s the stem's stride (4, or 1)."""

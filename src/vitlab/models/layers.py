@@ -92,7 +92,8 @@ class PatchEmbed(nn.Module):
             )
         _, c, h, w = x.shape
         if c != self.in_chans:
-            raise ValueError(f"expected images with {self.in_chans} channels, got {c} channels")
+            s = "s" * (self.in_chans != 1)
+            raise ValueError(f"expected images with {self.in_chans} channel{s}, got {c}")
         p = self.patch_size
         if h % p or w % p:
             raise ValueError(

@@ -136,7 +136,8 @@ def resolve_model_config(
     files = info.image_size is None  # image files: decoded in the model's mode, grey or RGB
     if mc.in_chans != info.in_chans and not (files and mc.in_chans in (1, 3)):
         raise ConfigError(
-            f"model.in_chans={mc.in_chans} but dataset {info.name} has {info.in_chans} channels"
+            f"model.in_chans={mc.in_chans} but dataset {info.name} has {info.in_chans} "
+            f"channel{'s' * (info.in_chans != 1)}"
         )
     return mc
 

@@ -349,10 +349,10 @@ class Run:
 
     def fit(self) -> bool:
         """Train to the last epoch (True), or to train.stop_at_epoch (False)."""
-        cfg, pos = self.cfg, self.pos
+        cfg, pos, trained = self.cfg, self.pos, False
         with StopFlag(self.d.enabled) as stop:
             while pos.epoch < cfg.train.epochs and pos.step < (cfg.train.max_steps or inf):
-                stats = self._epoch(stop)
+                trained, stats = True, self._epoch(stop)
                 self._end_of_epoch(stats)
                 if cfg.train.stop_at_epoch == pos.epoch and pos.epoch < cfg.train.epochs:
                     if self.d.is_main:
@@ -363,6 +363,11 @@ class Run:
                             file=sys.stderr,
                         )
                     return False
+        if self.d.is_main and not trained and pos.step:  # --resume of a run that had finished
+            longer = cfg.train.time_budget is None and cfg.train.max_steps is None  # else refused
+            print(f"note: the run had finished (epoch {pos.epoch} of {cfg.train.epochs}): nothing "
+                  f"left to train; its test is evaluated again" + ("; --extend train.epochs=N "
+                  "trains it longer" if longer else ""), file=sys.stderr)  # fmt: skip
         if self.d.is_main:
             self.log.finish()
         return True
