@@ -27,8 +27,8 @@ from vitlab.models.stems import pad_same
 timm = pytest.importorskip("timm")
 
 TOL = 1e-4
-# the registered hybrids timm also has (the vit_nano_r_s4_* presets are vitlab's own)
-TIMM_NAMES = [n for n in list_models("vit_*_r*_s*") if not n.startswith("vit_nano_")]
+# the registered hybrids timm also has (the vit_nano_r_s4_* / vit_pico_r_s4_* are vitlab's own)
+TIMM_NAMES = [n for n in list_models("vit_*_r*_s*") if not n.startswith(("vit_nano_", "vit_pico_"))]
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -83,6 +83,20 @@ def test_registered_names_aliases_and_shapes() -> None:
     for res, chans, grid in ((28, 1, (7, 7)), (32, 3, (8, 8))):
         cfg = get_config(f"vit_nano_r_s4_{res}")
         assert (cfg.in_chans, cfg.grid, cfg.patch_size, cfg.stem_depths) == (chans, grid, 4, (2,))
+        pico = get_config(f"vit_pico_r_s4_{res}")  # the quick preset's: one unit, two layers
+        assert pico == cfg.replace(depth=2, stem_depths=(1,))
+
+
+def test_the_pico_hybrid_is_the_nano_hybrid_less_two_blocks_and_a_unit() -> None:
+    """Counted by hand: a block of D=64, MLP 128 (two LayerNorms, qkv, proj, fc1, fc2) and a
+    bottleneck unit of 128 channels around 32 without a projection (three GroupNorms, 1x1, 3x3,
+    1x1 convolutions without bias)."""
+    block = 2 * 128 + (64 * 192 + 192) + (64 * 64 + 64) + (64 * 128 + 128) + (128 * 64 + 64)
+    unit = 2 * 128 + 128 * 32 + 2 * 32 + 9 * 32 * 32 + 2 * 32 + 32 * 128
+    count = {n: sum(p.numel() for p in vitlab.create_model(n).parameters())
+             for n in ("vit_nano_r_s4_28", "vit_pico_r_s4_28")}  # fmt: skip
+    assert (block, unit) == (33_472, 17_792)
+    assert count["vit_pico_r_s4_28"] == count["vit_nano_r_s4_28"] - 2 * block - unit == 99_946
 
 
 @pytest.mark.parametrize("name", TIMM_NAMES)
