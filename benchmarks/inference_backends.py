@@ -9,9 +9,10 @@ change and logit difference on the test set (issue 16).
 
 Speed cases: B/16 at batch 8 (224 px, timm.create_model('vit_base_patch16_224') with vitlab's
 weights) and vit_nano_patch4_28 at batch 256 (its timm twin as benchmarks/model_speed.py builds it:
-timm has no conv stem, so this is the registered patch-stem nano, the quick preset's model without
-stem=conv). Each backend's max |logit diff| against vitlab's eager fp32 on the timed batch is
-reported beside its img/s and its ratio to timm (above 1: faster). Results go in BENCHMARKS.md.
+timm has no conv stem, so this is the registered patch-stem nano, not a preset's model: the quick
+preset trains the hybrid vit_pico_r_s4_28, the full one a conv stem). Each backend's max |logit
+diff| against vitlab's eager fp32 on the timed batch is reported beside its img/s and its ratio to
+timm (above 1: faster). Results go in BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -318,3 +318,29 @@ def test_a_damaged_or_crafted_training_state_is_one_line_and_runs_nothing(tmp_pa
     assert not pwned.exists()
     state.write_bytes(good)
     assert main(["train", "--resume", str(run)]) == 0  # the real one goes on
+
+
+def test_a_full_disk_before_an_overwriting_run_is_built_does_not_offer_the_old_run(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`--out OLD --overwrite` keeps OLD's files until the new run is built: a full disk before
+    that (a dataset's download) advised `--resume OLD`, which trains the old run with its old
+    config, not the command given. The advice is now that command again."""
+    import errno
+
+    from vitlab.cli.main import main
+    from vitlab.train import run as run_mod
+
+    run = tmp_path / "old"
+    assert main(["train", *FAST, "train.epochs=1", "--out", str(run)]) == 0
+    capsys.readouterr()
+
+    def full(cfg):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "cache" / "x.gz"))
+
+    monkeypatch.setattr(run_mod, "load_data", full)
+    assert main(["train", *FAST, "train.epochs=2", "--out", str(run), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {tmp_path / 'cache' / 'x.gz'}: the disk is full (ENOSPC)" in err, err
+    assert "once space is freed, run the same command again" in err and "--resume" not in err
+    assert (run / "results.json").is_file()  # the old run is still whole

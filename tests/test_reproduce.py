@@ -538,7 +538,7 @@ def test_a_record_of_other_types_names_its_file_and_arm(tmp_path: Path, capsys) 
     """reproduce.json edited (text where a number goes, a list for a mapping): `vitlab reproduce`
     trained the arm, then stopped on a TypeError traceback, or on `could not convert string to
     float: 'abc'` naming neither file nor arm, or took the record as empty; now it names both
-    and what was expected (exit 2), before training anything or rewriting the record."""
+    and what was expected (exit 2), before training the arm or rewriting the record."""
     out = tmp_path / "out"
     arm = EXPERIMENTS["pos-embed"].arms(Context("digits", get_budget("smoke"), out))[0]
     record = out / arm.folder / "reproduce.json"

@@ -101,8 +101,8 @@ def dataset_images(
         raise DatasetError(f"analyze cannot index {name} ({kind}): {IMAGES_OR_DATA}")
     if display.shape[1] != pre.in_chans:  # files decode to grey or RGB
         raise DatasetError(
-            f"{name}'s images decode to {display.shape[1]} channels and the model takes "
-            f"{pre.in_chans}: {IMAGES_OR_DATA}"
+            f"{name}'s images decode to {display.shape[1]} channel{'s' * (display.shape[1] != 1)} "
+            f"and the model takes {pre.in_chans}: {IMAGES_OR_DATA}"
         )
     labels = split.labels[rows].tolist()  # an unlabelled folder's: no class in the name
     names = [f"{name}-test-{i}" + (f"-{split.classes[y]}" if split.classes else "")

@@ -4,6 +4,7 @@ fine-tuning source's weights."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -39,9 +40,12 @@ def check_settings(cfg: RunConfig) -> None:
         get_config(cfg.model.name)
     else:
         config_of(cfg.model)
-    o, data = cfg.optim, cfg.data
+    o, data, t = cfg.optim, cfg.data, cfg.train
     default_o, default_d = type(o)(), type(data)()
     unused = [
+        (t.strategy == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) < 2, "train.strategy=fsdp",
+         "more than one process (torchrun --nproc_per_node=N, N >= 2): one process trains the "
+         "whole model"),
         (o.name != "sgd" and o.momentum != default_o.momentum, "optim.momentum", "optim.name=sgd"),
         (o.name != "adamw" and o.betas != default_o.betas, "optim.betas", "optim.name=adamw"),
         (not data.randaugment_ops and data.randaugment_magnitude != default_d.randaugment_magnitude,

@@ -210,10 +210,6 @@ def sync_buffers(model: nn.Module, d: Dist, extra: Iterable[Tensor] = ()) -> Non
 def wrap(model: nn.Module, d: Dist, strategy: str, device: torch.device) -> nn.Module:
     """DDP, or FSDP2 (fully_shard on each block, then the root) for models too big for one GPU."""
     if not d.enabled:
-        if strategy == "fsdp":  # said: a run meant to try FSDP is not one
-            print("note: train.strategy=fsdp in one process shards nothing (the model is trained "
-                  "whole); start the run with torchrun --nproc_per_node=N to shard it",
-                  file=sys.stderr)  # fmt: skip
         return model
     if strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard

@@ -93,6 +93,22 @@ def check_resume_length(run: Path, cfg: RunConfig, extend: bool, said: bool = Tr
     return saved
 
 
+def note_finished(epoch: int, step: int, cfg: RunConfig) -> None:
+    """Say that a resumed run had finished (nothing trained: its test is evaluated again), at the
+    limit it reached, and how it trains longer where it can (--extend: an epochs run only)."""
+    t = cfg.train
+    if t.time_budget is not None:
+        limit = f"the steps train.time_budget={t.time_budget} planned, in epoch {epoch}"
+    elif t.max_steps is not None and step >= t.max_steps:
+        limit = f"train.max_steps={t.max_steps}, in epoch {epoch}"
+    else:
+        limit = f"epoch {epoch} of {t.epochs}"
+    extend = t.time_budget is None and t.max_steps is None  # refused for the others
+    how = "; --extend train.epochs=N trains it longer" if extend else ""
+    log.info("note: the run had finished (%s): nothing left to train; its test is evaluated again"
+             "%s", limit, how)  # fmt: skip
+
+
 class OutOfSpace(ValueError):
     """A run stopped by a full disk or quota while writing its folder: `where` says what could not
     be written, `how` how the run goes on once space is freed."""
@@ -102,23 +118,27 @@ class OutOfSpace(ValueError):
         super().__init__(f"{where}; {how}")
 
 
-def raise_if_out_of_space(error: BaseException, out: Path | None, d: Dist) -> None:
+def raise_if_out_of_space(error: BaseException, out: Path | None, d: Dist, ours: bool) -> None:
     """Raise OutOfSpace from `error` where it is a full disk's or quota's (ENOSPC, EDQUOT) writing
-    a checkpoint, metrics.jsonl, results.json ... Checkpoints are written whole or not at all
-    (state.save_checkpoint), so the last one is intact: --resume continues from it (the epochs
-    after it trained again); a run without one starts again."""
+    a checkpoint, metrics.jsonl, results.json, a dataset's download ... Checkpoints are written
+    whole or not at all (state.save_checkpoint), so the last one is intact: --resume continues from
+    it (the epochs after it trained again); a run without one starts again. `ours`: `out` holds
+    this command's run (a resumed one, or a new one built, so any earlier run's files are gone);
+    else the command itself is what to run again (not the run that --overwrite would replace)."""
     if isinstance(error, CheckpointWriteError):  # its message says the limit and what is kept
         hit, where = limit_hit(error.__cause__ or error), str(error)
     elif isinstance(error, OSError):
         hit = limit_hit(error)
-        place = os.fsdecode(error.filename) if error.filename else f"in {out}"
-        where = f"cannot write {place}: {hit[1] if hit else error}"
+        place = f" {os.fsdecode(error.filename)}" if error.filename else ""
+        where = f"cannot write{place}: {hit[1] if hit else error}"
     else:
         return
     if out is None or hit is None or hit[0] not in (errno.ENOSPC, errno.EDQUOT):
         return
     out = Path(out)
-    if has_checkpoint(out):
+    if not ours:
+        how = "once space is freed, run the same command again"
+    elif has_checkpoint(out):
         command = distributed.resume_command(out, d)
         how = f"once space is freed, continue the run with {command}, from its last checkpoint"
     else:

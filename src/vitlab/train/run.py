@@ -63,7 +63,8 @@ def train(
     train.epochs is refused unless `extend` (the schedule is recomputed for it, see Run._extend). An
     `out` that already holds a run is refused unless `overwrite` (its files removed once the new run
     is built). train.time_budget counts from this call, or from the process's start with
-    `budget_from_process_start` (`vitlab train`: Python's start-up is in the budget too)."""
+    `budget_from_process_start` (`vitlab train`: Python's start-up is in the budget too). A full
+    disk or quota raises folder.OutOfSpace (a ValueError) from the OSError, saying how to go on."""
     before = 0.0 if budget_from_process_start else budget.process_age()
     if resume is not None:
         out = Path(resume)
@@ -95,7 +96,8 @@ def train(
         failed = True
         if d.enabled and isinstance(e, Exception):
             distributed.raise_if_rank_lost(d, e, out)
-        folder.raise_if_out_of_space(e, out, d)  # a full disk: said with how the run goes on
+        ours = resume is not None or run is not None  # else --out may hold an earlier run
+        folder.raise_if_out_of_space(e, out, d, ours)  # a full disk: said with how the run goes on
         raise
     finally:
         if run is not None:  # its loaders' workers would outlive it (Run is in a cycle)
@@ -364,10 +366,7 @@ class Run:
                         )
                     return False
         if self.d.is_main and not trained and pos.step:  # --resume of a run that had finished
-            longer = cfg.train.time_budget is None and cfg.train.max_steps is None  # else refused
-            print(f"note: the run had finished (epoch {pos.epoch} of {cfg.train.epochs}): nothing "
-                  f"left to train; its test is evaluated again" + ("; --extend train.epochs=N "
-                  "trains it longer" if longer else ""), file=sys.stderr)  # fmt: skip
+            folder.note_finished(pos.epoch, pos.step, cfg)
         if self.d.is_main:
             self.log.finish()
         return True
