@@ -1,7 +1,8 @@
 """Run-time helpers every layer may use (a leaf: imports nothing from vitlab): the device to run
 on and whether it computes in bf16, this process's place in a distributed run (Dist) and its
 gloo-safe sum across ranks, seeds, random-number-generator state, a thread's own random stream,
-the threads that share a batch, and signal handlers installed for a block."""
+the threads that share a batch, signal handlers installed for a block, and the file that stands
+where a folder is to be made."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -127,6 +129,29 @@ def file_mode() -> int:
     mask = os.umask(0o077)
     os.umask(mask)
     return 0o666 & ~mask
+
+
+def blocking_file(path: Path) -> Path | None:
+    """The nearest of `path` and the folders above it that exists, where that is not a folder (so
+    nothing can be made at `path`); None when the way is clear."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def folder_refusal(path: Path, purpose: str) -> str | None:
+    """Why `path` cannot be the folder for `purpose` (it, or a folder above it, is a file), in
+    words; None when the way is clear."""
+    blocked = blocking_file(path)
+    if blocked == path:
+        return f"{path} is a file: expected a folder (new or existing) for {purpose}"
+    if blocked is not None:
+        return (
+            f"{path} cannot be made: {blocked} is a file, not a folder; expected a folder (new or "
+            f"existing) for {purpose}"
+        )
+    return None
 
 
 def derive_seed(*parts: int) -> int:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from torch import Tensor
 
+from vitlab.runtime import folder_refusal
+
 # the figures an analysis page may show: one of an earlier analysis into the same folder that this
 # page does not show (more images then, a Swin's windows, a similarity skipped now) is removed
 FIGURES = re.compile(
@@ -31,29 +33,6 @@ class Report:
     out: Path
     files: list[tuple[str, str]] = field(default_factory=list)  # (file, caption)
     notes: list[str] = field(default_factory=list)
-
-
-def blocking_file(path: Path) -> Path | None:
-    """The nearest of `path` and the folders above it that exists, where that is not a folder (so
-    nothing can be made at `path`); None when the way is clear."""
-    for p in (path, *path.parents):
-        if p.exists():
-            return None if p.is_dir() else p
-    return None
-
-
-def folder_refusal(path: Path, purpose: str) -> str | None:
-    """Why `path` cannot be the folder for `purpose` (it, or a folder above it, is a file), in
-    words; None when the way is clear."""
-    blocked = blocking_file(path)
-    if blocked == path:
-        return f"{path} is a file: expected a folder (new or existing) for {purpose}"
-    if blocked is not None:
-        return (
-            f"{path} cannot be made: {blocked} is a file, not a folder; expected a folder (new or "
-            f"existing) for {purpose}"
-        )
-    return None
 
 
 def out_folder(out: Path) -> Path:

@@ -14,11 +14,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from vitlab.analysis.cost import layer_cost
-from vitlab.analysis.page import blocking_file, pyplot
+from vitlab.analysis.page import pyplot
 from vitlab.analysis.swin_cost import swin_attention_macs
 from vitlab.analysis.tables import human, table
 from vitlab.models.registry import ModelConfig, aliases_of, family_of, named_config, resolve_name
 from vitlab.models.swin import SwinConfig
+from vitlab.runtime import blocking_file
 
 DEFAULT_SIDES = (224, 384, 512, 768, 1024, 1536)
 DEFAULT_PLOT = "attention_scaling.png"

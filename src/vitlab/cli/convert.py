@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from vitlab import formats
 from vitlab.formats.base import TORCH_SUFFIXES
+from vitlab.runtime import folder_refusal
 
 if TYPE_CHECKING:
     from vitlab.models.swin import SwinConfig
@@ -78,8 +79,6 @@ def check_dest(dest: Path, to: str) -> None:
     """A ValueError for a DST named as a file the format does not write (it would become a
     folder of that name), a DST folder where a file is (or a folder above it is one), or a DST
     inside a vitlab run's checkpoints (train, eval and --resume read them in vitlab's format)."""
-    from vitlab.analysis.page import folder_refusal
-
     if dest.suffix.lower() in WEIGHT_SUFFIXES and dest.suffix not in FILE_SUFFIXES[to]:
         files = " or ".join(f"DST{s}" for s in FILE_SUFFIXES[to])
         raise ValueError(

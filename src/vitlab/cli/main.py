@@ -30,7 +30,7 @@ from vitlab.cli import data as data_cmd
 from vitlab.cli import eval as eval_cmd
 from vitlab.config import ConfigError
 from vitlab.models.registry import UnknownModelError
-from vitlab.runtime import first_rank, handling, tune_allocator
+from vitlab.runtime import blocking_file, first_rank, handling, tune_allocator
 
 COMMANDS = (
     models,
@@ -185,8 +185,6 @@ BLOCKED = (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionErr
 def _blocked(e: OSError) -> str:
     """What an OSError from writing or reading a path says: a file where a folder is needed
     (`--cache-dir FILE`, a DST that is a file) by name, else the error."""
-    from vitlab.analysis.page import blocking_file  # where nothing can be made: a file
-
     file = e.filename and blocking_file(Path(os.fsdecode(e.filename)))
     if isinstance(e, FileExistsError | NotADirectoryError) and file:
         return f"{file} is a file, not a folder: name a folder (new or existing) there"

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from vitlab.config import ConfigError, RunConfig, load_run_config, load_saved_config
-from vitlab.runtime import Dist
+from vitlab.runtime import Dist, folder_refusal
 from vitlab.train import distributed
 from vitlab.train.log import RUN_FILES, saved_tree
 from vitlab.train.state import CheckpointError, CheckpointWriteError, has_checkpoint, limit_hit
@@ -209,8 +209,6 @@ def _lock(out: Path, user: str = "`vitlab train`", run: bool = True) -> str | No
             except FileExistsError:  # another user's lock file in a shared folder: read-only
                 fd, made = _open_existing(out / LOCK), False
         except OSError as e:
-            from vitlab.analysis.page import folder_refusal  # a file where the folder goes
-
             refusal = None
             if isinstance(e, FileExistsError | NotADirectoryError):
                 refusal = folder_refusal(out, "the run" if run else f"the runs of {user}")
