@@ -574,6 +574,15 @@ def test_a_full_disk_says_to_rerun_the_same_command(tmp_path: Path, capsys, monk
     assert "error: cannot save checkpoint" in err and "the disk is full (ENOSPC)" in err
     assert "once space is freed, rerun the same command to continue" in err
     assert "--resume" not in err
+    # the disk full for the arm's record too (written as the run stops): its OSError, exit 1,
+    # took the place of the message
+    from vitlab.experiments import arms
+
+    monkeypatch.setattr(arms, "write_json", full)
+    assert main(["-q", "reproduce", "pos-embed", *SMOKE, "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert "error: cannot save checkpoint" in err
+    assert "once space is freed, rerun the same command to continue" in err
 
 
 def test_a_folder_trained_by_any_of_its_rows_counts_as_trained() -> None:

@@ -299,7 +299,7 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
     if finished:
         print(f"{tag}: finished run found, reusing it", file=sys.stderr, flush=True)
     else:
-        t0 = time.perf_counter()
+        t0, trained = time.perf_counter(), False
         try:
             if has_last and not redo:
                 print(f"{tag}: resuming its run", file=sys.stderr, flush=True)
@@ -313,10 +313,15 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
                         raise ConfigError(problem)
                     _save_state(folder, state)
                 train(load_run_config(None, arm.config(out)), out=folder, overwrite=True)
+            trained = True
         finally:  # stopped (Ctrl-C) or not, the time spent counts
             if (folder / "config.yaml").is_file():
                 state["train_seconds"] = state.get("train_seconds", 0.0) + time.perf_counter() - t0
-                _save_state(folder, state)
+                try:
+                    _save_state(folder, state)
+                except OSError:  # a full disk: what stopped the run is the error to say, not this
+                    if trained:
+                        raise
     if arm.classifier and LAST not in state:
         state[LAST] = measure_last(folder, ctx, arm.seed, arm.test_fraction)
         _save_state(folder, state)
