@@ -424,3 +424,14 @@ def test_timm_layout_of_every_registered_hybrid_builds_in_timm() -> None:
         assert {k: v.shape for k, v in theirs.items()} == {k: v.shape for k, v in ours.items()}, (
             name
         )
+
+
+def test_a_small_hybrid_refused_by_hf_and_timm_says_why(tmp_path: Path) -> None:
+    """HF's ViT has no ResNet stem, and timm builds its hybrids' ResNets at width 64: the small
+    hybrids are refused by both, HF's refusal naming the ResNet stem (it said "a conv stem", the
+    other stem) and the format that writes them."""
+    model = vitlab.create_model("vit_pico_r_s4_28")
+    with pytest.raises(CheckpointError, match=r"a ResNet stem \(a hybrid\) \(--to vitlab writes"):
+        save_pretrained(model, tmp_path / "hf", "hf")
+    with pytest.raises(CheckpointError, match="a ResNet stem of width 32 and units \\(1,\\)"):
+        save_pretrained(model, tmp_path / "timm", "timm")

@@ -383,7 +383,10 @@ def hf_config(cfg: ViTConfig, classes: list[str]) -> tuple[dict[str, Any], bool]
                 "position tables other than learned",
             ),
             (cfg.fc_norm, "fc_norm"),
-            (cfg.stem != "patch", "a conv stem"),
+            (
+                cfg.stem != "patch",
+                "a ResNet stem (a hybrid)" if cfg.stem == "resnet" else "a conv stem",
+            ),
             (cfg.layer_scale is not None, "layer scale"),
             (
                 bool(cfg.representation_size and cfg.num_classes),
@@ -393,7 +396,9 @@ def hf_config(cfg: ViTConfig, classes: list[str]) -> tuple[dict[str, Any], bool]
         if bad
     ]
     if why:
-        raise CheckpointError("cannot write Hugging Face ViT's format: " + "; ".join(why))
+        reasons = "; ".join(why)
+        raise CheckpointError(f"cannot write Hugging Face ViT's format: {reasons} (--to vitlab "
+                              "writes every vitlab model)")  # fmt: skip
     with_classifier = cfg.num_classes > 0
     h, w = cfg.img_hw
     kind, head = "DeiT" if cfg.distilled else "ViT", "ForImageClassification"

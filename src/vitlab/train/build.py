@@ -173,6 +173,8 @@ def finetune_weights(model: nn.Module, source: Source) -> list[str]:
     where = "relative position tables" if swin else "position embeddings"
     if src_cfg.img_hw != cfg.img_hw and cnn:  # a CNN's weights take any size
         notes.append(f"image size {src_cfg.img_hw} -> {cfg.img_hw} (a CNN's weights are kept)")
+    elif src_cfg.img_hw != cfg.img_hw and swin:  # its tables span a window: kept at the same one
+        notes.append(f"token grid {src_cfg.grid} -> {cfg.grid}")
     elif src_cfg.img_hw != cfg.img_hw:
         notes.append(f"{where} resampled to the token grid {src_cfg.grid} -> {cfg.grid}")
     moves = {"img_size": cfg.img_size}
