@@ -23,6 +23,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--topk", type=positive_int, default=5, help="classes to show per image (default 5)"
     )
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=None,
+        help="images a forward pass (default 32; 1 with --int8, whose activations are quantised "
+        "per batch, so that each image's scores are its own)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     add_backend_arguments(p)
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per image")
@@ -40,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         int8=args.int8,
         tta=args.tta,
+        batch_size=args.batch_size,
     )
     failed = [r for r in results if "error" in r]
     for r in failed:

@@ -271,34 +271,46 @@ def predict_files(
     backend: str = "torch",
     int8: bool = False,
     tta: str = "none",
+    batch_size: int | None = None,
 ) -> list:
     """Top-k classes with probabilities for each image file, run by `backend` with test-time
     augmentation `tta` (vitlab.eval.backends): {"image", "top"} for each, in order; a file that
-    cannot be read gives {"image", "error"} and the others are still classified."""
+    cannot be read gives {"image", "error"} and the others are still classified. The images go
+    through the model `batch_size` at a time (default 32; 1 with `int8`, whose activations are
+    quantised per batch: so each image's scores are its own)."""
     dev = _device(device, backend, int8)
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:
         raise ValueError(f"{checkpoint} has no classifier (num_classes=0): nothing to predict")
     model = prepare(model, meta, backend, int8, tta=tta)
-    k = min(topk, meta.config.num_classes)
-    results = []
+    k, pre = min(topk, meta.config.num_classes), meta.preprocessing
+    batch = batch_size or (1 if int8 else 32)
+    results: list[dict] = []
+    waiting: list[tuple[dict, torch.Tensor]] = []  # (its result, its input), run together
+
+    def classify() -> None:
+        with torch.no_grad():
+            probs = model(torch.stack([x for _, x in waiting]).to(dev)).float().softmax(dim=1)
+        top = probs.topk(k)
+        for (result, _), ps, ids in zip(
+            waiting, top.values.tolist(), top.indices.tolist(), strict=True
+        ):
+            result["top"] = [
+                {"class": meta.classes[i], "index": i, "probability": p}
+                for p, i in zip(ps, ids, strict=True)
+            ]
+        waiting.clear()
+
     for path in images:
-        pre = meta.preprocessing
+        results.append({"image": path})
         try:
             x = pre.pil(read_image(path, "L" if pre.in_chans == 1 else "RGB"))
         except DatasetError as e:
-            results.append({"image": path, "error": str(e)})
+            results[-1]["error"] = str(e)
             continue
-        with torch.no_grad():
-            probs = model(x[None].to(dev)).float().softmax(dim=1)[0]
-        top = probs.topk(k)
-        results.append(
-            {
-                "image": path,
-                "top": [
-                    {"class": meta.classes[i], "index": i, "probability": p}
-                    for p, i in zip(top.values.tolist(), top.indices.tolist(), strict=True)
-                ],
-            }
-        )
+        waiting.append((results[-1], x))
+        if len(waiting) == batch:
+            classify()
+    if waiting:
+        classify()
     return results
