@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,7 @@ def test_a_swin_checkpoint_works_with_every_command(tmp_path: Path, capsys, capl
     assert config.img_hw == (16, 16) and config.window_size == 4
     assert "relative position tables resampled to the window 2 -> 4" in caplog.text
     assert "tables resampled to the token grid" not in caplog.text  # they span a window, not it
+    assert re.search(r"token grid \(\d+, \d+\) -> \(\d+, \d+\)", caplog.text), caplog.text
 
 
 def test_fine_tuning_a_swin_takes_its_keys_without_model_name(tmp_path: Path, capsys) -> None:

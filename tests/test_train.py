@@ -131,6 +131,7 @@ def test_predict_runs_the_images_in_batches_each_as_its_own_forward_gives(
     each image's probabilities those of the model on it alone, in the given order."""
     from vitlab import load_checkpoint
     from vitlab.data.folders import read_image
+    from vitlab.eval.run import predict_files
     from vitlab.models.vit import VisionTransformer
 
     test = load_split("digits", "test")
@@ -163,6 +164,11 @@ def test_predict_runs_the_images_in_batches_each_as_its_own_forward_gives(
     batches.clear()
     assert main(["predict", str(trained_run), *paths, "--json"]) == 0
     assert batches == [7]  # the default batch holds them all
+    batches.clear()  # int8 quantises activations per batch: each image alone, so its own scores
+    assert main(["predict", str(trained_run), *paths, "--int8", "--json"]) == 0
+    assert len(batches) == 7 and set(batches) == {1}
+    with pytest.raises(ValueError, match="batch_size must be a whole number >= 1"):
+        predict_files(str(trained_run), paths, batch_size=0)
 
 
 def test_resume_is_exact(tmp_path: Path) -> None:

@@ -278,6 +278,8 @@ def predict_files(
     cannot be read gives {"image", "error"} and the others are still classified. The images go
     through the model `batch_size` at a time (default 32; 1 with `int8`, whose activations are
     quantised per batch: so each image's scores are its own)."""
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be a whole number >= 1 (or None), got {batch_size}")
     dev = _device(device, backend, int8)
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:
