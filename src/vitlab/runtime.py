@@ -92,6 +92,12 @@ def first_rank(local: bool = False) -> bool:
     return os.environ.get("LOCAL_RANK" if local else "RANK", "0") == "0"
 
 
+def launched_processes() -> int:
+    """How many processes torchrun started for the run (WORLD_SIZE; 1 without torchrun), read
+    before the process group is joined."""
+    return int(os.environ.get("WORLD_SIZE", "").strip() or 1)
+
+
 _let_go_s = 10.0  # how long all_reduce_ waits for gloo (0 once a wait timed out: warned once)
 
 

@@ -30,7 +30,7 @@ from vitlab.cli import data as data_cmd
 from vitlab.cli import eval as eval_cmd
 from vitlab.config import ConfigError
 from vitlab.models.registry import UnknownModelError
-from vitlab.runtime import blocking_file, first_rank, handling, tune_allocator
+from vitlab.runtime import blocking_file, first_rank, handling, launched_processes, tune_allocator
 
 COMMANDS = (
     models,
@@ -173,7 +173,7 @@ def sigterm_raises() -> Iterator[None]:
     def handle(signum: int, frame: object) -> None:
         raise Terminated
 
-    alone = os.environ.get("WORLD_SIZE", "1").strip() in ("", "1")
+    alone = launched_processes() == 1
     with handling((signal.SIGTERM,) if alone else (), handle, keep_ignored=True):
         yield
 

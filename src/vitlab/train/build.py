@@ -4,7 +4,6 @@ fine-tuning source's weights."""
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ from vitlab.models.checkpoint import (
 )
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
 from vitlab.models.registry import ModelConfig, config_of, family_of, get_config, shape_of
-from vitlab.runtime import Dist, first_rank
+from vitlab.runtime import Dist, first_rank, launched_processes
 from vitlab.train import distill
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ def check_settings(cfg: RunConfig) -> None:
     o, data, t = cfg.optim, cfg.data, cfg.train
     default_o, default_d = type(o)(), type(data)()
     unused = [
-        (t.strategy == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) < 2, "train.strategy=fsdp",
+        (t.strategy == "fsdp" and launched_processes() < 2, "train.strategy=fsdp",
          "more than one process (torchrun --nproc_per_node=N, N >= 2): one process trains the "
          "whole model"),
         (o.name != "sgd" and o.momentum != default_o.momentum, "optim.momentum", "optim.name=sgd"),

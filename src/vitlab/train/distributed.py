@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from vitlab.runtime import Dist, all_reduce_, derive_seed
+from vitlab.runtime import Dist, all_reduce_, derive_seed, launched_processes
 from vitlab.train.optim import laid_out_as
 
 TIMEOUT_ENV = "VITLAB_DIST_TIMEOUT"
@@ -43,7 +43,7 @@ def init(device: torch.device, timeout_s: float | None = None) -> Dist:
     A collective waits at most `timeout_s` for a peer (default: $VITLAB_DIST_TIMEOUT, else
     DEFAULT_TIMEOUT_S); every rank leaves its host and process id in the store, so that a rank
     that is lost can be named (lost_ranks)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_processes()
     if world <= 1:
         return Dist()
     seconds = collective_timeout() if timeout_s is None else timeout_s
