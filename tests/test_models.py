@@ -115,6 +115,25 @@ def test_input_errors_name_the_expected_and_received_sizes() -> None:
         model(torch.randn(3, 16, 16))
 
 
+@pytest.mark.parametrize("name", ["vit_nano_patch4_28", "vit_pico_r_s4_28", "resnet18_28"])
+def test_a_batch_of_another_dtype_is_named_and_autocast_still_casts(name: str) -> None:
+    """uint8 images (torchvision.io's) and float64 ones (numpy's) get vitlab's error, not
+    PyTorch's "expected scalar type Byte but found Float" from deep inside a conv; under autocast
+    float32 and float16 batches run, as autocast casts them, and float64 ones, which it does not,
+    are refused; a float64 model takes float64 images."""
+    model = vitlab.create_model(name).eval()
+    with pytest.raises(ValueError, match=r"expected float images, got torch.uint8: model.prep"):
+        model(torch.zeros(2, 1, 28, 28, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"model's dtype torch.float32, got torch.float64: conv"):
+        model(torch.zeros(2, 1, 28, 28, dtype=torch.float64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for dtype in (torch.float32, torch.float16):
+            assert model(torch.zeros(2, 1, 28, 28, dtype=dtype)).dtype == torch.bfloat16
+        with pytest.raises(ValueError, match="got torch.float64"):
+            model(torch.zeros(2, 1, 28, 28, dtype=torch.float64))
+    assert model.double()(torch.zeros(2, 1, 28, 28, dtype=torch.float64)).dtype == torch.float64
+
+
 @pytest.mark.parametrize("in_chans,size", [(1, (16, 16)), (5, (16, 24)), (3, (24, 8))])
 def test_any_channel_count_and_rectangular_images(in_chans: int, size: tuple[int, int]) -> None:
     model = VisionTransformer(tiny_config(in_chans=in_chans, img_size=size))

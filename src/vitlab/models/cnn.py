@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vitlab.config import ConfigError, check_keys, pair, validate
 from vitlab.models.indices import chosen_indices
+from vitlab.models.layers import check_dtype
 
 ResNetArch = Literal["resnet18", "resnet34", "resnet50", "resnetv2_50"]
 
@@ -241,6 +242,7 @@ class CNN(nn.Module):
     # --- forward ---------------------------------------------------------------------------------
 
     def _check(self, x: Tensor) -> None:
+        check_dtype(x, next(self.parameters()))
         c = self.config.in_chans
         if x.ndim != 4:
             raise ValueError(

@@ -68,6 +68,22 @@ class DropPath(nn.Module):
         return f"p={self.p}"
 
 
+def check_dtype(x: Tensor, weight: Tensor) -> None:
+    """Raise ValueError unless x is float images the model's weights take: their dtype, or under
+    autocast any float dtype it casts (all but float64)."""
+    if not x.is_floating_point():
+        raise ValueError(
+            f"expected float images, got {x.dtype}: model.preprocessing.batch(images) turns a "
+            "uint8 (B, C, H, W) batch into the model's input (resized, scaled, normalised)"
+        )
+    cast = torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float64
+    if x.dtype != weight.dtype and not cast:
+        raise ValueError(
+            f"expected images in the model's dtype {weight.dtype}, got {x.dtype}: convert them "
+            f"with x.to({weight.dtype}) or the model with model.to({x.dtype})"
+        )
+
+
 class PatchEmbed(nn.Module):
     """Cuts an image into P x P patches and maps each with one shared linear map E (a P x P conv
     with stride P): (B, C, H, W) -> (B, N, D), N = (H / P) (W / P), patches in row-major order."""
@@ -84,7 +100,9 @@ class PatchEmbed(nn.Module):
         self.grid = (img_size[0] // self.patch_size, img_size[1] // self.patch_size)
 
     def check_input(self, x: Tensor) -> None:
-        """Raise ValueError unless x is a (B, C, H, W) batch of the model's channels and size."""
+        """Raise ValueError unless x is a (B, C, H, W) batch of the model's channels, size and
+        dtype."""
+        check_dtype(x, self.proj.weight)
         if x.ndim != 4:
             raise ValueError(
                 f"expected a batch of images of shape (B, {self.in_chans}, {self.img_size[0]}, "
