@@ -173,6 +173,32 @@ def test_timms_bare_state_dict_reads_back_the_model_vitlab_wrote(tmp_path: Path)
     assert shape(back) == shape(model) and meta.classes == ["a", "b", "c"]
 
 
+def test_a_bare_load_state_dict_takes_timms_state_dict_and_its_own() -> None:
+    """timm's tensor `pos_embed` is the module `pos_embed` here (`pos_embed.weight`): a ViT's and a
+    hybrid's load_state_dict, strict, takes timm's state dict as it is, with timm's logits, and the
+    caller's dict is left as it was; vitlab's own names load too, and a model without a learned
+    table still reports timm's `pos_embed` as unexpected."""
+    import timm
+
+    for name in ("vit_base_patch16_224", "vit_small_r26_s32_224"):
+        theirs = randomize(timm.create_model(name, img_size=64, num_classes=3, depth=1).eval())
+        ours = create_model(name, img_size=64, num_classes=3, depth=1).eval()
+        state = theirs.state_dict()
+        ours.load_state_dict(state)
+        assert "pos_embed" in state and "pos_embed.weight" not in state
+        x = images(64)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+        twin = create_model(name, img_size=64, num_classes=3, depth=1).eval()
+        twin.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            assert torch.equal(twin(x), ours(x))
+    sincos = create_model("vit_small_r26_s32_224", img_size=64, num_classes=3, depth=1,
+                          pos_embed="sincos2d")  # fmt: skip
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "pos_embed"'):
+        sincos.load_state_dict(state)
+
+
 def test_a_timm_write_over_a_hugging_face_folder_leaves_no_stale_preprocessing(tmp_path) -> None:
     model = randomize(create_model("vit_nano_patch4_32", num_classes=3))
     save_pretrained(model, tmp_path / "same", "hf")

@@ -145,6 +145,14 @@ class LearnedPosEmbed(PosEmbed):
         super().set_grid(grid)
 
 
+def timm_table_name(model: nn.Module, state: dict, prefix: str, *_: object) -> None:
+    """A load_state_dict pre-hook of a model whose learned table is the module `pos_embed`
+    (`pos_embed.weight`), where timm's state dicts hold the tensor `pos_embed`: either loads."""
+    old, new = prefix + "pos_embed", prefix + "pos_embed.weight"
+    if isinstance(model.pos_embed, LearnedPosEmbed) and old in state and new not in state:
+        state[new] = state.pop(old)
+
+
 class Learned2dPosEmbed(PosEmbed):
     """Paper App. D.4 2-D embedding: an X table and a Y table of D/2 each, concatenated per patch
     as [x_col, y_row]; prefix tokens get their own learned vectors."""

@@ -33,14 +33,8 @@ from torch.utils.checkpoint import checkpoint
 from vitlab.config import ConfigError, check_keys, pair, validate
 from vitlab.models.chunks import batch_chunk
 from vitlab.models.indices import chosen_indices, positive
-from vitlab.models.layers import (
-    Block,
-    LayerNorm,
-    PatchEmbed,
-    lecun_normal_,
-    watched,
-)
-from vitlab.models.pos_embed import POS_EMBEDS
+from vitlab.models.layers import Block, LayerNorm, PatchEmbed, lecun_normal_, watched
+from vitlab.models.pos_embed import POS_EMBEDS, timm_table_name
 from vitlab.models.stems import ConvStem, ResNetStem, stem_problem
 
 PoolKind = Literal["token", "gap"]
@@ -197,6 +191,7 @@ class VisionTransformer(nn.Module):
         self.dist_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.distilled else None
         pos_prefix = 0 if cfg.no_embed_class else cfg.num_prefix_tokens
         self.pos_embed = POS_EMBEDS[cfg.pos_embed](cfg.grid, pos_prefix, d)
+        self.register_load_state_dict_pre_hook(timm_table_name)  # timm's `pos_embed` tensor
         self.pos_drop = nn.Dropout(cfg.dropout)
         rates = torch.linspace(0, cfg.drop_path, cfg.depth, device="cpu").tolist()
         self.blocks = nn.ModuleList(Block(cfg, drop_path=r) for r in rates)
