@@ -348,6 +348,36 @@ def test_other_sources_cache_only_with_a_cache_dir(tmp_path: Path) -> None:
     assert again.features("digits", None, "test").cached and again.forward_batches == 0
 
 
+def test_cifar_from_another_folder_or_rewritten_is_extracted_again(tmp_path, monkeypatch):
+    """cifar10 read through $VITLAB_DATA (or data.dir) from another folder, or with a batch
+    written again, is not served the first folder's features (keyed by its name alone before);
+    the same files are."""
+    from tests.test_data import cifar_batch, make_cifar10
+
+    torch.manual_seed(0)
+    config = ViTConfig(img_size=8, patch_size=2, in_chans=1, num_classes=0, embed_dim=16, depth=1,
+                       num_heads=2)  # fmt: skip
+    save_pretrained(VisionTransformer(config), tmp_path / "m.safetensors")
+    for name, seed in (("a", 9), ("b", 10)):
+        make_cifar10(tmp_path / name / "cifar-10-batches-py")
+        (tmp_path / name / "cifar-10-batches-py" / "test_batch").write_bytes(cifar_batch(3, seed))
+
+    def features(folder: str, data_dir: str | None = None):
+        monkeypatch.setenv("VITLAB_DATA", str(tmp_path / folder))
+        ex = Extractor(str(tmp_path / "m.safetensors"), device="cpu", cache_dir=tmp_path / "cache",
+                       progress=False)  # fmt: skip
+        return ex.features("cifar10", data_dir, "test")
+
+    a = features("a")
+    assert not a.cached and features("a").cached
+    b = features("b")
+    assert not b.cached and not torch.equal(a.x, b.x)
+    assert torch.equal(features("b", str(tmp_path / "a")).x, a.x)  # data.dir before $VITLAB_DATA
+    (tmp_path / "a" / "cifar-10-batches-py" / "test_batch").write_bytes(cifar_batch(4, 10))
+    again = features("a")
+    assert not again.cached and len(again.x) == 4
+
+
 # --- the command ---------------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ code: only dicts, lists, bytes and numpy arrays are unpickled."""
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import tarfile
 import zlib
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vitlab.data.download import DatasetError
+from vitlab.data.download import DatasetError, cache_dir
 
 
 class _ArrayUnpickler(pickle.Unpickler):
@@ -81,6 +82,23 @@ def _cifar_arrays(batch: dict, label_key: str, classes: int, where: str) -> tupl
     ):
         raise DatasetError(f"CIFAR batch {where}: {label_key!r} are not class indices < {classes}")
     return data.reshape(-1, 3, 32, 32), np.array([int(y) for y in labels], dtype=np.int64)
+
+
+BATCHES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5",
+           "test_batch", "batches.meta", "train", "test", "meta")  # fmt: skip
+
+
+def cifar_root(data_dir: str | None) -> Path:
+    """Where cifar10 / cifar100 are read from: data.dir, $VITLAB_DATA or ~/.cache/vitlab."""
+    return Path(data_dir or os.environ.get("VITLAB_DATA") or cache_dir()).expanduser()
+
+
+def cifar_files(root: Path) -> list[str]:
+    """Every file under root that read_cifar may read (the batches, in root or an extracted
+    cifar-* folder, and the .tar.gz archives): what a digest of the data read covers."""
+    folders = [root, *sorted(p for p in root.glob("cifar-*") if p.is_dir())]
+    found = [str(folder / n) for folder in folders for n in BATCHES if (folder / n).is_file()]
+    return found + [str(p) for p in sorted(root.glob("*.tar.gz"))]
 
 
 def _cifar_members(root: Path, names: list[str]) -> dict[str, bytes]:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from vitlab.config import DataConfig
-from vitlab.data.cifar import read_cifar
+from vitlab.data.cifar import cifar_root, read_cifar
 from vitlab.data.classes import named, numbered
 from vitlab.data.decode import GREY_STATS, channels_of
 from vitlab.data.download import FASHION_SHA256, DatasetError, find_or_fetch_fashion_mnist
@@ -174,8 +174,7 @@ def load_fashion_mnist_split(split: str, data_dir: str | None) -> ArraySplit:
 
 
 def load_cifar_split(name: str, split: str, data_dir: str | None) -> ArraySplit:
-    root = Path(data_dir or os.environ.get("VITLAB_DATA") or Path.home() / ".cache" / "vitlab")
-    images, labels, classes = read_cifar(root, name, split)
+    images, labels, classes = read_cifar(cifar_root(data_dir), name, split)
     return ArraySplit(torch.from_numpy(images), torch.from_numpy(labels), classes)
 
 

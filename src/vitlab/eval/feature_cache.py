@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import safe_open
 from torch import Tensor
 
+from vitlab.data.cifar import cifar_files, cifar_root
 from vitlab.data.download import absolute_source
 from vitlab.data.folders import folder_files, folder_root
 from vitlab.data.shards import remote, shard_files
@@ -83,12 +84,16 @@ def source_identity(source: str, weights: Path | None) -> dict[str, Any]:
     return {"name": source}
 
 
-def identity(name: str, test: bool = False) -> tuple[str, str | None]:
+def identity(name: str, test: bool = False, data_dir: str | None = None) -> tuple[str, str | None]:
     """(a dataset name as a cache key takes it, a digest of its files or None): an image folder,
-    a Hugging Face dataset on disk (save_to_disk's folder, parquet) and local WebDataset shards,
-    by their absolute path and a digest of their files; anything else (a hub name, a URL,
-    digits) by its name alone. `test`: the source is data.test's (an image folder is then read
-    whole, every sub-folder a class)."""
+    a Hugging Face dataset on disk (save_to_disk's folder, parquet), local WebDataset shards and
+    CIFAR (in data.dir, $VITLAB_DATA or the default folder) by their absolute path and a digest of
+    their files; anything else (a hub name, a URL, digits, Fashion-MNIST, whose files are checked
+    against their SHA-256) by its name alone. `test`: the source is data.test's (an image folder
+    is then read whole, every sub-folder a class)."""
+    if name in ("cifar10", "cifar100"):
+        root = cifar_root(data_dir).resolve()
+        return f"{name}:{root}", files_digest(root, cifar_files(root))
     if name.startswith("imagefolder:"):
         root = folder_root(name).resolve()
         return f"imagefolder:{root}", files_digest(root, folder_files(root, whole=test))

@@ -195,8 +195,8 @@ class Extractor:
         on disk, data.name's or data.test's: its absolute path and a digest of its files' names,
         sizes and times, so added or replaced images count)."""
         folder, seed = cfg.dir, cfg.split_seed
-        name, files = self._identity(cfg.name)
-        test, test_files = self._identity(cfg.test, test=True) if cfg.test else (None, None)
+        name, files = self._identity(cfg.name, cfg.dir)
+        test, test_files = self._identity(cfg.test, cfg.dir, True) if cfg.test else (None, None)
         return {
             "version": CACHE_VERSION,
             "weights": source_identity(self.source, self.weights),
@@ -212,14 +212,16 @@ class Extractor:
             "features": self.kind,
         }
 
-    def _identity(self, name: str, test: bool = False) -> tuple[str, str | None]:
-        """identity(name, test), digested once while held_keys holds (a split each: an image
-        folder of a million files was stat-ed twice a command)."""
+    def _identity(
+        self, name: str, data_dir: str | None, test: bool = False
+    ) -> tuple[str, str | None]:
+        """identity(name, test, data_dir), digested once while held_keys holds (a split each: an
+        image folder of a million files was stat-ed twice a command)."""
         if self._held is None:
-            return identity(name, test)
-        if (name, test) not in self._held:
-            self._held[name, test] = identity(name, test)
-        return self._held[name, test]
+            return identity(name, test, data_dir)
+        if (name, test, data_dir) not in self._held:
+            self._held[name, test, data_dir] = identity(name, test, data_dir)
+        return self._held[name, test, data_dir]
 
     @contextmanager
     def held_keys(self) -> Iterator[None]:
