@@ -99,25 +99,33 @@ def test_missing_fashion_mnist_offline_names_both_ways(no_fashion_anywhere, monk
     assert len(os.listdir("/proc/self/fd")) == open_before  # the temp file's descriptor closed
 
 
-def test_download_checks_sha256_and_writes_atomically(no_fashion_anywhere, monkeypatch) -> None:
+@pytest.fixture
+def served(tmp_path: Path):
+    """(a folder, the URL of a loopback HTTP server serving it): a dataset's site, offline."""
+    folder = tmp_path / "served"
+    folder.mkdir()
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(folder), **k)  # noqa: E731
+    http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield folder, f"http://127.0.0.1:{server.server_port}/"
+    server.shutdown()
+
+
+def test_download_checks_sha256_and_writes_atomically(no_fashion_anywhere, monkeypatch,
+                                                      served) -> None:  # fmt: skip
     """A loopback HTTP server stands in for the mirror: right payloads install, a wrong one is
     refused and leaves nothing behind."""
-    served = no_fashion_anywhere / "served"
-    served.mkdir()
+    served, url = served
     rng = np.random.default_rng(0)
     write_idx(served / "train-images-idx3-ubyte.gz", rng.integers(0, 256, (6, 28, 28)))
     write_idx(served / "train-labels-idx1-ubyte.gz", rng.integers(0, 10, (6,)))
     write_idx(served / "t10k-images-idx3-ubyte.gz", rng.integers(0, 256, (4, 28, 28)))
     write_idx(served / "t10k-labels-idx1-ubyte.gz", rng.integers(0, 10, (4,)))
     digests = {p.name: download.payload_sha256(p) for p in served.iterdir()}
-
-    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(served), **k)  # noqa: E731
-    http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     mask = os.umask(0o002)  # a group-shared data folder: files as any other file written there
     try:
-        monkeypatch.setattr(download, "FASHION_MIRROR", f"http://127.0.0.1:{server.server_port}/")
+        monkeypatch.setattr(download, "FASHION_MIRROR", url)
         cut = served / "t10k-images-idx3-ubyte.gz"  # a download cut short: once a bare EOFError
         whole = cut.read_bytes()
         cut.write_bytes(whole[: len(whole) // 2])
@@ -139,7 +147,6 @@ def test_download_checks_sha256_and_writes_atomically(no_fashion_anywhere, monke
         assert {p.stat().st_mode & 0o777 for p in files.values()} == {0o664}
     finally:
         os.umask(mask)
-        server.shutdown()
 
 
 def cifar_batch(n: int, seed: int, key: str = "labels") -> bytes:
@@ -193,7 +200,9 @@ def test_cifar100_reads_fine_labels_and_their_names(tmp_path: Path) -> None:
     assert len(load_split("cifar100", "test", str(tmp_path))) == 2
 
 
-def test_cifar_hostile_pickle_and_missing_files(tmp_path: Path) -> None:
+def test_cifar_hostile_pickle_and_missing_files(tmp_path: Path, monkeypatch) -> None:
+    from vitlab.data import cifar
+
     class Evil:
         def __reduce__(self):
             return (print, ("pwned",))
@@ -202,8 +211,43 @@ def test_cifar_hostile_pickle_and_missing_files(tmp_path: Path) -> None:
     (tmp_path / "cifar-10-batches-py" / "test_batch").write_bytes(pickle.dumps({b"data": Evil()}))
     with pytest.raises(DatasetError, match="refusing to unpickle builtins.print"):
         load_split("cifar10", "test", str(tmp_path))
+    monkeypatch.setattr(cifar, "MIRROR", "http://127.0.0.1:9/")  # offline: refused at once
     with pytest.raises(DatasetError, match="not found"):
         load_split("cifar100", "test", str(tmp_path / "empty"))
+
+
+def test_missing_cifar_is_downloaded_checked_and_read(tmp_path, served, monkeypatch) -> None:
+    """Neither the archive nor its folder found: the archive is fetched into the folder CIFAR is
+    read from ($VITLAB_DATA here), its SHA-256 checked (a wrong one refused, nothing left), and
+    read with the images and labels of the batches it holds; offline, both ways are named."""
+    from vitlab.data import cifar
+
+    served, url = served
+    monkeypatch.setattr(cifar, "MIRROR", url)
+    make_cifar10(tmp_path / "src" / "cifar-10-batches-py")
+    archive = served / "cifar-10-python.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "src" / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    digest = download.file_sha256(archive)
+    data = tmp_path / "data"
+    monkeypatch.setenv("VITLAB_DATA", str(data))
+    monkeypatch.setitem(cifar.ARCHIVES, "cifar10", ("cifar-10-python.tar.gz", "0" * 64))
+    with pytest.raises(DatasetError, match="does not match the expected 0000"):
+        load_split("cifar10", "test")
+    assert not data.exists() or not list(data.iterdir())  # no archive, no temporary file
+    monkeypatch.setitem(cifar.ARCHIVES, "cifar10", ("cifar-10-python.tar.gz", digest))
+    test = load_split("cifar10", "test")
+    assert (data / "cifar-10-python.tar.gz").read_bytes() == archive.read_bytes()
+    assert test.labels.tolist() == pickle.loads(cifar_batch(3, 9))[b"labels"]
+    raw = pickle.loads(cifar_batch(4, 1))[b"data"]
+    assert np.array_equal(load_split("cifar10", "train").images[:4].numpy().reshape(4, -1), raw)
+    archive.unlink()  # the site gone: the archive read again from the folder
+    assert torch.equal(load_split("cifar10", "test").images, test.images)
+    monkeypatch.setattr(cifar, "MIRROR", "http://127.0.0.1:9/")  # refused at once
+    with pytest.raises(DatasetError) as err:
+        load_split("cifar100", "test", str(tmp_path / "empty"))
+    msg = str(err.value)
+    assert "not found under" in msg and "127.0.0.1:9" in msg and "cifar-100-python.tar.gz" in msg
 
 
 def make_folder(root: Path) -> None:

@@ -1,5 +1,6 @@
 """CIFAR-10 / -100's python-version batches (pickles by definition), read without ever running
-code: only dicts, lists, bytes and numpy arrays are unpickled."""
+code: only dicts, lists, bytes and numpy arrays are unpickled. The archive is downloaded (SHA-256
+checked) into the folder it is looked for in when neither it nor its extracted folder is there."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import io
 import os
 import pickle
 import tarfile
+import urllib.error
 import zlib
 from pathlib import Path
 
 import numpy as np
 
+from vitlab.data import download
 from vitlab.data.download import DatasetError, cache_dir
 
 
@@ -84,6 +87,13 @@ def _cifar_arrays(batch: dict, label_key: str, classes: int, where: str) -> tupl
     return data.reshape(-1, 3, 32, 32), np.array([int(y) for y in labels], dtype=np.int64)
 
 
+MIRROR = "https://www.cs.toronto.edu/~kriz/"
+ARCHIVES = {  # the python-version archives and the SHA-256 of each file
+    "cifar10": ("cifar-10-python.tar.gz",
+                "6d958be074577803d12ecdefd02955f39262c83c16fe9348329d7fe0b5c001ce"),
+    "cifar100": ("cifar-100-python.tar.gz",
+                 "85cd44d02ba6437773c5bbd22e183051d648de2e7d6b014e1ef29b855ba677a7"),
+}  # fmt: skip
 BATCHES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5",
            "test_batch", "batches.meta", "train", "test", "meta")  # fmt: skip
 
@@ -101,8 +111,28 @@ def cifar_files(root: Path) -> list[str]:
     return found + [str(p) for p in sorted(root.glob("*.tar.gz"))]
 
 
-def _cifar_members(root: Path, names: list[str]) -> dict[str, bytes]:
-    """Read the named batch files from an extracted folder or a .tar.gz archive under root."""
+def _cifar_members(root: Path, names: list[str], dataset: str) -> dict[str, bytes]:
+    """The named batch files, read from an extracted folder or a .tar.gz archive under root; the
+    archive is downloaded there (SHA-256 checked) when neither is."""
+    found = _found_members(root, names)
+    if found is not None:
+        return found
+    archive, sha256 = ARCHIVES[dataset]
+    try:
+        download.fetch(MIRROR + archive, root / archive, sha256, gzipped=False)
+    except (OSError, urllib.error.URLError) as e:
+        raise DatasetError(
+            f"CIFAR files {names} not found under {root}, and the download of {archive} from "
+            f"{MIRROR} failed ({e}): put the python-version archive ({archive}) or its extracted "
+            "folder there (or in a folder named by data.dir= or $VITLAB_DATA)"
+        ) from None
+    found = _found_members(root, names)
+    if found is None:  # the archive whose SHA-256 was checked holds them all
+        raise DatasetError(f"{root / archive} does not hold the CIFAR files {names}")
+    return found
+
+
+def _found_members(root: Path, names: list[str]) -> dict[str, bytes] | None:
     for folder in (root, *sorted(p for p in root.glob("cifar-*") if p.is_dir())):
         if all((folder / n).is_file() for n in names):
             return {n: (folder / n).read_bytes() for n in names}
@@ -114,10 +144,7 @@ def _cifar_members(root: Path, names: list[str]) -> dict[str, bytes]:
                     return {n: tar.extractfile(found[n]).read() for n in names}
         except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
             raise DatasetError(f"cannot read archive {archive}: {e}") from None
-    raise DatasetError(
-        f"CIFAR files {names} not found under {root}: put the python-version archive "
-        f"(cifar-10-python.tar.gz or cifar-100-python.tar.gz) or its extracted folder there"
-    )
+    return None
 
 
 def read_cifar(root: Path, name: str, split: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
@@ -129,7 +156,7 @@ def read_cifar(root: Path, name: str, split: str) -> tuple[np.ndarray, np.ndarra
     else:
         names = ["test" if split == "test" else "train"]
         meta_name, names_key, label_key = "meta", "fine_label_names", "fine_labels"
-    members = _cifar_members(root, [*names, meta_name])
+    members = _cifar_members(root, [*names, meta_name], name)
     classes = _cifar_names(_load_cifar_batch(members[meta_name], meta_name), names_key, meta_name)
     images, labels = [], []
     for n in names:

@@ -67,6 +67,14 @@ def payload_sha256(path: Path) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def find_fashion_mnist(data_dir: str | None) -> dict[str, Path] | None:
     for folder in fashion_mnist_candidates(data_dir):
         files = {name: folder / name for name in FASHION_SHA256}
@@ -75,8 +83,9 @@ def find_fashion_mnist(data_dir: str | None) -> dict[str, Path] | None:
     return None
 
 
-def _fetch(url: str, dest: Path, expected_sha256: str) -> None:
-    """Download url to dest atomically, checking the decompressed payload's SHA-256."""
+def fetch(url: str, dest: Path, expected_sha256: str, gzipped: bool = True) -> None:
+    """Download url to dest atomically, checking the SHA-256 of the decompressed payload (of the
+    file itself unless `gzipped`)."""
     from tqdm import tqdm
 
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -91,7 +100,7 @@ def _fetch(url: str, dest: Path, expected_sha256: str) -> None:
             out.flush()
             os.fsync(out.fileno())
         try:
-            digest = payload_sha256(Path(tmp))
+            digest = payload_sha256(Path(tmp)) if gzipped else file_sha256(Path(tmp))
         except (EOFError, zlib.error) as e:  # a connection dropped mid-file: no error from read()
             raise OSError(f"{url}: the download is incomplete or not gzip data ({e})") from None
         if digest != expected_sha256:
@@ -113,7 +122,7 @@ def find_or_fetch_fashion_mnist(data_dir: str | None) -> dict[str, Path]:
     try:
         for name, sha in FASHION_SHA256.items():
             if not (target / name).is_file():
-                _fetch(FASHION_MIRROR + name, target / name, sha)
+                fetch(FASHION_MIRROR + name, target / name, sha)
     except (OSError, urllib.error.URLError) as e:
         looked = ", ".join(str(p) for p in fashion_mnist_candidates(data_dir))
         raise DatasetError(
