@@ -141,6 +141,32 @@ def test_data_scale_judges_the_sizes_seen_whole_on_top1_and_fewshot() -> None:
     assert data_scale.verdict(closes, closes, [1], 10**6).outcome == INCONCLUSIVE
 
 
+def test_data_scale_floor_is_the_four_compared_arms_not_the_middle_sizes() -> None:
+    """The floor's p is the mean accuracy of the arms the rule compares (both models at the
+    smallest and the largest size seen whole); a middle size at 50% (the binomial error's
+    largest) widened it over those arms' 0.93 before, here from 10.0 to 16.3 pp, enough to turn
+    a clear narrowing into inconclusive."""
+    cnn, vit = "ResNet-18", "ViT (patch 4)"
+    top1 = {cnn: {1: s(0.99), 3: s(0.5), 9: s(0.95)}, vit: {1: s(0.85), 3: s(0.5), 9: s(0.94)}}
+    v = data_scale.verdict(top1, top1, [1, 3, 9], 100)
+    p = (0.99 + 0.95 + 0.85 + 0.94) / 4
+    assert f"m = {100 * 2 * (4 * p * (1 - p) / 100) ** 0.5:.2f} pp" in v.parts[0].reason
+    assert v.outcome == HOLDS
+
+
+def test_patch_size_floor_leaves_the_hybrid_out(tmp_path: Path) -> None:
+    """The hybrid is reported, not judged: its accuracy no longer moves the floor of the verdict
+    on the plain ViTs and the ResNet (the committed run's hybrid at 50% moved it)."""
+    from vitlab.experiments.patch_size import HYBRID
+
+    rows = _committed_rows("patch-size")
+    assert any(r["group"].startswith(HYBRID) for r in rows)
+    half = [{**r, "top1": 0.5} if r["group"].startswith(HYBRID) else r for r in rows]
+    before, after = _judge("patch-size", rows, tmp_path), _judge("patch-size", half, tmp_path)
+    assert (before.outcome, before.reason) == (after.outcome, after.reason)
+    assert [p.rule for p in before.parts] == [p.rule for p in after.parts]
+
+
 def test_slope_is_least_squares() -> None:
     assert slope([0, 1, 2], [1, 3, 5]) == pytest.approx(2.0)
     assert slope([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)  # 4 / 5

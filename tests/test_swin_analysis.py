@@ -169,6 +169,22 @@ def sharpened_page(tmp_path: Path, img_size: int) -> tuple[Path, dict]:
     return index, json.loads((tmp_path / "analysis.json").read_text())
 
 
+def test_window_figures_lay_the_image_under_the_maps_pixel_for_pixel(tmp_path, monkeypatch):
+    """The input was drawn at imshow's default extent (pixel centres, -0.5 to W - 0.5) under
+    heat maps, window lines and queries placed on pixel edges (0 to W): half a pixel up and left,
+    a strip of heat over no image along two sides. Every image of the figure spans 0 to W now."""
+    import matplotlib.pyplot as plt
+
+    shown, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (shown.append(fig), close(fig))[1])
+    sharpened_page(tmp_path, 32)
+    titles = {f: f._suptitle.get_text() for f in shown if f is not None and f._suptitle}
+    windows = [f for f, title in titles.items() if "centre query" in title]
+    assert len(windows) == 3
+    extents = {tuple(im.get_extent()) for f in windows for ax in f.axes for im in ax.get_images()}
+    assert extents == {(0, 32, 32, 0)}
+
+
 def test_analyze_a_tiny_swin_writes_its_figures_and_notes(tmp_path) -> None:
     index, data = sharpened_page(tmp_path, 32)
     for name in [

@@ -102,13 +102,14 @@ def plot_window_maps(
     shown = img[0].numpy() if img.shape[0] == 1 else img[:3].permute(1, 2, 0).numpy()
     h_img, w_img = image.shape[-2:]
     fig, axes = plt.subplots(1, len(maps) + 1, figsize=(2.6 * (len(maps) + 1), 3.0))
-    axes[0].imshow(shown, cmap="gray")
+    extent = (0, w_img, h_img, 0)  # pixel edges, as the heat maps, window lines and queries
+    axes[0].imshow(shown, cmap="gray", extent=extent)
     axes[0].set_title("input", fontsize=8)
     for ax, (key, heat) in zip(axes[1:], maps.items()):
         block: SwinBlock = blocks[key]
         stride = block_stride(model, key[0])
         (h, w), (mh, mw), (sh, sw) = block.grid, block.window, block.shift
-        ax.imshow(shown, cmap="gray")
+        ax.imshow(shown, cmap="gray", extent=extent)
         ax.imshow(heat.numpy(), cmap="inferno", alpha=0.6, extent=(0, w * stride, h * stride, 0))
         for y in _window_lines(h, mh, sh, stride):
             ax.axhline(y, color="cyan", lw=0.6)

@@ -305,8 +305,8 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
                 print(f"{tag}: resuming its run", file=sys.stderr, flush=True)
                 train(resume_config(folder, []), resume=folder)
             else:
-                print(f"{tag}: training {arm.steps} steps of {arm.batch} on {arm.images:,} "
-                      f"images", file=sys.stderr, flush=True)  # fmt: skip
+                print(f"{tag}: training {arm.steps} step{'s' * (arm.steps != 1)} of {arm.batch} "
+                      f"on {arm.images:,} images", file=sys.stderr, flush=True)  # fmt: skip
                 state = {"source": source} if source else {}
                 if folder.is_dir():  # no earlier measurement outlives the retraining, killed or not
                     if problem := remove_run_files(folder):  # nor its run (train removes it late)

@@ -66,7 +66,8 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
     for label in MODELS:
         for size, s in sorted(top1[label].items()):
             r = first[(label, size)]
-            judged = "yes" if len(whole) >= 2 and size in whole and label != HYBRID else ""
+            ends = whole[:1] + whole[-1:] if len(whole) >= 2 else []  # what the rule compares
+            judged = "yes" if size in ends and label != HYBRID else ""
             table.append([label, f"{r['images']:,}", f"{r['steps']} x {r['batch']}",
                           f"{r['passes']:.3g}", s.text(), few[label][size].text(), judged,
                           str(s.n)])  # fmt: skip
@@ -141,7 +142,8 @@ def verdict(
     parts = []
     for name, series in (("test top-1", top1), (f"{SHOTS}-shot accuracy", few)):
         cnn, vit = ({s: series[k][s] for s in whole} for k in (CNN, VIT))
-        floor = accuracy_floor(n, [*cnn.values(), *vit.values()], compared=4)  # a lead's change
+        ends = [arm[s] for arm in (cnn, vit) for s in (whole[0], whole[-1])]  # the four compared
+        floor = accuracy_floor(n, ends, compared=4)  # a lead's change
         parts.append(data_scale_verdict(cnn, vit, floor, name))
     return combine(parts)
 
