@@ -491,6 +491,10 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
                 assert v["rule"] in text and v["reason"] in text, (name, report, v["rule"][:60])
         for png in record["plots"]:
             assert (out / name / png).read_bytes()[:4] == b"\x89PNG"
+    # inside measures no accuracy: its report says what it does measure (the others' words
+    # before: "measured ... on N test images ...; 5-shot accuracy: ...")
+    inside = (out / "inside" / "report.md").read_text()
+    assert "5-shot" not in inside and "over the first 2 images of the whole test split" in inside
 
     # a second invocation reuses every finished run, trains nothing again, and continues what
     # is unfinished, all at once:

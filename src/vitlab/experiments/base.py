@@ -21,6 +21,7 @@ class Summary:
     plots: list[tuple[str, str]] = field(default_factory=list)  # (file in the folder, caption)
     notes: list[str] = field(default_factory=list)
     numbers: dict = field(default_factory=dict)  # what results.json keeps besides the arms
+    measured: str | None = None  # what the arms are measured on, where not the default's words
 
 
 @dataclass

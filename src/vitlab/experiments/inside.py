@@ -120,6 +120,10 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
             f"distances over {ctx.budget.analysis_images} test images."
         ],  # fmt: skip
         {"per_seed": [{k: v for k, v in f.items() if k != "images"} for f in found]},
+        f"Each model is analysed at its last checkpoint: attention distances and the rollout over "
+        f"the first {ctx.budget.analysis_images} images of the whole test split (the same images "
+        f"for every seed), position-embedding similarity from its weights; no accuracy is "
+        f"measured here.",
     )
 
 

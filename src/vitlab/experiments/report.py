@@ -102,8 +102,9 @@ def write_report(
         f"experiment: {run['wall_seconds']:.0f} s ({_reused(rows)}); "
         f"training time of the arms (summed over the invocations that trained them): "
         f"{seconds:.0f} s.",
-        f"Every arm trains a fixed number of optimizer steps (train.max_steps; see the table or "
-        f"results.json) and is measured at its last checkpoint on {run['test_images']:,} test "
+        summary.measured
+        or f"Every arm trains a fixed number of optimizer steps (train.max_steps; see the table "
+        f"or results.json) and is measured at its last checkpoint on {run['test_images']:,} test "
         f"images (a share of every class drawn by the seed, or all of them); 5-shot accuracy: "
         f"the paper's linear few-shot protocol on the pre-logits features, averaged over "
         f"{run['fewshot_seeds']} draws of the 5 images per class. Each seed also draws its own "
