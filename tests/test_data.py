@@ -604,6 +604,32 @@ def test_image_folder_skips_bad_files_with_warnings(tmp_path: Path, caplog) -> N
         load_split(f"imagefolder:{tmp_path / 'nope'}", "train")
 
 
+def test_a_colour_webp_decodes_grey_as_pil_converts_it(tmp_path: Path) -> None:
+    """torchvision's WebP decoder ignores its GRAY mode and gives 3 channels: a grey model on
+    colour WebP files failed (a batch of 3- and 1-channel images, or 'expected 1 channel').
+    Now such a file decodes as PIL's convert("L") (ITU-R 601-2 luma), as JPEG and PNG do; in
+    RGB it is torchvision's, the same pixels as PIL's for lossless WebP."""
+    from vitlab.data.decode import decode_image
+
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (12, 10, 3), dtype=np.uint8), "RGB")
+    out = io.BytesIO()
+    image.save(out, format="WEBP", lossless=True)
+    grey = decode_image(out.getvalue(), 1, "c.webp")
+    assert grey.shape == (1, 12, 10)
+    assert np.array_equal(grey[0].numpy(), np.asarray(image.convert("L")))
+    rgb = decode_image(out.getvalue(), 3, "c.webp")
+    assert np.array_equal(rgb.permute(1, 2, 0).numpy(), np.asarray(image))
+    root = tmp_path / "wp"  # a grey model on a folder of colour WebP and grey PNG files
+    for cls in ("a", "b"):
+        (root / cls).mkdir(parents=True)
+        (root / cls / "c.webp").write_bytes(out.getvalue())
+        image.convert("L").save(root / cls / "g.png")
+    pre = Preprocessing((8, 8), 1, (0.5,), (0.5,))
+    batches = list(make_loader(load_split(f"imagefolder:{root}", "train"), 4, pre, workers=0))
+    assert batches and all(tuple(x.shape[1:]) == (1, 8, 8) for x, _ in batches)
+
+
 def test_decode_16_bit_png_and_header_bombs() -> None:
     """A 16-bit PNG or TIFF decodes to its high bytes as uint8 (greyscale and as RGB); a JPEG
     whose header claims 20000 x 10000 pixels is refused before any decoder allocates them."""

@@ -36,7 +36,8 @@ def decode_image(data: bytes, in_chans: int, where: str) -> Tensor:
     from torchvision.io import decode_image as tv_decode
 
     mode = ImageReadMode.GRAY if in_chans == 1 else ImageReadMode.RGB
-    if image_format(data) is not None and _size_ok(data, where):
+    kind = image_format(data)  # torchvision's WebP decoder ignores GRAY (warns, gives RGB): PIL's
+    if kind is not None and (kind != "webp" or in_chans == 3) and _size_ok(data, where):
         try:
             x = tv_decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode)
         except Exception:  # damaged: PIL's view, and its error message, decide
