@@ -157,9 +157,11 @@ def test_evaluation_with_fewer_shards_than_ranks_pads(balanced: Path) -> None:
 
 
 def test_empty_shards_and_uneven_deals_are_named(balanced: Path, caplog) -> None:
-    """A training shard of no samples is refused (a stream of them would wait forever); 12 equal
-    shards for 8 streams (1 or 2 each, 24 samples an epoch per stream) and a carve of 1 shard in
-    2 for val_fraction=0.1 are warned about; 8 shards for 8 streams are not."""
+    """A training shard of no samples is refused (a stream of them would wait forever). Batch b
+    comes from stream b % K: 4 shards of 40 samples in batches of 16 (10 an epoch: 3, 3, 2, 2
+    a stream) repeat 16 samples and leave 16 unseen, which was not warned of (the streams held
+    equal shares); 12 equal shards for 8 streams (1 or 2 each, and 2 or 1 batches) deal
+    exactly, which was. A carve of 1 shard in 2 for val_fraction=0.1 is warned about."""
     import logging
 
     from vitlab.data.shards import ShardSplit
@@ -173,7 +175,16 @@ def test_empty_shards_and_uneven_deals_are_named(balanced: Path, caplog) -> None
         assert not caplog.records
         make_loader(ShardSplit(urls + urls[:4], [16] * 12, ["0"]), 16, PRE, shuffle=True,
                     augment=AUG)  # fmt: skip
-        assert "holds 16 to 32 samples for 24" in caplog.text
+        assert not caplog.records
+        make_loader(ShardSplit(urls[:4], [40] * 4, ["0"]), 16, PRE, shuffle=True, augment=AUG)
+        assert "in an epoch of 160 samples, 16 repeat and 16 are not seen" in caplog.text
+        caplog.clear()  # the real shards (8 of 16) in batches of 6: 21 an epoch, 3 or 2 a stream
+        loader = make_loader(load_split(f"wds:{balanced}/part-{{00..07}}.tar", "train"), 6, PRE,
+                             shuffle=True, augment=AUG, buffer=4)  # fmt: skip
+        assert "in an epoch of 126 samples, 10 repeat and 12 are not seen" in caplog.text
+        loader.record = []
+        list(loader.iterate(0, 0))
+        assert len(loader.record) == 126 and len(set(loader.record)) == 126 - 10  # as it said
         train_val_split(ShardSplit(urls[:2], [16, 16], ["0"]), 0.1, 0)
         assert "carves 50% of the samples for data.val_fraction=0.1" in caplog.text
 

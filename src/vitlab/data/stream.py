@@ -12,7 +12,8 @@ comes from stream b % K. The DataLoader's workers serve the streams round-robin 
 largest divisor of K not above data.workers: worker w serves the streams k = start + w mod W, each
 stream one worker's). A stream that runs out of
 samples before its share of the epoch reads its shards again (in a new seeded order); one whose
-shards hold more leaves the rest for later epochs (when shard sizes differ).
+shards hold more leaves the rest unseen in that epoch (shards of unequal sizes, or a stream's
+samples not a whole number of its batches; warned of beyond UNEVEN of the epoch).
 
 Resume is exact: every draw of a stream's shuffle is a function of the number of samples read,
 not of their content, so the stream's state after the batches already trained on (the buffer's
@@ -48,7 +49,7 @@ from vitlab.runtime import derive_seed
 
 SHUFFLE, PASS, SHARDS = 1, 2, 3  # derive_seed tags: one stream of seeds per purpose
 MAX_STREAMS = 8  # streams a rank reads at once (each holds an open shard and a shuffle buffer)
-UNEVEN = 0.25  # a stream's share of an epoch this far from its shards' samples is warned about
+UNEVEN = 0.02  # an epoch whose streams repeat this share of its samples is warned about
 log = logging.getLogger(__name__)
 
 
@@ -192,18 +193,25 @@ class StreamLoader:
         return max(counts)
 
     def _check_deal(self) -> None:
-        """Warn when shard sizes deal unevenly to the streams: a stream whose shards hold far fewer
-        samples than its share of an epoch repeats some, one holding far more leaves some out."""
-        total, order = self.world * self.streams, self._order(0)
-        sizes = sorted(self._size(order[g::total]) for g in range(total))
-        share = len(self) * self.batch_size / total
-        if sizes[0] < (1 - UNEVEN) * share or sizes[-1] > (1 + UNEVEN) * share:
+        """Warn when an epoch's batches miss the streams' samples: batch b of a rank comes from
+        its stream b % K, so a stream draws its batches' samples in an epoch, repeating some of
+        its shards' when they hold fewer and leaving some unseen in that epoch when they hold
+        more (shards of unequal sizes, or streams' samples not a whole number of batches)."""
+        total, order, n = self.world * self.streams, self._order(0), len(self)
+        over = under = 0
+        for g in range(total):  # global stream g is stream g % K of rank g // K
+            k = g % self.streams
+            draw = (n // self.streams + (k < n % self.streams)) * self.per_rank
+            size = self._size(order[g::total])
+            over, under = over + max(draw - size, 0), under + max(size - draw, 0)
+        if over > UNEVEN * n * self.batch_size:
             log.warning(
-                "%d shards deal unevenly to %d streams (%d ranks x %d): a stream holds %d to %d "
-                "samples for %d an epoch, so some samples repeat within an epoch and others wait "
-                "for a later one; write a multiple of %d shards of equal size",
-                len(self.split.urls), total, self.world, self.streams, sizes[0], sizes[-1],
-                round(share), total,
+                "%d shards deal unevenly to %d streams (%d ranks x %d; a rank's batch b of %d "
+                "samples comes from its stream b %% %d): in an epoch of %d samples, %d repeat and "
+                "%d are not seen; streams holding equal numbers of samples, each a whole number "
+                "of batches, deal evenly",
+                len(self.split.urls), total, self.world, self.streams, self.per_rank,
+                self.streams, n * self.batch_size, over, under,
             )  # fmt: skip
 
     # --- the plan ---------------------------------------------------------------------------------
