@@ -214,6 +214,28 @@ def test_in_process_batches_seed_no_cuda_generator(balanced: Path, tmp_path, mon
     assert calls == [] and len(list(make_loader(files, 8, PRE, workers=0))) == 2  # 9 images
 
 
+def test_an_undecodable_sample_is_named_with_its_shard(tmp_path: Path, caplog) -> None:
+    """In training and in evaluation, an image that does not decode is named with the shard
+    that holds it (the sample's key alone before: 'x (a shard's sample)')."""
+    import webdataset as wds
+
+    rng = np.random.default_rng(0)
+    for s in range(2):
+        with wds.TarWriter(str(tmp_path / f"b-{s}.tar")) as w:
+            for i in range(4):
+                image = b"\x89PNG\r\n\x1a\n cut" if (s, i) == (1, 2) else png(rng, i % 2)
+                w.write({"__key__": f"s{s}-{i}", "png": image, "cls": b"%d" % (i % 2)})
+    split = load_split(f"wds:{tmp_path}/b-{{0..1}}.tar", "train")
+    named = f"cannot read image s1-2 in {tmp_path}/b-1.tar"
+    for training in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vitlab"):
+            loader = make_loader(split, 4, PRE, shuffle=training,
+                                 augment=AUG if training else None, workers=0)  # fmt: skip
+            batches = list(loader.iterate(0, 0) if training else loader)
+        assert sum(len(y) for _, y in batches) == 8 and named in caplog.text, caplog.text
+
+
 def test_writer_index_and_errors(tmp_path: Path, balanced: Path) -> None:
     root = write_image_folder(tmp_path / "images", per_class=10)
     (root / "class1" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")

@@ -122,7 +122,7 @@ class _EvalStreams(IterableDataset):
         w, workers = _worker()
         ld = self.loader
         for mine in ld.eval_shards()[w::workers]:
-            samples = chain.from_iterable(ld.split.read(s) for s in mine)
+            samples = chain.from_iterable(((*x, s) for x in ld.split.read(s)) for s in mine)
             while chunk := [x for _, x in zip(range(ld.batch_size), samples)]:
                 yield ld.decode_batch(chunk, 0, train=False)
 
@@ -243,7 +243,7 @@ class StreamLoader:
     def batch_seed(self, epoch: int, batch: int) -> int:
         return derive_seed(self.seed, epoch, batch, self.rank)
 
-    def stream(self, epoch: int, k: int, skip: int) -> Iterator[tuple[str, bytes, int]]:
+    def stream(self, epoch: int, k: int, skip: int) -> Iterator[tuple[str, bytes, int, int]]:
         """Stream k's samples in epoch `epoch` after its first `skip` (endless: pass after pass)."""
         g = self.rank * self.streams + k
         rng = random.Random(derive_seed(self.seed, SHUFFLE, epoch, g))
@@ -274,20 +274,20 @@ class StreamLoader:
                 continue
             for sample in self.split.read(s):
                 if pos >= start or pos in keep:
-                    yield pos, sample
+                    yield pos, (*sample, s)
                 pos += 1
 
     # --- decoding ---------------------------------------------------------------------------------
 
     def decode_batch(self, chunk: list, seed: int, train: bool) -> tuple:
-        """(images, labels, keys, undecodable) of raw samples (key, bytes, label): each image's
-        random transforms drawn from the batch's seed."""
+        """(images, labels, keys, undecodable) of raw samples (key, bytes, label, shard): each
+        image's random transforms drawn from the batch's seed."""
         images, labels, bad = [], [], []
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)  # the CPU's only: fork_rng keeps no other
-            for key, data, label in chunk:
+            for key, data, label, shard in chunk:
                 try:
-                    x = decode_image(data, self.in_chans, f"{key} (a shard's sample)")
+                    x = decode_image(data, self.in_chans, f"{key} in {self.split.urls[shard]}")
                 except DatasetError as e:
                     bad.append((key, str(e)))
                     x, label = torch.zeros(self.in_chans, 8, 8, dtype=torch.uint8), PADDING
@@ -299,7 +299,7 @@ class StreamLoader:
                 raise DatasetError(f"no image of a batch decodes: {bad[-1][1]}")
             for j, i in enumerate(i for i, y in enumerate(labels) if y == PADDING):
                 images[i], labels[i] = images[good[j % len(good)]], labels[good[j % len(good)]]
-        keys = [key for key, _, _ in chunk]
+        keys = [sample[0] for sample in chunk]
         images = self.prepare(torch.stack(images))
         return images, torch.tensor(labels, dtype=torch.long), keys, bad
 
