@@ -253,6 +253,8 @@ def test_writer_index_and_errors(tmp_path: Path, balanced: Path) -> None:
         sum(counts.values()) == 30 and splits["train"]["skipped"] + splits["test"]["skipped"] == 2
     )
     assert len(splits["train"]["shards"]) > 2 and not list((tmp_path / "shards").glob(".*"))
+    for shard in splits["train"]["shards"] + splits["test"]["shards"]:  # the files' sizes, tar
+        assert shard["bytes"] == (tmp_path / "shards" / shard["name"]).stat().st_size  # included
     # the same data, the same bytes: checked in this process or by two workers
     write_shards(f"imagefolder:{root}", tmp_path / "again", 2000, progress=False, workers=0)
     for shard in splits["train"]["shards"] + splits["test"]["shards"]:

@@ -33,7 +33,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     shard.add_argument("src", help="dataset name, as data.name takes it")
     shard.add_argument("dst", type=Path, help="output folder")
-    shard.add_argument("--shard-size", default="1GB", help="bytes per shard (default 1GB)")
+    shard.add_argument(
+        "--shard-size",
+        default="1GB",
+        help="a shard's file size: the next starts once "
+        "a shard reaches it, tar headers included (default 1GB)",
+    )
     shard.add_argument("--data-dir", help="where SRC's files are (as data.dir)")
     shard.add_argument(
         "--image-key", help="hf: the image column; wds: the image extension (default: found)"

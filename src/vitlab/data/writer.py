@@ -157,7 +157,8 @@ class _Shard:
         self.size = self.count = 0
 
     def write(self, sample: dict) -> None:
-        self.size += self.tar.write(sample)
+        self.tar.write(sample)
+        self.size = self.file.tell()  # the tar's headers and padding too, not the payload alone
         self.count += 1
 
     def discard(self) -> None:
@@ -169,8 +170,9 @@ class _Shard:
 
     def close(self) -> dict:
         self.tar.close()
+        size = self.file.tell()  # the file's, with the archive's end blocks
         _commit(self.file, self.path)
-        return {"name": self.path.name, "count": self.count, "bytes": self.size}
+        return {"name": self.path.name, "count": self.count, "bytes": size}
 
 
 def write_split(
