@@ -593,6 +593,15 @@ def test_image_folder_skips_bad_files_with_warnings(tmp_path: Path, caplog) -> N
     assert test.classes == ["cat", "dog", "eel"] and len(test) == 9
     said = [r.getMessage() for r in caplog.records if "classes" in r.getMessage()]
     assert len(said) == 1 and "no images of 1 of its 3 classes: eel" in said[0], said
+    # a test class train/ lacks, and train/, val/ and test/ together: both said (unsaid before)
+    (split / "test" / "yak").mkdir()
+    Image.new("RGB", (8, 8)).save(split / "test" / "yak" / "y.png")
+    (split / "val" / "cat").mkdir(parents=True)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        assert len(load_split(f"imagefolder:{split}", "test")) == 9
+    assert "train lacks, left out of the test split: yak" in caplog.text
+    assert "val/ is not read (the test split is test/" in caplog.text
     train = load_split(f"imagefolder:{tmp_path / 'imgs'}", "train")
     test = load_split(f"imagefolder:{tmp_path / 'imgs'}", "test")
     assert len(train) + len(test) == 13

@@ -377,6 +377,13 @@ def load_folder_split(root: Path, split: str, seed: int, whole: bool = False) ->
             return scan_image_folder(train_dir, classes, splits)
         if len(splits) == 1:
             raise DatasetError(f"{root} has train/ but neither test/ nor val/ for the test split")
+        extra = sorted(set(_sub_folders(splits[1])) - set(classes)) if classes else []
+        if extra:  # never predicted right; data.test of other classes is refused
+            _say(f"{splits[1]} has class folders {train_dir} lacks, left out of the test split: "
+                 f"{_few(extra)}")  # fmt: skip
+        if splits[1].name == "test" and (root / "val").is_dir():
+            _say(f"{root} has train/, val/ and test/: val/ is not read (the test split is test/; "
+                 f"validation is carved from train/ by data.val_fraction)")  # fmt: skip
         one, two = (os.path.join(os.path.realpath(f), "") for f in splits)
         if one.startswith(two) or two.startswith(one):
             _say(f"{splits[1]} and {train_dir} are one folder, or one holds the other (a link?): "
