@@ -90,6 +90,11 @@ def resolve_model_config(
             f"dataset {info.name} has no labels (an image folder without class sub-folders): "
             f"classification needs root/CLASS/* folders; train.objective=mpp trains without labels"
         )
+    if not mpp and len(info.classes) == 1:  # every prediction right: nothing to learn or measure
+        raise ConfigError(
+            f"dataset {info.name} has one class ({info.classes[0]!r}): classification needs two "
+            f"or more; train.objective=mpp trains without labels"
+        )
     if "num_classes" not in cfg.model.overrides:
         auto["num_classes"] = classes
     if "in_chans" not in cfg.model.overrides:
