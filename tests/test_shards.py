@@ -515,3 +515,16 @@ def test_eval_takes_shards_named_by_a_pattern_as_its_test_images(balanced: Path,
     result = json.loads(capsys.readouterr().out)
     assert result["num_images"] == SHARDS * PER_SHARD == len(labels)
     assert result["top1"] == pytest.approx(right.item() / len(labels))
+
+
+def test_a_shard_url_curl_cannot_read_is_said_in_words() -> None:
+    """webdataset reads http(s) shards through curl and fails with its arguments and a Pipe
+    object (a QA run, offline: "OSError: ((['curl', '--connect-timeout', '30', ...],), {...}):
+    exit 6 (read) {}"); the error names curl's exit code and what it means."""
+    from vitlab.data.shards import _reason
+
+    raw = OSError("((['curl', '--connect-timeout', '30', '--retry', '30', '-f', '-s', '-L', "
+                  "'https://example.invalid/train-0000.tar'],), {'bufsize': 8192}): exit 6 "
+                  "(read) {}", object())  # fmt: skip
+    assert _reason(raw) == "curl exit 6 (could not resolve the host), after curl's retries"
+    assert _reason(ValueError("bad tar")) == "ValueError: bad tar"

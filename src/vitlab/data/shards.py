@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -62,7 +63,7 @@ class ShardSplit:
         except DatasetError:
             raise
         except Exception as e:  # gopen, tarfile and the network fail in many ways
-            raise DatasetError(f"cannot read shard {url}: {type(e).__name__}: {e}") from None
+            raise DatasetError(f"cannot read shard {url}: {_reason(e)}") from None
         if self.counts[shard] >= 0 and n != self.counts[shard]:  # -1: being counted
             raise DatasetError(
                 f"shard {url} holds {n} samples, its index says {self.counts[shard]}"
@@ -92,6 +93,21 @@ def _pick(sample: dict, key: str | None, defaults: tuple[str, ...], what: str) -
     have = sorted(k for k in sample if not k.startswith("__"))
     raise DatasetError(f"no {what}: expected a file .{' or .'.join((key,) if key else defaults)}, "
                        f"the sample has {have}")  # fmt: skip
+
+
+CURL = {6: "could not resolve the host", 7: "could not connect to the host", 22: "the server "
+        "answered with an HTTP error (404: no such file?)", 28: "timed out", 35: "TLS failed",
+        56: "the connection broke"}  # fmt: skip
+
+
+def _reason(e: Exception) -> str:
+    """Why a read failed, in words: webdataset's curl pipe (http(s) URLs) fails with its
+    arguments and exit code, after its retries, which say little."""
+    code = re.search(r"'curl'.*exit (\d+)", str(e))
+    if code is None:
+        return f"{type(e).__name__}: {e}"
+    n = int(code.group(1))
+    return f"curl exit {n}{f' ({CURL[n]})' if n in CURL else ''}, after curl's retries"
 
 
 def remote(spec: str) -> bool:
