@@ -6,6 +6,7 @@ channels-last runs keep their memory layout through a resume."""
 from __future__ import annotations
 
 import json
+import logging
 import signal
 from pathlib import Path
 
@@ -147,6 +148,27 @@ def test_image_folder_run_interrupted_mid_epoch_resumes_exactly(tmp_path, monkey
     ]
     for key in ("train_loss", "train_acc", "val_loss", "val_acc"):
         assert logged[1][1][key] == pytest.approx(logged[0][1][key], rel=1e-6), key
+
+
+def test_a_resume_on_changed_data_is_warned_of(tmp_path, caplog) -> None:
+    """Images added to a folder whose test split is drawn by seed, between a stop and its
+    --resume: some training images become test images. The run keeps a digest of its splits as
+    listed and says so; the same data resumes without a word."""
+    from PIL import Image
+
+    root = write_image_folder(tmp_path / "images", per_class=10)
+    common = [f"data.name=imagefolder:{root}", "train.batch_size=8", "train.epochs=2",
+              "train.stop_at_epoch=1", "data.val_fraction=0"]  # fmt: skip
+    for run, changed in (("same", False), ("changed", True)):
+        train(cfg(*common), out=tmp_path / run)  # stops, resumably, after epoch 1
+        if changed:
+            for i in range(5):
+                Image.new("RGB", (8, 8), (i, 0, 0)).save(root / "class1" / f"new{i}.png")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vitlab"):
+            resume(tmp_path / run, "train.stop_at_epoch=null")
+        said = "is not what the run trained on" in caplog.text
+        assert said == changed, caplog.text
 
 
 def test_channels_last_trains_the_same_model_in_nhwc_memory(tmp_path, monkeypatch) -> None:

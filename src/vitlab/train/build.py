@@ -3,9 +3,11 @@ fine-tuning source's weights."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -219,6 +221,33 @@ class Data:
     train: Split
     val: Split | None
     test: Split
+
+    @cached_property
+    def digest(self) -> str:
+        """A hash of the splits as listed: their sizes and labels, and an image folder's file
+        names, shards and their counts, a Hugging Face split's rows (not the images' bytes): what
+        a resumed run's data is checked against."""
+        h = hashlib.sha256()
+        for split in (self.train, self.val, self.test):
+            h.update(f"|{type(split).__name__} {0 if split is None else len(split)}|".encode())
+            for field in ("files", "urls", "counts", "rows", "labels"):
+                items = getattr(split, field, None)
+                if isinstance(items, torch.Tensor):
+                    h.update(items.numpy().tobytes())
+                elif items is not None:
+                    for i in range(0, len(items), 1 << 16):  # a million names: no huge string
+                        h.update("\n".join(map(str, items[i : i + (1 << 16)])).encode())
+        return h.hexdigest()
+
+    def check_same(self, saved: str | None) -> None:
+        """Warn when a resumed run's data is not what it trained on (`saved`, the digest in its
+        training state; None in states before 2026-12-05)."""
+        if saved is not None and saved != self.digest:
+            log.warning("data %s is not what the run trained on (files, shards or labels added, "
+                        "removed or renamed): the continuation is not exact, and where the test "
+                        "split is drawn by seed (an image folder without train/), images may "
+                        "have moved between the training and the test split",
+                        self.info.name)  # fmt: skip
 
 
 def load_data(cfg: RunConfig) -> Data:

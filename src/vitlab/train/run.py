@@ -265,6 +265,7 @@ class Run:
         self.best = float(state["best"])
         if self.d.is_main:
             distill.check_resumed(self.teacher, state.get("teacher"))
+            self.data.check_same(state.get("data"))
 
     def _extend(self, planned: int) -> None:
         """Say how the learning-rate schedule changes when a resumed run's length changes: it now
@@ -343,6 +344,7 @@ class Run:
                 "best": self.best,
                 "ema": self.ema.state_dict() if self.ema else None,
                 "teacher": self.teacher.digest if self.teacher else None,
+                "data": self.data.digest,  # what --resume checks its data against
             }
         self.meta.info = {"epoch": self.pos.epoch, "step": self.pos.step, **(info or {})}
         if self.mpp:
