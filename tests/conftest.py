@@ -56,3 +56,13 @@ SLOWEST_FIRST = (
 def pytest_collection_modifyitems(items: list) -> None:
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-file order kept
+
+
+@pytest.fixture(autouse=True)
+def _no_dataset_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test downloads a dataset, online or not: the sites are a refused local port (a test
+    serving files itself points them at its own server)."""
+    from vitlab.data import cifar, download
+
+    monkeypatch.setattr(cifar, "MIRROR", "http://127.0.0.1:9/")
+    monkeypatch.setattr(download, "FASHION_MIRROR", "http://127.0.0.1:9/")

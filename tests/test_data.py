@@ -90,7 +90,6 @@ def no_fashion_anywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path
 
 
 def test_missing_fashion_mnist_offline_names_both_ways(no_fashion_anywhere, monkeypatch) -> None:
-    monkeypatch.setattr(download, "FASHION_MIRROR", "http://127.0.0.1:9/")  # refused at once
     open_before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(DatasetError) as err:
         load_split("fashion-mnist", "train")
@@ -100,16 +99,17 @@ def test_missing_fashion_mnist_offline_names_both_ways(no_fashion_anywhere, monk
 
 
 @pytest.fixture
-def served(tmp_path: Path):
+def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """(a folder, the URL of a loopback HTTP server serving it): a dataset's site, offline."""
     folder = tmp_path / "served"
     folder.mkdir()
     handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(folder), **k)  # noqa: E731
-    http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
+    monkeypatch.setattr(http.server.SimpleHTTPRequestHandler, "log_message", lambda *a: None)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield folder, f"http://127.0.0.1:{server.server_port}/"
     server.shutdown()
+    server.server_close()
 
 
 def test_download_checks_sha256_and_writes_atomically(no_fashion_anywhere, monkeypatch,
@@ -200,9 +200,7 @@ def test_cifar100_reads_fine_labels_and_their_names(tmp_path: Path) -> None:
     assert len(load_split("cifar100", "test", str(tmp_path))) == 2
 
 
-def test_cifar_hostile_pickle_and_missing_files(tmp_path: Path, monkeypatch) -> None:
-    from vitlab.data import cifar
-
+def test_cifar_hostile_pickle_and_missing_files(tmp_path: Path) -> None:
     class Evil:
         def __reduce__(self):
             return (print, ("pwned",))
@@ -211,8 +209,7 @@ def test_cifar_hostile_pickle_and_missing_files(tmp_path: Path, monkeypatch) -> 
     (tmp_path / "cifar-10-batches-py" / "test_batch").write_bytes(pickle.dumps({b"data": Evil()}))
     with pytest.raises(DatasetError, match="refusing to unpickle builtins.print"):
         load_split("cifar10", "test", str(tmp_path))
-    monkeypatch.setattr(cifar, "MIRROR", "http://127.0.0.1:9/")  # offline: refused at once
-    with pytest.raises(DatasetError, match="not found"):
+    with pytest.raises(DatasetError, match="not found"):  # offline (conftest)
         load_split("cifar100", "test", str(tmp_path / "empty"))
 
 
@@ -243,6 +240,14 @@ def test_missing_cifar_is_downloaded_checked_and_read(tmp_path, served, monkeypa
     assert np.array_equal(load_split("cifar10", "train").images[:4].numpy().reshape(4, -1), raw)
     archive.unlink()  # the site gone: the archive read again from the folder
     assert torch.equal(load_split("cifar10", "test").images, test.images)
+    from vitlab.eval.feature_cache import identity
+
+    # a feature cache's key is the files read: fetched first (an empty folder's digest before)
+    archive.write_bytes((data / "cifar-10-python.tar.gz").read_bytes())
+    fresh = str(tmp_path / "fresh")
+    key = identity("cifar10", data_dir=fresh)
+    assert (tmp_path / "fresh" / "cifar-10-python.tar.gz").is_file()
+    assert key == identity("cifar10", data_dir=fresh)
     monkeypatch.setattr(cifar, "MIRROR", "http://127.0.0.1:9/")  # refused at once
     with pytest.raises(DatasetError) as err:
         load_split("cifar100", "test", str(tmp_path / "empty"))

@@ -94,8 +94,11 @@ ARCHIVES = {  # the python-version archives and the SHA-256 of each file
     "cifar100": ("cifar-100-python.tar.gz",
                  "85cd44d02ba6437773c5bbd22e183051d648de2e7d6b014e1ef29b855ba677a7"),
 }  # fmt: skip
-BATCHES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5",
-           "test_batch", "batches.meta", "train", "test", "meta")  # fmt: skip
+BATCHES = {  # each dataset's batch files
+    "cifar10": ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5",
+                "test_batch", "batches.meta"),
+    "cifar100": ("train", "test", "meta"),
+}  # fmt: skip
 
 
 def cifar_root(data_dir: str | None) -> Path:
@@ -103,12 +106,21 @@ def cifar_root(data_dir: str | None) -> Path:
     return Path(data_dir or os.environ.get("VITLAB_DATA") or cache_dir()).expanduser()
 
 
-def cifar_files(root: Path) -> list[str]:
-    """Every file under root that read_cifar may read (the batches, in root or an extracted
-    cifar-* folder, and the .tar.gz archives): what a digest of the data read covers."""
+def cifar_files(root: Path, name: str) -> list[str]:
+    """Every file under root that read_cifar may read for `name` (its batches, in root or an
+    extracted cifar-* folder, and the .tar.gz archives but the other dataset's): what a digest
+    of the data read covers."""
     folders = [root, *sorted(p for p in root.glob("cifar-*") if p.is_dir())]
-    found = [str(folder / n) for folder in folders for n in BATCHES if (folder / n).is_file()]
-    return found + [str(p) for p in sorted(root.glob("*.tar.gz"))]
+    found = [str(f / n) for f in folders for n in BATCHES[name] if (f / n).is_file()]
+    other = {a for d, (a, _) in ARCHIVES.items() if d != name}
+    return found + [str(p) for p in sorted(root.glob("*.tar.gz")) if p.name not in other]
+
+
+def ensure_cifar(root: Path, name: str) -> None:
+    """Download `name`'s archive into root when root holds none of its files (a digest of them
+    is then the data's, before the first read)."""
+    if not cifar_files(root, name):
+        _fetch_archive(root, name, list(BATCHES[name]))
 
 
 def _cifar_members(root: Path, names: list[str], dataset: str) -> dict[str, bytes]:
@@ -117,6 +129,14 @@ def _cifar_members(root: Path, names: list[str], dataset: str) -> dict[str, byte
     found = _found_members(root, names)
     if found is not None:
         return found
+    archive = _fetch_archive(root, dataset, names)
+    found = _found_members(root, names)
+    if found is None:  # the archive whose SHA-256 was checked holds them all
+        raise DatasetError(f"{archive} does not hold the CIFAR files {names}")
+    return found
+
+
+def _fetch_archive(root: Path, dataset: str, names: list[str]) -> Path:
     archive, sha256 = ARCHIVES[dataset]
     try:
         download.fetch(MIRROR + archive, root / archive, sha256, gzipped=False)
@@ -126,10 +146,7 @@ def _cifar_members(root: Path, names: list[str], dataset: str) -> dict[str, byte
             f"{MIRROR} failed ({e}): put the python-version archive ({archive}) or its extracted "
             "folder there (or in a folder named by data.dir= or $VITLAB_DATA)"
         ) from None
-    found = _found_members(root, names)
-    if found is None:  # the archive whose SHA-256 was checked holds them all
-        raise DatasetError(f"{root / archive} does not hold the CIFAR files {names}")
-    return found
+    return root / archive
 
 
 def _found_members(root: Path, names: list[str]) -> dict[str, bytes] | None:

@@ -10,6 +10,8 @@ import tempfile
 import urllib.error
 import urllib.request
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from vitlab.runtime import file_mode
@@ -85,10 +87,34 @@ def find_fashion_mnist(data_dir: str | None) -> dict[str, Path] | None:
 
 def fetch(url: str, dest: Path, expected_sha256: str, gzipped: bool = True) -> None:
     """Download url to dest atomically, checking the SHA-256 of the decompressed payload (of the
-    file itself unless `gzipped`)."""
+    file itself unless `gzipped`). Processes fetching into one folder (the ranks of a torchrun)
+    take turns: the first downloads, the others then find the file."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _folder_turn(dest.parent):
+        if not dest.is_file():
+            _download(url, dest, expected_sha256, gzipped)
+
+
+@contextmanager
+def _folder_turn(folder: Path) -> Iterator[None]:
+    """An flock on the folder itself (no lock file left behind) while the block runs; none where
+    there is no flock (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # lets go of the lock
+
+
+def _download(url: str, dest: Path, expected_sha256: str, gzipped: bool) -> None:
     from tqdm import tqdm
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
     try:
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=30) as resp:

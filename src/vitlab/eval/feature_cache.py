@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import safe_open
 from torch import Tensor
 
-from vitlab.data.cifar import cifar_files, cifar_root
+from vitlab.data.cifar import cifar_files, cifar_root, ensure_cifar
 from vitlab.data.download import absolute_source
 from vitlab.data.folders import folder_files, folder_root
 from vitlab.data.shards import remote, shard_files
@@ -91,9 +91,10 @@ def identity(name: str, test: bool = False, data_dir: str | None = None) -> tupl
     their files; anything else (a hub name, a URL, digits, Fashion-MNIST, whose files are checked
     against their SHA-256) by its name alone. `test`: the source is data.test's (an image folder
     is then read whole, every sub-folder a class)."""
-    if name in ("cifar10", "cifar100"):
+    if name in ("cifar10", "cifar100"):  # fetched first where missing: the files read are keyed
         root = cifar_root(data_dir).resolve()
-        return f"{name}:{root}", files_digest(root, cifar_files(root))
+        ensure_cifar(root, name)
+        return f"{name}:{root}", files_digest(root, cifar_files(root, name))
     if name.startswith("imagefolder:"):
         root = folder_root(name).resolve()
         return f"imagefolder:{root}", files_digest(root, folder_files(root, whole=test))

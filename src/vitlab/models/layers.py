@@ -73,11 +73,12 @@ def check_dtype(x: Tensor, weight: Tensor) -> None:
     autocast any float dtype it casts (all but float64)."""
     if not x.is_floating_point():
         raise ValueError(
-            f"expected float images, got {x.dtype}: model.preprocessing.batch(images) turns a "
-            "uint8 (B, C, H, W) batch into the model's input (resized, scaled, normalised)"
+            f"expected float images, got {x.dtype}: scale them to [0, 1] and normalise (a loaded "
+            "checkpoint's model.preprocessing.batch(images) does it for a uint8 batch)"
         )
-    cast = torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float64
-    if x.dtype != weight.dtype and not cast:
+    t = x.device.type  # no autocast on the meta device (FLOP counts, shapes)
+    autocast = torch.amp.is_autocast_available(t) and torch.is_autocast_enabled(t)
+    if x.dtype != weight.dtype and not (autocast and x.dtype != torch.float64):
         raise ValueError(
             f"expected images in the model's dtype {weight.dtype}, got {x.dtype}: convert them "
             f"with x.to({weight.dtype}) or the model with model.to({x.dtype})"
