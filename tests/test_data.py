@@ -11,6 +11,7 @@ import pickle
 import struct
 import tarfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -211,6 +212,27 @@ def test_cifar_hostile_pickle_and_missing_files(tmp_path: Path) -> None:
         load_split("cifar10", "test", str(tmp_path))
     with pytest.raises(DatasetError, match="not found"):  # offline (conftest)
         load_split("cifar100", "test", str(tmp_path / "empty"))
+
+
+def test_processes_fetching_one_file_take_turns(tmp_path: Path, monkeypatch) -> None:
+    """Two fetches of one file at once (torchrun's ranks, each loading CIFAR): one downloads, the
+    other waits for the folder's lock and then finds the file (each downloaded it before)."""
+    calls = []
+
+    def slow(url, dest, sha, gzipped):
+        calls.append(url)
+        time.sleep(0.3)
+        dest.write_bytes(b"x")
+
+    monkeypatch.setattr(download, "_download", slow)
+    dest = tmp_path / "d" / "a.tar.gz"
+    threads = [threading.Thread(target=download.fetch, args=("u", dest, "0", False))
+               for _ in range(2)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["u"] and dest.read_bytes() == b"x"
 
 
 def test_missing_cifar_is_downloaded_checked_and_read(tmp_path, served, monkeypatch) -> None:
