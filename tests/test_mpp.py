@@ -261,7 +261,7 @@ def test_an_image_folder_without_classes_trains_by_mpp_only(tmp_path: Path, caps
     for f in data.iterdir():
         (one / "cat" / f.name).write_bytes(f.read_bytes())
     with pytest.raises(ConfigError, match=r"has one class \('cat'\): classification needs two"):
-        train(load_run_config(None, [*common, f"data.name=imagefolder:{one}"]))
+        train(load_run_config(None, [*common, f"data.name=imagefolder:{one}"]), out=tmp_path / "1")
     run = train(load_run_config(None, [*common, "train.objective=mpp"]), out=tmp_path / "mpp")
     result = json.loads((run / "results.json").read_text())
     assert result["num_images"] == 8 and result["classes"] == []  # 20% of 40 held out

@@ -226,7 +226,7 @@ def test_an_undecodable_sample_is_named_with_its_shard(tmp_path: Path, caplog) -
                 image = b"\x89PNG\r\n\x1a\n cut" if (s, i) == (1, 2) else png(rng, i % 2)
                 w.write({"__key__": f"s{s}-{i}", "png": image, "cls": b"%d" % (i % 2)})
     split = load_split(f"wds:{tmp_path}/b-{{0..1}}.tar", "train")
-    named = f"cannot read image s1-2 in {tmp_path}/b-1.tar"
+    named = f"cannot read image s1-2 of {tmp_path}/b-1.tar"
     for training in (True, False):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="vitlab"):
@@ -521,10 +521,14 @@ def test_a_shard_url_curl_cannot_read_is_said_in_words() -> None:
     """webdataset reads http(s) shards through curl and fails with its arguments and a Pipe
     object (a QA run, offline: "OSError: ((['curl', '--connect-timeout', '30', ...],), {...}):
     exit 6 (read) {}"); the error names curl's exit code and what it means."""
-    from vitlab.data.shards import _reason
+    from vitlab.data.shards import ShardSplit, _reason
 
     raw = OSError("((['curl', '--connect-timeout', '30', '--retry', '30', '-f', '-s', '-L', "
                   "'https://example.invalid/train-0000.tar'],), {'bufsize': 8192}): exit 6 "
-                  "(read) {}", object())  # fmt: skip
+                  "(read) {}")  # fmt: skip
     assert _reason(raw) == "curl exit 6 (could not resolve the host), after curl's retries"
     assert _reason(ValueError("bad tar")) == "ValueError: bad tar"
+    split = ShardSplit(["http://127.0.0.1:9/x.tar"], [1], ["a"])  # refused: curl does not retry
+    with pytest.raises(DatasetError, match=r"x.tar: curl exit 7 \(could not connect to the "
+                       r"host\)$"):  # fmt: skip
+        list(split.read(0))

@@ -102,12 +102,17 @@ CURL = {6: "could not resolve the host", 7: "could not connect to the host", 22:
 
 def _reason(e: Exception) -> str:
     """Why a read failed, in words: webdataset's curl pipe (http(s) URLs) fails with its
-    arguments and exit code, after its retries, which say little."""
+    arguments and exit code, or as tarfile's 'empty file' with the pipe, read before curl's exit
+    status: either says little."""
     code = re.search(r"'curl'.*exit (\d+)", str(e))
-    if code is None:
+    pipes = [a.proc for a in e.args if hasattr(a, "proc") and "curl" in str(a.args)]
+    if code is None and pipes:
+        code = re.match(r"(\d+)", str(pipes[0].wait()))
+    if code is None or code.group(1) == "0":
         return f"{type(e).__name__}: {e}"
     n = int(code.group(1))
-    return f"curl exit {n}{f' ({CURL[n]})' if n in CURL else ''}, after curl's retries"
+    retried = ", after curl's retries" if n in (6, 28) else ""  # --retry's transient errors
+    return f"curl exit {n}{f' ({CURL[n]})' if n in CURL else ''}{retried}"
 
 
 def remote(spec: str) -> bool:

@@ -122,7 +122,7 @@ class _EvalStreams(IterableDataset):
         w, workers = _worker()
         ld = self.loader
         for mine in ld.eval_shards()[w::workers]:
-            samples = chain.from_iterable(((*x, s) for x in ld.split.read(s)) for s in mine)
+            samples = chain.from_iterable(ld.tagged(s) for s in mine)
             while chunk := [x for _, x in zip(range(ld.batch_size), samples)]:
                 yield ld.decode_batch(chunk, 0, train=False)
 
@@ -263,6 +263,10 @@ class StreamLoader:
                 yield sample
             p, kept, c = p + 1, [], 0
 
+    def tagged(self, shard: int) -> Iterator[tuple[str, bytes, int, int]]:
+        """Shard `shard`'s samples (key, bytes, label) with the shard's number (for messages)."""
+        return ((*sample, shard) for sample in self.split.read(shard))
+
     def _positions(self, shards: list[int], start: int, keep: set[int]) -> Iterator[tuple]:
         """(position, sample) of the pass over `shards` from `start` on, and of the positions in
         `keep` before it; shards holding none of those are not opened."""
@@ -272,9 +276,9 @@ class StreamLoader:
             if pos + n <= low:
                 pos += n
                 continue
-            for sample in self.split.read(s):
+            for sample in self.tagged(s):
                 if pos >= start or pos in keep:
-                    yield pos, (*sample, s)
+                    yield pos, sample
                 pos += 1
 
     # --- decoding ---------------------------------------------------------------------------------
@@ -287,7 +291,7 @@ class StreamLoader:
             torch.default_generator.manual_seed(seed)  # the CPU's only: fork_rng keeps no other
             for key, data, label, shard in chunk:
                 try:
-                    x = decode_image(data, self.in_chans, f"{key} in {self.split.urls[shard]}")
+                    x = decode_image(data, self.in_chans, f"{key} of {self.split.urls[shard]}")
                 except DatasetError as e:
                     bad.append((key, str(e)))
                     x, label = torch.zeros(self.in_chans, 8, 8, dtype=torch.uint8), PADDING

@@ -158,7 +158,7 @@ class _Shard:
 
     def write(self, sample: dict) -> None:
         self.tar.write(sample)
-        self.size = self.file.tell()  # the tar's headers and padding too, not the payload alone
+        self.size = self.tar.tarstream.offset  # headers and padding too (tarfile buffers records)
         self.count += 1
 
     def discard(self) -> None:

@@ -195,8 +195,8 @@ class Extractor:
         on disk, data.name's or data.test's: its absolute path and a digest of its files' names,
         sizes and times, so added or replaced images count)."""
         folder, seed = cfg.dir, cfg.split_seed
-        name, files = self._identity(cfg.name, cfg.dir)
-        test, test_files = self._identity(cfg.test, cfg.dir, True) if cfg.test else (None, None)
+        name, files = self._identity(cfg.name, False, cfg.dir)
+        test, test_files = self._identity(cfg.test, True, cfg.dir) if cfg.test else (None, None)
         return {
             "version": CACHE_VERSION,
             "weights": source_identity(self.source, self.weights),
@@ -212,9 +212,7 @@ class Extractor:
             "features": self.kind,
         }
 
-    def _identity(
-        self, name: str, data_dir: str | None, test: bool = False
-    ) -> tuple[str, str | None]:
+    def _identity(self, name: str, test: bool, data_dir: str | None) -> tuple[str, str | None]:
         """identity(name, test, data_dir), digested once while held_keys holds (a split each: an
         image folder of a million files was stat-ed twice a command)."""
         if self._held is None:

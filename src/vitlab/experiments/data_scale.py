@@ -62,11 +62,10 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
     top1, few = _series(rows, "top1"), _series(rows, f"fewshot{SHOTS}")
     first = {(r["model"], r["size"]): r for r in rows}
     whole = sizes_seen_whole(rows)
-    table = []
+    table, ends = [], whole[:1] + whole[-1:] if len(whole) >= 2 else []  # what the rule compares
     for label in MODELS:
         for size, s in sorted(top1[label].items()):
             r = first[(label, size)]
-            ends = whole[:1] + whole[-1:] if len(whole) >= 2 else []  # what the rule compares
             judged = "yes" if size in ends and label != HYBRID else ""
             table.append([label, f"{r['images']:,}", f"{r['steps']} x {r['batch']}",
                           f"{r['passes']:.3g}", s.text(), few[label][size].text(), judged,

@@ -244,8 +244,8 @@ class Data:
         training state; None in states before 2026-12-05)."""
         if saved is not None and saved != self.digest:
             log.warning("data %s is not what the run trained on (files, shards or labels added, "
-                        "removed or renamed): the continuation is not exact, and where the test "
-                        "split is drawn by seed (an image folder without train/), images may "
+                        "removed, renamed or moved): the continuation is not exact, and where the "
+                        "test split is drawn by seed (an image folder without train/), images may "
                         "have moved between the training and the test split",
                         self.info.name)  # fmt: skip
 
