@@ -117,8 +117,8 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
         choices=["torch", "onnxruntime"],
         default="torch",
         help="torch: eager PyTorch (default); onnxruntime: the model exported to ONNX (checked "
-        "against PyTorch within 1e-4) and run by an onnxruntime CPU session (needs pip install "
-        "'vitlab[export]')",
+        "against PyTorch as vitlab export checks it) and run by an onnxruntime CPU session "
+        "(needs pip install 'vitlab[export]')",
     )
     p.add_argument(
         "--int8",
