@@ -119,9 +119,15 @@ def test_feature_kinds_and_channel_conversion() -> None:
         and feats.dtype == torch.float32
         and labels.tolist() == [0, 1, 2, 3, 4]
     )
-    # RGB images for a grey model: converted to grey
-    rgb = ArraySplit(torch.full((2, 3, 28, 28), 200, dtype=torch.uint8), torch.arange(2), [])
-    assert match_channels(rgb, pre.__class__((8, 8), 1, (0.5,), (0.5,)), "c").images.shape[1] == 1
+    # RGB images for a grey model: converted to grey as PIL converts the same pixels, which
+    # image files get (torchvision's rgb_to_grayscale was a grey level off on half of them)
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (2, 3, 28, 28), dtype=torch.uint8)
+    rgb = ArraySplit(pixels, torch.arange(2), [])
+    grey = match_channels(rgb, pre.__class__((8, 8), 1, (0.5,), (0.5,)), "c").images
+    pil = [np.asarray(Image.fromarray(p.permute(1, 2, 0).numpy()).convert("L")) for p in pixels]
+    assert grey.shape == (2, 1, 28, 28) and np.array_equal(grey[:, 0].numpy(), np.stack(pil))
     with pytest.raises(
         DatasetError, match="c has 3-channel images and the model's preprocessing takes 2"
     ):

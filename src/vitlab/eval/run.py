@@ -113,10 +113,9 @@ def match_channels(split: Split, pre: Preprocessing, name: str) -> Split:
         return split
     if have == 1:
         images = split.images.expand(-1, want, -1, -1)
-    elif have == 3 and want == 1:
-        from torchvision.transforms.v2 import functional as TF
-
-        images = TF.rgb_to_grayscale(split.images)
+    elif have == 3 and want == 1:  # PIL's integer luma (torchvision's is a grey level off)
+        r, g, b = split.images.to(torch.int32).unbind(1)
+        images = ((r * 19595 + g * 38470 + b * 7471 + 32768) >> 16).to(torch.uint8)[:, None]
     else:
         raise DatasetError(
             f"{name} has {have}-channel images and the model's preprocessing takes {want} "

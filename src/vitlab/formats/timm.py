@@ -144,7 +144,7 @@ def note_assumed_preprocessing(src: Source) -> None:
     if state_family(src.state) != "swin":
         src.notes.append(
             "timm weights without timm's config.json: ImageNet mean and std, crop 0.9, bicubic "
-            "assumed (timm's augreg ViTs take mean = std = 0.5, DeiT crop 0.875); a folder of "
+            "assumed (timm's augreg ViTs take mean = std = 0.5, DeiT crop 0.9 at 224); a folder of "
             "the weights as model.safetensors and the hub's config.json gives the model's own"
         )
 
