@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from vitlab.cli.main import main
 from vitlab.config import DataConfig, load_run_config
 from vitlab.data import BatchAugment, Preprocessing, load_split, make_loader
 from vitlab.data.datasets import DatasetError, train_val_split
+from vitlab.data.shards import ShardSplit
 from vitlab.data.stream import _replay, _shuffled
 from vitlab.data.writer import write_shards
 from vitlab.train import run as run_mod
@@ -521,14 +523,48 @@ def test_a_shard_url_curl_cannot_read_is_said_in_words() -> None:
     """webdataset reads http(s) shards through curl and fails with its arguments and a Pipe
     object (a QA run, offline: "OSError: ((['curl', '--connect-timeout', '30', ...],), {...}):
     exit 6 (read) {}"); the error names curl's exit code and what it means."""
-    from vitlab.data.shards import ShardSplit, _reason
+    from vitlab.data.shards import _reason
 
     raw = OSError("((['curl', '--connect-timeout', '30', '--retry', '30', '-f', '-s', '-L', "
                   "'https://example.invalid/train-0000.tar'],), {'bufsize': 8192}): exit 6 "
                   "(read) {}")  # fmt: skip
     assert _reason(raw) == "curl exit 6 (could not resolve the host), after curl's retries"
     assert _reason(ValueError("bad tar")) == "ValueError: bad tar"
+    if shutil.which("curl") is None:
+        pytest.skip("webdataset reads http(s) shards with curl, which is not installed")
     split = ShardSplit(["http://127.0.0.1:9/x.tar"], [1], ["a"])  # refused: curl does not retry
     with pytest.raises(DatasetError, match=r"x.tar: curl exit 7 \(could not connect to the "
                        r"host\)$"):  # fmt: skip
         list(split.read(0))
+
+
+def test_a_damaged_remote_shard_fails_at_once(tmp_path: Path) -> None:
+    """A shard URL serving 20 MB that are no tar: tarfile fails on its header while curl is still
+    sending into the pipe; waiting for curl's exit there hung (a review caught it)."""
+    import functools
+    import http.server
+    import threading
+
+    if shutil.which("curl") is None:
+        pytest.skip("webdataset reads http(s) shards with curl, which is not installed")
+    (tmp_path / "x.tar").write_bytes(np.random.default_rng(0).bytes(20 << 20))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    errors: list[Exception] = []
+
+    def read() -> None:
+        try:
+            list(ShardSplit([f"http://127.0.0.1:{server.server_port}/x.tar"], [1], ["a"]).read(0))
+        except Exception as e:
+            errors.append(e)
+
+    try:
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout=60)
+        assert not reader.is_alive(), "the read hangs"
+        assert isinstance(errors[0], DatasetError) and "cannot read shard" in str(errors[0])
+    finally:
+        server.shutdown()
+        server.server_close()

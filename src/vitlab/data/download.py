@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from vitlab.runtime import file_mode
@@ -98,15 +98,17 @@ def fetch(url: str, dest: Path, expected_sha256: str, gzipped: bool = True) -> N
 @contextmanager
 def _folder_turn(folder: Path) -> Iterator[None]:
     """An flock on the folder itself (no lock file left behind) while the block runs; none where
-    there is no flock (Windows)."""
+    there is no flock (Windows) or the file system refuses one on a folder."""
     try:
         import fcntl
-    except ImportError:
+
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
         yield
         return
-    fd = os.open(folder, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        with suppress(OSError):  # NFS (a folder cannot be write-locked there), Lustre, FUSE
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # lets go of the lock

@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
 from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -106,8 +108,9 @@ def _reason(e: Exception) -> str:
     status: either says little."""
     code = re.search(r"'curl'.*exit (\d+)", str(e))
     pipes = [a.proc for a in e.args if hasattr(a, "proc") and "curl" in str(a.args)]
-    if code is None and pipes:
-        code = re.match(r"(\d+)", str(pipes[0].wait()))
+    if code is None and pipes and "empty file" in str(e):  # curl sent nothing: it is ending
+        with suppress(subprocess.TimeoutExpired):  # (not after other errors: it may be sending)
+            code = re.match(r"(\d+)", str(pipes[0].wait(timeout=5)))
     if code is None or code.group(1) == "0":
         return f"{type(e).__name__}: {e}"
     n = int(code.group(1))

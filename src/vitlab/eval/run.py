@@ -104,7 +104,8 @@ def evaluation_split(
 
 def match_channels(split: Split, pre: Preprocessing, name: str) -> Split:
     """`split` with as many channels as the model takes: grey images are repeated to RGB, RGB
-    images converted to grey (ITU-R 601 luma, as PIL's convert('L')); image files are read in
+    images converted to grey (ITU-R 601 luma, torchvision's: as PNG and JPEG files are decoded
+    grey, where PIL's integer luma is a grey level off on some pixels); image files are read in
     the model's mode anyway. Any other pair is a DatasetError naming both."""
     if not isinstance(split, ArraySplit):
         return split
@@ -113,9 +114,10 @@ def match_channels(split: Split, pre: Preprocessing, name: str) -> Split:
         return split
     if have == 1:
         images = split.images.expand(-1, want, -1, -1)
-    elif have == 3 and want == 1:  # PIL's integer luma (torchvision's is a grey level off)
-        r, g, b = split.images.to(torch.int32).unbind(1)
-        images = ((r * 19595 + g * 38470 + b * 7471 + 32768) >> 16).to(torch.uint8)[:, None]
+    elif have == 3 and want == 1:
+        from torchvision.transforms.v2 import functional as TF
+
+        images = TF.rgb_to_grayscale(split.images)
     else:
         raise DatasetError(
             f"{name} has {have}-channel images and the model's preprocessing takes {want} "
