@@ -15,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "says (stored in the file's metadata), and returns `logits` (`features`, the pooled "
         "features, for a model without a classifier, num_classes=0); onnxruntime's output is "
         "compared with PyTorch's (max abs diff <= 1e-4 of the largest |logit|, 1e-4 below 1) "
-        "before the command succeeds; a model of 2 GB or more keeps its weights in OUT.data. "
+        "before the command succeeds; a model of 1.8 GB or more keeps its weights in a file "
+        "beside OUT that OUT names (OUT.<id>.data). "
         "--torch-export writes a program for torch.export.load(OUT).module().",
     )
     p.add_argument("checkpoint", metavar="RUN_OR_CKPT")
@@ -44,8 +45,9 @@ def run(args: argparse.Namespace) -> int:
     model, meta = load_checkpoint(args.checkpoint)
     if args.onnx:
         r = export_onnx(model, meta, args.onnx, args.dynamic_batch)
+        beside = f" and its weights {r['data']} (keep the two together)" if "data" in r else ""
         print(
-            f"wrote {args.onnx}: onnxruntime matches PyTorch (max abs diff "
+            f"wrote {args.onnx}{beside}: onnxruntime matches PyTorch (max abs diff "
             f"{r['max_abs_diff']:.2e} at batch {', '.join(map(str, r['batches_checked']))})"
         )
     if args.torch_export:

@@ -193,7 +193,7 @@ class OnnxRuntimeModel(nn.Module):
         path = Path(self._dir.name) / "model.onnx"
         name = type(model).__name__
         try:
-            export_onnx(model, meta, path, dynamic_batch=True)
+            large = "data" in export_onnx(model, meta, path, dynamic_batch=True)
         except UnsupportedExport as e:  # an op or a control flow the exporter lacks
             raise BackendError(f"--backend onnxruntime: {e}; use --backend torch") from None
         except ExportError as e:
@@ -201,7 +201,7 @@ class OnnxRuntimeModel(nn.Module):
                 raise BackendError(f"--backend onnxruntime: {e}") from None
             raise BackendError(f"--backend onnxruntime: the {name} exported wrongly: {e}") from None
         if int8:
-            path = _quantize_onnx(path)
+            path = _quantize_onnx(path, large)
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
@@ -215,7 +215,7 @@ class OnnxRuntimeModel(nn.Module):
         return torch.from_numpy(self.session.run(None, {"images": images})[0])  # (B, classes)
 
 
-def _quantize_onnx(path: Path) -> Path:
+def _quantize_onnx(path: Path, large: bool = False) -> Path:
     """int8 weights for the file's MatMul and Gemm nodes with a constant weight; 7-bit weights
     (reduce_range) on an x86 CPU without VNNI, as onnxruntime advises there: its AVX2 kernels
     add pairs of uint8 x int8 products in int16, which full-range weights overflow (on an
@@ -235,6 +235,7 @@ def _quantize_onnx(path: Path) -> Path:
             weight_type=QuantType.QInt8,
             reduce_range=not _int8_dot_products(),
             extra_options={"MatMulConstBOnly": True},
+            use_external_data_format=large,  # a model over protobuf's 2 GiB at int8 too
         )
     finally:
         quiet.setLevel(level)
