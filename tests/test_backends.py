@@ -4,6 +4,7 @@ tolerance, `vitlab eval` / `predict` run them, and what cannot run says why."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -228,6 +229,25 @@ def test_a_model_over_protobufs_2gb_exports_its_weights_beside_the_file(tmp_path
         with pytest.raises(export.ExportError, match="differs from PyTorch"):
             export.export_onnx(build_model(cfg).eval(), meta, out)
     assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == pair
+    real = os.replace  # stopped between the weights' rename and OUT's: the old pair stays whole
+
+    def stop_at_out(src, dst):
+        if str(dst) == str(out):
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    with monkeypatch.context() as m:
+        m.setattr(export.os, "replace", stop_at_out)
+        with pytest.raises(KeyboardInterrupt):
+            export.export_onnx(model, meta, out)
+    assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == pair
+    with monkeypatch.context() as m:  # stopped after OUT's rename: its new weights stay
+        m.setattr(export, "fsync", lambda p: (_ for _ in ()).throw(KeyboardInterrupt)
+                  if Path(p) == out.parent else None)  # fmt: skip
+        with pytest.raises(KeyboardInterrupt):
+            export.export_onnx(model, meta, out)
+    datas = [p for p in out.parent.iterdir() if p.suffix == ".data"]  # the old one kept too
+    assert sum(p.name.encode() in out.read_bytes() for p in datas) == 1
     again = Path(export.export_onnx(model, meta, out)["data"])
     assert sorted(p.name for p in out.parent.iterdir()) == sorted(["m.onnx", again.name])
     monkeypatch.setattr(export, "PROTOBUF_LIMIT", 2**40)  # a small model over a large one's

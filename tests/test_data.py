@@ -233,6 +233,14 @@ def test_processes_fetching_one_file_take_turns(tmp_path: Path, monkeypatch) -> 
     for t in threads:
         t.join()
     assert calls == ["u"] and dest.read_bytes() == b"x"
+    import fcntl  # a file system that refuses an flock on a folder (NFS): downloads all the same
+
+    def refused(fd, op):
+        raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    download.fetch("v", tmp_path / "d" / "b.tar.gz", "0", False)
+    assert calls == ["u", "v"] and (tmp_path / "d" / "b.tar.gz").is_file()
 
 
 def test_missing_cifar_is_downloaded_checked_and_read(tmp_path, served, monkeypatch) -> None:

@@ -135,8 +135,9 @@ def test_feature_kinds_and_channel_conversion() -> None:
         out = io.BytesIO()
         Image.fromarray(p.permute(1, 2, 0).numpy()).save(out, format="PNG")
         files.append(decode_image(out.getvalue(), 1, "p.png"))
-    assert grey.shape == (2, 1, 28, 28)
-    assert (grey.int() - torch.stack(files).int()).abs().max() <= 1
+    diff = (grey.int() - torch.stack(files).int()).abs()
+    assert grey.shape == (2, 1, 28, 28) and diff.max() <= 1
+    assert (diff == 0).float().mean() > 0.9  # PIL's integer luma: half the pixels a level off
     with pytest.raises(
         DatasetError, match="c has 3-channel images and the model's preprocessing takes 2"
     ):

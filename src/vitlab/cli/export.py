@@ -14,9 +14,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "model takes `images` (B, C, H, W) float32, normalised as the checkpoint's preprocessing "
         "says (stored in the file's metadata), and returns `logits` (`features`, the pooled "
         "features, for a model without a classifier, num_classes=0); onnxruntime's output is "
-        "compared with PyTorch's (max abs diff <= 1e-4 of the largest |logit|, 1e-4 below 1) "
+        "compared with PyTorch's (each image's max abs diff <= 1e-4 of its largest |logit|, 1e-4 "
+        "below 1) "
         "before the command succeeds; a model of 1.8 GB or more keeps its weights in a file "
-        "beside OUT that OUT names (OUT.<id>.data). "
+        "beside OUT that OUT names (OUT.<8 hex digits>.data). "
         "--torch-export writes a program for torch.export.load(OUT).module().",
     )
     p.add_argument("checkpoint", metavar="RUN_OR_CKPT")

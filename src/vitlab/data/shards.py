@@ -108,11 +108,13 @@ def _reason(e: Exception) -> str:
     status: either says little."""
     code = re.search(r"'curl'.*exit (\d+)", str(e))
     pipes = [a.proc for a in e.args if hasattr(a, "proc") and "curl" in str(a.args)]
-    if code is None and pipes and "empty file" in str(e):  # curl sent nothing: it is ending
-        with suppress(subprocess.TimeoutExpired):  # (not after other errors: it may be sending)
-            code = re.match(r"(\d+)", str(pipes[0].wait(timeout=5)))
+    if code is None and pipes:  # after 'empty file' curl is ending; else it may still send
+        with suppress(subprocess.TimeoutExpired):
+            status = pipes[0].wait(timeout=5) if "empty file" in str(e) else pipes[0].poll()
+            code = re.match(r"(\d+)", str(status))
     if code is None or code.group(1) == "0":
-        return f"{type(e).__name__}: {e}"
+        said = [str(a) for a in e.args if isinstance(a, str)] if pipes else [str(e)]
+        return f"{type(e).__name__}: {', '.join(said)}"  # not the Pipe object's repr
     n = int(code.group(1))
     retried = ", after curl's retries" if n in (6, 28) else ""  # --retry's transient errors
     return f"curl exit {n}{f' ({CURL[n]})' if n in CURL else ''}{retried}"
