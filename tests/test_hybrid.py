@@ -228,8 +228,16 @@ def test_what_timm_cannot_build_or_vitlab_has_no_place_for_is_named(tmp_path: Pa
     # timm's stem-only hybrid: a ResNet root and 8x8 patches on its map
     state = timm.create_model("vit_tiny_r_s16_p8_224", img_size=64, depth=1).state_dict()
     save_file(state, tmp_path / "s.safetensors")
-    with pytest.raises(CheckpointError, match="no place .* patch_embed.backbone.conv.weight"):
-        load_pretrained(tmp_path / "s.safetensors")
+    with pytest.raises(
+        CheckpointError,
+        match=r"no place .* patch_embed.backbone.conv.weight.*; "
+        r"a hybrid of a ResNet stem without stages \(timm's vit_\*_r_s16_p8_\*",
+    ):
+        load_pretrained(tmp_path / "s.safetensors")  # the reason said, not the tensors alone
+    regs = timm.create_model("vit_tiny_patch16_224", img_size=32, depth=1, reg_tokens=4)
+    save_file(regs.state_dict(), tmp_path / "r.safetensors")
+    with pytest.raises(CheckpointError, match=r"reg_token; register tokens \(timm's reg_tokens"):
+        load_pretrained(tmp_path / "r.safetensors")
     state["pos_embed.weight"] = state.pop("pos_embed")  # in vitlab's names, it is read as such
     save_file(state, tmp_path / "v.safetensors")
     with pytest.raises(CheckpointError, match="not a ResNet stem with stages"):

@@ -225,15 +225,20 @@ def write_cnn_instead(config: Any) -> str:
     state dict, BiT's ResNet-v2 (a CNNConfig with `bit`) as timm's."""
     if getattr(config, "bit", False):
         return "write BiT's ResNet-v2 (timm's ResNetV2 names) with --to timm or --to vitlab"
-    return (
-        "write a ResNet with --to torchvision (a plain state dict in torchvision's names, which "
-        "are timm's resnet18/34/50's too) or --to vitlab"
-    )
+    return ("write a ResNet with --to torchvision (a plain state dict in torchvision's names, "
+            "which are timm's resnet18/34/50's too) or --to vitlab")  # fmt: skip
+
+
+UNBUILT = {"patch_embed.backbone.conv.": "a hybrid of a ResNet stem without stages (timm's "
+           "vit_*_r_s16_p8_*, R-Ti/16), which vitlab does not build", "reg_token": "register "
+           "tokens (timm's reg_tokens), which vitlab's ViT does not have"}  # fmt: skip
 
 
 def unknown(keys: list[str], format: str) -> FormatError:
     shown = ", ".join(sorted(keys)[:8]) + (" ..." if len(keys) > 8 else "")
-    return FormatError(f"{len(keys)} tensor(s) have no place in a vitlab model ({format}): {shown}")
+    why = "".join(f"; {w}" for k, w in UNBUILT.items() if any(x.startswith(k) for x in keys))
+    return FormatError(f"{len(keys)} tensor(s) have no place in a vitlab model ({format}): {shown}"
+                       f"{why}")  # fmt: skip
 
 
 def rename(state: Mapping[str, Tensor], rules: list[tuple[str, str]], format: str) -> StateDict:
@@ -266,15 +271,12 @@ def refuse_swin_v2(keys: Iterable[str], where: str) -> None:
     absolute position embeddings, which vitlab's Swin (v1) has no place for."""
     keys = list(keys)
     if any(k.endswith(("cpb_mlp.0.weight", "logit_scale")) for k in keys):
-        raise CheckpointError(
-            f"{where}: a Swin V2 checkpoint (continuous position bias, cosine attention): vitlab "
-            "builds the Swin (v1) of Liu et al. 2021"
-        )
+        raise CheckpointError(f"{where}: a Swin V2 checkpoint (continuous position bias, "
+                              "cosine attention): vitlab builds the Swin (v1) of Liu et al. "
+                              "2021")  # fmt: skip
     if any(k.endswith(("absolute_pos_embed", "embeddings.position_embeddings")) for k in keys):
-        raise CheckpointError(
-            f"{where}: absolute position embeddings (ape / use_absolute_embeddings) are not part "
-            "of vitlab's Swin"
-        )
+        raise CheckpointError(f"{where}: absolute position embeddings (ape / "
+                              "use_absolute_embeddings) are not part of vitlab's Swin")  # fmt: skip
 
 
 def cpu_state(state: Mapping[str, Tensor]) -> StateDict:
@@ -393,9 +395,8 @@ def unwrap(obj: Any, path: Path | str) -> StateDict:
         raise CheckpointError(f"{path} holds no state dict (a mapping of names to tensors)")
     bad = [k for k, v in obj.items() if not isinstance(v, Tensor)]
     if bad:
-        raise CheckpointError(
-            f"{path}: entries that are not tensors: {', '.join(map(str, bad[:5]))}"
-        )
+        names = ", ".join(map(str, bad[:5]))
+        raise CheckpointError(f"{path}: entries that are not tensors: {names}")
     if all(k.startswith("module.") for k in obj):
         obj = {k.removeprefix("module."): v for k, v in obj.items()}
     return obj
