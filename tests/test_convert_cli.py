@@ -116,6 +116,33 @@ def test_a_file_where_the_destination_folder_goes_is_named(tmp_path: Path, capsy
     assert file.read_text() == "mine"
 
 
+def test_convert_refuses_to_overwrite_its_source(tmp_path: Path, capsys) -> None:
+    """`vitlab convert A A` of a Hugging Face folder wrote vitlab-named weights beside HF's
+    config.json (transformers then loaded a half-initialised model); DST the source, or one of
+    its files, is refused before anything is read or written, and a DST beside it is fine. The
+    refusal of a DeiT-3 for --to hf names what is missing (its table is learned: it said
+    'position tables other than learned')."""
+    from tests.helpers import tiny_checkpoint
+
+    src = tmp_path / "hf"
+    save_pretrained(load_pretrained(tiny_checkpoint(tmp_path / "tiny")), src, "hf")
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    for dst in (src, src / "model.safetensors"):
+        assert main(["convert", str(src), str(dst)]) == 2
+        assert f"{dst} is " in (err := capsys.readouterr().err) and "name another DST" in err
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    assert main(["convert", str(src), str(tmp_path / "beside")]) == 0
+    import timm
+    from safetensors.torch import save_file
+
+    deit3 = tmp_path / "deit3.safetensors"
+    save_file(timm.create_model("deit3_small_patch16_224", img_size=32, depth=1).state_dict(),
+              deit3)  # fmt: skip
+    assert main(["convert", str(deit3), str(tmp_path / "d"), "--to", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert "no_embed_class" in err and "other than learned" not in err
+
+
 def test_convert_refuses_to_write_into_a_runs_checkpoints(tmp_path: Path, capsys) -> None:
     """Writing timm's layout over a run's checkpoints/best once left a run that eval called
     weightless and --resume failed on with a traceback."""

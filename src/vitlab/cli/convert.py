@@ -5,6 +5,7 @@ ResNet-v2: vitlab's or timm's)."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -75,10 +76,12 @@ FILE_SUFFIXES = {"vitlab": (".safetensors",), "timm": (".safetensors",), "hf": (
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".onnx", ".pt2", ".json", *TORCH_SUFFIXES)
 
 
-def check_dest(dest: Path, to: str) -> None:
+def check_dest(dest: Path, to: str, source: str | None = None) -> None:
     """A ValueError for a DST named as a file the format does not write (it would become a
-    folder of that name), a DST folder where a file is (or a folder above it is one), or a DST
-    inside a vitlab run's checkpoints (train, eval and --resume read them in vitlab's format)."""
+    folder of that name), a DST folder where a file is (or a folder above it is one), a DST
+    inside a vitlab run's checkpoints (train, eval and --resume read them in vitlab's format), or
+    a DST that is the local `source` or a file in it (the conversion would overwrite what it
+    reads: an HF folder kept its config.json beside vitlab-named weights)."""
     if dest.suffix.lower() in WEIGHT_SUFFIXES and dest.suffix not in FILE_SUFFIXES[to]:
         files = " or ".join(f"DST{s}" for s in FILE_SUFFIXES[to])
         raise ValueError(
@@ -95,6 +98,12 @@ def check_dest(dest: Path, to: str) -> None:
                 f"{dest} is inside the checkpoints of the run {folder.parent}, which vitlab "
                 f"train, eval and --resume read: write the converted checkpoint elsewhere"
             )
+    src = Path(source).expanduser().resolve() if source and os.path.exists(source) else None
+    at = dest.expanduser().resolve()
+    if src is not None and (at == src or (at.is_file() and src in at.parents)):
+        raise ValueError(f"{dest} is {'the source' if at == src else 'a file of the source'} "
+                         f"{source}: the conversion would overwrite what it reads; name another "
+                         f"DST")  # fmt: skip
 
 
 def _is_run(folder: Path) -> bool:
@@ -117,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.models.registry import shape_of
     from vitlab.models.swin import SwinConfig
 
-    check_dest(args.dest, args.to)
+    check_dest(args.dest, args.to, args.source)
     model, meta = load_checkpoint(args.source, args.src_format, **parse_overrides(args.overrides))
     try:
         if args.to == "vitlab":  # keeps where the weights came from in the metadata

@@ -378,10 +378,8 @@ def hf_config(cfg: ViTConfig, classes: list[str]) -> tuple[dict[str, Any], bool]
         text
         for bad, text in (
             (not cfg.class_token or cfg.pool != "token", "pooling other than the class token"),
-            (
-                cfg.pos_embed != "learned" or cfg.no_embed_class,
-                "position tables other than learned",
-            ),
+            (cfg.pos_embed != "learned", "position tables other than learned"),
+            (cfg.no_embed_class, "positions for the patches only (no_embed_class, DeiT-3)"),
             (cfg.fc_norm, "fc_norm"),
             (
                 cfg.stem != "patch",
