@@ -895,9 +895,13 @@ def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
         ("train.time_budget=yes", "\\(null or ~: no budget\\), got True \\(YAML reads on, yes"),
         ("train.time_budget=None", "\\(null or ~: no budget\\), got 'None'"),
         ("train.time_budget=0", "got 0.0 \\(null turns the budget off\\)"),
-        ("train.max_steps=0", "batch_threads and max_steps must be >= 1"),
-        ("train.threads=-2", "threads, stop_at_epoch >= 0"),
-        ("train.stop_at_epoch=-1", "threads, stop_at_epoch >= 0"),
+        ("train.max_steps=0", "^train.max_steps must be >= 1, got 0$"),  # each by its key and
+        ("train.accum_steps=0", "^train.accum_steps must be >= 1, got 0$"),  # value (one line
+        ("train.threads=-2", "^train.threads must be >= 0 \\(0: unset\\), got -2$"),  # for all)
+        ("train.stop_at_epoch=-1", "^train.stop_at_epoch must be >= 0 \\(0: unset\\), got -1$"),
+        ("data.mixup=-1", "^data.mixup must be >= 0, got -1.0$"),
+        ("data.shuffle_buffer=0", "^data.shuffle_buffer must be >= 1, got 0$"),
+        ("optim.lr=-0.1", "^optim.lr must be > 0, got -0.1$"),  # not min_lr's too
     ],
 )
 def test_settings_out_of_range_are_refused(override: str, message: str) -> None:

@@ -72,6 +72,15 @@ class ModelSection:
         return {"name": self.name, **self.overrides}
 
 
+def at_least(section: object, name: str, lows: dict[str, int]) -> None:
+    """A ConfigError naming the first of `section`'s fields below its lowest value (None is
+    unset; a lowest value of 0 is said to mean unset: train.threads, stop_at_epoch)."""
+    for key, low in lows.items():
+        if (value := getattr(section, key)) is not None and value < low:
+            unset = " (0: unset)" if low == 0 and name == "train" else ""
+            raise ConfigError(f"{name}.{key} must be >= {low}{unset}, got {value}")
+
+
 @dataclass
 class DataConfig:
     """Dataset and augmentation. Every augmentation is off at 0 / False."""
@@ -116,11 +125,8 @@ class DataConfig:
         for name in ("hflip", "random_erasing"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"data.{name} is a probability, got {getattr(self, name)}")
-        counts = (self.mixup, self.cutmix, self.crop_padding, self.randaugment_ops, self.workers)
-        if min(c for c in counts if c is not None) < 0:
-            raise ConfigError("data.mixup, cutmix, crop_padding, randaugment_ops, workers are >= 0")
-        if self.prefetch < 1 or self.shuffle_buffer < 1:
-            raise ConfigError("data.prefetch and data.shuffle_buffer are >= 1")
+        lows = {"mixup": 0, "cutmix": 0, "crop_padding": 0, "workers": 0, "randaugment_ops": 0}
+        at_least(self, "data", {**lows, "prefetch": 1, "shuffle_buffer": 1})
 
 
 @dataclass
@@ -144,7 +150,7 @@ class OptimConfig:
         clip = self.clip_grad is None or self.clip_grad >= 0  # below 0: gradients reversed
         rules = [
             (self.lr > 0, "lr", "> 0"),
-            (self.lr >= self.min_lr >= 0, "min_lr", "in [0, lr]"),
+            (self.lr >= self.min_lr >= 0 or self.lr <= 0, "min_lr", "in [0, lr]"),  # lr said
             (clip, "clip_grad", ">= 0 (0, null: none)"),
             (0 <= self.momentum < 1, "momentum", "in [0, 1)"),
             (all(0 <= b < 1 for b in self.betas), "betas", "in [0, 1) each"),
@@ -200,11 +206,8 @@ class TrainConfig:
                 parse_duration(self.time_budget, "train.time_budget")
             except ValueError as e:
                 raise ConfigError(f"{e} (null turns the budget off)") from None
-        counts = (self.epochs, self.batch_size, self.accum_steps, self.batch_threads)
-        unset = min(self.threads or 0, self.stop_at_epoch or 0)  # 0: unset (threads: torch's)
-        if min(*counts, 1 if self.max_steps is None else self.max_steps) < 1 or unset < 0:
-            names = "batch_threads and max_steps must be >= 1; threads, stop_at_epoch >= 0"
-            raise ConfigError(f"train.epochs, batch_size, accum_steps, {names} (0: unset)")
+        ones = ("epochs", "batch_size", "accum_steps", "max_steps", "batch_threads")
+        at_least(self, "train", {**dict.fromkeys(ones, 1), "threads": 0, "stop_at_epoch": 0})
         if self.ema is not None and not 0.0 < self.ema < 1.0:
             raise ConfigError(f"train.ema is a decay in (0, 1), got {self.ema}")
 
