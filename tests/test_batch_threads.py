@@ -173,7 +173,7 @@ def test_each_batch_draws_from_its_own_seed_again_on_resume(tmp_path, monkeypatc
         (["model.attn_dropout=0.1"], "use model.drop_path"),
         (["train.compile=true"], "runs the model eagerly"),
         (["train.grad_checkpointing=true"], "with train.grad_checkpointing is not supported"),
-        (["train.batch_threads=0"], "batch_threads and max_steps must be >= 1"),
+        (["train.batch_threads=0"], "^train.batch_threads must be >= 1, got 0$"),
     ],
 )
 def test_batch_threads_refuse_what_they_cannot_do(tmp_path, overrides, message) -> None:

@@ -127,11 +127,15 @@ def test_convert_refuses_to_overwrite_its_source(tmp_path: Path, capsys) -> None
     src = tmp_path / "hf"
     save_pretrained(load_pretrained(tiny_checkpoint(tmp_path / "tiny")), src, "hf")
     before = {p.name: p.read_bytes() for p in src.iterdir()}
-    for dst in (src, src / "model.safetensors"):
-        assert main(["convert", str(src), str(dst)]) == 2
+    weights = src / "model.safetensors"  # the folder, a file in it, a new file in it; the file
+    cases = [(src, src), (src, weights), (src, src / "new.safetensors"), (weights, src)]  # its
+    for source, dst in cases:  # folder (the review found the last two written)
+        assert main(["convert", str(source), str(dst)]) == 2, dst
         assert f"{dst} is " in (err := capsys.readouterr().err) and "name another DST" in err
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
     assert main(["convert", str(src), str(tmp_path / "beside")]) == 0
+    assert main(["convert", str(weights), str(tmp_path / "beside2")]) == 0  # a folder beside
+    assert main(["convert", str(src), str(src / "sub"), "--to", "timm"]) == 0  # a folder in it
     import timm
     from safetensors.torch import save_file
 

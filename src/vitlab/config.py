@@ -72,13 +72,13 @@ class ModelSection:
         return {"name": self.name, **self.overrides}
 
 
-def at_least(section: object, name: str, lows: dict[str, int]) -> None:
+def at_least(section: object, name: str, lows: dict[str, int], unset: tuple = ()) -> None:
     """A ConfigError naming the first of `section`'s fields below its lowest value (None is
-    unset; a lowest value of 0 is said to mean unset: train.threads, stop_at_epoch)."""
+    unset; for the keys in `unset`, 0 is too, which the message says)."""
     for key, low in lows.items():
         if (value := getattr(section, key)) is not None and value < low:
-            unset = " (0: unset)" if low == 0 and name == "train" else ""
-            raise ConfigError(f"{name}.{key} must be >= {low}{unset}, got {value}")
+            said = " (0: unset)" if key in unset else ""
+            raise ConfigError(f"{name}.{key} must be >= {low}{said}, got {value}")
 
 
 @dataclass
@@ -150,7 +150,7 @@ class OptimConfig:
         clip = self.clip_grad is None or self.clip_grad >= 0  # below 0: gradients reversed
         rules = [
             (self.lr > 0, "lr", "> 0"),
-            (self.lr >= self.min_lr >= 0 or self.lr <= 0, "min_lr", "in [0, lr]"),  # lr said
+            (self.min_lr >= 0 and (self.lr <= 0 or self.min_lr <= self.lr), "min_lr", "in [0, lr]"),
             (clip, "clip_grad", ">= 0 (0, null: none)"),
             (0 <= self.momentum < 1, "momentum", "in [0, 1)"),
             (all(0 <= b < 1 for b in self.betas), "betas", "in [0, 1) each"),
@@ -207,7 +207,8 @@ class TrainConfig:
             except ValueError as e:
                 raise ConfigError(f"{e} (null turns the budget off)") from None
         ones = ("epochs", "batch_size", "accum_steps", "max_steps", "batch_threads")
-        at_least(self, "train", {**dict.fromkeys(ones, 1), "threads": 0, "stop_at_epoch": 0})
+        zeros = ("threads", "stop_at_epoch")  # 0: torch's threads, no stop
+        at_least(self, "train", {**dict.fromkeys(ones, 1), **dict.fromkeys(zeros, 0)}, zeros)
         if self.ema is not None and not 0.0 < self.ema < 1.0:
             raise ConfigError(f"train.ema is a decay in (0, 1), got {self.ema}")
 

@@ -5,7 +5,6 @@ ResNet-v2: vitlab's or timm's)."""
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -80,8 +79,9 @@ def check_dest(dest: Path, to: str, source: str | None = None) -> None:
     """A ValueError for a DST named as a file the format does not write (it would become a
     folder of that name), a DST folder where a file is (or a folder above it is one), a DST
     inside a vitlab run's checkpoints (train, eval and --resume read them in vitlab's format), or
-    a DST that is the local `source` or a file in it (the conversion would overwrite what it
-    reads: an HF folder kept its config.json beside vitlab-named weights)."""
+    a DST that is the local `source`, a file in it (a folder) or the folder holding it (a file;
+    a new sub-folder, or a file beside a file, is fine): the conversion would write where it
+    reads (an HF folder kept its config.json beside vitlab-named weights)."""
     if dest.suffix.lower() in WEIGHT_SUFFIXES and dest.suffix not in FILE_SUFFIXES[to]:
         files = " or ".join(f"DST{s}" for s in FILE_SUFFIXES[to])
         raise ValueError(
@@ -98,12 +98,14 @@ def check_dest(dest: Path, to: str, source: str | None = None) -> None:
                 f"{dest} is inside the checkpoints of the run {folder.parent}, which vitlab "
                 f"train, eval and --resume read: write the converted checkpoint elsewhere"
             )
-    src = Path(source).expanduser().resolve() if source and os.path.exists(source) else None
-    at = dest.expanduser().resolve()
-    if src is not None and (at == src or (at.is_file() and src in at.parents)):
-        raise ValueError(f"{dest} is {'the source' if at == src else 'a file of the source'} "
-                         f"{source}: the conversion would overwrite what it reads; name another "
-                         f"DST")  # fmt: skip
+    src = Path(source).expanduser() if source else None
+    src = src.resolve() if src is not None and src.exists() else None
+    at = dest.resolve()  # as the writers take it (no ~)
+    home = None if src is None else src if src.is_dir() else src.parent  # SRC's files' folder
+    if src is not None and (at in (src, home) or (file and at.parent == src)):
+        raise ValueError(f"{dest} is the source {source}, a file in it or its folder: "
+                         f"the conversion would write where it reads (a folder's config beside "
+                         f"other weights); name another DST")  # fmt: skip
 
 
 def _is_run(folder: Path) -> bool:
