@@ -94,11 +94,17 @@ ARCHIVES = {  # the python-version archives and the SHA-256 of each file
     "cifar100": ("cifar-100-python.tar.gz",
                  "85cd44d02ba6437773c5bbd22e183051d648de2e7d6b014e1ef29b855ba677a7"),
 }  # fmt: skip
-BATCHES = {  # each dataset's batch files
-    "cifar10": ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5",
-                "test_batch", "batches.meta"),
-    "cifar100": ("train", "test", "meta"),
+LAYOUT = {  # dataset: training batches, test batch, meta file, its class-name key, label key
+    "cifar10": ([f"data_batch_{i}" for i in range(1, 6)], "test_batch", "batches.meta",
+                "label_names", "labels"),
+    "cifar100": (["train"], "test", "meta", "fine_label_names", "fine_labels"),
 }  # fmt: skip
+
+
+def batch_files(name: str) -> list[str]:
+    """Every file of `name`'s python-version batches."""
+    train, test, meta, *_ = LAYOUT[name]
+    return [*train, test, meta]
 
 
 def cifar_root(data_dir: str | None) -> Path:
@@ -111,7 +117,7 @@ def cifar_files(root: Path, name: str) -> list[str]:
     extracted cifar-* folder, and the .tar.gz archives but the other dataset's): what a digest
     of the data read covers."""
     folders = [root, *sorted(p for p in root.glob("cifar-*") if p.is_dir())]
-    found = [str(f / n) for f in folders for n in BATCHES[name] if (f / n).is_file()]
+    found = [str(f / n) for f in folders for n in batch_files(name) if (f / n).is_file()]
     other = {a for d, (a, _) in ARCHIVES.items() if d != name}
     return found + [str(p) for p in sorted(root.glob("*.tar.gz")) if p.name not in other]
 
@@ -120,7 +126,7 @@ def ensure_cifar(root: Path, name: str) -> None:
     """Download `name`'s archive into root when root holds none of its files (a digest of them
     is then the data's, before the first read)."""
     if not cifar_files(root, name):
-        _fetch_archive(root, name, list(BATCHES[name]))
+        _fetch_archive(root, name, batch_files(name))
 
 
 def _cifar_members(root: Path, names: list[str], dataset: str) -> dict[str, bytes]:
@@ -167,12 +173,8 @@ def _found_members(root: Path, names: list[str]) -> dict[str, bytes] | None:
 def read_cifar(root: Path, name: str, split: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(images (N, 3, 32, 32) uint8, labels (N,) int64, class names) of split 'train' or 'test'
     of `name` ('cifar10' or 'cifar100') from an extracted folder or archive under `root`."""
-    if name == "cifar10":
-        names = ["test_batch"] if split == "test" else [f"data_batch_{i}" for i in range(1, 6)]
-        meta_name, names_key, label_key = "batches.meta", "label_names", "labels"
-    else:
-        names = ["test" if split == "test" else "train"]
-        meta_name, names_key, label_key = "meta", "fine_label_names", "fine_labels"
+    train, test, meta_name, names_key, label_key = LAYOUT[name]
+    names = [test] if split == "test" else train
     members = _cifar_members(root, [*names, meta_name], name)
     classes = _cifar_names(_load_cifar_batch(members[meta_name], meta_name), names_key, meta_name)
     images, labels = [], []
