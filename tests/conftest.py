@@ -66,3 +66,20 @@ def _no_dataset_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(cifar, "MIRROR", "http://127.0.0.1:9/")
     monkeypatch.setattr(download, "FASHION_MIRROR", "http://127.0.0.1:9/")
+
+
+@pytest.fixture
+def served(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """(a folder, the URL of a loopback HTTP server serving it): a dataset's site, offline."""
+    import http.server
+    import threading
+
+    folder = tmp_path / "served"
+    folder.mkdir()
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(folder), **k)  # noqa: E731
+    monkeypatch.setattr(http.server.SimpleHTTPRequestHandler, "log_message", lambda *a: None)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield folder, f"http://127.0.0.1:{server.server_port}/"
+    server.shutdown()
+    server.server_close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import http.server
 import io
 import logging
 import os
@@ -97,20 +96,6 @@ def test_missing_fashion_mnist_offline_names_both_ways(no_fashion_anywhere, monk
     msg = str(err.value)
     assert "apt-get install dataset-fashion-mnist" in msg and "127.0.0.1:9" in msg
     assert len(os.listdir("/proc/self/fd")) == open_before  # the temp file's descriptor closed
-
-
-@pytest.fixture
-def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """(a folder, the URL of a loopback HTTP server serving it): a dataset's site, offline."""
-    folder = tmp_path / "served"
-    folder.mkdir()
-    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(folder), **k)  # noqa: E731
-    monkeypatch.setattr(http.server.SimpleHTTPRequestHandler, "log_message", lambda *a: None)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield folder, f"http://127.0.0.1:{server.server_port}/"
-    server.shutdown()
-    server.server_close()
 
 
 def test_download_checks_sha256_and_writes_atomically(no_fashion_anywhere, monkeypatch,

@@ -538,34 +538,26 @@ def test_a_shard_url_curl_cannot_read_is_said_in_words() -> None:
         list(split.read(0))
 
 
-def test_a_damaged_remote_shard_fails_at_once(tmp_path: Path) -> None:
+def test_a_damaged_remote_shard_fails_at_once(served) -> None:
     """A shard URL serving 20 MB that are no tar: tarfile fails on its header while curl is still
     sending into the pipe; waiting for curl's exit there hung (a review caught it)."""
-    import functools
-    import http.server
     import threading
 
     if shutil.which("curl") is None:
         pytest.skip("webdataset reads http(s) shards with curl, which is not installed")
-    (tmp_path / "x.tar").write_bytes(np.random.default_rng(0).bytes(20 << 20))
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    folder, url = served
+    (folder / "x.tar").write_bytes(np.random.default_rng(0).bytes(20 << 20))
     errors: list[Exception] = []
 
     def read() -> None:
         try:
-            list(ShardSplit([f"http://127.0.0.1:{server.server_port}/x.tar"], [1], ["a"]).read(0))
+            list(ShardSplit([f"{url}x.tar"], [1], ["a"]).read(0))
         except Exception as e:
             errors.append(e)
 
-    try:
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(timeout=60)
-        assert not reader.is_alive(), "the read hangs"
-        assert isinstance(errors[0], DatasetError) and "cannot read shard" in str(errors[0])
-        assert "Pipe object" not in str(errors[0])  # tarfile's words, not webdataset's repr
-    finally:
-        server.shutdown()
-        server.server_close()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    assert not reader.is_alive(), "the read hangs"
+    assert isinstance(errors[0], DatasetError) and "cannot read shard" in str(errors[0])
+    assert "Pipe object" not in str(errors[0])  # tarfile's words, not webdataset's repr

@@ -92,7 +92,8 @@ def check_dest(dest: Path, to: str, source: str | None = None) -> None:
     place, what = (dest.parent, dest.name) if file else (dest, "the converted checkpoint")
     if refusal := folder_refusal(place, what):
         raise ValueError(refusal)
-    for folder in (p for p in (dest.resolve(), *dest.resolve().parents) if p.name == "checkpoints"):
+    at = dest.resolve()  # as the writers take it (no ~)
+    for folder in (p for p in (at, *at.parents) if p.name == "checkpoints"):
         if _is_run(folder.parent):
             raise ValueError(
                 f"{dest} is inside the checkpoints of the run {folder.parent}, which vitlab "
@@ -100,7 +101,6 @@ def check_dest(dest: Path, to: str, source: str | None = None) -> None:
             )
     src = Path(source).expanduser() if source else None
     src = src.resolve() if src is not None and src.exists() else None
-    at = dest.resolve()  # as the writers take it (no ~)
     home = None if src is None else src if src.is_dir() else src.parent  # SRC's files' folder
     if src is not None and (at in (src, home) or (file and at.parent == src)):
         raise ValueError(f"{dest} is the source {source}, a file in it or its folder: "
