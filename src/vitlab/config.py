@@ -72,13 +72,20 @@ class ModelSection:
         return {"name": self.name, **self.overrides}
 
 
-def at_least(section: object, name: str, lows: dict[str, int], unset: tuple = ()) -> None:
-    """A ConfigError naming the first of `section`'s fields below its lowest value (None is
-    unset; for the keys in `unset`, 0 is too, which the message says)."""
-    for key, low in lows.items():
-        if (value := getattr(section, key)) is not None and value < low:
-            said = " (0: unset)" if key in unset else ""
-            raise ConfigError(f"{name}.{key} must be >= {low}{said}, got {value}")
+def check_rules(section: object, name: str, rules: list[tuple[bool, str, str]]) -> None:
+    """A ConfigError listing every (holds, key, rule) of `section` that fails, with its value."""
+    broken = [f"{name}.{k} must be {rule}, got {getattr(section, k)!r}" for ok, k, rule in rules
+              if not ok]  # fmt: skip
+    if broken:
+        raise ConfigError("; ".join(broken))
+
+
+def at_least(section: object, lows: dict[str, int], unset: tuple = ()) -> list:
+    """check_rules' rules that each field in `lows` is None or at least its value (for the keys
+    in `unset`, 0 is unset too, which the rule says)."""
+    said = {k: " (0: unset)" for k in unset}
+    return [((v := getattr(section, k)) is None or v >= low, k, f">= {low}{said.get(k, '')}")
+            for k, low in lows.items()]  # fmt: skip
 
 
 @dataclass
@@ -126,7 +133,7 @@ class DataConfig:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"data.{name} is a probability, got {getattr(self, name)}")
         lows = {"mixup": 0, "cutmix": 0, "crop_padding": 0, "workers": 0, "randaugment_ops": 0}
-        at_least(self, "data", {**lows, "prefetch": 1, "shuffle_buffer": 1})
+        check_rules(self, "data", at_least(self, {**lows, "prefetch": 1, "shuffle_buffer": 1}))
 
 
 @dataclass
@@ -158,10 +165,7 @@ class OptimConfig:
             (self.weight_decay >= 0, "weight_decay", ">= 0"),
             (self.warmup_epochs >= 0, "warmup_epochs", ">= 0"),
         ]
-        broken = [f"optim.{k} must be {rule}, got {getattr(self, k)!r}" for ok, k, rule in rules
-                  if not ok]  # fmt: skip
-        if broken:
-            raise ConfigError("; ".join(broken))
+        check_rules(self, "optim", rules)
 
 
 @dataclass
@@ -208,7 +212,8 @@ class TrainConfig:
                 raise ConfigError(f"{e} (null turns the budget off)") from None
         ones = ("epochs", "batch_size", "accum_steps", "max_steps", "batch_threads")
         zeros = ("threads", "stop_at_epoch")  # 0: torch's threads, no stop
-        at_least(self, "train", {**dict.fromkeys(ones, 1), **dict.fromkeys(zeros, 0)}, zeros)
+        lows = {**dict.fromkeys(ones, 1), **dict.fromkeys(zeros, 0)}
+        check_rules(self, "train", at_least(self, lows, zeros))
         if self.ema is not None and not 0.0 < self.ema < 1.0:
             raise ConfigError(f"train.ema is a decay in (0, 1), got {self.ema}")
 
