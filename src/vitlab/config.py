@@ -362,6 +362,18 @@ def _strict_loader() -> type:
     return Strict
 
 
+def one_line(e: BaseException) -> str:
+    """A YAML error on one line: PyYAML's text spans several (context, marks, problem, each with
+    the file's name, which the caller's message already gives)."""
+    import yaml
+
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem:
+        mark = e.problem_mark or e.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return f"{e.problem}{where}" + (f" ({e.context})" if e.context else "")
+    return " ".join(str(e).split())
+
+
 def load_run_config(path: str | None = None, overrides: typing.Iterable[str] = ()) -> RunConfig:
     """A RunConfig from an optional YAML file plus 'section.key=value' overrides."""
     import yaml
@@ -377,7 +389,7 @@ def load_run_config(path: str | None = None, overrides: typing.Iterable[str] = (
             raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from None
         # values YAML parses and Python cannot hold (huge integers, a 13th month); deep nesting
         except (yaml.YAMLError, ValueError, OverflowError, RecursionError) as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {path} is not valid YAML: {one_line(e)}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
     return RunConfig.from_tree(apply_overrides(tree, overrides))
@@ -393,7 +405,7 @@ def load_saved_config(path: str | Path) -> RunConfig:
         tree = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError, OverflowError,
             RecursionError) as e:  # fmt: skip
-        raise ConfigError(f"{path}, the run's settings, cannot be read: {e}") from None
+        raise ConfigError(f"{path}, the run's settings, cannot be read: {one_line(e)}") from None
     if not isinstance(tree, dict) or not tree:
         what = "empty" if not tree else f"a {type(tree).__name__}, not a mapping of sections"
         raise ConfigError(f"{path}, the run's settings, is damaged: {what}")
