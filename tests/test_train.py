@@ -374,6 +374,9 @@ def test_a_warm_up_as_long_as_the_run_is_warned(tmp_path: Path, caplog) -> None:
         warn_warmup(load_run_config(None, schedule), 100, 40)  # decays over 60 steps
         warn_warmup(load_run_config(None, [*schedule, "train.time_budget=1m"]), 30, 40)
     assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        warn_warmup(load_run_config(None, schedule), 1, 1)  # one step: no "1 steps"
+    assert "(1 step) spans the whole run (1 step):" in caplog.records[0].getMessage(), caplog.text
 
 
 def test_a_length_the_run_cannot_reach_is_warned(tmp_path: Path, caplog) -> None:
@@ -430,8 +433,8 @@ def test_a_new_length_on_resume_is_refused_unless_extended(tmp_path: Path, capsy
     with pytest.raises(ConfigError, match="--extend"):
         resume(run, "train.epochs=3")
     assert main(["train", "--resume", str(run), "train.epochs=6", "--extend"]) == 0
-    err = capsys.readouterr().err
-    assert "extending the run from 4 to 6 epochs" in err
+    extended = capsys.readouterr().err
+    assert "extending the run from 4 to 6 epochs" in extended
     assert main(["train", "--resume", str(run), "train.epochs=5", "--extend"]) == 2
     assert "has trained 6 epochs already" in capsys.readouterr().err
     steps = train(cfg(*schedule, "train.max_steps=3"), out=tmp_path / "steps")
@@ -452,6 +455,12 @@ def test_a_new_length_on_resume_is_refused_unless_extended(tmp_path: Path, capsy
         assert r["lr"] == pytest.approx(cosine(r["epoch"] * per_epoch - 1, 4 * per_epoch))
     for r in records[2:]:  # extended: over 6 epochs from step 2 * per_epoch on
         assert r["lr"] == pytest.approx(cosine(r["epoch"] * per_epoch - 1, 6 * per_epoch))
+    now, was = cosine(2 * per_epoch, 6 * per_epoch), cosine(2 * per_epoch, 4 * per_epoch)
+    said = (  # steps counted from 1: the next one is step 2e + 1
+        f"the next step's learning rate (step {2 * per_epoch + 1}) is {now:.3e} (was {was:.3e}), "
+        f"the last's (step {6 * per_epoch}) {records[-1]['lr']:.3e}"
+    )
+    assert said in extended, extended
     assert "epochs: 6" in (run / "config.yaml").read_text()
 
 

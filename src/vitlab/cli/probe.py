@@ -19,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         + SOURCES,
     )
     add_feature_options(p)
-    p.add_argument("--kind", choices=["linear", "knn", "both"], default="both")
+    p.add_argument("--kind", choices=["linear", "knn", "both"], default="both",
+                   help="which probes to fit (default both)")  # fmt: skip
     p.add_argument("--k", type=int, default=20, help="neighbours for k-NN (default 20)")
     p.add_argument("--temperature", type=float, default=0.07, help="k-NN vote temperature (0.07)")
     p.set_defaults(run=run)

@@ -70,11 +70,12 @@ def warn_warmup(cfg: RunConfig, total_steps: int, warmup_steps: int, said: bool 
     o = cfg.optim
     decay = "" if o.schedule == "constant" else f", with no {o.schedule} decay"
     log.warning(
-        "optim.warmup_epochs=%g (%d steps) spans the whole run (%d steps): the learning rate only "
-        "rises, to %.3g at the last step (optim.lr=%g)%s; optim.warmup_epochs=%.3g (a fifth of "
-        "the steps, as a time budget lays it) leaves the rest to the schedule", o.warmup_epochs,
-        warmup_steps, total_steps, learning_rate(o, total_steps - 1, total_steps, warmup_steps),
-        o.lr, decay, o.warmup_epochs * total_steps / warmup_steps / 5,
+        "optim.warmup_epochs=%g (%d step%s) spans the whole run (%d step%s): the learning rate "
+        "only rises, to %.3g at the last step (optim.lr=%g)%s; optim.warmup_epochs=%.3g (a fifth "
+        "of the steps, as a time budget lays it) leaves the rest to the schedule", o.warmup_epochs,
+        warmup_steps, "s" * (warmup_steps != 1), total_steps, "s" * (total_steps != 1),
+        learning_rate(o, total_steps - 1, total_steps, warmup_steps), o.lr, decay,
+        o.warmup_epochs * total_steps / warmup_steps / 5,
     )  # fmt: skip
 
 

@@ -278,14 +278,14 @@ class Run:
             )
         if not self.d.is_main:
             return
-        old_total = self.steps_per_epoch * planned
+        old_total, total = self.steps_per_epoch * planned, self._total_steps()
         old_lr = learning_rate(cfg.optim, step, old_total, self._warmup_steps())
         print(
             f"{'extending' if new > planned else 'shortening'} the run from {planned} to {new} "
             f"epochs (--extend): the {cfg.optim.schedule} schedule is recomputed as if the run had "
-            f"started with {new} epochs, {self._total_steps():,} steps instead of {old_total:,}; "
-            f"the learning rate at step {step:,} is {self.settings.lr_at(step):.3e} (was "
-            f"{old_lr:.3e}) and reaches {self.settings.lr_at(self._total_steps()):.3e} at the end",
+            f"started with {new} epochs, {total:,} steps instead of {old_total:,}; the next "
+            f"step's learning rate (step {step + 1:,}) is {self.settings.lr_at(step):.3e} (was "
+            f"{old_lr:.3e}), the last's (step {total:,}) {self.settings.lr_at(total - 1):.3e}",
             file=sys.stderr,
         )
 
