@@ -409,4 +409,4 @@ def test_a_cnn_run_works_with_eval_predict_and_fewshot(cnn_run: Path, tmp_path: 
         means[kind] = json.loads(capsys.readouterr().out)["results"][0]["mean"]
     assert means["gap"] == means["prelogits"] > 0.2  # chance: 0.1
     assert main(["analyze", str(cnn_run), "--out", str(tmp_path / "analysis")]) == 2
-    assert "a CNN has neither" in capsys.readouterr().err
+    assert f"a CNN ({meta.config.arch}) has neither" in capsys.readouterr().err

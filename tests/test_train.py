@@ -114,7 +114,7 @@ def test_predict_cli_on_image_files(trained_run: Path, tmp_path: Path, capsys) -
         == 2
     )
     out, err = capsys.readouterr()
-    assert f"cannot read image {bad}" in err
+    assert f"cannot read image {bad}" in err and "1 of 3 images skipped; the other 2 are" in err
     again = json.loads(out)
     assert [r["image"] for r in again] == [paths[0], str(bad), paths[1]]
     assert again[0] == results[0] and again[2] == results[1] and "cannot read" in again[1]["error"]

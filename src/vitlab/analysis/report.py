@@ -247,7 +247,7 @@ def analyze(
     if isinstance(model, CNN):
         raise ValueError(
             "vitlab analyze shows attention (distance, rollout) and position embeddings; a CNN "
-            "has neither: see vitlab cost for its per-stage cost"
+            f"({model.config.arch}) has neither: see vitlab cost for its per-stage cost"
         )
     cfg = model.config
     distances, maps = attention_statistics(model, images.inputs, head_fusion=head_fusion)

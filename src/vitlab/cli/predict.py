@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
     failed = [r for r in results if "error" in r]
     for r in failed:
         print(f"vitlab predict: error: {r['error']}", file=sys.stderr)
+    if failed and len(failed) < len(results):  # "error:" alone reads as if the command stopped
+        print(f"vitlab predict: {len(failed)} of {len(results)} images skipped; the other "
+              f"{len(results) - len(failed)} are classified", file=sys.stderr)  # fmt: skip
     if args.json:
         print(json.dumps(results, indent=2))
     else:
