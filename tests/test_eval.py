@@ -162,6 +162,28 @@ def test_a_checkpoint_of_another_library_is_evaluated(run, tmp_path, capsys):
         assert Path(other["confusion_png"]).parent == tmp_path / "o"
 
 
+def test_weights_holding_nan_are_warned_of_and_the_json_stays_json(run, tmp_path, capsys):
+    """A checkpoint with a NaN weight was evaluated without a word (loss nan), and `--json` wrote
+    `"loss": NaN`, which JSON does not have (strict readers refuse the whole output): the load
+    names the tensor, and the JSON says null."""
+    model, _ = load_checkpoint(run)
+    with torch.no_grad():
+        model.head.weight[3, 5] = float("nan")
+    save_pretrained(model, tmp_path / "nan")
+    assert main(["eval", str(tmp_path / "nan"), "--data", "digits", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("NaN or infinite values in 1 of its") == 1 and "(head.weight)" in err, err
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    report = json.loads(out, parse_constant=refuse)
+    assert report["loss"] is None and 0 <= report["top1"] <= 1  # NaN rows argmax to class 0
+    assert main(["eval", str(run), "--data", "digits", "--json"]) == 0  # finite: no word
+    out, err = capsys.readouterr()
+    assert "NaN" not in err and json.loads(out)["loss"] > 0
+
+
 def test_a_class_without_test_images_is_not_scored_zero(run, tmp_path, capsys):
     """A test split lacking a class once reported that class at 0.00% (0 of 0 read as all
     wrong); and with 3 classes "top-5" was top-3, always 100%. Checked against scikit-learn."""

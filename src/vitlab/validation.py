@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import re
 import types
@@ -136,3 +137,17 @@ def to_dict(obj: Any) -> dict[str, Any]:
 
 def _plain(v: Any) -> Any:
     return [_plain(x) for x in v] if isinstance(v, tuple) else v
+
+
+def json_text(obj: Any, indent: int | None = 2, **options: Any) -> str:
+    """`obj` as JSON with NaN and infinities as null: Python's json writes NaN, which JSON does not
+    have (other readers refuse the whole text), e.g. the loss of a model whose weights hold NaN."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False, **options)
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    return [_finite(x) for x in v] if isinstance(v, list | tuple) else v

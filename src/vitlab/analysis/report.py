@@ -7,7 +7,6 @@ A Swin's page is analysis.swin_report's."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from vitlab.models.cnn import CNN
 from vitlab.models.swin import SwinTransformer
 from vitlab.models.vit import VisionTransformer
 from vitlab.preprocessing import Preprocessing
+from vitlab.validation import json_text
 
 IMAGES_OR_DATA = "pass --images FILE... or --data NAME"
 
@@ -312,7 +312,7 @@ def analyze(
         "files": [f for f, _ in report.files],
         "notes": report.notes,
     }
-    (out / "analysis.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "analysis.json").write_text(json_text(result, indent=1) + "\n")
     summary = (
         f"{cfg.depth} layers, {cfg.num_heads} heads, width {cfg.embed_dim}, {cfg.pos_embed} "
         f"position embeddings, {cfg.pool} pooling, {len(images.names)} images."

@@ -5,7 +5,6 @@ Swin counterpart (position-embedding similarity, attention rollout) is a note on
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from vitlab.analysis.windows import (
 )
 from vitlab.models.swin import SwinTransformer
 from vitlab.models.swin_layers import SwinBlock
+from vitlab.validation import json_text
 
 NOT_APPLICABLE = [
     "position-embedding similarity does not apply: Swin has no absolute position embeddings "
@@ -205,7 +205,7 @@ def analyze_swin(model: SwinTransformer, images: Images, out: Path, title: str) 
         "files": [f for f, _ in report.files],
         "notes": report.notes,
     }
-    (out / "analysis.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "analysis.json").write_text(json_text(result, indent=1) + "\n")
     depths = ", ".join(map(str, cfg.depths))
     summary = (
         f"Swin Transformer: {cfg.num_stages} stages of depths ({depths}), window "

@@ -5,7 +5,6 @@ image size (--scaling, vitlab.analysis.scaling)."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from vitlab.analysis.cost import DEFAULT_PATCH_SIZES, cost_report, format_cost_report
@@ -30,6 +29,7 @@ from vitlab.models.registry import (
     named_config,
     resolve_name,
 )
+from vitlab.validation import json_text
 
 DEFAULTS = ",".join(map(str, DEFAULT_PATCH_SIZES))
 SIDES = ",".join(map(str, DEFAULT_SIDES))
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{', '.join(given)} {verb} to --scaling only")
     model, label = read_model(args.model, args.img_size)
     report = cost_report(model, args.img_size, args.patch_sizes, label)
-    print(json.dumps(report, indent=2) if args.json else format_cost_report(report))
+    print(json_text(report) if args.json else format_cost_report(report))
     return 0
 
 
@@ -193,7 +193,7 @@ def run_scaling(args: argparse.Namespace) -> int:
     result = attention_scaling(model, vs, args.sides or DEFAULT_SIDES, (label, vs_label))
     path = plot_scaling(result, plot)
     if args.json:
-        print(json.dumps({**result, "plot": str(path)}, indent=2))
+        print(json_text({**result, "plot": str(path)}))
     else:
         print(f"{format_scaling(result)}\nPlot (log-log): {path}")
     return 0

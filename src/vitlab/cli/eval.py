@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from vitlab.validation import json_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         batch_threads=args.batch_threads,
     )
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json_text(report))
     else:
         from vitlab.eval.run import format_report
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from vitlab.cli.eval import positive_int_list
+from vitlab.validation import json_text
 
 SOURCES = (
     "RUN_OR_CKPT: a run folder (its best checkpoint), a checkpoint folder, a .safetensors file, "
@@ -74,5 +74,5 @@ def run(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         progress=args.quiet <= args.verbose,
     )
-    print(json.dumps(report, indent=2) if args.json else format_fewshot(report))
+    print(json_text(report) if args.json else format_fewshot(report))
     return 0

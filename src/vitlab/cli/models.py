@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -16,6 +15,7 @@ from vitlab.models.registry import (
     get_config,
     list_models,
 )
+from vitlab.validation import json_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -86,7 +86,7 @@ def _cells(r: dict) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     rows = model_rows(args.pattern, args.family)
     if args.json:  # no match: [] and exit code 1, as the table's "no model matches"
-        print(json.dumps(rows, indent=2))
+        print(json_text(rows))
         return 0 if rows else 1
     if not rows:  # said on stderr, exit 1 (as grep: nothing found, no error)
         family = f" in family {args.family!r}" if args.family else ""

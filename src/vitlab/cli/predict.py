@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from vitlab.cli.eval import add_backend_arguments, positive_int
+from vitlab.validation import json_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"vitlab predict: {len(failed)} of {len(results)} images skipped; the other "
               f"{len(results) - len(failed)} are classified", file=sys.stderr)  # fmt: skip
     if args.json:
-        print(json.dumps(results, indent=2))
+        print(json_text(results))
     else:
         for r in results:
             if "top" in r:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from vitlab.cli.fewshot import SOURCES, add_feature_options
+from vitlab.validation import json_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,5 +42,5 @@ def run(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         progress=args.quiet <= args.verbose,
     )
-    print(json.dumps(report, indent=2) if args.json else format_probe(report))
+    print(json_text(report) if args.json else format_probe(report))
     return 0

@@ -5,7 +5,6 @@ machine, plots). The HTML page opens from disk, in the style of `vitlab analyze`
 from __future__ import annotations
 
 import html
-import json
 import platform
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from vitlab.experiments.base import Experiment, Summary
 from vitlab.experiments.verdict import Verdict
 from vitlab.formats.base import write_text
 from vitlab.runtime import cpu_has_bf16, pick_device
+from vitlab.validation import json_text
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
@@ -94,7 +94,7 @@ def write_report(
         **summary.numbers,
         **run,
     }
-    write_text(folder / "results.json", json.dumps(record, indent=2, default=str) + "\n")
+    write_text(folder / "results.json", json_text(record, default=str) + "\n")
     seconds = sum({r["arm"]: r.get("train_seconds") or 0.0 for r in rows}.values())
     facts = [
         f"Budget `{run['budget']}` on `{run['data']}`, {run['seeds']} seed(s) per arm, "

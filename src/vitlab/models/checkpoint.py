@@ -117,8 +117,12 @@ def read_source(source: str | Path, format: str = "auto") -> Source:
             f".safetensors, {', '.join(TORCH_SUFFIXES)}, .npz or a shard index (*{INDEX})"
         )
     src = formats.read(files, formats.detect(files) if format == "auto" else format)
-    params = sum(t.numel() for t in src.state.values())
-    log.debug("%s: %s format, %d tensors, %d values", src.where, src.format, len(src.state), params)
+    bad = [k for k, t in src.state.items() if t.is_floating_point() and not t.isfinite().all()]
+    if bad:  # a damaged file or a diverged run's weights: NaN outputs, evaluated without a word
+        names = ", ".join(bad[:4]) + " ..." * (len(bad) > 4)
+        log.warning("%s: NaN or infinite values in %d of its %d tensors (%s): the weights are "
+                    "damaged or come from a run that diverged, and the outputs will be NaN",
+                    src.where, len(bad), len(src.state), names)  # fmt: skip
     return src
 
 

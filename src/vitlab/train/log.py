@@ -17,6 +17,7 @@ from vitlab.config import RunConfig
 from vitlab.data.download import absolute_source
 from vitlab.eval.classification import top5_name
 from vitlab.formats.base import write_text
+from vitlab.validation import json_text
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class RunLog:
         if not self.active:
             return record
         with open(self.metrics, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json_text(record, indent=None) + "\n")
         if self.tb is not None:
             for k, v in record.items():
                 if k != "epoch" and v is not None:
@@ -135,7 +136,7 @@ class RunLog:
         (`num_patches`: the corrupted patches scored)."""
         summary = {k: v for k, v in test.items() if k != "confusion"}
         summary["classes"] = classes
-        write_text(self.out / "results.json", json.dumps(summary, indent=2) + "\n")
+        write_text(self.out / "results.json", json_text(summary) + "\n")
         if "num_patches" in test:
             what = f"masked patch prediction:{_acc(test['top1'])} loss {test['loss']:.4f} on "
             what += f"{test['num_patches']:,} corrupted patches of {test['num_images']:,} images"
