@@ -203,6 +203,20 @@ def test_cost_reads_a_run_config_a_run_folder_and_a_checkpoint(
     assert text.startswith(f"{weights}: 28x28 image")
     assert "a conv stem, 3x3 convs per stride-2 stage [2, 2] from width 96" in text
 
+    # a fine-tuning run's config: its source's model (model.name is not used), keys on top; the
+    # config.yaml of a run folder before its first checkpoint says the same
+    tune = tmp_path / "tune.yaml"
+    tune.write_text(f"model: {{name: vit_micro_patch4_28, img_size: 56}}\n"
+                    f"finetune: {{from: {run}}}\n")  # fmt: skip
+    assert main(["cost", str(tune), "--json"]) == 0
+    tuned = json.loads(capsys.readouterr().out)
+    assert tuned["embed_dim"] == 64 and tuned["depth"] == 4 and tuned["img_size"] == [56, 56]
+    assert tuned["params"]["patch_embed"] == stem_params and tuned["params"]["head"] == 7 * 65
+    tune.write_text("model: {name: vit_micro_patch4_28}\nfinetune: {from: no-such-run}\n")
+    assert main(["cost", str(tune), "--json"]) == 0  # a preset's source, not trained yet
+    out, err = capsys.readouterr()
+    assert "finetune.from cannot be read" in err and json.loads(out)["embed_dim"] == 128
+
     png = tmp_path / "s.png"
     assert main(["cost", str(preset), "--scaling", "--vs", str(run), "--out", str(png)]) == 0
     out = capsys.readouterr().out

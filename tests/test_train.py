@@ -961,6 +961,37 @@ def test_finetune_at_another_resolution_with_a_new_head(
     assert model.pos_embed.weight.shape == (1, 1 + 64, 64)
 
 
+def test_finetune_says_a_model_name_of_another_architecture_is_not_used(caplog) -> None:
+    """finetune.from=NANO model.name=vit_micro_patch4_28 trained the nano without a word (only a
+    name of another family was warned of). A name of the source's architecture, at another
+    size and with keys set on top (the imagenet-finetune-384 preset's way), is not warned of."""
+    from vitlab.data import dataset_info
+    from vitlab.models.registry import get_config
+
+    info = dataset_info("digits", load_split("digits", "train"))
+    nano = get_config("vit_nano_patch4_28")
+    cases = {  # model.name and keys -> warned
+        ("model.name=vit_micro_patch4_28",): True,
+        ("model.name=vit_micro_patch4_28", "model.embed_dim=64", "model.depth=4"): True,  # heads
+        ("model.name=vit_nano_patch4_32", "model.img_size=56", "model.drop_path=0.1"): False,
+        ("model.name=resnet18_28",): True,
+        (): False,
+    }
+    for keys, warned in cases.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vitlab"):
+            run_cfg = load_run_config(None, ["finetune.from=x", *keys])
+            build_mod.resolve_model_config(run_cfg, info, base=nano)
+        said = [r.getMessage() for r in caplog.records if "is not used" in r.getMessage()]
+        assert len(said) == warned, (keys, said)
+        if warned and "micro" in keys[0] and len(keys) == 1:
+            assert said[0] == (
+                "model.name=vit_micro_patch4_28 [D=128, 6 layers, patch 4, 28x28] is not used: "
+                "finetune.from's architecture [D=64, 4 layers, patch 4, 28x28] is trained "
+                "(model.* keys apply to it)"
+            )
+
+
 def test_finetune_leaves_out_the_pre_logits_layer_as_the_paper_does(tmp_path, caplog) -> None:
     """The paper fine-tunes with one zero-initialised linear head: the pre-training head's
     pre-logits layer goes (model.representation_size=null, as the imagenet-finetune-384 preset

@@ -5,6 +5,7 @@ image size (--scaling, vitlab.analysis.scaling)."""
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 from vitlab.analysis.cost import DEFAULT_PATCH_SIZES, cost_report, format_cost_report
@@ -31,6 +32,7 @@ from vitlab.models.registry import (
 )
 from vitlab.validation import json_text
 
+log = logging.getLogger(__name__)
 DEFAULTS = ",".join(map(str, DEFAULT_PATCH_SIZES))
 SIDES = ",".join(map(str, DEFAULT_SIDES))
 
@@ -58,12 +60,13 @@ def read_model(
 ) -> tuple[str | ModelConfig, str | None]:
     """MODEL as given on the command line, and the label its report goes under (None: its
     registered name). A path that exists gives the model config it holds, labelled by the path:
-    a run config file (.yaml / .yml: the registered config with the file's model overrides;
-    classes and channels are those the file sets, else the registered model's, not looked up in
-    the data), a run folder (the config of its best, else last checkpoint; its config.yaml before
-    the first one), or a checkpoint file or folder of any format vitlab reads (a vitlab file's
-    config, else the architecture inferred from the tensors). Other text is a registered name or
-    alias; a path holding no model that is also a registered name is taken as the name.
+    a run config file (.yaml / .yml: the registered config with the file's model overrides, or
+    with finetune.from its source's architecture; classes and channels are those the file sets,
+    else the model's, not looked up in the data), a run folder (the config of its best, else last
+    checkpoint; its config.yaml before the first one), or a checkpoint file or folder of any
+    format vitlab reads (a vitlab file's config, else the architecture inferred from the
+    tensors). Other text is a registered name or alias; a path holding no model that is also a
+    registered name is taken as the name.
     `img_size` (--img-size) is a checkpoint's trained size where its tensors fit it and state
     none (a Swin's tables: no size guessed and warned of)."""
     path = Path(text).expanduser()
@@ -87,7 +90,14 @@ def config_at(path: Path, img_size: int | tuple[int, int] | None = None) -> Mode
     if path.is_dir() and vitlab_weights(path) is None and (path / "config.yaml").is_file():
         path = path / "config.yaml"  # a run before its first checkpoint
     if path.suffix.lower() in CONFIG_SUFFIXES:
-        return config_of(load_run_config(str(path)).model)
+        run = load_run_config(str(path))
+        try:  # a fine-tuning run trains its source's architecture, the model.* keys on top
+            base = infer_config(read_source(run.finetune.from_)) if run.finetune.from_ else None
+        except CheckpointError as e:  # a preset's source not trained yet
+            log.warning("finetune.from cannot be read (%s): the cost of model.name=%s instead, "
+                        "which a fine-tuning run does not use", e, run.model.name)  # fmt: skip
+            base = None
+        return config_of(run.model) if base is None else base.replace(**run.model.overrides)
     return infer_config(read_source(path), img_size)
 
 
@@ -115,7 +125,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "model",
         help="registered name or alias, e.g. B/16, vit_base_patch16_384 or Swin-T; or a path, "
         "its report labelled by the path: a run config (configs/fashion-mnist-95.yaml: the "
-        "registered model with the file's model overrides), a run folder (its checkpoint's "
+        "registered model with the file's model overrides; with finetune.from, the source's "
+        "architecture with them), a run folder (its checkpoint's "
         "model), or a checkpoint file or folder of any format vitlab loads",
     )
     p.add_argument(

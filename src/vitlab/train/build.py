@@ -12,7 +12,7 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from vitlab.config import ConfigError, ModelSection, RunConfig
+from vitlab.config import ConfigError, ModelSection, RunConfig, to_dict
 from vitlab.data import dataset_info, label_subset, train_val_split
 from vitlab.data.datasets import DatasetInfo, Split, load_run_split
 from vitlab.formats.base import Source
@@ -105,11 +105,11 @@ def resolve_model_config(
         base = base.replace(small_stem=base.uses_small_stem)
     said = saved is None and first_rank()  # once: not again on resume
     if base is not None and said and cfg.model.name != ModelSection().name:
-        named = family_of(get_config(cfg.model.name))  # said where it names another family
-        if named != family_of(base):
-            log.warning("model.name=%s is a %s and not used: finetune.from's architecture, a %s, "
-                        "is trained (model.* keys apply to it)", cfg.model.name, named,
-                        family_of(base))  # fmt: skip
+        named = get_config(cfg.model.name)  # said where it names another architecture
+        if _architecture(named, cfg) != _architecture(base, cfg):
+            log.warning("model.name=%s [%s] is not used: finetune.from's architecture [%s] is "
+                        "trained (model.* keys apply to it)", cfg.model.name, shape_of(named),
+                        shape_of(base))  # fmt: skip
     mc = config_of(cfg.model) if base is None else base.replace(**cfg.model.overrides)
     mc = mc.replace(**auto)
     batchnorm = family_of(mc) == "cnn" and not mc.bit  # BiT's ResNet-v2 has GroupNorm
@@ -263,6 +263,13 @@ def _standardised_root(cfg: ModelConfig) -> bool:
     """Whether the kernel that sees the image is a weight-standardised conv (StdConv2d): BiT's
     ResNet-v2 and the hybrids' ResNet stem."""
     return getattr(cfg, "bit", False) or getattr(cfg, "stem", None) == "resnet"
+
+
+def _architecture(mc: ModelConfig, cfg: RunConfig) -> tuple[str, dict]:
+    """What a fine-tuning run takes from its source and no model.* key changes: the family and
+    the config's fields but the size, classes and channels (which follow the data or the keys)."""
+    kept = {"img_size", "num_classes", "in_chans", "small_stem", *cfg.model.overrides}
+    return family_of(mc), {k: v for k, v in to_dict(mc).items() if k not in kept}
 
 
 def model_label(cfg: RunConfig, mc: ModelConfig) -> str:
