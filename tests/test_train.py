@@ -961,6 +961,19 @@ def test_finetune_at_another_resolution_with_a_new_head(
     assert model.pos_embed.weight.shape == (1, 1 + 64, 64)
 
 
+def test_more_threads_than_cores_are_refused_before_the_run_folder(tmp_path, capsys) -> None:
+    """train.threads=100000 crashed in torch (SIGSEGV, no word, a run folder holding only its
+    lock) and 1000 trained at 1% of the pace: more than this process's cores is refused."""
+    cores = len(os.sched_getaffinity(0))
+    out = tmp_path / "r"
+    assert main(["train", *FAST, f"train.threads={cores + 1}", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"train.threads={cores + 1} is more than the {cores} CPU cores" in err, err
+    assert f"at most {cores}" in err and not out.exists()
+    assert main(["train", *FAST, f"train.threads={cores}", "train.max_steps=1", "--out",
+                 str(out)]) == 0  # fmt: skip
+
+
 def test_finetune_says_a_model_name_of_another_architecture_is_not_used(caplog) -> None:
     """finetune.from=NANO model.name=vit_micro_patch4_28 trained the nano without a word (only a
     name of another family was warned of). A name of the source's architecture, at another

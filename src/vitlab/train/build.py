@@ -15,6 +15,7 @@ from torch import nn
 from vitlab.config import ConfigError, ModelSection, RunConfig, to_dict
 from vitlab.data import dataset_info, label_subset, train_val_split
 from vitlab.data.datasets import DatasetInfo, Split, load_run_split
+from vitlab.data.decode import available_cores
 from vitlab.formats.base import Source
 from vitlab.formats.vitlab import CheckpointMeta
 from vitlab.models.checkpoint import (
@@ -35,13 +36,21 @@ log = logging.getLogger(__name__)
 def check_settings(cfg: RunConfig) -> None:
     """An unknown model name, key or type fails before anything is built, naming it. With
     finetune.from the keys apply to the source's architecture, checked once it is read (a Swin's
-    window_size was refused as no ViTConfig key): here only the name. Settings changed from their
-    defaults that nothing reads are warned of (by rank 0 under torchrun)."""
+    window_size was refused as no ViTConfig key): here only the name. train.threads past this
+    process's cores fails. Settings changed from their defaults that nothing reads are warned of
+    (by rank 0 under torchrun)."""
     if cfg.finetune.from_:
         get_config(cfg.model.name)
     else:
         config_of(cfg.model)
     o, data, t = cfg.optim, cfg.data, cfg.train
+    cores = available_cores()
+    if t.threads and t.threads > cores:  # 100,000 crashed in torch; 1,000 ran at 1% of the pace
+        raise ConfigError(
+            f"train.threads={t.threads} is more than the {cores} CPU cores this process may use: "
+            f"at most {cores} (threads beyond the cores only wait on each other; 0 or unset "
+            f"takes torch's default)"
+        )
     default_o, default_d = type(o)(), type(data)()
     unused = [
         (t.strategy == "fsdp" and launched_processes() < 2, "train.strategy=fsdp",
