@@ -712,6 +712,25 @@ def test_ctrl_c_saves_and_resume_finishes_identically(tmp_path: Path) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
+def test_sigterm_in_the_training_loop_saves_and_exits_143(tmp_path, monkeypatch, capsys):
+    """SIGTERM inside the training loop saved and exited 130, Ctrl-C's code; 143 now, as a
+    SIGTERM anywhere else (and as the signal's default action would give)."""
+    from vitlab.train import run as run_mod
+
+    real = run_mod.train_epoch
+
+    def terminated(*a, **k):
+        signal.raise_signal(signal.SIGTERM)  # the stop flag's handler: stop before a step, save
+        return real(*a, **k)
+
+    monkeypatch.setattr(run_mod, "train_epoch", terminated)
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), *FAST, "train.epochs=2"]) == 143
+    err = capsys.readouterr().err
+    assert "stopped at epoch 1, batch 0; checkpoint saved" in err and "--resume" in err, err
+    assert (run / "checkpoints" / "last" / "state.pt").is_file()
+
+
 def test_ctrl_c_after_the_last_epoch_is_one_line_and_resume_finishes(tmp_path, monkeypatch, capsys):
     """A Ctrl-C while the trained run writes its curves (outside the training loop's handler)
     was a KeyboardInterrupt traceback; now exit code 130 and a line on how to finish."""

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     except TrainingStopped as e:
         if main_rank:
             print(f"vitlab train: {e}", file=sys.stderr)
-        return 130
+        return 128 + e.signum  # 130 for Ctrl-C, 143 for SIGTERM
     except NonFiniteLoss as e:  # each rank its own loss: the one that went bad says so
         print(f"vitlab train: error: {e}", file=sys.stderr)
         return 3

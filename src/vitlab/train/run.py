@@ -407,6 +407,7 @@ class Run:
             raise TrainingStopped(
                 f"stopped at epoch {pos.epoch + 1}, batch {pos.batch}; checkpoint saved",
                 distributed.resume_command(self.out, self.d),
+                stop.signum,
             )
         return stats
 

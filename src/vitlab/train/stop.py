@@ -19,6 +19,7 @@ class StopFlag:
 
     def __init__(self, distributed: bool = False) -> None:
         self.requested, self.distributed = False, distributed
+        self.signum = signal.SIGINT  # the first signal's, once requested
 
     def __enter__(self) -> StopFlag:
         if getattr(self, "_handling", None) is not None:
@@ -31,7 +32,7 @@ class StopFlag:
     def _handle(self, signum: int, frame: object) -> None:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self.signum = True, signal.Signals(signum)
         note = " (if every rank is still there)" if self.distributed else ""
         if first_rank(local=True):  # torchrun signals every rank: one a machine says it
             print(f"\nstop requested: saving a checkpoint after this step{note} ...",
@@ -47,8 +48,9 @@ class StopFlag:
 
 class TrainingStopped(RuntimeError):
     """The run was stopped on request after saving a checkpoint: `where` (the epoch and batch),
-    and in the message how to continue it (`command`: distributed.resume_command), if given."""
+    and in the message how to continue it (`command`: distributed.resume_command), if given.
+    `signum`: the signal that asked (the command exits 128 + it, as the signal's default would)."""
 
-    def __init__(self, where: str, command: str | None = None) -> None:
-        self.where = where
+    def __init__(self, where: str, command: str | None = None, signum: int = signal.SIGINT):
+        self.where, self.signum = where, signum
         super().__init__(f"{where}: continue with {command}" if command else where)
