@@ -51,7 +51,9 @@ def test_another_model_name_says_which_of_the_files_model_keys_still_apply(
     err = capsys.readouterr().err
     assert ("model.name=resnet18_28 replaces configs/digits.yaml's vit_nano_patch4_28, whose "
             "model keys still apply to it: patch_size=7") in err  # fmt: skip
-    assert "unknown key 'patch_size' for CNNConfig" in err
+    assert "unknown key 'patch_size' for section 'model' (CNNConfig)" in err
+    assert main(["train", "model.naem=S/16"]) == 2  # model.name is a key the section takes too
+    assert "did you mean name, stem? (valid keys: name, img_size," in capsys.readouterr().err
     quiet = [  # the file's model in other letters, a restated key, a fine-tune (no model.name)
         ["model.name=VIT_NANO_PATCH4_28"],
         ["model.name=S/16", "model.patch_size=16"],

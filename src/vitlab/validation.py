@@ -109,9 +109,12 @@ def validate(obj: Any, values: Mapping[str, Any] | None = None) -> dict[str, Any
     return out
 
 
-def check_keys(cls: type, keys: typing.Iterable[str], where: str | None = None) -> None:
-    """Raise ConfigError naming any key that is not a field of dataclass `cls`."""
-    names = [f.name for f in dataclasses.fields(cls)]
+def check_keys(
+    cls: type, keys: typing.Iterable[str], where: str | None = None, also: tuple[str, ...] = ()
+) -> None:
+    """Raise ConfigError naming any key that is not a field of dataclass `cls` (or in `also`:
+    keys the caller takes itself, such as a run config's model.name)."""
+    names = [*also, *(f.name for f in dataclasses.fields(cls))]
     for key in keys:
         if not isinstance(key, str):
             raise ConfigError(f"keys of {where or cls.__name__} are names, got {key!r}")

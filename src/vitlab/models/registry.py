@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 
-from vitlab.config import ModelSection
+from vitlab.config import ModelSection, check_keys
 from vitlab.models.cnn import CNN, CNNConfig, ResNet
 from vitlab.models.resnetv2 import BiTResNet
 from vitlab.models.swin import SwinConfig, SwinTransformer
@@ -291,8 +291,13 @@ def named_config(
 
 def config_of(section: ModelSection) -> ModelConfig:
     """The config a run config's `model` section names: the registered config (or alias) with the
-    section's overrides applied and validated against that config's type."""
-    return get_config(section.name, **section.overrides)
+    section's overrides applied and validated against that config's type (an unknown key named
+    with the section's, model.name among the keys suggested)."""
+    named = get_config(section.name)
+    check_keys(
+        type(named), section.overrides, f"section 'model' ({type(named).__name__})", ("name",)
+    )
+    return named.replace(**section.overrides)
 
 
 def family_of(config: ModelConfig) -> str:
