@@ -66,7 +66,7 @@ def test_another_model_name_says_which_of_the_files_model_keys_still_apply(
         assert "does not exist" in err and "replaces configs/digits.yaml" not in err, err
 
 
-def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
+def test_yaml_errors_name_the_file(tmp_path: Path, capsys) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  epochs: [\n")
     with pytest.raises(ConfigError, match="not valid YAML") as e:
@@ -80,6 +80,12 @@ def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
     bad.write_text("train:\n  epochs: 3\n  batch_size: 32\n  epochs: 4\n")
     with pytest.raises(ConfigError, match="'epochs' is given twice at line 4, column 3 \\("):
         load_run_config(str(bad))  # (YAML keeps the last: 4 epochs), said on one line
+    for command in (["train", "optim.lr=0.1", "optim.lr=0.2", "train.epochs=1"],  # last won
+                    ["convert", "a", "b", "num_classes=3", "num_classes=4"]):  # fmt: skip
+        assert main(command) == 2
+        assert f"{command[-2].partition('=')[0]} given twice on the command line" in (
+            capsys.readouterr().err
+        )
     bad.write_text("train: {epochs: 3}\noptim: {lr: 0.1}\ntrain: {epochs: 4}\n")
     with pytest.raises(ConfigError, match="'train' is given twice"):
         load_run_config(str(bad))

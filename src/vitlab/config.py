@@ -19,8 +19,9 @@ from vitlab.validation import ConfigError, check_keys, from_dict, pair, to_dict,
 
 __all__ = [  # the validation helpers too: every config module imports them from here
     "ConfigError", "DataConfig", "DistillConfig", "FinetuneConfig", "MPPConfig", "ModelSection",
-    "OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "check_keys", "from_dict",
-    "load_run_config", "load_saved_config", "pair", "parse_value", "to_dict", "validate",
+    "OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "check_given_once", "check_keys",
+    "from_dict", "load_run_config", "load_saved_config", "pair", "parse_value", "to_dict",
+    "validate",
 ]  # fmt: skip
 
 # --- run configuration (vitlab train): YAML file + dotted key=value overrides --------------------
@@ -40,6 +41,15 @@ def parse_value(text: str) -> Any:
         with contextlib.suppress(ValueError):
             return float(value)
     return value
+
+
+def check_given_once(overrides: typing.Iterable[str]) -> None:
+    """Refuse a KEY=VALUE given twice on a command line (the last one won without a word, where a
+    key given twice in a config file is an error); a caller's list may restate keys."""
+    keys = [item.partition("=")[0] for item in overrides]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ConfigError(f"{', '.join(twice)} given twice on the command line: give each once")
 
 
 def apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:

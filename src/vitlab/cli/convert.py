@@ -58,8 +58,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def parse_overrides(items: list[str]) -> dict:
-    from vitlab.config import ConfigError, parse_value
+    from vitlab.config import ConfigError, check_given_once, parse_value
 
+    check_given_once(items)
     out = {}
     for item in items:
         key, sep, value = item.partition("=")

@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from vitlab.config import load_run_config
+from vitlab.config import check_given_once, load_run_config
 from vitlab.runtime import first_rank
 
 log = logging.getLogger("vitlab.cli.train")
@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.train.folder import resume_config
     from vitlab.train.run import TrainingStopped, train
 
+    check_given_once(args.overrides)
     if args.resume is not None:
         if args.config or args.out or args.overwrite:
             raise ValueError(
