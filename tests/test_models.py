@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -115,7 +116,9 @@ def test_input_errors_name_the_expected_and_received_sizes() -> None:
         model(torch.randn(3, 16, 16))
 
 
-@pytest.mark.parametrize("name", ["vit_nano_patch4_28", "vit_pico_r_s4_28", "resnet18_28"])
+@pytest.mark.parametrize(
+    "name", ["vit_nano_patch4_28", "vit_pico_r_s4_28", "resnet18_28", "swin_nano_patch2_window7_28"]
+)
 def test_a_batch_of_another_dtype_is_named_and_autocast_still_casts(name: str) -> None:
     """uint8 images (torchvision.io's) and float64 ones (numpy's) get vitlab's error, not
     PyTorch's "expected scalar type Byte but found Float" from deep inside a conv; under autocast
@@ -124,6 +127,9 @@ def test_a_batch_of_another_dtype_is_named_and_autocast_still_casts(name: str) -
     model = vitlab.create_model(name).eval()
     with pytest.raises(ValueError, match=r"expected float images, got torch.uint8: scale"):
         model(torch.zeros(2, 1, 28, 28, dtype=torch.uint8))
+    for array in (np.zeros((2, 1, 28, 28), np.float32), [[0.0]]):  # an AttributeError before
+        with pytest.raises(ValueError, match=r"got a (ndarray|list), not a torch.Tensor: scale"):
+            model(array)
     with pytest.raises(ValueError, match=r"model's dtype torch.float32, got torch.float64: conv"):
         model(torch.zeros(2, 1, 28, 28, dtype=torch.float64))
     with torch.autocast("cpu", dtype=torch.bfloat16):

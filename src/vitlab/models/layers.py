@@ -59,8 +59,7 @@ class DropPath(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.p == 0.0 or not self.training:
             return x
-        keep = 1.0 - self.p
-        shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+        keep, shape = 1.0 - self.p, (x.shape[0],) + (1,) * (x.ndim - 1)
         mask = x.new_empty(shape).bernoulli_(keep, generator=random_stream())
         return x * mask / keep
 
@@ -71,9 +70,10 @@ class DropPath(nn.Module):
 def check_dtype(x: Tensor, weight: Tensor) -> None:
     """Raise ValueError unless x is float images the model's weights take: their dtype, or under
     autocast any float dtype it casts (all but float64)."""
-    if not x.is_floating_point():
+    if not isinstance(x, Tensor) or not x.is_floating_point():  # a uint8 batch, a numpy array
+        got = x.dtype if isinstance(x, Tensor) else f"a {type(x).__name__}, not a torch.Tensor"
         raise ValueError(
-            f"expected float images, got {x.dtype}: scale them to [0, 1] and normalise (a loaded "
+            f"expected float images, got {got}: scale them to [0, 1] and normalise (a loaded "
             "checkpoint's model.preprocessing.batch(images) does it for a uint8 batch)"
         )
     t = x.device.type  # no autocast on the meta device (FLOP counts, shapes)
