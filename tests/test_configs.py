@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import help_of
 from vitlab.cli.main import main
-from vitlab.config import ConfigError, RunConfig, load_run_config
+from vitlab.config import ConfigError, RunConfig, given_twice, load_run_config
 from vitlab.models.registry import config_of
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
@@ -80,12 +80,16 @@ def test_yaml_errors_name_the_file(tmp_path: Path, capsys) -> None:
     bad.write_text("train:\n  epochs: 3\n  batch_size: 32\n  epochs: 4\n")
     with pytest.raises(ConfigError, match="'epochs' is given twice at line 4, column 3 \\("):
         load_run_config(str(bad))  # (YAML keeps the last: 4 epochs), said on one line
-    for command in (["train", "optim.lr=0.1", "optim.lr=0.2", "train.epochs=1"],  # last won
-                    ["convert", "a", "b", "num_classes=3", "num_classes=4"]):  # fmt: skip
-        assert main(command) == 2
-        assert f"{command[-2].partition('=')[0]} given twice on the command line" in (
-            capsys.readouterr().err
-        )
+    twice = ["optim.lr=0.1", "optim.lr=0.2", "train.seed=1", "optim.lr=0.3"]  # the last is used,
+    assert given_twice(twice) == [  # as argparse takes an option's: now said
+        "optim.lr is given 3 times on the command line (0.1, 0.2, 0.3): the last, 0.3, is used"
+    ]
+    assert load_run_config(None, twice).optim.lr == 0.3 and given_twice(twice[:3]) != []
+    assert main(["convert", "no-such", "b", "num_classes=3", "num_classes=4"]) == 2
+    assert "num_classes is given 2 times on the command line (3, 4)" in capsys.readouterr().err
+    missing = f"data.name=imagefolder:{tmp_path / 'none'}"  # fails after the warning, fast
+    assert main(["train", *twice[:2], missing, "--out", str(tmp_path / "r")]) == 2
+    assert "optim.lr is given 2 times on the command line" in capsys.readouterr().err
     bad.write_text("train: {epochs: 3}\noptim: {lr: 0.1}\ntrain: {epochs: 4}\n")
     with pytest.raises(ConfigError, match="'train' is given twice"):
         load_run_config(str(bad))

@@ -19,8 +19,8 @@ from vitlab.validation import ConfigError, check_keys, from_dict, pair, to_dict,
 
 __all__ = [  # the validation helpers too: every config module imports them from here
     "ConfigError", "DataConfig", "DistillConfig", "FinetuneConfig", "MPPConfig", "ModelSection",
-    "OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "check_given_once", "check_keys",
-    "from_dict", "load_run_config", "load_saved_config", "pair", "parse_value", "to_dict",
+    "OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "check_keys", "from_dict",
+    "given_twice", "load_run_config", "load_saved_config", "pair", "parse_value", "to_dict",
     "validate",
 ]  # fmt: skip
 
@@ -43,13 +43,15 @@ def parse_value(text: str) -> Any:
     return value
 
 
-def check_given_once(overrides: typing.Iterable[str]) -> None:
-    """Refuse a KEY=VALUE given twice on a command line (the last one won without a word, where a
-    key given twice in a config file is an error); a caller's list may restate keys."""
-    keys = [item.partition("=")[0] for item in overrides]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:
-        raise ConfigError(f"{', '.join(twice)} given twice on the command line: give each once")
+def given_twice(overrides: typing.Iterable[str]) -> list[str]:
+    """What a command line's KEY=VALUE items give more than once, a warning each: the last value
+    is used (as argparse takes an option's last), which went without a word."""
+    values: dict[str, list[str]] = {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        values.setdefault(key, []).append(value)
+    return [f"{key} is given {len(v)} times on the command line ({', '.join(v)}): the last, "
+            f"{v[-1]}, is used" for key, v in values.items() if len(v) > 1]  # fmt: skip
 
 
 def apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:

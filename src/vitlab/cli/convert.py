@@ -5,6 +5,7 @@ ResNet-v2: vitlab's or timm's)."""
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,8 @@ from vitlab.runtime import folder_refusal
 if TYPE_CHECKING:
     from vitlab.models.swin import SwinConfig
     from vitlab.models.vit import ViTConfig
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -58,9 +61,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def parse_overrides(items: list[str]) -> dict:
-    from vitlab.config import ConfigError, check_given_once, parse_value
+    from vitlab.config import ConfigError, given_twice, parse_value
 
-    check_given_once(items)
+    for said in given_twice(items):
+        log.warning(said)
     out = {}
     for item in items:
         key, sep, value = item.partition("=")

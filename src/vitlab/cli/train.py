@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from vitlab.config import check_given_once, load_run_config
+from vitlab.config import given_twice, load_run_config
 from vitlab.runtime import first_rank
 
 log = logging.getLogger("vitlab.cli.train")
@@ -85,7 +85,6 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.train.folder import resume_config
     from vitlab.train.run import TrainingStopped, train
 
-    check_given_once(args.overrides)
     if args.resume is not None:
         if args.config or args.out or args.overwrite:
             raise ValueError(
@@ -98,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--extend lengthens a resumed run: use it with --resume")
         cfg = load_run_config(args.config, args.overrides)
     main_rank = first_rank()  # under torchrun: rank 0 speaks for all
+    for said in given_twice(args.overrides) if main_rank else ():
+        log.warning(said)
     if args.config and not args.resume and not cfg.finetune.from_ and main_rank:
         say_kept_model_keys(args.config, cfg, args.overrides)
     epochs = [o for o in args.overrides if o.startswith("train.epochs=")]
