@@ -157,6 +157,8 @@ def test_data_test_classes_must_be_the_training_splits(tmp_path: Path) -> None:
 def test_train_from_parquet_files(tmp_path: Path, monkeypatch, capsys) -> None:
     """Trains from a parquet file with data.test another; every loader's workers are ended
     (train's after training, validation's after each evaluation, test's after testing)."""
+    import datasets
+
     from vitlab.data.loader import FolderLoader
 
     closed, close = [], FolderLoader.close
@@ -176,6 +178,14 @@ def test_train_from_parquet_files(tmp_path: Path, monkeypatch, capsys) -> None:
     again = evaluate_checkpoint(str(run / "checkpoints" / "best"), device="cpu")
     assert again["num_images"] == 30 and again["top1"] == result["top1"]
     assert again["data"] == f"hf:{tmp_path / 'test.parquet'}"  # it named train.parquet
+    # --data names a source of one split, or one split of a dataset: all of it is the test
+    # split, as for an image folder without train/ (a seeded fifth of it was scored, 6 of 30)
+    splits = datasets.DatasetDict({"train": table(90), "test": table(30)})
+    splits.save_to_disk(str(tmp_path / "dict"))
+    for source in (tmp_path / "test.parquet", f"{tmp_path / 'dict'}#test"):
+        other = evaluate_checkpoint(str(run), data=f"hf:{source}", device="cpu")
+        assert other["num_images"] == 30, source
+    assert evaluate_checkpoint(str(run), data=f"hf:{tmp_path / 'dict'}")["num_images"] == 30
 
 
 def test_quiet_hides_the_datasets_librarys_progress_bars(tmp_path: Path, capfd) -> None:

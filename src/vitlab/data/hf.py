@@ -94,6 +94,12 @@ def _open(spec: str) -> dict:
     return {chosen: splits[chosen]} if chosen else splits
 
 
+def one_split(spec: str) -> bool:
+    """Whether hf:SPEC is a source of one split (NAME#SPLIT picks one): its test split would be a
+    seeded fifth of it, where `vitlab eval --data` of it means all of it."""
+    return "#" in spec or len(_open(spec)) == 1
+
+
 def _labels(table, column: str, where: str) -> Tensor:
     """The label column as class indices, or a DatasetError saying what it holds instead."""
     values, fine = list(table[column]), object()

@@ -17,6 +17,7 @@ from vitlab.data.classes import name_order, numbered
 from vitlab.data.datasets import DatasetError, Split, check_data_dir, load_run_split, load_split
 from vitlab.data.download import absolute_source
 from vitlab.data.folders import folder_root, read_image
+from vitlab.data.hf import one_split
 from vitlab.data.shards import is_pattern
 from vitlab.eval.backends import backend_device, describe, prepare
 from vitlab.eval.classification import (
@@ -71,13 +72,16 @@ def _same_source(data: str, own: str) -> bool:
 def reads_whole(cfg: DataConfig, run_cfg: RunConfig | None) -> bool:
     """Whether the test split of `cfg` (data_config's, which keeps the run's own data however it
     is named) is all of it, where it is not the run's own data and has no data.test: an image
-    folder without train/, whose test split would be a seeded fifth of it (the run's own folder
-    keeps that fifth: the images its training left out), or shards named by a pattern (one
-    split's, which has no test split of its own)."""
+    folder without train/ or a Hugging Face dataset of one split (hf:NAME#SPLIT), whose test
+    split would be a seeded fifth of it (the run's own folder keeps that fifth: the images its
+    training left out), or shards named by a pattern (one split's, which has no test split of
+    its own)."""
     if cfg.test or (run_cfg is not None and cfg.name == run_cfg.data.name):  # data_config
         return False  # compared the names
     if cfg.name.startswith("wds:"):
         return is_pattern(cfg.name.removeprefix("wds:"))
+    if cfg.name.startswith("hf:"):
+        return one_split(cfg.name.removeprefix("hf:"))
     return cfg.name.startswith("imagefolder:") and not (folder_root(cfg.name) / "train").is_dir()
 
 
