@@ -120,11 +120,20 @@ def test_stray_and_missing_labels_are_named_not_taken(tmp_path: Path, caplog) ->
     few = load_split(parquet("few.parquet", [0, 99, 5]), "all")  # a small split of 100 classes
     assert len(few.classes) == 100
     with caplog.at_level(logging.WARNING, logger="vitlab"):
-        stray = load_split(parquet("stray.parquet", [0, 1, 2] * 19 + [0, 1, 50]), "all")
+        source = parquet("stray.parquet", [0, 1, 2] * 19 + [0, 1, 50])
+        stray = load_split(source, "all")
+        load_split(source, "train"), load_split(source, "test")  # the same table: said once
     assert len(stray.classes) == 51
-    assert "labels 0..50 number 51 classes, 47 of them with no row" in caplog.text
+    assert caplog.text.count("labels 0..50 number 51 classes, 47 of them with no row") == 1
     with pytest.raises(DatasetError, match=r"holds NoneType values \(such as None\)"):
         load_split(parquet("none.parquet", [0, 1, None] * 4), "all")
+    # data.label_key naming a column of names, or the images, in a dataset with a test split:
+    # a TypeError ("'>=' not supported between 'str' and 'int'") where the test split was sought
+    named = datasets.Dataset.from_dict({"image": table(6)["image"], "name": list("abcabc")})
+    datasets.DatasetDict({"train": named, "test": named}).save_to_disk(str(tmp_path / "named"))
+    for key, kind in (("name", "str"), ("image", "dict|PngImageFile")):
+        with pytest.raises(DatasetError, match=rf"label column '{key}' holds ({kind}) values"):
+            load_split(f"hf:{tmp_path / 'named'}", "train", keys=(None, key))
 
 
 def test_data_test_classes_must_be_the_training_splits(tmp_path: Path) -> None:

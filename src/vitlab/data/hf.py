@@ -28,6 +28,7 @@ IMAGE_NAMES = ("image", "img", "jpg", "png")
 LABEL_NAMES = ("label", "labels", "cls", "fine_label", "target")
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 log = logging.getLogger(__name__)
+_WARNED: set[tuple[str, int]] = set()  # (table, classes) whose label gaps were said
 MAX_NUMBERED = 1 << 20  # classes numbered by a label column without names, past the rows' count
 
 
@@ -112,12 +113,13 @@ def _labels(table, column: str, where: str) -> Tensor:
 
 
 def _labelled(table, key: str | None) -> bool:
-    """Whether a split has a label other than negative (unlabelled) ones."""
+    """Whether a split has a label other than negative (unlabelled) ones (a column of other
+    values, strings or images, has none: _labels names them, where they are read)."""
     try:
         column = _column(table, key, "ClassLabel", LABEL_NAMES, "label")
     except DatasetError:
         return False
-    return any(v is not None and v >= 0 for v in table[column])
+    return any(isinstance(v, int) and v >= 0 for v in table[column])
 
 
 def _column(table, key: str | None, kind: str, names: tuple[str, ...], what: str) -> str:
@@ -145,13 +147,14 @@ def load_hf(
 
     splits = _open(spec)
     train = "train" if "train" in splits else next(iter(splits))
-    named = [n for n in ("test", "validation", "val") if n in splits and n != train]
-    test = next((n for n in named if _labelled(splits[n], keys[1])), None)  # never the training one
+    candidates = [n for n in ("test", "validation", "val") if n in splits and n != train]
+    test = next((n for n in candidates if _labelled(splits[n], keys[1])), None)  # not train
     if split == "all" and len(splits) > 1 and test is None:
         raise DatasetError(f"hf:{spec} has splits {sorted(splits)}: which is the test split? "
                            f"name it: hf:{spec}#SPLIT")  # fmt: skip
     chosen = test if split != "train" and test else train
     table, where = splits[chosen], f"hf:{spec}"
+    named = where if "#" in spec or len(splits) == 1 else f"{where}#{chosen}"  # "row 3 of" it
     image = _column(table, keys[0], "Image", IMAGE_NAMES, "image")
     label = _column(table, keys[1], "ClassLabel", LABEL_NAMES, "label")
     feature = table.features[label]
@@ -165,9 +168,10 @@ def load_hf(
                                f"labels are class indices 0..K-1 (a ClassLabel feature names "
                                f"them)")  # fmt: skip
         empty = top - len(labels[labels >= 0].unique())
-        if top > 0 and empty:
+        if top > 0 and empty and (named, top) not in _WARNED:  # once: each split reads the table
+            _WARNED.add((named, top))
             log.warning("%s: labels 0..%d number %d classes, %d of them with no row (a stray "
-                        "label makes a class of its own)", where, top - 1, top, empty)  # fmt: skip
+                        "label makes a class of its own)", named, top - 1, top, empty)  # fmt: skip
         classes = [str(i) for i in range(top)]
     bad = ((labels < 0) | (labels >= len(classes))).nonzero().flatten()
     if len(bad):
@@ -178,8 +182,7 @@ def load_hf(
     images = table.select_columns([image])
     if isinstance(images.features[image], datasets.Image):
         images = images.cast_column(image, datasets.Image(decode=False))
-    named = where if "#" in spec or len(splits) == 1 else f"{where}#{chosen}"  # per table:
-    full = HFSplit(images, named, torch.arange(len(labels)), labels, classes)  # "row 3 of" it
+    full = HFSplit(images, named, torch.arange(len(labels)), labels, classes)
     if not len(full):
         raise DatasetError(f"{named} has no rows")
     full.in_chans = channels_of(full)
