@@ -22,8 +22,13 @@ from tests.test_fuzz import CASES, fuzz  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=3000)
-    parser.add_argument("readers", nargs="*", default=list(CASES))
+    parser.add_argument("readers", nargs="*", metavar="READER",
+                        help=f"any of {', '.join(CASES)} (default: all)")  # fmt: skip
     args = parser.parse_args()
+    unknown = [r for r in args.readers if r not in CASES]  # Python 3.11's choices= refuses []
+    if unknown:  # a misspelt reader was printed as an escaped KeyError, exit code 0
+        parser.error(f"unknown reader {', '.join(unknown)}: expected any of {', '.join(CASES)}")
+    args.readers = args.readers or list(CASES)
     warnings.simplefilter("ignore")  # skipped images warn by design
     print("| reader | inputs tried | escaped (not vitlab's errors) | seconds |\n|---|---|---|---|")
     for name in args.readers:

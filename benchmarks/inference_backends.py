@@ -93,6 +93,8 @@ def accuracy(checkpoint: str, data_dir: str, threads: int, limit: int | None) ->
         for i, (x, y) in enumerate(loader):
             if limit is not None and i * 256 >= limit:
                 break
+            if limit is not None:  # the last batch cut to the limit (it ran whole batches)
+                x, y = x[: limit - i * 256], y[: limit - i * 256]
             labels.append(y)
             for k, f in fns.items():
                 logits[k].append(f(x).float())

@@ -7,13 +7,14 @@ fp32 and bf16 autocast.
     .venv/bin/python benchmarks/model_speed.py --models Ti/16:distilled=true R26+S/32 resnet18_28
 
 A model is a registered name or alias, optionally with `:field=value,...` config overrides. Both
-models get identical weights (the test suite checks that they then agree to 1e-4), so the
-comparison is of implementations only. A distilled model's forward averages its two heads in both
-libraries (timm's default); the training step is cross-entropy on that output, then each
-library's own AdamW as its training script builds it: vitlab's fused kernel (`vitlab train`'s
-`build_optimizer`), timm's `create_optimizer_v2("adamw")` (PyTorch's per-tensor loop on CPU);
-`--optimizer plain` gives both the same `torch.optim.AdamW`. timm has no conv stem: for
-`stem=conv` its ViT is built around a copy of vitlab's stem, so the encoder is what differs.
+models get identical weights (the test suite checks that they then agree to 1e-5; this script
+refuses to time a pair 1e-3 apart, a wrong twin), so the comparison is of implementations only. A
+distilled model's forward averages its two heads in both libraries (timm's default); the training
+step is cross-entropy on that output, then each library's own AdamW as its training script builds
+it: vitlab's fused kernel (`vitlab train`'s `build_optimizer`), timm's
+`create_optimizer_v2("adamw")` (PyTorch's per-tensor loop on CPU); `--optimizer plain` gives both
+the same `torch.optim.AdamW`. timm has no conv stem: for `stem=conv` its ViT is built around a copy
+of vitlab's stem, so the encoder is what differs.
 
 MFU: each row's FLOP/s against the same run's measured peak, a 2048x2048 matrix product in the
 row's precision. A ViT's FLOPs are 2 x `vitlab cost`'s forward MACs (attention products included),
