@@ -323,6 +323,11 @@ def test_a_file_named_for_another_format_gets_the_name_that_reads_it(tmp_path: P
     (tmp_path / "t.pt").write_bytes(b"\x80\x02 cut short")  # a pickle's start, then no opcode
     with pytest.raises(CheckpointError, match="t.pt is damaged, or holds Python objects"):
         load_pretrained(tmp_path / "t.pt")
+    whole = (tmp_path / "torch.pt").read_bytes()  # a zip cut short: torch's first sentence,
+    (tmp_path / "cut.pt").write_bytes(whole[: len(whole) // 2])  # not its advice cut off at 200
+    with pytest.raises(CheckpointError, match=r"cut.pt is truncated or not a PyTorch file "
+                       r"\(PytorchStreamReader failed [^.()]*\)$"):  # fmt: skip
+        load_pretrained(tmp_path / "cut.pt")
     # a damaged zip directory makes zipfile raise beyond BadZipFile (a member name that is not
     # UTF-8, an unknown zip version): the reader's error still names the file
     for kind, suffix, at in (("torch", ".pt", 46), ("npz", ".npz", 6)):
