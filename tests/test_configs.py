@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import help_of
 from vitlab.cli.main import main
-from vitlab.config import ConfigError, RunConfig, given_twice, load_run_config
+from vitlab.config import _SAID_EMPTY, ConfigError, RunConfig, given_twice, load_run_config
 from vitlab.models.registry import config_of
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
@@ -102,6 +102,15 @@ def test_yaml_errors_name_the_file(tmp_path: Path, capsys) -> None:
     merged = load_run_config(str(good))  # duplicate (a key given twice in one mapping)
     assert merged.model.name == "vit_nano_patch4_28" and merged.model.overrides == {"depth": 3}
     assert merged.optim.lr == 0.1
+    for text in ("", "# only a comment\n"):  # the defaults, as before, now said (once a file)
+        (tmp_path / "empty.yaml").write_text(text)
+        _SAID_EMPTY.discard(str(tmp_path / "empty.yaml"))
+        assert main(["train", "--config", str(tmp_path / "empty.yaml"), missing]) == 2
+        said = capsys.readouterr().err.count("empty.yaml sets nothing: the defaults are used")
+        assert said == 1 and load_run_config(str(tmp_path / "empty.yaml")) == RunConfig()
+    bad.write_text("[]\n")
+    with pytest.raises(ConfigError, match="must hold a mapping of sections"):
+        load_run_config(str(bad))
     bad.write_text("train: 5\n")  # with an override: "'train' is not a config section"
     for overrides in ([], ["train.epochs=2"]):
         with pytest.raises(ConfigError, match="config section 'train' must be a mapping, got 5"):

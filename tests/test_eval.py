@@ -296,7 +296,7 @@ def test_a_run_folder_that_cannot_be_written_still_gets_its_results(
 
     monkeypatch.setattr(models_cmd, "run", read_only)
     assert main(["models"]) == 2
-    assert "error: cannot write or read there: [Errno 30]" in capsys.readouterr().err
+    assert f"error: cannot write or read {run}: Read-only file system\n" in capsys.readouterr().err
     monkeypatch.undo()
     (tmp_path / "afile").write_text("")  # a cache place that is a file: still an error (2)
     assert main([*args[:-1], str(tmp_path / "afile")]) == 2

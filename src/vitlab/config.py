@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import logging
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,6 +17,9 @@ from typing import Any
 
 from vitlab.duration import parse_duration
 from vitlab.validation import ConfigError, check_keys, from_dict, pair, to_dict, validate
+
+log = logging.getLogger(__name__)
+_SAID_EMPTY: set[str] = set()  # config files found empty, warned of
 
 __all__ = [  # the validation helpers too: every config module imports them from here
     "ConfigError", "DataConfig", "DistillConfig", "FinetuneConfig", "MPPConfig", "ModelSection",
@@ -394,7 +398,11 @@ def load_run_config(path: str | None = None, overrides: typing.Iterable[str] = (
     if path:
         try:
             with open(path, encoding="utf-8") as f:
-                tree = yaml.load(f, Loader=_strict_loader()) or {}
+                tree = yaml.load(f, Loader=_strict_loader())
+            if tree is None and path not in _SAID_EMPTY:  # an empty file, or comments only
+                _SAID_EMPTY.add(path)  # said once: `vitlab train` reads the file twice
+                log.warning("config file %s sets nothing: the defaults are used", path)
+            tree = {} if tree is None else tree  # [] or 0: not a mapping, said below
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
         except UnicodeDecodeError as e:

@@ -184,10 +184,12 @@ BLOCKED = (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionErr
 
 def _blocked(e: OSError) -> str:
     """What an OSError from writing or reading a path says: a file where a folder is needed
-    (`--cache-dir FILE`, a DST that is a file) by name, else the error."""
+    (`--cache-dir FILE`, a DST that is a file) by name, else the path and the reason."""
     file = e.filename and blocking_file(Path(os.fsdecode(e.filename)))
     if isinstance(e, FileExistsError | NotADirectoryError) and file:
         return f"{file} is a file, not a folder: name a folder (new or existing) there"
+    if e.filename and e.strerror:  # "cannot write or read there: [Errno 30] ...: 'PATH'"
+        return f"cannot write or read {os.fsdecode(e.filename)}: {e.strerror}"
     return f"cannot write or read there: {e}"
 
 
