@@ -17,6 +17,7 @@ import tempfile
 import time
 import warnings
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -483,6 +484,80 @@ def test_predict_refuses_broken_images_with_a_dataset_error(tmp_path: Path) -> N
     ValueError); benchmarks/fuzz.py fuzzes `vitlab predict` further."""
     for raw in (b"P6\n\x00\x00\n255\n", b"P3\n2 2\n255\n\x00\n"):
         check_predict((raw, ".ppm"), tmp_path)
+
+
+def _png_chunks(data: bytes) -> dict[bytes, tuple[int, int]]:
+    """A PNG's chunks: kind -> (offset, data length) of its first one of that kind."""
+    out, i = {}, 8
+    while i + 12 <= len(data):
+        n = struct.unpack(">I", data[i : i + 4])[0]
+        out.setdefault(data[i + 4 : i + 8], (i, n))
+        i += 12 + n
+    return out
+
+
+def _with_idat(data: bytes, pixels: bytes) -> bytes:
+    """`data` with its one IDAT chunk holding `pixels` compressed, its CRC right."""
+    i, n = _png_chunks(data)[b"IDAT"]
+    body = b"IDAT" + zlib.compress(pixels)
+    chunk = struct.pack(">I", len(body) - 4) + body + struct.pack(">I", zlib.crc32(body))
+    return data[:i] + chunk + data[i + 12 + n :]
+
+
+def test_a_png_damaged_in_its_pixels_is_an_error_not_a_crash() -> None:
+    """torchvision's PNG decoder ends the process (SIGSEGV) on an error libpng meets reading the
+    rows: one flipped bit in the pixels did (a QA run of benchmarks/fuzz.py crashed twice in four;
+    so would a damaged PNG in an image folder). Such a PNG is now checked first and read by PIL,
+    which names it; whole PNGs of every kind keep torchvision's decoder, with PIL's pixels."""
+    from vitlab.data.decode import decode_image, png_damage
+
+    x = np.linspace(0, 255, 40)
+    grey = (np.add.outer(x, x[:30]) / 2).astype(np.uint8)  # 40 rows of 30
+    kinds = {"L": grey, "RGB": np.stack([grey, grey[::-1], 255 - grey], -1), "P": grey,
+             "I;16": grey.astype(np.uint16) * 257, "RGBA": np.stack([grey] * 4, -1)}  # fmt: skip
+    for mode, pixels in kinds.items():
+        im = Image.fromarray(pixels).convert("P") if mode == "P" else Image.fromarray(pixels)
+        buffer = io.BytesIO()
+        im.save(buffer, "PNG")
+        good = buffer.getvalue()
+        assert png_damage(good) is None, mode  # torchvision's fast path
+        for chans, pil_mode in ((1, "L"), (3, "RGB")):
+            want = np.asarray((Image.fromarray(grey) if mode == "I;16" else im).convert(pil_mode))
+            got = decode_image(good, chans, mode).permute(1, 2, 0).numpy()
+            assert np.abs(got.astype(int) - want.reshape(got.shape)).max() <= 1, (mode, chans)
+    i, n = _png_chunks(good)[b"IDAT"]
+    raw = zlib.decompress(good[i + 8 : i + 8 + n])
+    line = len(raw) // 40
+    flipped = bytearray(good)
+    flipped[i + 8 + n // 2] ^= 1
+    zlib_body = bytearray(good)
+    zlib_body[i + 8 + n - 1] ^= 0xFF  # the stream's checksum, the chunk's CRC made right
+    zlib_body[i + 8 + n : i + 12 + n] = struct.pack(">I", zlib.crc32(zlib_body[i + 4 : i + 8 + n]))
+    damaged = {
+        "IDAT: CRC error": bytes(flipped),
+        "IDAT: incorrect data check": bytes(zlib_body),
+        "bad adaptive filter value": _with_idat(good, bytes([9]) + raw[1:]),
+        "Not enough image data": _with_idat(good, raw[: 20 * line]),
+        "too much image data": _with_idat(good, raw + raw[:line]),
+        "truncated": good[: i + 8 + n // 2],
+    }
+    said = {
+        "IDAT: CRC error": "its IDAT chunk's CRC is wrong",
+        "IDAT: incorrect data check": "its pixel data is damaged (Error -3 while decompressing "
+        "data: incorrect data check)",
+        "bad adaptive filter value": "a row's filter type is 9, not 0-4",
+        "Not enough image data": f"its pixel data ends early ({20 * line:,} of {40 * line:,}",
+        "truncated": "the file ends inside its IDAT chunk",
+    }  # PIL's own reading said less: "broken data stream", or nothing (black rows)
+    for libpng_said, data in damaged.items():
+        if libpng_said in said:
+            assert png_damage(data).startswith(said[libpng_said]), libpng_said
+            with pytest.raises(
+                DatasetError, match=f"image {libpng_said}: {re.escape(said[libpng_said])}"
+            ):
+                decode_image(data, 3, libpng_said)
+    extra = damaged["too much image data"]  # rows whole, a row more after them: PIL reads them
+    assert png_damage(extra) == "" and decode_image(extra, 1, "x").shape == (1, 40, 30)
 
 
 class _Payload:

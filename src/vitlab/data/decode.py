@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 import warnings
+import zlib
 
 import torch
 from torch import Tensor
@@ -33,18 +35,27 @@ def decode_image(data: bytes, in_chans: int, where: str) -> Tensor:
     """The image in `data` as uint8 (C, H, W), C = in_chans (1: greyscale, 3: RGB); a DatasetError
     naming `where` when it cannot be decoded."""
     from torchvision.io import ImageReadMode
-    from torchvision.io import decode_image as tv_decode
 
     mode = ImageReadMode.GRAY if in_chans == 1 else ImageReadMode.RGB
     kind = image_format(data)  # torchvision's WebP decoder ignores GRAY (warns, gives RGB): PIL's
     if kind is not None and (kind != "webp" or in_chans == 3) and _size_ok(data, where):
-        try:
-            x = tv_decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode)
-        except Exception:  # damaged: PIL's view, and its error message, decide
-            pass
-        else:  # a 16-bit PNG decodes to uint16: its high bytes
+        damage = png_damage(data) if kind == "png" else None  # after the size: no bomb inflated
+        if damage:  # torchvision's decoder would crash the process on it
+            raise DatasetError(f"cannot read image {where}: {damage}")
+        x = _tv_decode(data, mode) if damage is None else None  # "": PIL is to decide
+        if x is not None:  # a 16-bit PNG decodes to uint16: its high bytes
             return (x.to(torch.int32) >> 8).to(torch.uint8) if x.dtype == torch.uint16 else x
     return _pil_decode(data, "L" if in_chans == 1 else "RGB", where)
+
+
+def _tv_decode(data: bytes, mode) -> Tensor | None:  # mode: torchvision's ImageReadMode
+    """torchvision's decoding, None where it raises (damaged: PIL's view and message decide)."""
+    from torchvision.io import decode_image
+
+    try:
+        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode)
+    except Exception:
+        return None
 
 
 def image_format(data: bytes) -> str | None:
@@ -55,6 +66,50 @@ def image_format(data: bytes) -> str | None:
     if data[:8] == PNG:
         return "png"
     return "webp" if data[:4] == b"RIFF" and data[8:12] == b"WEBP" else None
+
+
+PNG_SAMPLES = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type -> samples a pixel
+
+
+def png_damage(data: bytes) -> str | None:
+    """None when a PNG's pixel data reads without an error where libpng reads the rows: every
+    chunk up to the end of the IDAT run whole with its CRC, the run one zlib stream (checksum
+    right) of exactly the scanlines IHDR's size needs, each starting with a filter type 0-4
+    (chunks after it are not read). Else what is wrong, or "" where PIL is to decide (an
+    interlaced PNG, whose passes are not counted here; data past the rows). torchvision's PNG
+    decoder crashes the process (SIGSEGV) on an error in the rows (one flipped bit in the pixels
+    did), and raises on one in the header; PIL fills missing rows with black without a word."""
+    if len(data) < 33 or data[12:16] != b"IHDR" or data[25] not in PNG_SAMPLES or data[28]:
+        return ""
+    width, height = struct.unpack(">II", data[16:24])
+    line = 1 + (width * PNG_SAMPLES[data[25]] * data[24] + 7) // 8  # filter byte, samples
+    need, rows, got, stream = height * line, [], 0, zlib.decompressobj()
+    i, started = 8, False  # in the IDAT run
+    while i + 12 <= len(data):
+        n, kind = struct.unpack(">I", data[i : i + 4])[0], data[i + 4 : i + 8]
+        end, name = i + 12 + n, kind.decode("ascii", "replace")
+        if kind == b"IEND" or started and kind != b"IDAT":  # the run is over (or never came)
+            break
+        if end > len(data):
+            return f"the file ends inside its {name} chunk (truncated)"
+        if zlib.crc32(data[i + 4 : end - 4]) != struct.unpack(">I", data[end - 4 : end])[0]:
+            return f"its {name} chunk's CRC is wrong (damaged)"
+        if kind == b"IDAT":
+            started = True
+            try:  # at most one byte past what IHDR needs: more is for PIL to judge
+                rows.append(stream.decompress(data[i + 8 : end - 4], need + 1 - got))
+            except zlib.error as e:
+                return f"its pixel data is damaged ({e})"
+            got += len(rows[-1])
+            if got > need:
+                return ""
+        i = end
+    if got < need:
+        return f"its pixel data ends early ({got:,} of {need:,} bytes)"
+    if not stream.eof or stream.unused_data:  # the rows whole, the stream not quite
+        return ""
+    bad = max(b"".join(rows)[::line], default=0)
+    return f"a row's filter type is {bad}, not 0-4 (damaged)" if bad > 4 else None
 
 
 def _header_size(data: bytes) -> tuple[int, int] | None:
