@@ -90,6 +90,10 @@ def test_config_overrides_are_strict() -> None:
         vitlab.create_model("Ti/16", depth="12")
     with pytest.raises(vitlab.ConfigError, match="pool"):
         vitlab.create_model("Ti/16", pool="max")
+    with pytest.raises(vitlab.ConfigError, match="^num_classes must be >= 0, got -1$"):
+        vitlab.create_model("Ti/16", num_classes=-1)  # it named depth too: "got 12, -1"
+    with pytest.raises(vitlab.ConfigError, match="^depth .* -1; num_classes must be >= 0, got -2$"):
+        vitlab.create_model("Ti/16", depth=-1, num_classes=-2)
     with pytest.raises(vitlab.ConfigError, match="class_token"):
         vitlab.create_model("Ti/16", class_token=False, pool="token")
     with pytest.raises(vitlab.ConfigError, match="not a multiple of patch_size 16"):

@@ -84,10 +84,10 @@ class ViTConfig:
         p = self.patch_size
         positive(img_size=self.img_size, patch_size=p, in_chans=self.in_chans, mlp_dim=self.mlp_dim,
                  embed_dim=self.embed_dim, num_heads=self.num_heads)  # fmt: skip
-        if self.depth < 0 or self.num_classes < 0:
-            raise ConfigError(
-                f"depth and num_classes must be >= 0, got {self.depth}, {self.num_classes}"
-            )
+        negative = {k: v for k, v in (("depth", self.depth), ("num_classes", self.num_classes))
+                    if v < 0}  # fmt: skip
+        if negative:
+            raise ConfigError("; ".join(f"{k} must be >= 0, got {v}" for k, v in negative.items()))
         if h % p or w % p:
             raise ConfigError(f"img_size {h}x{w} is not a multiple of patch_size {p}")
         if self.embed_dim % self.num_heads:
