@@ -1024,6 +1024,34 @@ def test_finetune_says_a_model_name_of_another_architecture_is_not_used(caplog) 
             )
 
 
+def test_finetune_new_head_and_a_kept_head_of_other_class_names(trained_run, caplog) -> None:
+    """A source of as many classes keeps its head: digits' 0..9 were taken for Fashion-MNIST's
+    ten classes without a word. That is now said, naming both; finetune.new_head=true starts a
+    zero head anyway (the backbone loaded either way)."""
+    from vitlab.models.checkpoint import read_source
+
+    clothes = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+               "Sneaker", "Bag", "Ankle boot"]  # fmt: skip
+    source_model, _ = load_checkpoint(trained_run)
+    for classes, new_head in ((clothes, False), (clothes, True), (source_model.classes, False)):
+        model = create_model("vit_nano_patch4_28")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vitlab"):
+            notes = build_mod.finetune_weights(model, read_source(trained_run), classes, new_head)
+        warned = [r.getMessage() for r in caplog.records if "the head is kept" in r.getMessage()]
+        head = model.head.weight
+        assert torch.equal(model.pos_embed.weight, source_model.pos_embed.weight)
+        if new_head:
+            assert not warned and not head.any() and "finetune.new_head" in notes[-1]
+        else:
+            assert torch.equal(head, source_model.head.weight)
+            assert len(warned) == (classes is clothes), warned  # the same names: no word
+        if warned:
+            assert "10 classes (0, 1, 2, 3, ...) are taken for the data's (T-shirt/top, " in (
+                warned[0]
+            )
+
+
 def test_finetune_leaves_out_the_pre_logits_layer_as_the_paper_does(tmp_path, caplog) -> None:
     """The paper fine-tunes with one zero-initialised linear head: the pre-training head's
     pre-logits layer goes (model.representation_size=null, as the imagenet-finetune-384 preset

@@ -293,6 +293,7 @@ class FinetuneConfig:
     """Start from another run's or checkpoint's weights (`finetune.from=RUN_OR_CKPT`)."""
 
     from_: str | None = None
+    new_head: bool = False  # a zero-initialised head even where the class count is the source's
 
 
 @dataclass

@@ -45,7 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "hard | soft, alpha, tau), finetune.from=RUN_OR_CKPT (a vitlab run or checkpoint, or "
         "any timm / HF / torchvision / .npz file, folder or hub name: the architecture is then the "
         "checkpoint's, model.* overrides apply on top, positions are resampled and a new head "
-        "made as needed). Unknown keys and wrong types are errors. Under torchrun "
+        "made as needed), finetune.new_head (a new head at the source's class count too). "
+        "Unknown keys and wrong types are errors. Under torchrun "
         "(`torchrun --nproc_per_node=N -m vitlab train ...`) it trains with DDP or FSDP.",
         epilog="Presets: configs/*.yaml. Example: vitlab train --config configs/fashion-mnist-quick"
         ".yaml train.time_budget=5m optim.lr=0.002 (a preset with a time budget plans its steps "

@@ -173,14 +173,17 @@ def normalization(cfg: RunConfig, info: DatasetInfo, in_chans: int) -> tuple[tup
     return tuple(mean) * (in_chans // len(mean)), tuple(std) * (in_chans // len(std))
 
 
-def finetune_weights(model: nn.Module, source: Source) -> list[str]:
+def finetune_weights(
+    model: nn.Module, source: Source, classes: list[str] | None = None, new_head: bool = False
+) -> list[str]:
     """Load another checkpoint's weights (read by read_source, any format vitlab reads) into
     model: the source is moved to the model's resolution (position embeddings of any kind
     resampled; a Swin's relative position tables, also to a new window; a CNN's size only
     recorded) and channels (patch kernels, a CNN's conv1, adapted), and gets a zero-initialised
-    head when the class count differs, or when the model has no pre-logits layer where the
-    source has one (model.representation_size=null: the paper's fine-tuning head, one linear
-    layer). Returns what was adapted."""
+    head when the class count differs or `new_head` (finetune.new_head), or when the model has no
+    pre-logits layer where the source has one (model.representation_size=null: the paper's
+    fine-tuning head, one linear layer). A head kept whose class names (the source's) are not
+    the data's (`classes`) is warned of. Returns what was adapted."""
     cfg = model.config
     src_cfg = infer_config(source)
     notes = []
@@ -221,7 +224,19 @@ def finetune_weights(model: nn.Module, source: Source) -> list[str]:
     if fresh:  # pre-training goes on from an encoder: its head and [mask] start new
         notes.append("new masked-patch-prediction head and [mask] embedding")
     load_state_strict(model, {**fresh, **state}, source.where)
+    same = src_cfg.num_classes == cfg.num_classes and cfg.num_classes
+    if same and new_head:
+        model.reset_classifier(cfg.num_classes)
+        notes.append(f"new zero-initialised head for {cfg.num_classes} classes (finetune.new_head)")
+    elif same and source.classes and classes and source.classes != classes and first_rank():
+        log.warning("the head is kept: %s's %d classes (%s) are taken for the data's (%s); "
+                    "finetune.new_head=true starts a new one", source.where, cfg.num_classes,
+                    _few(source.classes), _few(classes))  # fmt: skip
     return notes
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 @dataclass

@@ -158,7 +158,7 @@ class Run:
         self.model = MaskedPatchViT(mc, cfg.mpp, mean, std) if self.mpp else build_model(mc)
         self.notes = []
         if source is not None:
-            self.notes = finetune_weights(self.model, source)
+            self.notes = finetune_weights(self.model, source, info.classes, cfg.finetune.new_head)
             del source
         if d.rank:  # the same model on every rank; then each rank draws its own dropout and
             torch.manual_seed(distributed.rank_seed(cfg.train.seed, d.rank))  # augmentation
