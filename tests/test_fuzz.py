@@ -504,6 +504,57 @@ def _with_idat(data: bytes, pixels: bytes) -> bytes:
     return data[:i] + chunk + data[i + 12 + n :]
 
 
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def _png(pixels: np.ndarray, interlaced: bool, piece: int, before: bytes = b"") -> bytes:
+    """An 8-bit PNG of (H, W) grey or (H, W, 3) RGB pixels written by hand (PIL writes no
+    interlaced PNG): Adam7's passes when `interlaced`, the zlib stream in IDAT chunks of `piece`
+    bytes, the chunks `before` between IHDR and them."""
+    from vitlab.data.decode import ADAM7
+
+    raw = b""
+    for x, y, dx, dy in ADAM7 if interlaced else ((0, 0, 1, 1),):
+        part = pixels[y::dy, x::dx]
+        if part.size:  # a pass with no pixels has no rows
+            raw += b"".join(b"\0" + row.tobytes() for row in part.reshape(len(part), -1))
+    stream = zlib.compress(raw)
+    h, w = pixels.shape[:2]
+    header = _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2 * (pixels.ndim == 3), 0, 0,
+                                         interlaced))  # fmt: skip
+    idat = b"".join(_chunk(b"IDAT", stream[k : k + piece]) for k in range(0, len(stream), piece))
+    return b"\x89PNG\r\n\x1a\n" + header + before + idat + _chunk(b"IEND", b"")
+
+
+def test_a_png_check_passes_interlaced_split_and_ancillary_chunks() -> None:
+    """Whole PNGs of the kinds PIL does not write keep torchvision's decoder, with the pixels
+    written: interlaced (Adam7's passes counted, so their filter bytes are checked), the stream
+    over many IDAT chunks, a text chunk with a wrong CRC before them (libpng warns and drops it;
+    the first version of the check refused the file). A damaged interlaced PNG is named."""
+    from vitlab.data.decode import decode_image, png_damage
+
+    rng = np.random.default_rng(0)
+    broken_text = bytearray(_chunk(b"tEXt", b"key\0value"))
+    broken_text[-1] ^= 1
+    for shape in ((13, 7), (1, 1), (3, 9), (17, 33, 3)):
+        pixels = rng.integers(0, 256, shape, dtype=np.uint8)
+        for interlaced, piece, before in (
+            (0, 7, b""),
+            (1, 1 << 20, b""),
+            (1, 5, bytes(broken_text)),
+        ):
+            data = _png(pixels, interlaced, piece, before)
+            assert png_damage(data) is None, (shape, interlaced, piece)
+            got = decode_image(data, 3 if len(shape) == 3 else 1, "x").permute(1, 2, 0).numpy()
+            assert np.array_equal(got, pixels.reshape(got.shape)), (shape, interlaced, piece)
+    data = _png(rng.integers(0, 256, (9, 9), dtype=np.uint8), True, 1 << 20)
+    i, n = _png_chunks(data)[b"IDAT"]
+    raw = bytearray(zlib.decompress(data[i + 8 : i + 8 + n]))
+    raw[-1 - 9] = 5  # the last pass's last row starts 10 bytes from the end (1 + 9 pixels)
+    assert png_damage(_with_idat(data, bytes(raw))) == "a row's filter type is 5, not 0-4 (damaged)"
+
+
 def test_a_png_damaged_in_its_pixels_is_an_error_not_a_crash() -> None:
     """torchvision's PNG decoder ends the process (SIGSEGV) on an error libpng meets reading the
     rows: one flipped bit in the pixels did (a QA run of benchmarks/fuzz.py crashed twice in four;

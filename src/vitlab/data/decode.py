@@ -69,21 +69,38 @@ def image_format(data: bytes) -> str | None:
 
 
 PNG_SAMPLES = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type -> samples a pixel
+# Adam7, an interlaced PNG's seven passes: (first column, first row, column step, row step)
+ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2),
+         (0, 1, 1, 2))  # fmt: skip
+
+
+def png_passes(data: bytes) -> list[tuple[int, int, int]]:
+    """(offset, bytes a row with its filter byte, end) in a PNG's inflated pixel data of each
+    pass that has pixels: one for a plain PNG, up to seven for an interlaced one."""
+    width, height = struct.unpack(">II", data[16:24])
+    bits, out, at = PNG_SAMPLES[data[25]] * data[24], [], 0
+    for x, y, dx, dy in ADAM7 if data[28] else ((0, 0, 1, 1),):
+        columns, rows = -(-(width - x) // dx), -(-(height - y) // dy)
+        if columns > 0 and rows > 0:
+            line = 1 + (columns * bits + 7) // 8
+            out.append((at, line, at + rows * line))
+            at += rows * line
+    return out
 
 
 def png_damage(data: bytes) -> str | None:
-    """None when a PNG's pixel data reads without an error where libpng reads the rows: every
-    chunk up to the end of the IDAT run whole with its CRC, the run one zlib stream (checksum
-    right) of exactly the scanlines IHDR's size needs, each starting with a filter type 0-4
-    (chunks after it are not read). Else what is wrong, or "" where PIL is to decide (an
-    interlaced PNG, whose passes are not counted here; data past the rows). torchvision's PNG
-    decoder crashes the process (SIGSEGV) on an error in the rows (one flipped bit in the pixels
-    did), and raises on one in the header; PIL fills missing rows with black without a word."""
-    if len(data) < 33 or data[12:16] != b"IHDR" or data[25] not in PNG_SAMPLES or data[28]:
+    """None when a PNG's pixel data reads without an error where libpng reads the rows: the
+    chunks up to the end of the IDAT run whole, the IDAT chunks' CRCs right, the run one zlib
+    stream (checksum right) of exactly the rows IHDR's size needs (each pass's, interlaced),
+    each starting with a filter type 0-4 (chunks after the run are not read; other chunks'
+    faults libpng raises, or warns of). Else what is wrong, or "" where PIL is to decide (data
+    past the rows). torchvision's PNG decoder crashes the process (SIGSEGV) on an error in the
+    rows (one flipped bit in the pixels did), and raises on one in the header; PIL fills
+    missing rows with black without a word."""
+    if len(data) < 33 or data[12:16] != b"IHDR" or data[25] not in PNG_SAMPLES or data[28] > 1:
         return ""
-    width, height = struct.unpack(">II", data[16:24])
-    line = 1 + (width * PNG_SAMPLES[data[25]] * data[24] + 7) // 8  # filter byte, samples
-    need, rows, got, stream = height * line, [], 0, zlib.decompressobj()
+    passes = png_passes(data)
+    need, got, stream = passes[-1][2] if passes else 0, 0, zlib.decompressobj()
     i, started = 8, False  # in the IDAT run
     while i + 12 <= len(data):
         n, kind = struct.unpack(">I", data[i : i + 4])[0], data[i + 4 : i + 8]
@@ -92,24 +109,35 @@ def png_damage(data: bytes) -> str | None:
             break
         if end > len(data):
             return f"the file ends inside its {name} chunk (truncated)"
-        if zlib.crc32(data[i + 4 : end - 4]) != struct.unpack(">I", data[end - 4 : end])[0]:
-            return f"its {name} chunk's CRC is wrong (damaged)"
         if kind == b"IDAT":
+            if zlib.crc32(data[i + 4 : end - 4]) != struct.unpack(">I", data[end - 4 : end])[0]:
+                return "its IDAT chunk's CRC is wrong (damaged)"
             started = True
             try:  # at most one byte past what IHDR needs: more is for PIL to judge
-                rows.append(stream.decompress(data[i + 8 : end - 4], need + 1 - got))
+                rows = stream.decompress(data[i + 8 : end - 4], need + 1 - got)
             except zlib.error as e:
                 return f"its pixel data is damaged ({e})"
-            got += len(rows[-1])
+            bad = _bad_filter(rows, got, passes)
+            if bad:
+                return f"a row's filter type is {bad}, not 0-4 (damaged)"
+            got += len(rows)
             if got > need:
                 return ""
         i = end
     if got < need:
         return f"its pixel data ends early ({got:,} of {need:,} bytes)"
-    if not stream.eof or stream.unused_data:  # the rows whole, the stream not quite
-        return ""
-    bad = max(b"".join(rows)[::line], default=0)
-    return f"a row's filter type is {bad}, not 0-4 (damaged)" if bad > 4 else None
+    return "" if not stream.eof or stream.unused_data else None  # the rows whole, the stream not
+
+
+def _bad_filter(rows: bytes, at: int, passes: list[tuple[int, int, int]]) -> int:
+    """The largest filter byte past 4 in `rows`, inflated pixel data from offset `at`; else 0.
+    Each piece is checked as it comes: the whole image is not held twice."""
+    stop, bad = at + len(rows), 0
+    for start, line, end in passes:
+        first = start + -(-(max(start, at) - start) // line) * line  # the first row start in it
+        if first < min(end, stop):
+            bad = max(bad, max(rows[first - at : min(end, stop) - at : line]))
+    return bad if bad > 4 else 0
 
 
 def _header_size(data: bytes) -> tuple[int, int] | None:
