@@ -8,6 +8,7 @@ import html
 import json
 import math
 import shutil
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -815,3 +816,5 @@ def test_an_interrupted_experiment_says_one_way_to_continue(tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert "vitlab reproduce: stopped at epoch 1, batch" in err and "checkpoint saved" in err
     assert "rerun the same command to continue" in err and "vitlab train --resume" not in err
+    monkeypatch.setattr(CtrlCAtCheck, "sent", signal.SIGTERM)  # rerun, stopped by SIGTERM: 143
+    assert main(["-q", "reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 143

@@ -405,9 +405,11 @@ def test_settings_nothing_reads_are_warned(tmp_path: Path, capsys) -> None:
     ops and a crop scale without the random resized crop were taken silently (a QA run set
     each, expecting an effect); each is warned, and one that applies is not."""
     base = ["train", *FAST, "train.epochs=1", "optim.warmup_epochs=0"]
-    unused = ["optim.momentum=0.5", "data.randaugment_magnitude=20", "data.crop_scale=[0.5,1.0]"]
+    unused = ["optim.momentum=0.5", "data.randaugment_magnitude=20", "data.crop_scale=[0.5,1.0]",
+              "finetune.new_head=true"]  # fmt: skip
     assert main([*base, *unused, "--out", str(tmp_path / "a")]) == 0
     err = capsys.readouterr().err
+    assert "finetune.new_head is set but not used: it applies with finetune.from" in err
     assert "optim.momentum is set but not used: it applies with optim.name=sgd" in err
     assert "data.randaugment_magnitude is set but not used: it applies with" in err
     assert "data.crop_scale is set but not used: it applies with data.random_resized_crop" in err

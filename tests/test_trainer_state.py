@@ -91,6 +91,7 @@ class CtrlCAtCheck(run_mod.StopFlag):
     engine checks once an optimizer step), so the interruption lands mid-epoch every time."""
 
     at = 7
+    sent = signal.SIGINT  # or SIGTERM: the same stop, another exit code
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         self.checks = 0
@@ -100,7 +101,7 @@ class CtrlCAtCheck(run_mod.StopFlag):
     def requested(self) -> bool:
         self.checks += 1
         if self.checks == self.at:
-            signal.raise_signal(signal.SIGINT)  # handled before this returns
+            signal.raise_signal(self.sent)  # handled before this returns
         return self._requested
 
     @requested.setter

@@ -63,14 +63,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def parse_overrides(items: list[str]) -> dict:
     from vitlab.config import ConfigError, given_twice, parse_value
 
-    for said in given_twice(items):
-        log.warning(said)
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"expected an override like num_classes=10, got {item!r}")
         out[key] = parse_value(value)
+    for said in given_twice(items):  # (after the malformed ones are refused)
+        log.warning(said)
     return out
 
 

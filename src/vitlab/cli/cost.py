@@ -90,9 +90,11 @@ def config_at(path: Path, img_size: int | tuple[int, int] | None = None) -> Mode
     if path.is_dir() and vitlab_weights(path) is None and (path / "config.yaml").is_file():
         path = path / "config.yaml"  # a run before its first checkpoint
     if path.suffix.lower() in CONFIG_SUFFIXES:
+        from vitlab.train.build import finetune_source
+
         run = load_run_config(str(path))
         try:  # a fine-tuning run trains its source's architecture, the model.* keys on top
-            base = infer_config(read_source(run.finetune.from_)) if run.finetune.from_ else None
+            base = finetune_source(run)[1] if run.finetune.from_ else None
         except CheckpointError as e:  # a preset's source not trained yet
             log.warning("finetune.from cannot be read (%s): the cost of model.name=%s instead, "
                         "which a fine-tuning run does not use", e, run.model.name)  # fmt: skip

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             print(run_experiment(args.experiment, ctx)["report.md"])
     except TrainingStopped as e:
         print(f"vitlab reproduce: {e.where}; rerun the same command to continue", file=sys.stderr)
-        return 130
+        return 128 + e.signum  # 130 for Ctrl-C, 143 for SIGTERM, as train
     except OutOfSpace as e:  # an arm's run: rerunning resumes it (its --resume is not the way)
         print(f"vitlab reproduce: error: {e.where}; once space is freed, rerun the same command "
               f"to continue", file=sys.stderr)  # fmt: skip

@@ -62,6 +62,7 @@ def check_settings(cfg: RunConfig) -> None:
          "data.randaugment_magnitude", "data.randaugment_ops > 0"),
         (not data.random_resized_crop and data.crop_scale != default_d.crop_scale,
          "data.crop_scale", "data.random_resized_crop=true"),
+        (cfg.finetune.new_head and not cfg.finetune.from_, "finetune.new_head", "finetune.from"),
     ]  # fmt: skip
     if not first_rank():
         return
@@ -214,7 +215,10 @@ def finetune_weights(
         notes.append(f"the classifier of {src_cfg.num_classes} classes left out")
     src, _ = load_checkpoint(source, in_chans=cfg.in_chans, num_classes=cfg.num_classes, **moves)
     state = src.state_dict()
-    if getattr(src_cfg, "representation_size", None) and not getattr(cfg, "representation_size", 0):
+    new_layer = getattr(src_cfg, "representation_size", None) and not getattr(
+        cfg, "representation_size", 0
+    )  # the paper's fine-tuning head: one new linear layer
+    if new_layer:
         state = {k: v for k, v in state.items() if not k.startswith(("pre_logits.", "head."))}
         state.update({k: torch.zeros_like(v) for k, v in model.state_dict().items()
                       if k.startswith("head.")})  # fmt: skip
@@ -224,7 +228,7 @@ def finetune_weights(
     if fresh:  # pre-training goes on from an encoder: its head and [mask] start new
         notes.append("new masked-patch-prediction head and [mask] embedding")
     load_state_strict(model, {**fresh, **state}, source.where)
-    same = src_cfg.num_classes == cfg.num_classes and cfg.num_classes
+    same = src_cfg.num_classes == cfg.num_classes and cfg.num_classes and not new_layer
     if same and new_head:
         model.reset_classifier(cfg.num_classes)
         notes.append(f"new zero-initialised head for {cfg.num_classes} classes (finetune.new_head)")

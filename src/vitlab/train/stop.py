@@ -32,7 +32,9 @@ class StopFlag:
     def _handle(self, signum: int, frame: object) -> None:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.requested, self.signum = True, signal.Signals(signum)
+        if not self.requested:  # the first signal's number is the exit code's
+            self.signum = signal.Signals(signum)
+        self.requested = True
         note = " (if every rank is still there)" if self.distributed else ""
         if first_rank(local=True):  # torchrun signals every rank: one a machine says it
             print(f"\nstop requested: saving a checkpoint after this step{note} ...",
