@@ -295,8 +295,10 @@ def _standardised_root(cfg: ModelConfig) -> bool:
 
 def _architecture(mc: ModelConfig, cfg: RunConfig) -> tuple[str, dict]:
     """What a fine-tuning run takes from its source and no model.* key changes: the family and
-    the config's fields but the size, classes and channels (which follow the data or the keys)."""
-    kept = {"img_size", "num_classes", "in_chans", "small_stem", *cfg.model.overrides}
+    the config's fields but the size, classes and channels (which follow the data or the keys)
+    and the dropout rates (training settings no tensor tells: another library's file has none)."""
+    kept = {"img_size", "num_classes", "in_chans", "small_stem", "dropout", "attn_dropout",
+            "drop_path", "head_dropout", *cfg.model.overrides}  # fmt: skip
     return family_of(mc), {k: v for k, v in to_dict(mc).items() if k not in kept}
 
 
