@@ -1019,11 +1019,17 @@ def test_finetune_says_a_model_name_of_another_architecture_is_not_used(caplog) 
         said = [r.getMessage() for r in caplog.records if "is not used" in r.getMessage()]
         assert len(said) == warned, (keys, said)
         if keys == ("model.name=vit_nano_patch4_32", "model.img_size=56", "model.drop_path=0.1"):
-            caplog.clear()  # a source's dropout rates (no tensor tells them) are not its shape
-            with caplog.at_level(logging.WARNING, logger="vitlab"):
+            caplog.clear()  # a source's dropout rates (no tensor tells them) are not its shape,
+            with caplog.at_level(logging.WARNING, logger="vitlab"):  # but the run takes them
                 plain = load_run_config(None, ["finetune.from=x", keys[0]])
-                build_mod.resolve_model_config(plain, info, base=nano.replace(drop_path=0.3))
-            assert "is not used" not in caplog.text
+                tuned = build_mod.resolve_model_config(
+                    plain, info, base=nano.replace(drop_path=0.3)
+                )
+            assert "is not used" not in caplog.text and tuned.drop_path == 0.3
+            assert (
+                "vit_nano_patch4_32's drop_path=0.0: not used, the run takes finetune.from's "
+                "drop_path=0.3" in caplog.text
+            ), caplog.text
         if warned and "micro" in keys[0] and len(keys) == 1:
             assert said[0] == (
                 "model.name=vit_micro_patch4_28 [D=128, 6 layers, patch 4, 28x28] is not used: "

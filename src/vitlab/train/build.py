@@ -116,10 +116,17 @@ def resolve_model_config(
     said = saved is None and first_rank()  # once: not again on resume
     if base is not None and said and cfg.model.name != ModelSection().name:
         named = get_config(cfg.model.name)  # said where it names another architecture
+        rates = [k for k in RATES if k not in cfg.model.overrides
+                 and getattr(named, k, None) != getattr(base, k, None)]  # fmt: skip
         if _architecture(named, cfg) != _architecture(base, cfg):
             log.warning("model.name=%s [%s] is not used: finetune.from's architecture [%s] is "
                         "trained (model.* keys apply to it)", cfg.model.name, shape_of(named),
                         shape_of(base))  # fmt: skip
+        elif rates:  # the same shape: its regularisation is the source's too, which is said
+            log.warning("model.name=%s's %s: not used, the run takes finetune.from's %s (set "
+                        "model.KEY=VALUE for another)", cfg.model.name,
+                        ", ".join(f"{k}={getattr(named, k)}" for k in rates),
+                        ", ".join(f"{k}={getattr(base, k, None)}" for k in rates))  # fmt: skip
     mc = config_of(cfg.model) if base is None else base.replace(**cfg.model.overrides)
     mc = mc.replace(**auto)
     batchnorm = family_of(mc) == "cnn" and not mc.bit  # BiT's ResNet-v2 has GroupNorm
@@ -293,12 +300,14 @@ def _standardised_root(cfg: ModelConfig) -> bool:
     return getattr(cfg, "bit", False) or getattr(cfg, "stem", None) == "resnet"
 
 
+RATES = ("dropout", "attn_dropout", "drop_path", "head_dropout")  # a config's regularisation
+
+
 def _architecture(mc: ModelConfig, cfg: RunConfig) -> tuple[str, dict]:
     """What a fine-tuning run takes from its source and no model.* key changes: the family and
     the config's fields but the size, classes and channels (which follow the data or the keys)
     and the dropout rates (training settings no tensor tells: another library's file has none)."""
-    kept = {"img_size", "num_classes", "in_chans", "small_stem", "dropout", "attn_dropout",
-            "drop_path", "head_dropout", *cfg.model.overrides}  # fmt: skip
+    kept = {"img_size", "num_classes", "in_chans", "small_stem", *RATES, *cfg.model.overrides}
     return family_of(mc), {k: v for k, v in to_dict(mc).items() if k not in kept}
 
 
