@@ -185,6 +185,34 @@ def test_weights_holding_nan_are_warned_of_and_the_json_stays_json(run, tmp_path
     assert "NaN" not in err and json.loads(out)["loss"] > 0
 
 
+def test_curves_take_null_epochs_as_gaps(tmp_path, monkeypatch) -> None:
+    """metrics.jsonl holds null for a NaN loss since JSON has no NaN: the curves' figure failed
+    on a null validation accuracy (100 * None) and left out the whole validation curve when the
+    first epoch's loss was null. A null is a gap; every value drawn is the record's."""
+    from matplotlib.figure import Figure
+
+    from vitlab.train import log as log_mod
+
+    rows = ((1, None, 0.6), (2, 0.7, None), (3, 0.6, 0.8))  # epoch, val_loss, val_acc
+    records = [{"epoch": e, "train_loss": 1.0 / e, "train_acc": 0.5, "val_loss": loss,
+                "val_acc": acc} for e, loss, acc in rows]  # fmt: skip
+    drawn, savefig = {}, Figure.savefig
+
+    def keep(fig, path, **kwargs):  # the lines drawn, by (plot, label)
+        for ax in fig.axes:
+            for line in ax.get_lines():
+                drawn[(ax.get_title(), line.get_label())] = list(line.get_ydata())
+        return savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    log_mod.save_curves(records, tmp_path / "c.png")
+    assert (tmp_path / "c.png").is_file()
+    val_loss, val_acc = drawn[("loss", "validation")], drawn[("accuracy", "validation")]
+    assert np.isnan(val_loss[0]) and val_loss[1:] == [0.7, 0.6]
+    assert val_acc[0] == 60.0 and np.isnan(val_acc[1]) and val_acc[2] == 80.0
+    assert drawn[("loss", "train")] == [1.0, 0.5, 1 / 3]
+
+
 def test_a_class_without_test_images_is_not_scored_zero(run, tmp_path, capsys):
     """A test split lacking a class once reported that class at 0.00% (0 of 0 read as all
     wrong); and with 3 classes "top-5" was top-3, always 100%. Checked against scikit-learn."""

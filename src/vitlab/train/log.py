@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -224,17 +225,23 @@ def save_curves(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def series(key: str, scale: float = 1.0) -> list[float] | None:
+        """The epochs' values of `key`, a null one (NaN: JSON has none; no validation split) a
+        gap; None when every epoch's is null."""
+        values = [r[key] for r in records]
+        if all(v is None for v in values):
+            return None
+        return [math.nan if v is None else scale * v for v in values]
+
     epochs = [r["epoch"] for r in records]
-    accuracy = records[0]["train_acc"] is not None  # a regression objective (patch_l2) has none
+    accuracy = series("train_acc", 100) is not None  # a regression objective (patch_l2) has none
     fig, axes = plt.subplots(1, 1 + accuracy, figsize=(5 + 5 * accuracy, 4), squeeze=False)
     ax1, ax2 = axes[0][0], axes[0][-1]
-    ax1.plot(epochs, [r["train_loss"] for r in records], "o-", label="train")
-    if accuracy:
-        ax2.plot(epochs, [100 * r["train_acc"] for r in records], "o-", label="train")
-    if records[0]["val_loss"] is not None:
-        ax1.plot(epochs, [r["val_loss"] for r in records], "s-", label="validation")
-        if accuracy and records[0]["val_acc"] is not None:
-            ax2.plot(epochs, [100 * r["val_acc"] for r in records], "s-", label="validation")
+    for ax, key, scale in ((ax1, "loss", 1.0), (ax2, "acc", 100.0))[: 1 + accuracy]:
+        for split, marker, label in (("train", "o-", "train"), ("val", "s-", "validation")):
+            values = series(f"{split}_{key}", scale)
+            if values is not None:
+                ax.plot(epochs, values, marker, label=label)
     ax1.set(xlabel="epoch", ylabel="loss", title="loss")
     if accuracy:
         ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
