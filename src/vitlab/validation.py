@@ -154,3 +154,8 @@ def _finite(v: Any) -> Any:
     if isinstance(v, dict):
         return {k: _finite(x) for k, x in v.items()}
     return [_finite(x) for x in v] if isinstance(v, list | tuple) else v
+
+
+def few(names: typing.Sequence[str], n: int = 4) -> str:
+    """The first `n` names, joined for a message, ", ..." where more follow."""
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")

@@ -40,6 +40,7 @@ from vitlab.models.registry import Model, ModelConfig, build_model, family_of
 from vitlab.models.swin_checkpoint import infer_swin_config
 from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
+from vitlab.validation import few
 
 log = logging.getLogger(__name__)
 HEADS = formats.base.pass_key("num_heads") + "; to `vitlab train finetune.from=` model.num_heads=N"
@@ -119,10 +120,9 @@ def read_source(source: str | Path, format: str = "auto") -> Source:
     src = formats.read(files, formats.detect(files) if format == "auto" else format)
     bad = [k for k, t in src.state.items() if t.is_floating_point() and not t.isfinite().all()]
     if bad:  # a damaged file or a diverged run's weights: NaN outputs, evaluated without a word
-        names = ", ".join(bad[:4]) + " ..." * (len(bad) > 4)
         log.warning("%s: NaN or infinite values in %d of its %d tensors (%s): the weights are "
                     "damaged or come from a run that diverged, and the outputs will be NaN",
-                    src.where, len(bad), len(src.state), names)  # fmt: skip
+                    src.where, len(bad), len(src.state), few(bad))  # fmt: skip
     return src
 
 

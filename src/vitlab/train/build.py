@@ -29,6 +29,7 @@ from vitlab.models.mpp import PREFIX as MPP_PREFIX
 from vitlab.models.registry import ModelConfig, config_of, family_of, get_config, shape_of
 from vitlab.runtime import Dist, first_rank, launched_processes
 from vitlab.train import distill
+from vitlab.validation import few
 
 log = logging.getLogger(__name__)
 
@@ -242,12 +243,8 @@ def finetune_weights(
     elif same and source.classes and classes and source.classes != classes and first_rank():
         log.warning("the head is kept: %s's %d classes (%s) are taken for the data's (%s); "
                     "finetune.new_head=true starts a new one", source.where, cfg.num_classes,
-                    _few(source.classes), _few(classes))  # fmt: skip
+                    few(source.classes), few(classes))  # fmt: skip
     return notes
-
-
-def _few(names: list[str]) -> str:
-    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 @dataclass
