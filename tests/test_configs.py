@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import help_of
 from vitlab.cli.main import main
-from vitlab.config import _SAID_EMPTY, ConfigError, RunConfig, given_twice, load_run_config
+from vitlab.config import ConfigError, RunConfig, given_twice, load_run_config
 from vitlab.models.registry import config_of
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
@@ -64,6 +64,13 @@ def test_another_model_name_says_which_of_the_files_model_keys_still_apply(
         assert main(["train", "--config", "configs/digits.yaml", missing, *overrides]) == 2
         err = capsys.readouterr().err
         assert "does not exist" in err and "replaces configs/digits.yaml" not in err, err
+    # the file is read once: a value of its that the command line replaces is not read again
+    # on its own (the check had re-read it, and refused train.epochs: many, which 1 replaced)
+    (tmp_path / "fixed.yaml").write_text("train: {epochs: many}\nmodel: {patch_size: 7}\n")
+    fixed = ["--config", str(tmp_path / "fixed.yaml"), "train.epochs=1", "model.name=S/16"]
+    assert main(["train", *fixed, missing]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "epochs" not in err and "patch_size=7" in err, err
 
 
 def test_yaml_errors_name_the_file(tmp_path: Path, capsys) -> None:
@@ -102,9 +109,8 @@ def test_yaml_errors_name_the_file(tmp_path: Path, capsys) -> None:
     merged = load_run_config(str(good))  # duplicate (a key given twice in one mapping)
     assert merged.model.name == "vit_nano_patch4_28" and merged.model.overrides == {"depth": 3}
     assert merged.optim.lr == 0.1
-    for text in ("", "# only a comment\n"):  # the defaults, as before, now said (once a file)
-        (tmp_path / "empty.yaml").write_text(text)
-        _SAID_EMPTY.discard(str(tmp_path / "empty.yaml"))
+    for text in ("", "# only a comment\n"):  # the defaults, as before, now said (`train` reads
+        (tmp_path / "empty.yaml").write_text(text)  # the file once: said once)
         assert main(["train", "--config", str(tmp_path / "empty.yaml"), missing]) == 2
         said = capsys.readouterr().err.count("empty.yaml sets nothing: the defaults are used")
         assert said == 1 and load_run_config(str(tmp_path / "empty.yaml")) == RunConfig()

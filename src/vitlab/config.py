@@ -19,13 +19,12 @@ from vitlab.duration import parse_duration
 from vitlab.validation import ConfigError, check_keys, from_dict, pair, to_dict, validate
 
 log = logging.getLogger(__name__)
-_SAID_EMPTY: set[str] = set()  # config files found empty, warned of
 
 __all__ = [  # the validation helpers too: every config module imports them from here
     "ConfigError", "DataConfig", "DistillConfig", "FinetuneConfig", "MPPConfig", "ModelSection",
     "OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "check_keys", "from_dict",
-    "given_twice", "load_run_config", "load_saved_config", "pair", "parse_value", "to_dict",
-    "validate",
+    "given_twice", "load_run_config", "load_saved_config", "pair", "parse_value",
+    "read_config_file", "to_dict", "validate",
 ]  # fmt: skip
 
 # --- run configuration (vitlab train): YAML file + dotted key=value overrides --------------------
@@ -86,6 +85,17 @@ class ModelSection:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **self.overrides}
+
+    @classmethod
+    def from_tree(cls, tree: Mapping[str, Any]) -> ModelSection:
+        """A config tree's model section (none: the default model), its keys checked to be names."""
+        model_tree = dict(tree.get("model") or {})
+        name = model_tree.pop("name", cls.name)
+        if not isinstance(name, str):
+            raise ConfigError(f"model.name: expected a model name, got {name!r}")
+        if bad := [key for key in model_tree if not isinstance(key, str)]:
+            raise ConfigError(f"keys of section 'model' are names, got {bad[0]!r}")
+        return cls(name, model_tree)
 
 
 def check_rules(section: object, name: str, rules: list[tuple[bool, str, str]]) -> None:
@@ -329,13 +339,7 @@ class RunConfig:
                 raise ConfigError(f"unknown config section {section!r}{hint} (sections: {known})")
             if body is not None and not isinstance(body, Mapping):
                 raise ConfigError(f"config section {section!r} must be a mapping, got {body!r}")
-        model_tree = dict(tree.get("model") or {})
-        name = model_tree.pop("name", ModelSection.name)
-        if not isinstance(name, str):
-            raise ConfigError(f"model.name: expected a model name, got {name!r}")
-        if bad := [key for key in model_tree if not isinstance(key, str)]:
-            raise ConfigError(f"keys of section 'model' are names, got {bad[0]!r}")
-        kwargs: dict[str, Any] = {"model": ModelSection(name, model_tree)}
+        kwargs: dict[str, Any] = {"model": ModelSection.from_tree(tree)}
         for section, klass in cls.SECTIONS.items():
             body = {
                 (k + "_" if k == "from" else k): v for k, v in (tree.get(section) or {}).items()
@@ -393,27 +397,31 @@ def one_line(e: BaseException) -> str:
 
 def load_run_config(path: str | None = None, overrides: typing.Iterable[str] = ()) -> RunConfig:
     """A RunConfig from an optional YAML file plus 'section.key=value' overrides."""
+    return RunConfig.from_tree(apply_overrides(read_config_file(path) if path else {}, overrides))
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """A config file's tree of sections, as YAML gives it (the sections checked when it becomes a
+    RunConfig): a ConfigError naming the file where it cannot be read, is not YAML or is not a
+    mapping; an empty one (or comments only) is warned of and sets nothing."""
     import yaml
 
-    tree: dict[str, Any] = {}
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                tree = yaml.load(f, Loader=_strict_loader())
-            if tree is None and path not in _SAID_EMPTY:  # an empty file, or comments only
-                _SAID_EMPTY.add(path)  # said once: `vitlab train` reads the file twice
-                log.warning("config file %s sets nothing: the defaults are used", path)
-            tree = {} if tree is None else tree  # [] or 0: not a mapping, said below
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from None
-        # values YAML parses and Python cannot hold (huge integers, a 13th month); deep nesting
-        except (yaml.YAMLError, ValueError, OverflowError, RecursionError) as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {one_line(e)}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections")
-    return RunConfig.from_tree(apply_overrides(tree, overrides))
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = yaml.load(f, Loader=_strict_loader())
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from None
+    # values YAML parses and Python cannot hold (huge integers, a 13th month); deep nesting
+    except (yaml.YAMLError, ValueError, OverflowError, RecursionError) as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {one_line(e)}") from None
+    if tree is None:
+        log.warning("config file %s sets nothing: the defaults are used", path)
+        return {}
+    if not isinstance(tree, dict):  # [] or 0
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return tree
 
 
 def load_saved_config(path: str | Path) -> RunConfig:

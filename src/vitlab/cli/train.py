@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from vitlab.config import given_twice, load_run_config
+from vitlab.config import ModelSection, RunConfig, apply_overrides, given_twice, read_config_file
 from vitlab.runtime import first_rank
 
 log = logging.getLogger("vitlab.cli.train")
@@ -96,12 +96,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.extend:
             raise ValueError("--extend lengthens a resumed run: use it with --resume")
-        cfg = load_run_config(args.config, args.overrides)
+        tree = read_config_file(args.config) if args.config else {}  # read once
+        cfg = RunConfig.from_tree(apply_overrides(tree, args.overrides))
     main_rank = first_rank()  # under torchrun: rank 0 speaks for all
     for said in given_twice(args.overrides) if main_rank else ():
         log.warning(said)
     if args.config and not args.resume and not cfg.finetune.from_ and main_rank:
-        say_kept_model_keys(args.config, cfg, args.overrides)
+        say_kept_model_keys(args.config, tree, cfg, args.overrides)
     epochs = [o for o in args.overrides if o.startswith("train.epochs=")]
     if epochs and cfg.train.time_budget is not None and not args.resume and main_rank:
         log.warning("%s is not used: train.time_budget=%s plans the steps (train.time_budget=null "
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def say_kept_model_keys(path: str, cfg, overrides: list[str]) -> None:
+def say_kept_model_keys(path: str, tree: dict, cfg: RunConfig, overrides: list[str]) -> None:
     """Warn when the overrides name another model than the config file's, whose model keys (a
     preset's patch size, stem ...) then still apply to it: digits.yaml's patch_size=7 made S/16
     a 1,024-token model, and a ResNet refused it ("unknown key 'patch_size'") without saying
@@ -133,7 +134,7 @@ def say_kept_model_keys(path: str, cfg, overrides: list[str]) -> None:
 
     from vitlab.models.registry import UnknownModelError, resolve_name
 
-    file = load_run_config(path).model
+    file = ModelSection.from_tree(tree)  # the file's own, before the overrides
     given = {o.partition("=")[0].removeprefix("model.") for o in overrides}
     kept = {k: v for k, v in file.overrides.items() if k not in given}
     try:
