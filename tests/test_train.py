@@ -668,8 +668,14 @@ def test_resume_drops_metrics_of_epochs_the_checkpoint_does_not_hold(tmp_path: P
     run = train(cfg("train.epochs=3", "train.stop_at_epoch=1"), out=tmp_path / "r")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"epoch": 2, "train_loss": 9.0}\n{"epoch": 3, "tr')  # and a torn line
+    first = set((run / "tensorboard").iterdir())
     with SummaryWriter(str(run / "tensorboard")) as tb:  # the killed run's TensorBoard event
         tb.add_scalar("train_loss", 9.0, 2)
+    # TensorBoard reads a folder's event files in name order: time (seconds), host, pid, then a
+    # count per process. The killed run's file is named before the resume's, as a real one is
+    # (an earlier second); made in the resume's second, count 9 against 10 had named it after.
+    (killed,) = set((run / "tensorboard").iterdir()) - first
+    killed.rename(killed.with_name("events.out.tfevents.0000000001.killed"))
     resume(run)
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2, 3]

@@ -18,7 +18,13 @@ from typing import NamedTuple
 
 import torch
 
-from vitlab.config import ConfigError, RunConfig, load_run_config, load_saved_config
+from vitlab.config import (
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    load_run_config,
+    load_saved_config,
+)
 from vitlab.runtime import Dist, folder_refusal
 from vitlab.train import distributed
 from vitlab.train.log import RUN_FILES, saved_tree
@@ -62,15 +68,16 @@ def resume_config(run: Path, overrides: list[str]) -> RunConfig:
         raise CheckpointError(f"cannot resume {run}: it has no checkpoint yet (a run still in "
                               f"its first epoch, or stopped before it ended: start that one "
                               f"again, its command with --out {run} --overwrite)")  # fmt: skip
-    saved = saved_tree(load_saved_config(path))  # damaged: said, not read as the defaults
+    cfg = load_saved_config(path)  # read once; damaged: said, not read as the defaults
+    tree, saved = cfg.to_tree(), saved_tree(cfg)
     for item in overrides:  # compared as saved: data.name=imagefolder:RELATIVE restates it
         key = item.partition("=")[0]
         mine = key in RESUMABLE_KEYS + MACHINE_KEYS
-        if not mine and saved_tree(load_run_config(str(path), [item])) != saved:
+        if not mine and saved_tree(RunConfig.from_tree(apply_overrides(tree, [item]))) != saved:
             raise ConfigError(f"cannot change {key} when resuming (only the run's length: "
                               f"{', '.join(RESUMABLE_KEYS)}; and the CPU it takes: "
                               f"{', '.join(MACHINE_KEYS)})")  # fmt: skip
-    return load_run_config(str(path), overrides)
+    return RunConfig.from_tree(apply_overrides(tree, overrides))
 
 
 def check_resume_length(run: Path, cfg: RunConfig, extend: bool, said: bool = True) -> int:
