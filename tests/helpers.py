@@ -18,7 +18,6 @@ from PIL import Image
 from torch import nn
 
 from vitlab.cli.main import main
-from vitlab.config import RunConfig
 from vitlab.models.vit import VisionTransformer, ViTConfig
 from vitlab.train.folder import resume_config
 from vitlab.train.run import train
@@ -64,22 +63,10 @@ def torchrun_train(
     )
 
 
-def train_keeping_threads(cfg: RunConfig, **kwargs) -> Path:
-    """vitlab.train.run.train(cfg, **kwargs) in this process, which keeps its torch thread count
-    (a run's train.threads sets it for the process)."""
-    threads = torch.get_num_threads()
-    try:
-        return train(cfg, **kwargs)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def resume(run: Path, *overrides: str, keep_threads: bool = False) -> Path:
+def resume(run: Path, *overrides: str) -> Path:
     """Continue `run` in this process as `vitlab train --resume RUN [overrides]` does: the run's
-    own config.yaml plus the overrides, which may change only its length (keep_threads: through
-    train_keeping_threads)."""
-    cfg = resume_config(run, list(overrides))
-    return (train_keeping_threads if keep_threads else train)(cfg, resume=run)
+    own config.yaml plus the overrides, which may change only its length."""
+    return train(resume_config(run, list(overrides)), resume=run)
 
 
 def help_of(capsys: pytest.CaptureFixture, *command: str) -> str:

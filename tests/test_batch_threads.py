@@ -144,6 +144,24 @@ def test_training_with_batch_threads(tmp_path) -> None:
     assert not all(torch.allclose(s[k], a[k], atol=1e-3) for k in s)  # the masks took effect
 
 
+def test_train_threads_hold_for_the_run_and_the_callers_count_comes_back(
+    tmp_path, two_threads, monkeypatch
+) -> None:
+    """train.threads set PyTorch's thread count for the whole process: a notebook's next cell
+    ran on the run's one thread. The run trains on its count; the caller's comes back, after a
+    refused run too."""
+    from vitlab.train import run as run_mod
+
+    seen, real = [], run_mod.train_epoch
+    counted = lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(run_mod, "train_epoch", counted)
+    train(cfg("train.epochs=1", "train.threads=1"), out=tmp_path / "run")
+    assert seen == [1] and torch.get_num_threads() == 2
+    with pytest.raises(ConfigError, match="already holds a run"):  # refused after the count's set
+        train(cfg("train.epochs=1", "train.threads=1"), out=tmp_path / "run")
+    assert seen == [1] and torch.get_num_threads() == 2
+
+
 def test_each_batch_draws_from_its_own_seed_again_on_resume(tmp_path, monkeypatch) -> None:
     """The seed the parts' streams derive from: one per batch (accumulated batches included),
     never repeated over the epochs, and the same batches' seeds after a resume."""

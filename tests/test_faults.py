@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import VITLAB, run_together, train_keeping_threads
+from tests.helpers import VITLAB, run_together
 from tests.test_train import FAST
 from vitlab import load_checkpoint
 from vitlab.config import load_run_config
+from vitlab.train.run import train
 from vitlab.train.state import load_train_state, load_weights, resolve_checkpoint
 
 # one thread: with another process busy on a 2-core machine, two torch threads wait on each
@@ -35,7 +36,7 @@ RESUME = [*VITLAB, "train", "--resume"]
 def train_here(run: Path, *overrides: str) -> Path:
     """A run trained in this process: a run the test starts from, not the command under test
     (no interpreter to start)."""
-    return train_keeping_threads(load_run_config(None, [*OVERRIDES, *overrides]), out=run)
+    return train(load_run_config(None, [*OVERRIDES, *overrides]), out=run)
 
 
 def checkpoint(run: Path, which: str) -> tuple[dict[str, torch.Tensor], Path]:

@@ -714,7 +714,7 @@ def test_ctrl_c_saves_and_resume_finishes_identically(tmp_path: Path) -> None:
     assert "checkpoint saved" in rest and "--resume" in rest
     state = torch.load(stopped / "checkpoints/last/state.pt", weights_only=True)
     assert state["epoch"] < 6
-    resume(stopped, keep_threads=True)
+    resume(stopped)
     a, b = weights_of(straight), weights_of(stopped)
     for k in a:
         assert torch.equal(a[k], b[k]), k

@@ -64,10 +64,10 @@ def train(
     `out` that already holds a run is refused unless `overwrite` (its files removed once the new run
     is built). train.time_budget counts from this call, or from the process's start with
     `budget_from_process_start` (`vitlab train`: Python's start-up is in the budget too). A full
-    disk or quota raises folder.OutOfSpace (a ValueError) from the OSError, saying how to go on."""
+    disk or quota raises folder.OutOfSpace (a ValueError) from the OSError, saying how to go on.
+    train.threads sets PyTorch's thread count for the run; the caller's is restored on return."""
     before = 0.0 if budget_from_process_start else budget.process_age()
-    if resume is not None:
-        out = Path(resume)
+    out = Path(resume) if resume is not None else out
     build.check_settings(cfg)  # an unknown model, key or type fails now, naming it
     try:
         device = pick_device(cfg.train.device, "train.device")
@@ -77,9 +77,8 @@ def train(
     if device.type == "cuda":
         device = torch.device("cuda", d.local_rank)
         torch.cuda.set_device(device)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    failed, run = False, None
+    failed, run, threads = False, None, torch.get_num_threads()
+    torch.set_num_threads(cfg.train.threads or threads)
     try:
         if resume is None and out is None:  # rank 0 names it, every rank uses that name
             out = distributed.broadcast(default_run_folder(cfg) if d.is_main else None, d)
@@ -105,6 +104,7 @@ def train(
         run = None  # its model holds the process group, which shutdown frees
         folder.release_run_folders()  # the lock claim_run_folder took, for the next run
         distributed.shutdown(d, device, failed)
+        torch.set_num_threads(threads)  # a notebook's next cell gets its count back
 
 
 class Run:
