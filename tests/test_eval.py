@@ -330,3 +330,51 @@ def test_a_run_folder_that_cannot_be_written_still_gets_its_results(
     (tmp_path / "afile").write_text("")  # a cache place that is a file: still an error (2)
     assert main([*args[:-1], str(tmp_path / "afile")]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_evaluation_and_features_leave_the_callers_model_as_it_was() -> None:
+    """evaluate, evaluate_mpp and extract set every submodule to the top-level mode after (a head
+    the caller froze in eval mode trained again), and extract converted a bf16 model to float32
+    in place. Their numbers are eval mode's and float32's; the model comes back as it came, also
+    when the forward fails."""
+    import vitlab
+    from vitlab.config import MPPConfig
+    from vitlab.eval.classification import evaluate
+    from vitlab.eval.features import extract
+    from vitlab.eval.mpp import evaluate_mpp
+    from vitlab.models.mpp import MaskedPatchViT
+
+    torch.manual_seed(0)
+    model = vitlab.create_model("vit_nano_patch4_28", in_chans=1, num_classes=3, depth=2,
+                                dropout=0.3, drop_path=0.3)  # fmt: skip
+    torch.nn.init.normal_(model.head.weight, std=0.5)
+    x, y = torch.rand(6, 1, 28, 28), torch.tensor([0, 1, 2, 0, 1, -1])  # -1: loader padding
+    with torch.no_grad():
+        logits = model.eval()(x[:5])
+    expected = torch.nn.functional.cross_entropy(logits, y[:5]).item()
+    pre = model.forward_head(model.forward_features(x), pre_logits=True)
+    cpu = torch.device("cpu")
+
+    def as_caller_left(m):
+        m.train()
+        m.blocks[0].eval()  # a part the caller keeps in eval mode
+        return {name: sub.training for name, sub in m.named_modules()}
+
+    modes = as_caller_left(model)
+    got = evaluate(model, [(x, y)], 3, cpu)
+    assert got["loss"] == pytest.approx(expected, rel=1e-5) and got["num_images"] == 5
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    feats, labels = extract(model.bfloat16(), [(x, y)], "prelogits", cpu, progress=False)
+    assert model.head.weight.dtype == torch.bfloat16 and feats.dtype == torch.float32
+    torch.testing.assert_close(feats, pre[:5], atol=0.1, rtol=0.05)  # bf16 weights: 3 digits
+    assert labels.tolist() == [0, 1, 2, 0, 1]
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    with pytest.raises(ValueError, match="multiples of the patch size"):
+        evaluate(model.float(), [(torch.rand(2, 1, 9, 9), y[:2])], 3, cpu)
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    vit = vitlab.ViTConfig(img_size=28, patch_size=4, in_chans=1, num_classes=0, embed_dim=16,
+                           depth=2, num_heads=2, mlp_dim=32, drop_path=0.3)  # fmt: skip
+    mpp = MaskedPatchViT(vit, MPPConfig(), (0.5,), (0.5,))
+    modes = as_caller_left(mpp)
+    assert evaluate_mpp(mpp, [(x, y)], cpu)["num_images"] == 5
+    assert {name: m.training for name, m in mpp.named_modules()} == modes

@@ -1,8 +1,8 @@
 """Run-time helpers every layer may use (a leaf: imports nothing from vitlab): the device to run
 on and whether it computes in bf16, this process's place in a distributed run (Dist) and its
 gloo-safe sum across ranks, seeds, random-number-generator state, a thread's own random stream,
-the threads that share a batch, signal handlers installed for a block, and the file that stands
-where a folder is to be made."""
+the threads that share a batch, signal handlers installed for a block, the file that stands where
+a folder is to be made, and a model in eval mode for a block (each submodule's own mode kept)."""
 
 from __future__ import annotations
 
@@ -201,6 +201,19 @@ def drawing_from(generator: torch.Generator) -> Iterator[None]:
         yield
     finally:
         _stream.generator = None
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """`model` in eval mode inside (no dropout, no drop path: the same numbers every call); every
+    submodule's own mode as the caller left it after, errors included."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def thread_pool(n: int) -> ThreadPoolExecutor:

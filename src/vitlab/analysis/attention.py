@@ -3,13 +3,12 @@ mean attention distance, attention rollout, position-embedding similarity, embed
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from vitlab.models.indices import whole_number
 from vitlab.models.swin import SwinTransformer
@@ -52,19 +51,6 @@ def mean_attention_distance(
 
 
 HEAD_FUSIONS = ("mean", "max", "min")
-
-
-@contextmanager
-def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """`model` in eval mode inside (no dropout, no drop path: the same numbers every call); every
-    submodule's own mode as the caller left it after, errors included."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield model
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 def check_head_fusion(head_fusion: str) -> None:

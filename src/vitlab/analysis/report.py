@@ -15,7 +15,6 @@ from torch import Tensor
 from vitlab.analysis.attention import (
     check_head_fusion,
     embedding_filters,
-    eval_mode,
     mean_attention_distance,
     pos_embed_similarity,
     rollout_map,
@@ -34,6 +33,7 @@ from vitlab.models.cnn import CNN
 from vitlab.models.swin import SwinTransformer
 from vitlab.models.vit import VisionTransformer
 from vitlab.preprocessing import Preprocessing
+from vitlab.runtime import eval_mode
 from vitlab.validation import json_text
 
 IMAGES_OR_DATA = "pass --images FILE... or --data NAME"

@@ -24,10 +24,10 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-from vitlab.analysis.attention import eval_mode
 from vitlab.models.pos_embed import Grid
 from vitlab.models.swin import SwinTransformer
 from vitlab.models.swin_layers import SwinBlock, window_partition, window_reverse
+from vitlab.runtime import eval_mode
 
 
 def window_token_centres(

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from vitlab.runtime import Dist, all_reduce_
+from vitlab.runtime import Dist, all_reduce_, eval_mode
 
 
 def distilled_heads(model: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -40,36 +40,36 @@ def evaluate(
     for a distilled model (DeiT), whose prediction averages two heads, "top1_cls" and "top1_dist":
     each head's alone. Samples labelled below 0 (the loaders' padding, which keeps ranks stepping
     together) run through the model but are not counted."""
-    was_training = model.training
-    model.eval()
     distilled = is_distilled(model)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)
     # loss sum, top-5 hits, images, class head hits, distillation head hits
     totals = torch.zeros(5, dtype=torch.float64, device=device)
     k = min(5, num_classes)
-    for x, y in batches:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        counted = y >= 0
-        with autocast or nullcontext():
-            if distilled:
-                by_cls, by_dist = distilled_heads(model, x)
-                logits = (by_cls + by_dist) / 2  # as forward_head
-                totals[3] += (by_cls.argmax(dim=1) == y)[counted].sum()
-                totals[4] += (by_dist.argmax(dim=1) == y)[counted].sum()
-            else:
-                logits = model(x)
-        logits = logits.float()
-        if not counted.all():
-            logits, y = logits[counted], y[counted]
-        totals[0] += nn.functional.cross_entropy(logits, y, reduction="sum")
-        totals[1] += (logits.topk(k, dim=1).indices == y[:, None]).any(dim=1).sum()
-        totals[2] += len(y)
-        pred = logits.argmax(dim=1)
-        confusion.index_put_((y, pred), torch.ones_like(y, dtype=torch.float64), accumulate=True)
+    with eval_mode(model):  # each submodule's own mode back after, errors too
+        for x, y in batches:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            counted = y >= 0
+            with autocast or nullcontext():
+                if distilled:
+                    by_cls, by_dist = distilled_heads(model, x)
+                    logits = (by_cls + by_dist) / 2  # as forward_head
+                    totals[3] += (by_cls.argmax(dim=1) == y)[counted].sum()
+                    totals[4] += (by_dist.argmax(dim=1) == y)[counted].sum()
+                else:
+                    logits = model(x)
+            logits = logits.float()
+            if not counted.all():
+                logits, y = logits[counted], y[counted]
+            totals[0] += nn.functional.cross_entropy(logits, y, reduction="sum")
+            totals[1] += (logits.topk(k, dim=1).indices == y[:, None]).any(dim=1).sum()
+            totals[2] += len(y)
+            pred = logits.argmax(dim=1)
+            confusion.index_put_(
+                (y, pred), torch.ones_like(y, dtype=torch.float64), accumulate=True
+            )
     if d is not None and d.enabled:
         all_reduce_(confusion)
         all_reduce_(totals)
-    model.train(was_training)
     n = max(totals[2].item(), 1.0)
     per_class_total = confusion.sum(dim=1)
     per_class = [  # None: no image of that class was evaluated (not 0%, which means all wrong)

@@ -17,6 +17,7 @@ again."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import time
@@ -48,7 +49,7 @@ from vitlab.eval.run import data_config, match_channels, run_config_of, run_fold
 from vitlab.formats.vitlab import read_metadata, vitlab_weights
 from vitlab.models.registry import family_of
 from vitlab.preprocessing import Preprocessing
-from vitlab.runtime import pick_device
+from vitlab.runtime import eval_mode, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +90,14 @@ def extract(
     desc: str = "features",
 ) -> tuple[Tensor, Tensor]:
     """Features (N, D) float32 and labels (N,) of every batch, on the CPU, the model in eval mode
-    and float32; a tqdm bar on stderr while it runs. Samples labelled below 0 (loader padding)
-    are dropped."""
+    and float32 (a float32 copy of a model in another dtype: the caller's keeps its dtype, and
+    each submodule its mode); a tqdm bar on stderr while it runs. Samples labelled below 0
+    (loader padding) are dropped."""
     from tqdm import tqdm
 
-    was_training = model.training
-    model.eval().float()
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_floating_point() and t.dtype != torch.float32 for t in tensors):
+        model = copy.deepcopy(model).float()
     total = len(batches) if hasattr(batches, "__len__") else None
     bar = tqdm(
         total=total,
@@ -106,7 +109,7 @@ def extract(
         file=sys.stderr,
     )
     xs, ys, seen, t0 = [], [], 0, time.perf_counter()
-    try:
+    with eval_mode(model), bar:  # (tqdm closes the bar)
         for images, labels in batches:
             feats = represent(model, images.to(device).float(), kind).float().cpu()
             kept = labels >= 0
@@ -116,9 +119,6 @@ def extract(
             rate = seen / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(img_s=f"{rate:.0f}", refresh=False)
             bar.update(1)
-    finally:
-        bar.close()
-        model.train(was_training)
     if not xs:
         raise DatasetError("the split has no images to extract features from")
     return torch.cat(xs), torch.cat(ys)
