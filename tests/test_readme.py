@@ -38,10 +38,11 @@ def run_checking_comments(code: str) -> int:
 
 def test_readme_python_examples_run_and_their_comments_hold(capsys) -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) >= 5, "README.md lost its python examples (ViT, hybrid, Swin, CNN, hub)"
+    assert len(blocks) >= 6, "README.md lost python examples (ViT, hybrid, Swin, CNN, hub, train)"
     checked = [run_checking_comments(code) for code in blocks]
     assert "632045800" in capsys.readouterr().out
     assert checked[:4] == [4, 1, 1, 2], checked  # ViT's shapes, hybrid's conv, Swin's, CNN's
+    assert checked[5] == 1, checked  # training and evaluation: the test split's size
 
 
 def test_readme_quick_start_has_exactly_the_two_commands() -> None:
