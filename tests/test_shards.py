@@ -6,7 +6,11 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +18,13 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import TINY_MODEL, resume, weights_of
+from tests.helpers import TINY_MODEL, VITLAB, resume, weights_of
 from tests.test_trainer_state import CtrlCAtCheck, write_image_folder
 from vitlab.cli.main import main
 from vitlab.config import DataConfig, load_run_config
 from vitlab.data import BatchAugment, Preprocessing, load_split, make_loader
 from vitlab.data.datasets import DatasetError, train_val_split
+from vitlab.data.download import find_fashion_mnist
 from vitlab.data.shards import ShardSplit
 from vitlab.data.stream import _replay, _shuffled
 from vitlab.data.writer import write_shards
@@ -561,3 +566,59 @@ def test_a_damaged_remote_shard_fails_at_once(served) -> None:
     assert not reader.is_alive(), "the read hangs"
     assert isinstance(errors[0], DatasetError) and "cannot read shard" in str(errors[0])
     assert "Pipe object" not in str(errors[0])  # tarfile's words, not webdataset's repr
+
+
+def signal_group_when(proc: subprocess.Popen, ready, signum: int, timeout: float = 120) -> str:
+    """Send `signum` to proc's whole process group (as a terminal's Ctrl-C or a scheduler does,
+    reaching the loader's workers too) once ready() holds; proc's stderr after it ends."""
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signum)
+        return proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.skipif(find_fashion_mnist(None) is None, reason="Fashion-MNIST files not installed")
+def test_sigterm_to_the_group_while_sharding_with_workers_says_one_line(tmp_path: Path) -> None:
+    """The loader's workers died of the signal before the command's clean-up, whose loader then
+    printed a traceback ("DataLoader worker ... is killed by signal: Terminated")."""
+    dst = tmp_path / "shards"
+    proc = subprocess.Popen(
+        [*VITLAB, "data", "shard", "fashion-mnist", str(dst), "--shard-size", "200KB",
+         "--workers", "2", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    err = signal_group_when(proc, lambda: any(dst.glob("train-*.tar")), signal.SIGTERM)
+    assert proc.returncode == 143 and err.strip() == "vitlab data: terminated", err
+    assert not any(dst.iterdir())  # shards without their index: removed
+
+
+def test_ctrl_c_to_the_group_is_said_once_with_loader_workers(tmp_path: Path) -> None:
+    """Each loader worker ran the run's stop handler too: "stop requested" three times with two
+    workers. The stop itself: saved, exit 130."""
+    folder = write_image_folder(tmp_path / "images")
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*VITLAB, "train", *TINY_MODEL, f"data.name=imagefolder:{folder}", "data.workers=2",
+         "train.epochs=200", "train.batch_size=8", "train.threads=1", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    err = signal_group_when(proc, lambda: (out / "checkpoints/last").is_dir(), signal.SIGINT)
+    assert proc.returncode == 130 and "checkpoint saved" in err, err
+    assert err.count("stop requested") == 1, err
+
+
+def test_quiet_hides_the_sharding_bar_and_one_shard_is_said_so(tmp_path: Path, capsys) -> None:
+    """-q hides progress bars (its help says so); `data shard`'s took only --no-progress."""
+    assert main(["data", "shard", "digits", str(tmp_path / "a"), "--shard-size", "10MB"]) == 0
+    assert "sharding digits" in capsys.readouterr().err  # the bar, without -q
+    assert main(["-q", "data", "shard", "digits", str(tmp_path / "b"), "--shard-size", "10MB"]) == 0
+    out, err = capsys.readouterr()
+    index = json.loads((tmp_path / "b" / "index.json").read_text())
+    assert len(index["splits"]["test"]["shards"]) == 1 and "sharding" not in err, err
+    assert f"test: {index['splits']['test']['count']:,} samples in 1 shard\n" in out, out

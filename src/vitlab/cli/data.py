@@ -64,15 +64,17 @@ def run(args: argparse.Namespace) -> int:
     if (args.image_key or args.label_key) and not args.src.startswith(("hf:", "wds:")):
         raise ValueError(f"--image-key / --label-key name an hf: dataset's columns or wds: "
                          f"shards' extensions; {args.src} is neither")  # fmt: skip
+    bar = not args.no_progress and args.quiet <= args.verbose  # -q hides it too
     try:
         index = write_shards(
             args.src, args.dst, parse_size(args.shard_size), args.data_dir,
-            (args.image_key, args.label_key), args.seed, not args.no_progress, args.workers,
+            (args.image_key, args.label_key), args.seed, bar, args.workers,
         )  # fmt: skip
     except DatasetError as e:
         raise ValueError(str(e)) from None
     for name, split in index["splits"].items():
         skipped = f" ({split['skipped']:,} undecodable skipped)" if split["skipped"] else ""
-        print(f"{name}: {split['count']:,} samples in {len(split['shards'])} shards{skipped}")
+        shards = len(split["shards"])
+        print(f"{name}: {split['count']:,} samples in {shards} shard{'s' * (shards != 1)}{skipped}")
     print(args.dst / "index.json")
     return 0

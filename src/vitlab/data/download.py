@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import logging
 import os
 import tempfile
 import urllib.error
@@ -121,7 +122,8 @@ def _download(url: str, dest: Path, expected_sha256: str, gzipped: bool) -> None
     try:
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=30) as resp:
             total = int(resp.headers.get("Content-Length") or 0) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name) as bar:
+            quiet = logging.getLogger("vitlab").getEffectiveLevel() >= logging.ERROR  # -q
+            with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, disable=quiet) as bar:
                 while chunk := resp.read(1 << 20):
                     out.write(chunk)
                     bar.update(len(chunk))

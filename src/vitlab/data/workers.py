@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -29,6 +30,16 @@ class _Loader(DataLoader):
 
     def check_worker_number_rationality(self) -> None:
         pass
+
+
+def signals_to_main(worker_id: int = 0) -> None:
+    """A loader worker's start (worker_init_fn): Ctrl-C and SIGTERM, which a terminal or a
+    scheduler sends the whole process group, are the main process's to act on; it ends the
+    workers as it stops. Kept, the main's handlers ran in each worker too (training's "stop
+    requested" once a worker); at their defaults, workers died before the main's clean-up,
+    whose loader then printed a traceback (`vitlab data shard` on SIGTERM)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def warn_once(seen: set[str], bad: list[tuple[str, str]]) -> None:
@@ -76,7 +87,8 @@ class LoaderOptions:
     def dataloader(self, dataset: Dataset, **kw: object) -> DataLoader:
         extra = {}
         if self.workers:
-            extra = {"prefetch_factor": self.prefetch, "persistent_workers": self.persistent}
+            extra = {"prefetch_factor": self.prefetch, "persistent_workers": self.persistent,
+                     "worker_init_fn": signals_to_main}  # fmt: skip
         # the workers' base seed (unused: each batch has its own), not from the global RNG
         gen = torch.Generator().manual_seed(0)
         return _Loader(

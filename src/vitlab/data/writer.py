@@ -27,7 +27,7 @@ from vitlab.data.download import DatasetError
 from vitlab.data.folders import FolderSplit, folder_root, scanned_folders
 from vitlab.data.hf import HFSplit
 from vitlab.data.shards import INDEX, ShardSplit, is_pattern
-from vitlab.data.workers import MAX_WORKERS
+from vitlab.data.workers import MAX_WORKERS, signals_to_main
 
 UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 FORMAT = "vitlab-shards/1"
@@ -113,6 +113,7 @@ def samples(
     loader = DataLoader(
         _Checked(split, in_chans), batch_size=None, sampler=order, num_workers=workers,
         collate_fn=_as_is, prefetch_factor=64 if workers else None,
+        worker_init_fn=signals_to_main,
     )  # fmt: skip
     yield from loader
 
