@@ -161,7 +161,7 @@ def data_scale_verdict(
         f"{metric}: lead = CNN - ViT {metric} at a size; m = max(2 x the largest seed spread of "
         f"the four arms compared, {100 * floor:.2f} pp) (the floor alone with one seed). Holds if "
         f"the lead at the smallest size is above m and shrinks by more than m at the largest "
-        f"size (narrowing or flipping); does not hold if the ViT leads by more than m at the "
+        f"size (narrowing or flipping) while the ViT gains more than m; does not hold if the ViT leads by more than m at the "
         f"smallest size, or the lead grows by more than m while the ViT gains more than m from "
         f"the smallest size to the largest; else inconclusive (a ViT that gains no more than m "
         f"from the data is bound by its steps, not by the data: the claim is not tested)."
@@ -172,7 +172,7 @@ def data_scale_verdict(
     )
     if lead_small < -m or (lead_large - lead_small > m and gain > m):
         return Verdict(FAILS, rule, reason)
-    if lead_small > m and lead_small - lead_large > m:
+    if lead_small > m and lead_small - lead_large > m and gain > m:
         return Verdict(HOLDS, rule, reason)
     return Verdict(INCONCLUSIVE, rule, reason)
 
