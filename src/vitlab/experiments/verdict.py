@@ -161,9 +161,9 @@ def data_scale_verdict(
         f"{metric}: lead = CNN - ViT {metric} at a size; m = max(2 x the largest seed spread of "
         f"the four arms compared, {100 * floor:.2f} pp) (the floor alone with one seed). Holds if "
         f"the lead at the smallest size is above m and shrinks by more than m at the largest "
-        f"size (narrowing or flipping) while the ViT gains more than m; does not hold if the ViT leads by more than m at the "
-        f"smallest size, or the lead grows by more than m while the ViT gains more than m from "
-        f"the smallest size to the largest; else inconclusive (a ViT that gains no more than m "
+        f"size (narrowing or flipping) while the ViT gains more than m; does not hold if the "
+        f"ViT leads by more than m at the smallest size, or the lead grows by more than m while "
+        f"the ViT gains more than m from the smallest size to the largest; else inconclusive (a ViT that gains no more than m "
         f"from the data is bound by its steps, not by the data: the claim is not tested)."
     )
     reason = (
