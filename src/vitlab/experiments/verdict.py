@@ -163,8 +163,9 @@ def data_scale_verdict(
         f"the lead at the smallest size is above m and shrinks by more than m at the largest "
         f"size (narrowing or flipping) while the ViT gains more than m; does not hold if the "
         f"ViT leads by more than m at the smallest size, or the lead grows by more than m while "
-        f"the ViT gains more than m from the smallest size to the largest; else inconclusive (a ViT that gains no more than m "
-        f"from the data is bound by its steps, not by the data: the claim is not tested)."
+        f"the ViT gains more than m from the smallest size to the largest; else inconclusive (a "
+        f"ViT that gains no more than m from the data is bound by its steps, not by the data: "
+        f"the claim is not tested)."
     )
     reason = (
         f"{metric}: lead at {small:,} images {_pp(lead_small)}, at {large:,} images "
