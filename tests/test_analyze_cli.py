@@ -216,6 +216,9 @@ def test_checkpoint_variants_are_analysed(tmp_path, variant) -> None:
     assert len(data["rollout"]["a"]) == model.config.num_patches
     assert (tmp_path / "embedding_filters.png").exists() == (variant.get("stem") != "conv")
     assert all((tmp_path / r).is_file() for r in referenced(index))
+    # the map is the class token's: the page says the distillation head reads another row
+    said = any("distillation token's head" in n for n in data["notes"])
+    assert said == bool(variant.get("distilled")), data["notes"]
 
 
 @pytest.fixture

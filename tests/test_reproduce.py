@@ -497,6 +497,7 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     # inside measures no accuracy: its report says what it does measure (the others' words
     # before: "measured ... on N test images ...; 5-shot accuracy: ...")
     inside = (out / "inside" / "report.md").read_text()
+    assert "one draw of the 5 images" in (out / "mpp" / "report.md").read_text()  # not "1 draws"
     assert "5-shot" not in inside and "over the first 2 images of the whole test split" in inside
 
     # a second invocation reuses every finished run, trains nothing again, and continues what

@@ -299,6 +299,9 @@ def analyze(
         report.notes.append("no class token: rollout maps are the mean over patch queries")
     elif cfg.pool == "gap":
         report.notes.append("rollout maps: the class token's row (the gap head does not read it)")
+    elif cfg.distilled:  # two heads read two tokens: the map is one's
+        report.notes.append("rollout maps: the class token's row; the distillation token's head, "
+                            "whose logits are averaged with it, reads its own row")  # fmt: skip
     result = {
         "image_size": list(cfg.img_hw),
         "patch_size": cfg.patch_size,

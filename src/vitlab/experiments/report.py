@@ -106,8 +106,8 @@ def write_report(
         or f"Every arm trains a fixed number of optimizer steps (train.max_steps; see the table "
         f"or results.json) and is measured at its last checkpoint on {run['test_images']:,} test "
         f"images (a share of every class drawn by the seed, or all of them); 5-shot accuracy: "
-        f"the paper's linear few-shot protocol on the pre-logits features, averaged over "
-        f"{run['fewshot_seeds']} draws of the 5 images per class. Each seed also draws its own "
+        f"the paper's linear few-shot protocol on the pre-logits features, "
+        f"{_draws(run['fewshot_seeds'])} of the 5 images per class. Each seed also draws its own "
         f"training subsets (data.split_seed = the seed). Each run folder's own results.json "
         f"holds its best checkpoint's test score (the one of lowest training loss), not the "
         f"last checkpoint's reported here (kept in its reproduce.json).",
@@ -189,3 +189,8 @@ def _html(exp: Experiment, summary: Summary, facts: list[str]) -> str:
         '<p><a href="results.json">results.json</a>: the raw numbers.</p></body></html>',
     ]
     return "\n".join(parts) + "\n"
+
+
+def _draws(n: int) -> str:
+    """'averaged over N draws', or 'one draw'."""
+    return "one draw" if n == 1 else f"averaged over {n} draws"
