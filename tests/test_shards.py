@@ -280,7 +280,11 @@ def test_writer_index_and_errors(tmp_path: Path, balanced: Path) -> None:
         m.setattr(writer, "samples", fails_at_12)
         with pytest.raises(KeyboardInterrupt):
             write_shards(f"imagefolder:{root}", tmp_path / "cut", 2000, progress=False, workers=0)
-    assert list((tmp_path / "cut").iterdir()) == []  # no shard, no .tmp: the folder is reusable
+        (tmp_path / "mine").mkdir()  # a folder the user made is kept, empty
+        with pytest.raises(KeyboardInterrupt):
+            write_shards(f"imagefolder:{root}", tmp_path / "mine", 2000, progress=False, workers=0)
+    assert not (tmp_path / "cut").exists()  # no shard, no .tmp, nor the folder the call made
+    assert list((tmp_path / "mine").iterdir()) == []
     write_shards(f"imagefolder:{root}", tmp_path / "cut", 2000, progress=False, workers=0)
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / ".train-000000.tar.tmp").write_bytes(b"")  # a killed writer's remains
@@ -595,7 +599,7 @@ def test_sigterm_to_the_group_while_sharding_with_workers_says_one_line(tmp_path
     )  # fmt: skip
     err = signal_group_when(proc, lambda: any(dst.glob("train-*.tar")), signal.SIGTERM)
     assert proc.returncode == 143 and err.strip() == "vitlab data: terminated", err
-    assert not any(dst.iterdir())  # shards without their index: removed
+    assert not dst.exists()  # shards without their index, and the folder made for them: removed
 
 
 def test_ctrl_c_to_the_group_is_said_once_with_loader_workers(tmp_path: Path) -> None:
@@ -622,3 +626,24 @@ def test_quiet_hides_the_sharding_bar_and_one_shard_is_said_so(tmp_path: Path, c
     index = json.loads((tmp_path / "b" / "index.json").read_text())
     assert len(index["splits"]["test"]["shards"]) == 1 and "sharding" not in err, err
     assert f"test: {index['splits']['test']['count']:,} samples in 1 shard\n" in out, out
+
+
+def test_a_truncated_shard_is_said_in_words_and_a_failed_write_leaves_no_folder(
+    tmp_path: Path, capsys
+) -> None:
+    """A cut local shard was said as tarfile's error tuple with a BufferedReader's repr; a
+    write that failed (a damaged source, workers < 0) left the empty DST folder it had made."""
+    assert main(["data", "shard", "digits", str(tmp_path / "s"), "--no-progress"]) == 0
+    shard = tmp_path / "s" / "train-000000.tar"
+    shard.write_bytes(shard.read_bytes()[:3000])  # cut inside its third member
+    capsys.readouterr()
+    for dst, more in ((tmp_path / "again", []), (tmp_path / "neg", ["--workers", "-1"])):
+        source = f"wds:{tmp_path / 's'}" if not more else "digits"
+        assert main(["data", "shard", source, str(dst), "--no-progress", *more]) == 2
+        err = capsys.readouterr().err
+        assert not dst.exists(), err
+    assert "got -1" in err
+    with pytest.raises(DatasetError, match="cannot read shard .*unexpected end of data") as e:
+        count = json.loads((tmp_path / "s" / "index.json").read_text())["splits"]["train"]
+        list(ShardSplit([str(shard)], [count["count"]], [str(c) for c in range(10)]).read(0))
+    assert "BufferedReader" not in str(e.value) and "(" not in str(e.value), str(e.value)

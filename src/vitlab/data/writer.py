@@ -222,6 +222,8 @@ def write_shards(
     interrupt removes the shards this call wrote."""
     from tqdm import tqdm
 
+    if workers is not None and workers < 0:  # before the sources are read and dst is made
+        raise ValueError(f"workers is a number of processes (0: this one), got {workers}")
     if (dst / INDEX).exists():
         raise DatasetError(f"{dst} already holds shards: choose an empty folder")
     if dst.is_dir() and (any(dst.glob("*.tar")) or any(dst.glob(".*.tar.tmp"))):
@@ -239,7 +241,6 @@ def write_shards(
                     "the test split's source with data.test when training)", source)  # fmt: skip
     else:
         splits["test"] = load_split(source, "test", data_dir, seed, keys)
-    dst.mkdir(parents=True, exist_ok=True)
     info = dataset_info(source, splits["train"])
     index = {
         "format": FORMAT,
@@ -251,8 +252,8 @@ def write_shards(
         "splits": {},
     }
     workers = min(available_cores(), MAX_WORKERS) if workers is None else workers
-    if workers < 0:
-        raise ValueError(f"workers is a number of processes (0: this one), got {workers}")
+    made = not dst.exists()
+    dst.mkdir(parents=True, exist_ok=True)
     total = sum(len(s) for s in splits.values())
     try:
         with tqdm(total=total, unit="img", desc=f"sharding {source}", disable=not progress) as bar:
@@ -264,6 +265,8 @@ def write_shards(
         for name in splits:
             for path in dst.glob(f"{name}-*.tar"):
                 path.unlink()
+        if made and not any(dst.iterdir()):  # nor a folder this call made, left empty
+            dst.rmdir()
         raise
     with open(dst / f".{INDEX}.tmp", "w") as f:  # last, atomically: then every shard is whole
         f.write(json.dumps(index, indent=1))
