@@ -72,7 +72,11 @@ def test_convert_with_overrides_and_bad_input(tmp_path: Path, capsys) -> None:
     assert model.config.num_classes == 4 and model.config.img_hw == (96, 96)
     with pytest.raises(SystemExit):
         main([*args, "--to", "vitlab", "--bogus"])
-    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    err = capsys.readouterr().err  # said by the command's parser, with its usage
+    assert "vitlab convert: error: unrecognized arguments: --bogus" in err and "--to" in err, err
+    with pytest.raises(SystemExit):
+        main(["data", "shard", "--bogus", "1", "digits", str(tmp_path / "d")])  # a subcommand's
+    assert "vitlab data shard: error: unrecognized arguments: --bogus" in capsys.readouterr().err
     assert main([*args, "depth_of_field=3"]) == 2
     assert "depth_of_field" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "nothing.pth"), str(tmp_path / "x")]) == 2

@@ -146,6 +146,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args, rest = parser.parse_known_args(argv)
     overrides = [x for x in rest if "=" in x and not x.startswith("-")]
     if rest and (overrides != rest or not hasattr(args, "overrides")):
+        while chosen := [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]:
+            parser = chosen[0].choices[getattr(args, chosen[0].dest)]  # the command's own usage
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if overrides:
         args.overrides = [*args.overrides, *overrides]
