@@ -477,7 +477,8 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr("vitlab.train.log.save_curves", lambda records, path: None)
     out = tmp_path / "repro"
     assert main(["-q", "reproduce", "all", *SMOKE, "--out", str(out)]) == 0
-    capsys.readouterr()
+    err = capsys.readouterr().err  # -q: no arm's run speaks (its header, epochs, test line)
+    assert "epoch 1:" not in err and "vitlab train:" not in err and "test: " not in err, err
     index = (out / "README.md").read_text()
     for name in EXPERIMENTS:
         record = json.loads((out / name / "results.json").read_text())

@@ -10,9 +10,12 @@ steps x batch images less than once."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -303,7 +306,8 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
         try:
             if has_last and not redo:
                 print(f"{tag}: resuming its run", file=sys.stderr, flush=True)
-                train(resume_config(folder, []), resume=folder)
+                with _quiet():
+                    train(resume_config(folder, []), resume=folder)
             else:
                 print(f"{tag}: training {arm.steps} step{'s' * (arm.steps != 1)} of {arm.batch} "
                       f"on {arm.images:,} images", file=sys.stderr, flush=True)  # fmt: skip
@@ -312,7 +316,8 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
                     if problem := remove_run_files(folder):  # nor its run (train removes it late)
                         raise ConfigError(problem)
                     _save_state(folder, state)
-                train(load_run_config(None, arm.config(out)), out=folder, overwrite=True)
+                with _quiet():
+                    train(load_run_config(None, arm.config(out)), out=folder, overwrite=True)
             trained = True
         finally:  # stopped (Ctrl-C) or not, the time spent counts
             if (folder / "config.yaml").is_file():
@@ -382,3 +387,14 @@ def measure_last(folder: Path, ctx: Context, seed: int, test_fraction: float) ->
     )  # fmt: skip
     top1 = float((logits.argmax(dim=1) == test.labels).float().mean())
     return {"top1": top1, f"fewshot{SHOTS}": float(np.mean(accs))}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Under -q (vitlab's loggers at ERROR) an arm's run prints nothing (its header, epoch and test
+    lines: the experiment's report holds its results); its warnings and errors still come."""
+    if logging.getLogger("vitlab").getEffectiveLevel() < logging.ERROR:
+        yield
+        return
+    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+        yield
