@@ -345,6 +345,16 @@ def test_damaged_cache_is_extracted_again(run: Path, caplog) -> None:
     b = again.features(None, None, "test")
     assert not b.cached and again.forward_batches == 2 and "unreadable" in caplog.text
     torch.testing.assert_close(b.x, a.x)
+    # damage inside the data, the header whole: features from it were used, and wrong
+    data = bytearray(b.cache.read_bytes())
+    data[-40:] = bytes(40)  # the last features' bytes
+    b.cache.write_bytes(bytes(data))
+    caplog.clear()
+    third = Extractor(str(run), device="cpu", progress=False)
+    c = third.features(None, None, "test")
+    assert not c.cached and third.forward_batches == 2 and "match the checksum" in caplog.text
+    torch.testing.assert_close(c.x, a.x)
+    assert Extractor(str(run), device="cpu", progress=False).features(None, None, "test").cached
 
 
 def test_other_sources_cache_only_with_a_cache_dir(tmp_path: Path) -> None:

@@ -149,7 +149,12 @@ def read_cache(path: Path, key: dict[str, Any]) -> Features | None:
         if meta.get("format") != CACHE_FORMAT or json.loads(meta.get("key", "null")) != key:
             log.debug("%s holds features for another key: extracting again", path)
             return None
+        if "sha256" not in meta:  # written before caches had a checksum
+            log.debug("%s has no checksum (an earlier version's): extracting again", path)
+            return None
         tensors = load_weights(path)
+        if meta["sha256"] != _digest(tensors):
+            raise ValueError("its data do not match the checksum written with them")
         x, y, classes = tensors["features"], tensors["labels"], json.loads(meta["classes"])
         skipped = int(meta.get("skipped", 0))
     except (CheckpointError, KeyError, ValueError) as e:
@@ -179,12 +184,22 @@ def write_cache(path: Path, key: dict[str, Any], features: Features) -> None:
         tensors["rows"] = features.rows.contiguous()
     if features.rows is not None and "rows" not in key:  # a whole split's, some images left out
         tensors["split_labels"] = features.split_labels.contiguous()
+    metadata["sha256"] = _digest(tensors)  # safetensors checks the header, not the data
     write_safetensors(path, tensors, metadata)
     held, whole = None if features.rows is None else features.rows.numpy(), "rows" not in key
     for other, _, rows in _subsets(path.parent, key):  # a subset's images all decode: the whole
         if other != path and (whole or (rows is not None and _covers(held, rows))):  # holds it
             other.unlink(missing_ok=True)
             log.info("removed feature cache %s: %s holds its features", other, path)
+
+
+def _digest(tensors: dict[str, Tensor]) -> str:
+    """sha256 over the tensors' names and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode() + b"\0")
+        h.update(tensors[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def read_covering(folder: Path, key: dict[str, Any], rows: np.ndarray) -> Features | None:
