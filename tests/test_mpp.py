@@ -281,3 +281,12 @@ def test_pretraining_under_torchrun_counts_every_test_image_once(tmp_path: Path)
     assert "2 processes" in proc.stderr
     result = json.loads((out / "results.json").read_text())
     assert result["num_images"] == 359 and result["num_patches"] == 359 * 8
+
+
+def test_label_fraction_with_mpp_is_said_as_images_not_labels(tmp_path: Path, caplog) -> None:
+    """Masked patch prediction reads no labels: the note said the fraction 'labels' N images."""
+    with caplog.at_level(logging.INFO, logger="vitlab"):
+        train(cfg("train.epochs=1", "data.label_fraction=0.5"), out=tmp_path / "mpp")
+    said = r"label_fraction=0.5 keeps [\d,]+ training images \(masked patch prediction reads no"
+    assert re.search(said + r" labels\); the validation split keeps all 144", caplog.text)
+    assert " labels " not in caplog.text.replace("no labels", "")
