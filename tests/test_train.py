@@ -1086,6 +1086,12 @@ def test_finetune_leaves_out_the_pre_logits_layer_as_the_paper_does(tmp_path, ca
     assert not any(k.startswith("pre_logits.") for k in model.state_dict())
     preset = load_run_config("configs/imagenet-finetune-384.yaml").model.overrides
     assert preset == {"img_size": 384, "representation_size": None}
+    # the other way, a pre-logits layer the source lacks: said as that, before a folder is made
+    # (it was "shapes differ: head.weight ... missing from the checkpoint: pre_logits.fc.weight")
+    with pytest.raises(ConfigError, match="representation_size=8 adds a pre-logits layer .* has "
+                                          "no weights for"):  # fmt: skip
+        train(cfg(f"finetune.from={tuned}", "model.representation_size=8"), out=tmp_path / "x")
+    assert not (tmp_path / "x").exists()
 
 
 def test_finetune_from_timm_weights_takes_model_num_heads_as_the_sources(tmp_path, capsys):

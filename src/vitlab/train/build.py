@@ -221,6 +221,11 @@ def finetune_weights(
         notes.append(f"new zero-initialised head for {cfg.num_classes} classes")
     elif src_cfg.num_classes != cfg.num_classes:  # masked patch prediction: no classifier
         notes.append(f"the classifier of {src_cfg.num_classes} classes left out")
+    if getattr(cfg, "representation_size", None) and not getattr(src_cfg, "representation_size",
+                                                                   None):  # fmt: skip
+        raise ConfigError(f"model.representation_size={cfg.representation_size} adds a pre-logits "
+                          f"layer {source.where} has no weights for: drop it (the paper fine-tunes "
+                          f"with one linear head)")  # fmt: skip
     src, _ = load_checkpoint(source, in_chans=cfg.in_chans, num_classes=cfg.num_classes, **moves)
     state = src.state_dict()
     new_layer = getattr(src_cfg, "representation_size", None) and not getattr(
