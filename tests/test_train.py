@@ -118,6 +118,8 @@ def test_predict_cli_on_image_files(trained_run: Path, tmp_path: Path, capsys) -
     again = json.loads(out)
     assert [r["image"] for r in again] == [paths[0], str(bad), paths[1]]
     assert again[0] == results[0] and again[2] == results[1] and "cannot read" in again[1]["error"]
+    assert main(["predict", str(trained_run), paths[0], str(bad)]) == 2
+    assert "1 of 2 images skipped; the other 1 is classified" in capsys.readouterr().err
     assert main(["predict", str(trained_run), str(bad), paths[0]]) == 2
     out, err = capsys.readouterr()
     assert "cannot read image" in err and out.startswith(paths[0]) and str(bad) not in out

@@ -53,8 +53,9 @@ def run(args: argparse.Namespace) -> int:
     for r in failed:
         print(f"vitlab predict: error: {r['error']}", file=sys.stderr)
     if failed and len(failed) < len(results):  # "error:" alone reads as if the command stopped
+        kept = len(results) - len(failed)
         print(f"vitlab predict: {len(failed)} of {len(results)} images skipped; the other "
-              f"{len(results) - len(failed)} are classified", file=sys.stderr)  # fmt: skip
+              f"{kept} {'is' if kept == 1 else 'are'} classified", file=sys.stderr)  # fmt: skip
     if args.json:
         print(json_text(results))
     else:
