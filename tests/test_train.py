@@ -120,6 +120,11 @@ def test_predict_cli_on_image_files(trained_run: Path, tmp_path: Path, capsys) -
     assert again[0] == results[0] and again[2] == results[1] and "cannot read" in again[1]["error"]
     assert main(["predict", str(trained_run), paths[0], str(bad)]) == 2
     assert "1 of 2 images skipped; the other 1 is classified" in capsys.readouterr().err
+    (tmp_path / "empty.png").write_bytes(b"")  # said as what they are, not PIL's words
+    assert main(["predict", str(trained_run), str(tmp_path), str(tmp_path / "empty.png")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}: it is a folder (name its images: {tmp_path / '*'})" in err, err
+    assert "empty.png: an empty file" in err, err
     assert main(["predict", str(trained_run), str(bad), paths[0]]) == 2
     out, err = capsys.readouterr()
     assert "cannot read image" in err and out.startswith(paths[0]) and str(bad) not in out

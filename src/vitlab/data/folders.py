@@ -60,8 +60,13 @@ def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
     try:
         with Image.open(path) as im:
             return pil_convert(im, mode)
+    except IsADirectoryError:
+        raise DatasetError(f"cannot read image {path}: it is a folder (name its images: "
+                           f"{os.path.join(path, '*')})") from None  # fmt: skip
     except Exception as e:
-        raise DatasetError(f"cannot read image {path}: {type(e).__name__}: {e}") from None
+        empty = os.path.isfile(path) and not os.path.getsize(path)
+        why = "an empty file" if empty else f"{type(e).__name__}: {e}"
+        raise DatasetError(f"cannot read image {path}: {why}") from None
 
 
 class _Listed:
