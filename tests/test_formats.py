@@ -338,3 +338,29 @@ def test_a_file_named_for_another_format_gets_the_name_that_reads_it(tmp_path: P
         assert holds(tmp_path / f"d{suffix}") is None  # zipfile raised, and the sniff said unknown
         with pytest.raises(CheckpointError, match=f"d{re.escape(suffix)}"):
             load_pretrained(tmp_path / f"d{suffix}")
+
+
+@pytest.mark.parametrize("fmt", ["timm", "hf"])
+def test_a_config_json_that_describes_other_weights_is_refused(tmp_path: Path, fmt: str) -> None:
+    """The architecture comes from the tensors: a folder whose config.json says another depth,
+    width, patch or class count (which timm and transformers refuse to load, or build as that
+    other model) was read and converted without a word, and DST got a config of the tensors."""
+    import json
+
+    from vitlab.formats.base import CheckpointError
+
+    model = create_model("vit_nano_patch4_28", num_classes=7, in_chans=3)
+    save_pretrained(model, tmp_path / "ok", format=fmt)
+    config = json.loads((tmp_path / "ok" / "config.json").read_text())
+    load_checkpoint(tmp_path / "ok")  # as written: read
+    args = config["model_args"] if fmt == "timm" else config
+    depth, width = ("depth", "embed_dim") if fmt == "timm" else ("num_hidden_layers", "hidden_size")
+    args[depth] += 1
+    args[width] *= 2
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"config.json describes another model than its "
+                                              r"weights: depth=5 \(the weights: 4\); embed_dim="
+                                              r"128 \(the weights: 64\)"):  # fmt: skip
+        load_checkpoint(tmp_path / "ok")
+    assert main(["convert", str(tmp_path / "ok"), str(tmp_path / "dst")]) == 2
+    assert not (tmp_path / "dst").exists()

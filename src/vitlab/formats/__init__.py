@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from vitlab.formats import hf, npz, timm, torchvision
+from vitlab.formats import hf, npz, stated, timm, torchvision
 from vitlab.formats import vitlab as native
 from vitlab.formats.base import CheckpointError, Files, Source
 
@@ -47,6 +47,7 @@ def read(files: Files, name: str) -> Source:
     config = files.json("config.json") if files.folder is not None else None
     if config is not None:
         (hf.read_config if hf.is_config(config) else timm.read_config)(config, src)
+        stated.check(config, src, hf.is_config(config))
     processor = files.json("preprocessor_config.json") if files.folder is not None else None
     if processor is not None:
         hf.read_processor(processor, src)
