@@ -647,3 +647,22 @@ def test_a_truncated_shard_is_said_in_words_and_a_failed_write_leaves_no_folder(
         count = json.loads((tmp_path / "s" / "index.json").read_text())["splits"]["train"]
         list(ShardSplit([str(shard)], [count["count"]], [str(c) for c in range(10)]).read(0))
     assert "BufferedReader" not in str(e.value) and "(" not in str(e.value), str(e.value)
+
+
+def test_a_signal_as_a_shard_opens_leaves_no_tmp_file(tmp_path: Path, monkeypatch) -> None:
+    """Interrupted between a shard's .tmp file opening and its writer's start, the write left that
+    file, and so its folder, which a rerun then refused as an interrupted write's remains."""
+    import webdataset as wds
+
+    real, calls = wds.TarWriter, []
+
+    def interrupted_at_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wds, "TarWriter", interrupted_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        write_shards("digits", tmp_path / "s", 20_000, progress=False, workers=0)
+    assert len(calls) == 2 and not (tmp_path / "s").exists()

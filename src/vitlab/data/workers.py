@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -33,13 +32,13 @@ class _Loader(DataLoader):
 
 
 def signals_to_main(worker_id: int = 0) -> None:
-    """A loader worker's start (worker_init_fn): Ctrl-C and SIGTERM, which a terminal or a
-    scheduler sends the whole process group, are the main process's to act on; it ends the
-    workers as it stops. Kept, the main's handlers ran in each worker too (training's "stop
-    requested" once a worker); at their defaults, workers died before the main's clean-up,
-    whose loader then printed a traceback (`vitlab data shard` on SIGTERM)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """A loader worker's start (worker_init_fn): a process group of its own, so that Ctrl-C and a
+    SIGTERM sent to the command's group (a terminal's, a scheduler's) reach the main process
+    alone, which ends the workers as it stops (PyTorch's terminate() of a stuck one still works:
+    its worker exits on its parent's SIGTERM). In the group, the main's handlers ran in each
+    worker too (training's "stop requested" once a worker), or workers died of the signal before
+    the main's clean-up, whose loader then printed a traceback (`vitlab data shard`)."""
+    os.setpgid(0, 0)
 
 
 def warn_once(seen: set[str], bad: list[tuple[str, str]]) -> None:

@@ -262,9 +262,9 @@ def write_shards(
                     split, dst, name, shard_size, seed, info.in_chans, workers, bar
                 )
     except BaseException:  # shards without their index train nothing: leave the folder empty
-        for name in splits:
-            for path in dst.glob(f"{name}-*.tar"):
-                path.unlink()
+        for name in splits:  # a shard made as the signal came may leave its .tmp too
+            for path in [*dst.glob(f"{name}-*.tar"), *dst.glob(f".{name}-*.tar.tmp")]:
+                path.unlink(missing_ok=True)
         if made and not any(dst.iterdir()):  # nor a folder this call made, left empty
             dst.rmdir()
         raise

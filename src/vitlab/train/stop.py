@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -24,12 +25,14 @@ class StopFlag:
     def __enter__(self) -> StopFlag:
         if getattr(self, "_handling", None) is not None:
             raise RuntimeError("this StopFlag is in use: a block takes a flag of its own")
-        self.requested = False
+        self.requested, self._pid = False, os.getpid()
         self._handling = handling((signal.SIGINT, signal.SIGTERM), self._handle)
         self._old = self._handling.__enter__()
         return self
 
     def _handle(self, signum: int, frame: object) -> None:
+        if os.getpid() != self._pid:  # a loader worker forked with it: the main process stops
+            return
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if not self.requested:  # the first signal's number is the exit code's
