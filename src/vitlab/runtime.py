@@ -6,6 +6,7 @@ a folder is to be made, and a model in eval mode for a block (each submodule's o
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import logging
 import os
@@ -201,6 +202,33 @@ def drawing_from(generator: torch.Generator) -> Iterator[None]:
         yield
     finally:
         _stream.generator = None
+
+
+_quiet_status: contextvars.ContextVar[bool] = contextvars.ContextVar("quiet_status", default=False)
+
+
+class _Nowhere:
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def status_file() -> Any:
+    """Where a run's status lines go (its header, epochs, test line, plans): stderr, or nowhere
+    inside quiet_status() (`vitlab reproduce -q`: its report holds each run's results). Warnings
+    and errors go to stderr in any case."""
+    return _Nowhere() if _quiet_status.get() else sys.stderr
+
+
+@contextmanager
+def quiet_status(quiet: bool = True) -> Iterator[None]:
+    token = _quiet_status.set(quiet)
+    try:
+        yield
+    finally:
+        _quiet_status.reset(token)
 
 
 @contextmanager

@@ -10,12 +10,10 @@ steps x batch images less than once."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ from vitlab.experiments.budgets import Budget, Plan, arm_seconds
 from vitlab.formats.base import write_json
 from vitlab.models.checkpoint import load_checkpoint
 from vitlab.models.registry import ModelConfig
+from vitlab.runtime import quiet_status
 from vitlab.train.build import resolve_model_config
 from vitlab.train.folder import remove_run_files, resume_config
 from vitlab.train.log import saved_tree
@@ -306,7 +305,7 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
         try:
             if has_last and not redo:
                 print(f"{tag}: resuming its run", file=sys.stderr, flush=True)
-                with _quiet():
+                with quiet_status(_quiet()):
                     train(resume_config(folder, []), resume=folder)
             else:
                 print(f"{tag}: training {arm.steps} step{'s' * (arm.steps != 1)} of {arm.batch} "
@@ -316,7 +315,7 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
                     if problem := remove_run_files(folder):  # nor its run (train removes it late)
                         raise ConfigError(problem)
                     _save_state(folder, state)
-                with _quiet():
+                with quiet_status(_quiet()):
                     train(load_run_config(None, arm.config(out)), out=folder, overwrite=True)
             trained = True
         finally:  # stopped (Ctrl-C) or not, the time spent counts
@@ -389,12 +388,7 @@ def measure_last(folder: Path, ctx: Context, seed: int, test_fraction: float) ->
     return {"top1": top1, f"fewshot{SHOTS}": float(np.mean(accs))}
 
 
-@contextlib.contextmanager
-def _quiet():
-    """Under -q (vitlab's loggers at ERROR) an arm's run prints nothing (its header, epoch and test
-    lines: the experiment's report holds its results); its warnings and errors still come."""
-    if logging.getLogger("vitlab").getEffectiveLevel() < logging.ERROR:
-        yield
-        return
-    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
-        yield
+def _quiet() -> bool:
+    """Under -q (vitlab's loggers at ERROR) an arm's run prints no status line (its header, epoch
+    and test lines: the experiment's report holds its results); warnings and errors still come."""
+    return logging.getLogger("vitlab").getEffectiveLevel() >= logging.ERROR

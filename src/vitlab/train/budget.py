@@ -59,7 +59,7 @@ from pathlib import Path
 from vitlab.config import RunConfig
 from vitlab.duration import parse_duration
 from vitlab.formats.base import write_text
-from vitlab.runtime import Dist
+from vitlab.runtime import Dist, status_file
 from vitlab.train import distributed
 from vitlab.train.build import Data
 from vitlab.train.engine import StepSettings
@@ -224,7 +224,7 @@ class TimeBudget:
                 print(
                     f"time budget {self.text}: resumed, keeping the run's plan of "
                     f"{self.total:,} steps ({self.total / self.spe:.1f} epochs)",
-                    file=sys.stderr,
+                    file=status_file(),
                 )
         else:  # reach the planning step, whatever train.epochs says
             reach = math.ceil((SKIP_STEPS + TIMED_STEPS + 2) / self.spe)
@@ -353,7 +353,7 @@ class TimeBudget:
         tqdm.write(
             f"time budget {self.text}: {total:,} steps ({epochs:.1f} epochs) at "
             f"{speed:,.0f} img/s{note}",
-            file=sys.stderr,
+            file=status_file(),
         )
 
     def _replan(self, step: int, total: int) -> None:

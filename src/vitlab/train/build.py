@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -27,7 +26,7 @@ from vitlab.models.checkpoint import (
 )
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
 from vitlab.models.registry import ModelConfig, config_of, family_of, get_config, shape_of
-from vitlab.runtime import Dist, first_rank, launched_processes
+from vitlab.runtime import Dist, first_rank, launched_processes, status_file
 from vitlab.train import distill
 from vitlab.validation import few
 
@@ -384,7 +383,7 @@ def announce(run) -> None:  # a train.run.Run (which imports this module)
         f"{'es' if d.world > 1 else ''}) on {cfg.data.name}: {len(data.train):,} train / "
         f"{len(data.val) if data.val is not None else 0:,} val / {len(data.test):,} test; "
         f"run folder {run.out}",
-        file=sys.stderr,
+        file=status_file(),
     )
     for note in run.notes:  # notes go through logging: -q hides them
         log.info("fine-tune: %s", note)

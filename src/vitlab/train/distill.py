@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +28,7 @@ from vitlab.formats.base import CheckpointError
 from vitlab.models.checkpoint import load_checkpoint
 from vitlab.models.registry import ModelConfig
 from vitlab.preprocessing import Preprocessing
+from vitlab.runtime import status_file
 
 log = logging.getLogger(__name__)
 
@@ -215,10 +215,10 @@ def check_resumed(teacher: Teacher | None, digest: str | None) -> None:
 def announce(teacher: Teacher | None, cfg: DistillConfig) -> None:
     """What the run distils from, and how the batches are adapted for the teacher (once)."""
     if teacher is None:
-        print("distill: no teacher, both heads learn the labels", file=sys.stderr)
+        print("distill: no teacher, both heads learn the labels", file=status_file())
         return
     params = sum(p.numel() for p in teacher.model.parameters())
     how = f"{cfg.type}, alpha {cfg.alpha}" + (f", tau {cfg.tau}" if cfg.type == "soft" else "")
-    print(f"distill: teacher {teacher.source} ({params:,} params; {how})", file=sys.stderr)
+    print(f"distill: teacher {teacher.source} ({params:,} params; {how})", file=status_file())
     for note in teacher.notes:
-        print(f"distill: {note}", file=sys.stderr)
+        print(f"distill: {note}", file=status_file())

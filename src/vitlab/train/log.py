@@ -18,6 +18,7 @@ from vitlab.config import RunConfig
 from vitlab.data.download import absolute_source
 from vitlab.eval.classification import top5_name
 from vitlab.formats.base import write_text
+from vitlab.runtime import status_file
 from vitlab.validation import json_text
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class RunLog:
         print(
             f"epoch {epoch}: train loss {stats['loss']:.4f}{_acc(stats['acc'])}"
             f"{val_text} lr {lr:.2e} {stats['images_per_s']:.0f} img/s {stats['seconds']:.1f}s",
-            file=sys.stderr,
+            file=status_file(),
         )
         return record
 
@@ -145,7 +146,7 @@ class RunLog:
             what = f"top-1 {100 * test['top1']:.2f}%{_heads(test)}  {top5_name(len(classes))} "
             what += f"{100 * test['top5']:.2f}%  loss {test['loss']:.4f} on "
             what += f"{test['num_images']:,} images"
-        print(f"test: {what}; run folder {self.out}", file=sys.stderr)
+        print(f"test: {what}; run folder {self.out}", file=status_file())
 
 
 def _heads(metrics: dict) -> str:

@@ -13,7 +13,6 @@ Run folder:
 
 from __future__ import annotations
 
-import sys
 from contextlib import nullcontext
 from functools import partial
 from math import inf
@@ -29,7 +28,7 @@ from vitlab.eval.classification import evaluate
 from vitlab.eval.mpp import evaluate_mpp
 from vitlab.models.mpp import MaskedPatchViT
 from vitlab.models.registry import build_model
-from vitlab.runtime import Dist, pick_device, set_rng_state, use_bf16
+from vitlab.runtime import Dist, pick_device, set_rng_state, status_file, use_bf16
 from vitlab.train import budget, build, distill, distributed, engine, folder
 from vitlab.train.build import finetune_weights, load_data, normalization, resolve_model_config
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
@@ -286,7 +285,7 @@ class Run:
             f"started with {new} epochs, {total:,} steps instead of {old_total:,}; the next "
             f"step's learning rate (step {step + 1:,}) is {self.settings.lr_at(step):.3e} (was "
             f"{old_lr:.3e}), the last's (step {total:,}) {self.settings.lr_at(total - 1):.3e}",
-            file=sys.stderr,
+            file=status_file(),
         )
 
     # --- phases ----------------------------------------------------------------------------------
@@ -364,7 +363,7 @@ class Run:
                         print(
                             f"stopped after epoch {pos.epoch} (train.stop_at_epoch); continue "
                             f"with {distributed.resume_command(self.out, self.d)}",
-                            file=sys.stderr,
+                            file=status_file(),
                         )
                     return False
         if self.d.is_main and not trained and pos.step:  # --resume of a run that had finished
