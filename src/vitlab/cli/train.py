@@ -7,7 +7,14 @@ import logging
 import sys
 from pathlib import Path
 
-from vitlab.config import ModelSection, RunConfig, apply_overrides, given_twice, read_config_file
+from vitlab.config import (
+    ConfigError,
+    ModelSection,
+    RunConfig,
+    apply_overrides,
+    given_twice,
+    read_config_file,
+)
 from vitlab.runtime import first_rank
 
 log = logging.getLogger("vitlab.cli.train")
@@ -134,7 +141,10 @@ def say_kept_model_keys(path: str, tree: dict, cfg: RunConfig, overrides: list[s
 
     from vitlab.models.registry import UnknownModelError, resolve_name
 
-    file = ModelSection.from_tree(tree)  # the file's own, before the overrides
+    try:
+        file = ModelSection.from_tree(tree)  # the file's own, before the overrides
+    except ConfigError:  # a value the command line replaces (else refused when built)
+        return
     given = {o.partition("=")[0].removeprefix("model.") for o in overrides}
     kept = {k: v for k, v in file.overrides.items() if k not in given}
     try:

@@ -113,8 +113,10 @@ def _reason(e: Exception) -> str:
             status = pipes[0].wait(timeout=5) if "empty file" in str(e) else pipes[0].poll()
             code = re.match(r"(\d+)", str(status))
     if code is None or code.group(1) == "0":
-        # webdataset appends the stream to an error's args: its words, not the objects' reprs
-        said = [str(a) for a in e.args if isinstance(a, str)] or [str(e)]
+        # webdataset appends the stream to an error's args (tarfile's): its words, not the
+        # objects' reprs; an OSError's own text names its errno
+        plain = pipes or not isinstance(e, OSError)
+        said = ([str(a) for a in e.args if isinstance(a, str)] if plain else []) or [str(e)]
         return f"{type(e).__name__}: {', '.join(said)}"  # not the Pipe object's repr
     n = int(code.group(1))
     retried = ", after curl's retries" if n in (6, 28) else ""  # --retry's transient errors

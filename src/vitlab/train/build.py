@@ -220,16 +220,14 @@ def finetune_weights(
         notes.append(f"new zero-initialised head for {cfg.num_classes} classes")
     elif src_cfg.num_classes != cfg.num_classes:  # masked patch prediction: no classifier
         notes.append(f"the classifier of {src_cfg.num_classes} classes left out")
-    if getattr(cfg, "representation_size", None) and not getattr(src_cfg, "representation_size",
-                                                                   None):  # fmt: skip
+    layers = getattr(src_cfg, "representation_size", None), getattr(cfg, "representation_size", 0)
+    if layers[1] and not layers[0]:
         raise ConfigError(f"model.representation_size={cfg.representation_size} adds a pre-logits "
                           f"layer {source.where} has no weights for: drop it (the paper fine-tunes "
                           f"with one linear head)")  # fmt: skip
     src, _ = load_checkpoint(source, in_chans=cfg.in_chans, num_classes=cfg.num_classes, **moves)
     state = src.state_dict()
-    new_layer = getattr(src_cfg, "representation_size", None) and not getattr(
-        cfg, "representation_size", 0
-    )  # the paper's fine-tuning head: one new linear layer
+    new_layer = layers[0] and not layers[1]  # the paper's fine-tuning head: one new linear layer
     if new_layer:
         state = {k: v for k, v in state.items() if not k.startswith(("pre_logits.", "head."))}
         state.update({k: torch.zeros_like(v) for k, v in model.state_dict().items()
