@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -605,9 +606,11 @@ def test_sigterm_to_the_group_while_sharding_with_workers_says_one_line(tmp_path
     assert not dst.exists()  # shards without their index, and the folder made for them: removed
 
 
-def test_ctrl_c_to_the_group_is_said_once_with_loader_workers(tmp_path: Path) -> None:
-    """Each loader worker ran the run's stop handler too: "stop requested" three times with two
-    workers. The stop itself: saved, exit 130."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_group_stops_training_once_with_loader_workers(tmp_path, signum) -> None:
+    """Each loader worker ran the run's stop handler too on Ctrl-C: "stop requested" three times
+    with two workers; a SIGTERM killed the workers, and the run failed mid-step ("DataLoader
+    worker ... is killed by signal"), unsaved. The stop: saved, exit 128 + the signal."""
     folder = write_image_folder(tmp_path / "images")
     out = tmp_path / "run"
     proc = subprocess.Popen(
@@ -615,8 +618,8 @@ def test_ctrl_c_to_the_group_is_said_once_with_loader_workers(tmp_path: Path) ->
          "train.epochs=200", "train.batch_size=8", "train.threads=1", "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
-    err = signal_group_when(proc, lambda: (out / "checkpoints/last").is_dir(), signal.SIGINT)
-    assert proc.returncode == 130 and "checkpoint saved" in err, err
+    err = signal_group_when(proc, lambda: (out / "checkpoints/last").is_dir(), signum)
+    assert proc.returncode == 128 + signum and "checkpoint saved" in err, err
     assert err.count("stop requested") == 1, err
 
 
@@ -669,3 +672,43 @@ def test_a_signal_as_a_shard_opens_leaves_no_tmp_file(tmp_path: Path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         write_shards("digits", tmp_path / "s", 20_000, progress=False, workers=0)
     assert len(calls) == 2 and not (tmp_path / "s").exists()
+
+
+WORKER_SCRIPT = """
+import os, signal, sys, time
+import torch
+from vitlab.data.workers import LoaderOptions
+
+class Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):  # the first item: which process, which group; then a stuck read
+        if i:
+            time.sleep(600)
+        return torch.tensor([os.getpid(), os.getpgid(0)])
+
+loader = LoaderOptions(workers=1).dataloader(Slow(), batch_size=None)
+print(*next(iter(loader)).tolist(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # the main killed (kill -9, the OOM killer) mid-read
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups, prctl: Linux")
+def test_a_loader_worker_has_its_own_group_and_ends_with_its_parent(tmp_path: Path) -> None:
+    """In the command's group, a SIGTERM to it killed the workers first, and training then failed
+    mid-step ("DataLoader worker ... is killed by signal"), unsaved. Out of it, a worker stuck in
+    a read must still not outlive a main killed with SIGKILL."""
+    proc = subprocess.run([sys.executable, "-c", WORKER_SCRIPT], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pid, group = map(int, proc.stdout.split())
+    assert group == pid != os.getpgid(0)  # a group of its own
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text() if Path(f"/proc/{pid}").exists() else ""
+        if "State:\tZ" in status:  # ended, not yet reaped
+            break
+        time.sleep(0.1)
+    state = Path(f"/proc/{pid}/status").read_text() if Path(f"/proc/{pid}").exists() else ""
+    assert not state or "State:\tZ" in state, state

@@ -3,8 +3,13 @@ worker settings, ending the workers, naming undecodable images once, and the pad
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import multiprocessing
 import os
+import signal
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -33,12 +38,24 @@ class _Loader(DataLoader):
 
 def signals_to_main(worker_id: int = 0) -> None:
     """A loader worker's start (worker_init_fn): a process group of its own, so that Ctrl-C and a
-    SIGTERM sent to the command's group (a terminal's, a scheduler's) reach the main process
-    alone, which ends the workers as it stops (PyTorch's terminate() of a stuck one still works:
-    its worker exits on its parent's SIGTERM). In the group, the main's handlers ran in each
-    worker too (training's "stop requested" once a worker), or workers died of the signal before
-    the main's clean-up, whose loader then printed a traceback (`vitlab data shard`)."""
-    os.setpgid(0, 0)
+    SIGTERM sent to the command's group (a terminal's, a scheduler's, `timeout`'s) reach the main
+    process alone, which ends the workers as it stops (PyTorch's terminate() of a stuck one still
+    works: a worker exits on its parent's SIGTERM). In the group, a SIGTERM killed the workers
+    first, and the main's loader then raised "DataLoader worker ... is killed by signal" mid-step
+    (training stopped without saving), and the main's handlers ran in each worker (training's
+    "stop requested" once a worker). Out of the group, a kill of it no longer reaches a worker:
+    on Linux it gets SIGKILL when its parent ends (a worker stuck in a read would outlive a
+    killed main). Nothing on systems without process groups (Windows)."""
+    if not hasattr(os, "setpgid"):
+        return
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        parent = multiprocessing.parent_process()
+        if parent is not None and os.getppid() != parent.pid:  # it ended before the prctl
+            os._exit(0)
 
 
 def warn_once(seen: set[str], bad: list[tuple[str, str]]) -> None:
