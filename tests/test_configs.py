@@ -71,9 +71,10 @@ def test_another_model_name_says_which_of_the_files_model_keys_still_apply(
     assert main(["train", *fixed, missing]) == 2
     err = capsys.readouterr().err
     assert "does not exist" in err and "epochs" not in err and "patch_size=7" in err, err
-    (tmp_path / "fixed.yaml").write_text("model: {name: 5, patch_size: 7}\n")  # its name too
-    assert main(["train", *fixed, missing]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "fixed.yaml").write_text("model: {name: 5, patch_size: 7}\n")  # its name too,
+    assert main(["train", *fixed, missing]) == 2  # and its keys still said to apply
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "replaces" in err and "patch_size=7" in err, err
 
 
 def test_yaml_errors_name_the_file(tmp_path: Path, capsys) -> None:

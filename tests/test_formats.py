@@ -364,3 +364,29 @@ def test_a_config_json_that_describes_other_weights_is_refused(tmp_path: Path, f
         load_checkpoint(tmp_path / "ok")
     assert main(["convert", str(tmp_path / "ok"), str(tmp_path / "dst")]) == 2
     assert not (tmp_path / "dst").exists()
+
+
+def test_a_swins_class_count_is_checked_and_timms_top_level_count_is_the_weights(tmp_path) -> None:
+    """A Swin's head is head.fc: its class count went unchecked. timm's model_args.num_classes
+    says what to build (timm then leaves the head out); the top-level count is the weights'."""
+    import json
+
+    from vitlab.formats.base import CheckpointError
+
+    swin = create_model("swin_nano_patch2_window7_28", num_classes=7)
+    for fmt in ("hf", "timm"):
+        save_pretrained(swin, tmp_path / fmt, format=fmt)
+        config = json.loads((tmp_path / fmt / "config.json").read_text())
+        if fmt == "hf":
+            config["id2label"] = {str(i): f"c{i}" for i in range(9)}
+        else:
+            config["num_classes"] = 9
+        (tmp_path / fmt / "config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match=r"num_classes=9 \(the weights: 7\)"):
+            load_checkpoint(tmp_path / fmt)
+    vit = create_model("vit_nano_patch4_28", num_classes=7, in_chans=3)
+    save_pretrained(vit, tmp_path / "vit", format="timm")
+    config = json.loads((tmp_path / "vit" / "config.json").read_text())
+    config.setdefault("model_args", {})["num_classes"] = 3  # build 3, the weights 7
+    (tmp_path / "vit" / "config.json").write_text(json.dumps(config))
+    assert load_checkpoint(tmp_path / "vit")[1].config.num_classes == 7

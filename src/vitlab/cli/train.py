@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -143,14 +144,18 @@ def say_kept_model_keys(path: str, tree: dict, cfg: RunConfig, overrides: list[s
 
     try:
         file = ModelSection.from_tree(tree)  # the file's own, before the overrides
-    except ConfigError:  # a value the command line replaces (else refused when built)
-        return
+    except ConfigError:  # a name that is none, which the command line replaces
+        model = dict(tree.get("model") or {})
+        file = ModelSection(repr(model.pop("name", None)), model)
     given = {o.partition("=")[0].removeprefix("model.") for o in overrides}
     kept = {k: v for k, v in file.overrides.items() if k not in given}
     try:
-        same = resolve_name(cfg.model.name) == resolve_name(file.name)
+        mine = resolve_name(cfg.model.name)
     except UnknownModelError:  # said when the model is built
         return
+    same = False  # a file's unknown name: another model than the command line's
+    with contextlib.suppress(UnknownModelError):
+        same = mine == resolve_name(file.name)
     if kept and not same:
         log.warning(
             "model.name=%s replaces %s's %s, whose model keys still apply to it: %s (restate one "

@@ -115,7 +115,7 @@ def _reason(e: Exception) -> str:
     if code is None or code.group(1) == "0":
         # webdataset appends the stream to an error's args (tarfile's): its words, not the
         # objects' reprs; an OSError's own text names its errno
-        plain = pipes or not isinstance(e, OSError)
+        plain = pipes or getattr(e, "errno", None) is None
         said = ([str(a) for a in e.args if isinstance(a, str)] if plain else []) or [str(e)]
         return f"{type(e).__name__}: {', '.join(said)}"  # not the Pipe object's repr
     n = int(code.group(1))

@@ -27,7 +27,8 @@ def stated(config: dict[str, Any], hf: bool) -> dict[str, Any]:
         out.pop("embed_dim", None)
         if "embed_dim" in config:
             out["embed_dim"] = config["embed_dim"]
-    classes = config.get("id2label") if hf else args.get("num_classes", config.get("num_classes"))
+    # timm's top-level num_classes is the weights' (model_args' says what to build, and may differ)
+    classes = config.get("id2label") if hf else config.get("num_classes", args.get("num_classes"))
     if classes is not None:
         out["num_classes"] = len(classes) if isinstance(classes, dict) else classes
     return out
@@ -48,8 +49,9 @@ def in_weights(src: Source) -> dict[str, Any]:
                          for i in sorted(stages)]  # fmt: skip
     else:
         out["depth"] = len({k.split(".")[1] for k in s if k.startswith("blocks.")})
-    if "head.weight" in s:
-        out["num_classes"] = s["head.weight"].shape[0]
+    head = s.get("head.weight", s.get("head.fc.weight"))  # a ViT's, a Swin's
+    if head is not None:
+        out["num_classes"] = head.shape[0]
     return out
 
 
