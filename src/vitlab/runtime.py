@@ -204,6 +204,11 @@ def drawing_from(generator: torch.Generator) -> Iterator[None]:
         _stream.generator = None
 
 
+def quiet() -> bool:
+    """Whether -q asked for fewer messages (vitlab's loggers at ERROR): no progress bars then."""
+    return logging.getLogger("vitlab").getEffectiveLevel() >= logging.ERROR
+
+
 _quiet_status: contextvars.ContextVar[bool] = contextvars.ContextVar("quiet_status", default=False)
 
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from vitlab.data.decode import GREY_STATS, channels_of
 from vitlab.data.download import DatasetError
-from vitlab.runtime import seeded_split
+from vitlab.runtime import quiet, seeded_split
 
 IMAGE_NAMES = ("image", "img", "jpg", "png")
 LABEL_NAMES = ("label", "labels", "cls", "fine_label", "target")
@@ -73,7 +73,7 @@ def _open(spec: str) -> dict:
     path = Path(spec).expanduser()
     one = {"split": chosen} if chosen else {}
     bars = datasets.utils.logging.is_progress_bar_enabled()  # -q (vitlab's messages at ERROR):
-    if logging.getLogger("vitlab").getEffectiveLevel() >= logging.ERROR:  # none of theirs
+    if quiet():  # none of theirs
         datasets.utils.logging.disable_progress_bar()
     try:
         if path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):
@@ -95,10 +95,11 @@ def _open(spec: str) -> dict:
     return {chosen: splits[chosen]} if chosen else splits
 
 
-def one_split(spec: str) -> bool:
+def one_split(spec: str, splits: dict | None = None) -> bool:
     """Whether hf:SPEC is a source of one split (NAME#SPLIT picks one): its test split would be a
-    seeded fifth of it, where `vitlab eval --data` of it means all of it."""
-    return "#" in spec or len(_open(spec)) == 1
+    seeded fifth of it, where `vitlab eval --data` of it means all of it. `splits`: _open's, if
+    opened already."""
+    return "#" in spec or len(_open(spec) if splits is None else splits) == 1
 
 
 def _labels(table, column: str, where: str) -> Tensor:
@@ -154,7 +155,7 @@ def load_hf(
                            f"name it: hf:{spec}#SPLIT")  # fmt: skip
     chosen = test if split != "train" and test else train
     table, where = splits[chosen], f"hf:{spec}"
-    named = where if "#" in spec or len(splits) == 1 else f"{where}#{chosen}"  # "row 3 of" it
+    named = where if one_split(spec, splits) else f"{where}#{chosen}"  # "row 3 of" it
     image = _column(table, keys[0], "Image", IMAGE_NAMES, "image")
     label = _column(table, keys[1], "ClassLabel", LABEL_NAMES, "label")
     feature = table.features[label]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import logging
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from vitlab.experiments.budgets import Budget, Plan, arm_seconds
 from vitlab.formats.base import write_json
 from vitlab.models.checkpoint import load_checkpoint
 from vitlab.models.registry import ModelConfig
-from vitlab.runtime import quiet_status
+from vitlab.runtime import quiet, quiet_status  # -q: no arm run's status lines
 from vitlab.train.build import resolve_model_config
 from vitlab.train.folder import remove_run_files, resume_config
 from vitlab.train.log import saved_tree
@@ -305,7 +304,7 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
         try:
             if has_last and not redo:
                 print(f"{tag}: resuming its run", file=sys.stderr, flush=True)
-                with quiet_status(_quiet()):
+                with quiet_status(quiet()):
                     train(resume_config(folder, []), resume=folder)
             else:
                 print(f"{tag}: training {arm.steps} step{'s' * (arm.steps != 1)} of {arm.batch} "
@@ -315,7 +314,7 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
                     if problem := remove_run_files(folder):  # nor its run (train removes it late)
                         raise ConfigError(problem)
                     _save_state(folder, state)
-                with quiet_status(_quiet()):
+                with quiet_status(quiet()):
                     train(load_run_config(None, arm.config(out)), out=folder, overwrite=True)
             trained = True
         finally:  # stopped (Ctrl-C) or not, the time spent counts
@@ -386,9 +385,3 @@ def measure_last(folder: Path, ctx: Context, seed: int, test_fraction: float) ->
     )  # fmt: skip
     top1 = float((logits.argmax(dim=1) == test.labels).float().mean())
     return {"top1": top1, f"fewshot{SHOTS}": float(np.mean(accs))}
-
-
-def _quiet() -> bool:
-    """Under -q (vitlab's loggers at ERROR) an arm's run prints no status line (its header, epoch
-    and test lines: the experiment's report holds its results); warnings and errors still come."""
-    return logging.getLogger("vitlab").getEffectiveLevel() >= logging.ERROR

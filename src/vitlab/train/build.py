@@ -385,16 +385,14 @@ def announce(run) -> None:  # a train.run.Run (which imports this module)
     )
     for note in run.notes:  # notes go through logging: -q hides them
         log.info("fine-tune: %s", note)
-    if cfg.data.label_fraction < 1 and data.val is not None and cfg.train.objective == "mpp":
-        log.info("data.label_fraction=%s keeps %s training images (masked patch prediction reads "
-                 "no labels); the validation split keeps all %s", cfg.data.label_fraction,
-                 f"{len(data.train):,}", f"{len(data.val):,}")  # fmt: skip
-    elif cfg.data.label_fraction < 1 and data.val is not None:
-        log.info(
-            "data.label_fraction=%s labels %s training images, and the validation split keeps "
-            "all %s of its labels to choose the best checkpoint with; data.val_fraction=0 keeps "
-            "the run to its labels", cfg.data.label_fraction, f"{len(data.train):,}",
-            f"{len(data.val):,}",
-        )  # fmt: skip
+    if cfg.data.label_fraction < 1 and data.val is not None:
+        said = (cfg.data.label_fraction, f"{len(data.train):,}", f"{len(data.val):,}")
+        if cfg.train.objective == "mpp":
+            log.info("data.label_fraction=%s keeps %s training images (masked patch prediction "
+                     "reads no labels); the validation split keeps all %s", *said)  # fmt: skip
+        else:
+            log.info("data.label_fraction=%s labels %s training images, and the validation split "
+                     "keeps all %s of its labels to choose the best checkpoint with; "
+                     "data.val_fraction=0 keeps the run to its labels", *said)  # fmt: skip
     if run.two_heads:
         distill.announce(run.teacher, cfg.distill)

@@ -18,7 +18,7 @@ from vitlab.config import RunConfig
 from vitlab.data.download import absolute_source
 from vitlab.eval.classification import top5_name
 from vitlab.formats.base import write_text
-from vitlab.runtime import status_file
+from vitlab.runtime import quiet, status_file
 from vitlab.validation import json_text
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class _Bar:
             desc=self.desc,
             unit="batch",
             # -q (vitlab's loggers at ERROR) hides it, as fewshot's and probe's; epoch lines stay
-            disable=not active or logging.getLogger("vitlab").getEffectiveLevel() >= logging.ERROR,
+            disable=not active or quiet(),
             dynamic_ncols=True,
             mininterval=1.0 if sys.stderr.isatty() else 30.0,  # keep logs short
             file=sys.stderr,
