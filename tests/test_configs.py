@@ -146,6 +146,42 @@ def test_a_value_that_yaml_reads_as_a_mapping_stays_text(tmp_path: Path) -> None
     assert folder_root(spaced) == tmp_path and absolute_source(spaced) == f"imagefolder:{tmp_path}"
 
 
+def test_values_the_command_line_gives_as_a_user_means_them(tmp_path: Path, capsys) -> None:
+    """Found by a QA pass: a quoted number was made a float ('2024' for data.dir: "expected str,
+    got 2024.0"); an empty value (an unset shell variable) was YAML's null, turning gradient
+    clipping off without a word; a seed past 64 bits failed in torch ("Overflow when unpacking
+    long long"); a second --config replaced the first; 323 bytes of YAML aliases made a 56 MB
+    error line."""
+    assert load_run_config(None, ["data.dir='2024'"]).data.dir == "2024"
+    assert load_run_config(None, ['train.device="cpu"', "optim.lr=1e-3"]).optim.lr == 0.001
+    for key in ("optim.clip_grad", "data.dir"):
+        with pytest.raises(ConfigError, match=f"{key}= has no value .*: give one, or {key}=null"):
+            load_run_config(None, [f"{key}= "])
+    assert load_run_config(None, ["optim.clip_grad=null"]).optim.clip_grad is None
+    with pytest.raises(ConfigError, match="unknown key 'lr' for section 'train'.*; another "
+                                          "section has it: optim.lr$"):  # fmt: skip
+        load_run_config(None, ["train.lr=0.1"])
+    for item in ("train.seed=123456789012345678901234567890", "data.split_seed=-8796093022209"):
+        with pytest.raises(ConfigError, match="seed must be in -2\\^43 .. 2\\^43 - 1, got"):
+            load_run_config(None, [item])
+    ms = "train.seed=1764985000000"  # a seed from the time in milliseconds, or a negative one:
+    assert load_run_config(None, [ms, "data.split_seed=-1"]).train.seed == 1764985000000  # kept
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("optim: {betas: [0.9, 0.95]}\n")
+    b.write_text("optim: {lr: 0.001}\n")
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(a), "--config", str(b)])
+    assert f"--config is given twice ({a}, {b}): name one file" in capsys.readouterr().err
+    levels = ["&l0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"&l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 7)]
+    bomb = tmp_path / "bomb.yaml"  # 10^7 items once expanded
+    bomb.write_text(f"data: {{dir: [{', '.join(levels)}]}}\n")
+    assert len(bomb.read_bytes()) < 500
+    with pytest.raises(ConfigError, match="DataConfig.dir: expected str | None, got") as e:
+        load_run_config(str(bomb))
+    assert len(str(e.value)) < 500
+
+
 @pytest.mark.parametrize(
     "command,words",
     [

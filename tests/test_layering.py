@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ FORBIDDEN = {
     "vitlab.analysis": ("vitlab.experiments", "vitlab.cli"),
     "vitlab.experiments": ("vitlab.cli",),
     "vitlab.config": ("vitlab.models", "vitlab.data", *HIGH),
+    "vitlab.overrides": ("vitlab.config", "vitlab.models", "vitlab.data", *HIGH),
     # formats know models' configs, not how loading is orchestrated, data, analysis or above
     "vitlab.formats": ("vitlab.models.checkpoint", "vitlab.data", "vitlab.analysis", *HIGH),
     "vitlab.hub": ("vitlab.models.checkpoint", "vitlab.data", "vitlab.analysis", *HIGH),
@@ -197,6 +199,50 @@ def test_the_package_and_the_cli_import_cleanly() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_package_imports_torch_on_first_use_and_keeps_its_names() -> None:
+    """`import vitlab` is light (PEP 562): each name of `__all__` comes from its module on first
+    use, the same object, and an unknown one is an AttributeError; a submodule is an attribute
+    after `import vitlab` alone, as it was when the package imported them all."""
+    code = (
+        "import sys, importlib, vitlab; light = 'torch' not in sys.modules; "
+        "import vitlab.models, vitlab.formats.base, vitlab.models.checkpoint; "
+        "same = all(getattr(vitlab, n) is getattr(importlib.import_module(vitlab._HOMES[n]), n) "
+        "for n in vitlab.__all__ if n != '__version__'); "
+        "print(light, same, sorted(vitlab.__all__) == sorted(['__version__', *vitlab._HOMES]), "
+        "hasattr(vitlab, 'nope') or hasattr(vitlab, 'nope.x'), vitlab.config.RunConfig is not None)"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.stdout.split() == ["True", "True", "True", "False", "True"], done.stderr
+
+
+def test_a_ctrl_c_while_the_command_imports_torch_is_one_line() -> None:
+    """A Ctrl-C in a command's first seconds (PyTorch's import) printed a traceback from inside
+    `import torch`. `-X importtime` lists each module as its import ends: vitlab.cli.main's
+    before any of torch's, and the signal comes as the first of torch's ends."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    args = [sys.executable, "-X", "importtime", "-m", "vitlab", "models"]
+    out = subprocess.DEVNULL
+    with subprocess.Popen(args, stderr=subprocess.PIPE, stdout=out, text=True, env=env) as proc:
+        assert proc.stderr is not None
+        names = []
+        for line in proc.stderr:
+            names.append(line.split("|")[-1].strip())
+            if names[-1].startswith("torch"):
+                proc.send_signal(signal.SIGINT)
+                break
+        said = [x for x in proc.stderr if not x.startswith("import time:")]
+        assert proc.wait(timeout=60) == 130, "".join(said)
+    assert "vitlab.cli.main" in names, names
+    assert said == ["vitlab: interrupted\n"], "".join(said)
 
 
 # --- the checker itself, on a made-up package ----------------------------------------------------

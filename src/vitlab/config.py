@@ -5,7 +5,6 @@ dataclass checked by vitlab.validation (re-exported here): a wrong type or an un
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import logging
@@ -16,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from vitlab.duration import parse_duration
-from vitlab.validation import ConfigError, check_keys, from_dict, pair, to_dict, validate
+from vitlab.overrides import apply_overrides, given_twice, parse_value
+from vitlab.validation import ConfigError, check_keys, from_dict, pair, shown, to_dict, validate
 
 log = logging.getLogger(__name__)
+SEEDS = 1 << 43  # |seed| < 2^43: vitlab's derived 64-bit seeds (seed * 1,000,003 + ...) hold
 
 __all__ = [  # the validation helpers too: every config module imports them from here
     "ConfigError", "DataConfig", "DistillConfig", "FinetuneConfig", "MPPConfig", "ModelSection",
@@ -30,50 +31,6 @@ __all__ = [  # the validation helpers too: every config module imports them from
 # --- run configuration (vitlab train): YAML file + dotted key=value overrides --------------------
 
 
-def parse_value(text: str) -> Any:
-    """A command-line value as YAML reads it ('0.1', 'true', '[1, 2]', 'null'), else the text."""
-    import yaml
-
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    if isinstance(value, dict) and not text.lstrip().startswith("{"):  # imagefolder: (a name)
-        return text
-    if isinstance(value, str):  # YAML 1.1 reads '1e-3' as a string
-        with contextlib.suppress(ValueError):
-            return float(value)
-    return value
-
-
-def given_twice(overrides: typing.Iterable[str]) -> list[str]:
-    """What a command line's KEY=VALUE items give more than once, a warning each: the last value
-    is used (as argparse takes an option's last), which went without a word."""
-    values: dict[str, list[str]] = {}
-    for item in overrides:
-        key, _, value = item.partition("=")
-        values.setdefault(key, []).append(value)
-    return [f"{key} is given {len(v)} times on the command line ({', '.join(v)}): the last, "
-            f"{v[-1]}, is used" for key, v in values.items() if len(v) > 1]  # fmt: skip
-
-
-def apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
-    """Apply 'section.key=value' strings to a nested dict (a copy); a malformed item is an error."""
-    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"expected an override like optim.lr=0.001, got {item!r}")
-        section, dot, field = key.partition(".")
-        if not dot or not field or "." in field:
-            raise ConfigError(f"override keys are section.key (e.g. train.epochs), got {key!r}")
-        node = out.setdefault(section, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"config section {section!r} must be a mapping, got {node!r}")
-        node[field] = parse_value(value)
-    return out
-
-
 @dataclass
 class ModelSection:
     """`model.name` (a registered name or alias) plus any ViTConfig field as an override; the
@@ -82,6 +39,7 @@ class ModelSection:
 
     name: str = "vit_nano_patch4_28"
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    named: bool = dataclasses.field(default=False, compare=False)  # given (may name the default)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **self.overrides}
@@ -92,16 +50,16 @@ class ModelSection:
         model_tree = dict(tree.get("model") or {})
         name = model_tree.pop("name", cls.name)
         if not isinstance(name, str):
-            raise ConfigError(f"model.name: expected a model name, got {name!r}")
+            raise ConfigError(f"model.name: expected a model name, got {shown(name)}")
         if bad := [key for key in model_tree if not isinstance(key, str)]:
             raise ConfigError(f"keys of section 'model' are names, got {bad[0]!r}")
-        return cls(name, model_tree)
+        return cls(name, model_tree, "name" in (tree.get("model") or {}))
 
 
 def check_rules(section: object, name: str, rules: list[tuple[bool, str, str]]) -> None:
     """A ConfigError listing every (holds, key, rule) of `section` that fails, with its value."""
-    broken = [f"{name}.{k} must be {rule}, got {getattr(section, k)!r}" for ok, k, rule in rules
-              if not ok]  # fmt: skip
+    broken = [f"{name}.{k} must be {rule}, got {shown(getattr(section, k))}"
+              for ok, k, rule in rules if not ok]  # fmt: skip
     if broken:
         raise ConfigError("; ".join(broken))
 
@@ -159,7 +117,10 @@ class DataConfig:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"data.{name} is a probability, got {getattr(self, name)}")
         lows = {"mixup": 0, "cutmix": 0, "crop_padding": 0, "workers": 0, "randaugment_ops": 0}
-        check_rules(self, "data", at_least(self, {**lows, "prefetch": 1, "shuffle_buffer": 1}))
+        seed = [(-SEEDS <= self.split_seed < SEEDS, "split_seed", "in -2^43 .. 2^43 - 1")]
+        check_rules(
+            self, "data", at_least(self, {**lows, "prefetch": 1, "shuffle_buffer": 1}) + seed
+        )
 
 
 @dataclass
@@ -231,7 +192,9 @@ class TrainConfig:
         validate(self)
         if self.time_budget is not None:
             if self.max_steps is not None:
-                raise ConfigError("train.time_budget plans the steps: leave train.max_steps unset")
+                raise ConfigError("train.time_budget plans the steps: leave train.max_steps "
+                                  "unset, or turn the budget off (a preset's too) with "
+                                  "train.time_budget=null")  # fmt: skip
             try:
                 parse_duration(self.time_budget, "train.time_budget")
             except ValueError as e:
@@ -239,7 +202,8 @@ class TrainConfig:
         ones = ("epochs", "batch_size", "accum_steps", "max_steps", "batch_threads")
         zeros = ("threads", "stop_at_epoch")  # 0: torch's threads, no stop
         lows = {**dict.fromkeys(ones, 1), **dict.fromkeys(zeros, 0)}
-        check_rules(self, "train", at_least(self, lows, zeros))
+        seed = [(-SEEDS <= self.seed < SEEDS, "seed", "in -2^43 .. 2^43 - 1")]
+        check_rules(self, "train", at_least(self, lows, zeros) + seed)
         if self.ema is not None and not 0.0 < self.ema < 1.0:
             raise ConfigError(f"train.ema is a decay in (0, 1), got {self.ema}")
 
@@ -338,13 +302,23 @@ class RunConfig:
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(f"unknown config section {section!r}{hint} (sections: {known})")
             if body is not None and not isinstance(body, Mapping):
-                raise ConfigError(f"config section {section!r} must be a mapping, got {body!r}")
+                raise ConfigError(
+                    f"config section {section!r} must be a mapping, got {shown(body)}"
+                )
         kwargs: dict[str, Any] = {"model": ModelSection.from_tree(tree)}
         for section, klass in cls.SECTIONS.items():
             body = {
                 (k + "_" if k == "from" else k): v for k, v in (tree.get(section) or {}).items()
             }
-            check_keys(klass, body.keys(), where=f"section {section!r}")
+            try:
+                check_keys(klass, body.keys(), where=f"section {section!r}")
+            except ConfigError as e:  # train.lr: said to be optim.lr
+                key = next(k for k in body if k not in _fields(klass))
+                other = [
+                    f"{s}.{key.rstrip('_')}" for s, k in cls.SECTIONS.items() if key in _fields(k)
+                ]
+                raise ConfigError(f"{e}{'; another section has it: ' * bool(other)}"
+                                  f"{' / '.join(other)}") from None  # fmt: skip
             kwargs[section] = klass(**body)
         return cls(**kwargs)
 
@@ -355,6 +329,10 @@ class RunConfig:
             body = to_dict(getattr(self, section))
             tree[section] = {k.rstrip("_"): v for k, v in body.items()}
         return tree
+
+
+def _fields(klass: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(klass)}
 
 
 def _strict_loader() -> type:

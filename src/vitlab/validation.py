@@ -10,6 +10,7 @@ import difflib
 import json
 import math
 import re
+import reprlib
 import types
 import typing
 from collections.abc import Mapping
@@ -101,7 +102,7 @@ def validate(obj: Any, values: Mapping[str, Any] | None = None) -> dict[str, Any
         if not ok:
             finite = isinstance(value, float) and not math.isfinite(value)  # nan, inf
             raise ConfigError(
-                f"{cls.__name__}.{name}: expected {_type_name(hints[name])}, got {value!r} "
+                f"{cls.__name__}.{name}: expected {_type_name(hints[name])}, got {shown(value)} "
                 f"({type(value).__name__}){': numbers must be finite' if finite else ''}"
             )
         if in_place and out[name] is not value:
@@ -154,6 +155,18 @@ def _finite(v: Any) -> Any:
     if isinstance(v, dict):
         return {k: _finite(x) for k, x in v.items()}
     return [_finite(x) for x in v] if isinstance(v, list | tuple) else v
+
+
+_SHOWN = reprlib.Repr()  # (Python 3.11's takes no arguments)
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 3, 8, 8, 8
+_SHOWN.maxstring = _SHOWN.maxother = 200
+
+
+def shown(value: Any) -> str:
+    """repr(value) for a message, cut short: a file's 323 bytes of YAML aliases expand to a list
+    whose whole repr took 56 MB): a few levels of 8 items, 300 characters in all."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= 300 else f"{text[:297]}..."
 
 
 def few(names: typing.Sequence[str], n: int = 4) -> str:

@@ -68,7 +68,7 @@ def parse_overrides(items: list[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"expected an override like num_classes=10, got {item!r}")
-        out[key] = parse_value(value)
+        out[key] = parse_value(value, key)
     for said in given_twice(items):  # (after the malformed ones are refused)
         log.warning(said)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import importlib
 import logging
 import os
 import signal
@@ -14,37 +15,23 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from vitlab import __version__
-from vitlab.cli import (
-    analyze,
-    convert,
-    cost,
-    export,
-    fewshot,
-    models,
-    predict,
-    probe,
-    reproduce,
-    train,
-)
-from vitlab.cli import data as data_cmd
-from vitlab.cli import eval as eval_cmd
-from vitlab.config import ConfigError
-from vitlab.models.registry import UnknownModelError
-from vitlab.runtime import blocking_file, first_rank, handling, launched_processes, tune_allocator
+from vitlab.validation import ConfigError
 
+# The commands' modules import PyTorch (about 2 s): build_parser imports them, inside main's
+# handling of a Ctrl-C, so that one in the command's first seconds is said in one line.
 COMMANDS = (
-    models,
-    cost,
-    train,
-    eval_cmd,
-    fewshot,
-    probe,
-    predict,
-    analyze,
-    convert,
-    export,
-    data_cmd,
-    reproduce,
+    "models",
+    "cost",
+    "train",
+    "eval",
+    "fewshot",
+    "probe",
+    "predict",
+    "analyze",
+    "convert",
+    "export",
+    "data",
+    "reproduce",
 )
 
 
@@ -59,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_verbosity(parser)
     parser.set_defaults(verbose=0, quiet=0)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in COMMANDS:
-        module.add_parser(sub)
+    for name in COMMANDS:
+        importlib.import_module(f"vitlab.cli.{name}").add_parser(sub)
     commands = list(sub.choices.values())
     for command in commands:  # `vitlab -q train`, `vitlab train -q`, `vitlab data shard -q`
         add_verbosity(command)
@@ -175,6 +162,8 @@ def sigterm_raises() -> Iterator[None]:
     def handle(signum: int, frame: object) -> None:
         raise Terminated
 
+    from vitlab.runtime import handling, launched_processes
+
     alone = launched_processes() == 1
     with handling((signal.SIGTERM,) if alone else (), handle, keep_ignored=True):
         yield
@@ -187,6 +176,8 @@ BLOCKED = (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionErr
 def _blocked(e: OSError) -> str:
     """What an OSError from writing or reading a path says: a file where a folder is needed
     (`--cache-dir FILE`, a DST that is a file) by name, else the path and the reason."""
+    from vitlab.runtime import blocking_file
+
     file = e.filename and blocking_file(Path(os.fsdecode(e.filename)))
     if isinstance(e, FileExistsError | NotADirectoryError) and file:
         return f"{file} is a file, not a folder: name a folder (new or existing) there"
@@ -196,7 +187,14 @@ def _blocked(e: OSError) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse(argv)
+    try:
+        args = parse(argv)  # imports the commands' modules, and PyTorch with them
+    except KeyboardInterrupt:  # a Ctrl-C in those first seconds, before any work
+        print("vitlab: interrupted", file=sys.stderr)
+        return 130
+    from vitlab.models.registry import UnknownModelError
+    from vitlab.runtime import first_rank, tune_allocator
+
     if argv is None:  # the command (not a caller's in-process call): reuse freed memory
         tune_allocator()
     try:

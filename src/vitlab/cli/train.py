@@ -21,6 +21,17 @@ from vitlab.runtime import first_rank
 log = logging.getLogger("vitlab.cli.train")
 
 
+class Once(argparse.Action):
+    """An option given at most once: a second --config was taken in place of the first, whose
+    settings went without a word (files are not merged)."""
+
+    def __call__(self, parser, namespace, value, option=None) -> None:
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option} is given twice ({getattr(namespace, self.dest)}, {value}): "
+                         f"name one file (the other's settings as key=value)")  # fmt: skip
+        setattr(namespace, self.dest, value)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
@@ -60,7 +71,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ".yaml train.time_budget=5m optim.lr=0.002 (a preset with a time budget plans its steps "
         "from it; train.time_budget=null trains train.epochs)",
     )
-    p.add_argument("--config", metavar="FILE.yaml", help="YAML file with model/data/optim/train")
+    p.add_argument("--config", metavar="FILE.yaml", action=Once,
+                   help="YAML file with model/data/optim/train (one)")  # fmt: skip
     p.add_argument("--out", type=Path, help="run folder (default: runs/DATASET-DATE-TIME)")
     p.add_argument(
         "--resume",
