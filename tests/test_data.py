@@ -659,6 +659,20 @@ def test_a_colour_webp_decodes_grey_as_pil_converts_it(tmp_path: Path) -> None:
     assert batches and all(tuple(x.shape[1:]) == (1, 8, 8) for x, _ in batches)
 
 
+def test_an_empty_or_unknown_file_is_said_as_predict_says_it(tmp_path: Path) -> None:
+    """Training's and eval's decoding say a 0-byte file is empty, as predict does (it said
+    "UnidentifiedImageError: not an image file of a format PIL knows")."""
+    from vitlab.data.decode import decode_image
+
+    (tmp_path / "empty.jpg").write_bytes(b"")
+    with pytest.raises(DatasetError, match="^cannot read image a/empty.jpg: an empty file$"):
+        decode_image(b"", 3, "a/empty.jpg")
+    with pytest.raises(DatasetError, match="empty.jpg: an empty file$"):
+        read_image(tmp_path / "empty.jpg", "RGB")
+    with pytest.raises(DatasetError, match="notes.png: .*not an image file of a format PIL knows"):
+        decode_image(b"some notes", 3, "notes.png")
+
+
 def test_decode_16_bit_png_and_header_bombs() -> None:
     """A 16-bit PNG or TIFF decodes to its high bytes as uint8 (greyscale and as RGB); a JPEG
     whose header claims 20000 x 10000 pixels is refused before any decoder allocates them."""

@@ -644,7 +644,7 @@ def test_code_in_a_cifar_pickle_never_runs(tmp_path: Path) -> None:
             (d / "test_batch").write_bytes(raw)
             meta = {b"label_names": [b"a"]}
             (d / "batches.meta").write_bytes(pickle.dumps(meta) if target == "test_batch" else raw)
-            with pytest.raises(DatasetError, match="refusing to unpickle"):
+            with pytest.raises(DatasetError, match=f"{target}: refusing to unpickle"):
                 load_split("cifar10", "test", str(tmp_path))
             assert not marker.exists()
         # the same bytes do run code through plain pickle
@@ -652,6 +652,24 @@ def test_code_in_a_cifar_pickle_never_runs(tmp_path: Path) -> None:
         subprocess.run([sys.executable, "-c", code], input=raw, check=True)
         assert marker.exists()
         marker.unlink()
+
+
+def test_a_cifar_batch_of_zero_strides_is_refused(tmp_path: Path) -> None:
+    """numpy.ndarray called by the pickle itself, on one byte with strides 0, made an array of
+    any shape: a 135-byte test_batch read as 300,000 images (a QA pass). numpy's own pickles
+    name ndarray only as _reconstruct's argument; called, it is refused, naming the file."""
+    images = _Payload(np.ndarray, (300_000, 3072), np.dtype("u1"), b"\0", 0, (0, 0))
+    labels = _Payload(np.ndarray, (300_000,), np.dtype("u1"), b"\0", 0, (0,))
+    raw = pickle.dumps({b"data": images, b"labels": labels}, protocol=3)
+    assert len(raw) < 400 and pickle.loads(raw)[b"data"].shape == (300_000, 3072)  # real
+    d = tmp_path / "cifar-10-batches-py"
+    d.mkdir()
+    (d / "test_batch").write_bytes(raw)
+    (d / "batches.meta").write_bytes(pickle.dumps({b"label_names": [b"a"]}))
+    with pytest.raises(
+        DatasetError, match="test_batch: refusing to unpickle a call of numpy.ndarray"
+    ):
+        load_split("cifar10", "test", str(tmp_path))
 
 
 def test_a_cifar_batch_claiming_a_billion_labels_is_refused_at_once(tmp_path: Path) -> None:

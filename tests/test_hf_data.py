@@ -163,6 +163,67 @@ def test_data_test_classes_must_be_the_training_splits(tmp_path: Path) -> None:
         load_run_split(folders, "test")
 
 
+def test_a_datasets_own_test_split_is_labelled_as_its_training_split(tmp_path: Path) -> None:
+    """A dataset's own test split took its classes from its own table: a ClassLabel listing the
+    names in another order scored a run's test 0% (eval, relabelling by name, 100%), fewer
+    numbered labels left the run's own data refused by eval, a label past training's crashed at
+    the run's end. Now its labels are training's, told here by each image's colour."""
+    import datasets
+
+    train = table(30)
+    names = ["blue", "red", "green"]  # the test split's ClassLabel, in another order
+    test = table(9).cast_column("label", datasets.Value("int64"))
+    test = test.map(lambda row: {"label": names.index(["red", "green", "blue"][row["label"]])})
+    test = test.cast_column("label", datasets.ClassLabel(names=names))
+    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(tmp_path / "order"))
+    split = load_split(f"hf:{tmp_path / 'order'}", "test")
+    assert split.classes == ["red", "green", "blue"]
+    colour = [int(np.asarray(Image.open(io.BytesIO(split.read(i)))).mean((0, 1)).argmax())
+              for i in range(len(split))]  # fmt: skip
+    assert split.labels.tolist() == colour and len(set(colour)) == 3
+
+    def numbered(test_labels: list[int], name: str) -> str:
+        ints = datasets.Value("int64")
+        parts = {"train": table(30).cast_column("label", ints), "test": table(len(test_labels))}
+        parts["test"] = (
+            parts["test"]
+            .cast_column("label", ints)
+            .map(lambda row, i: {"label": test_labels[i]}, with_indices=True)
+        )
+        datasets.DatasetDict(parts).save_to_disk(str(tmp_path / name))
+        return f"hf:{tmp_path / name}"
+
+    fewer = load_split(numbered([0, 1, 0, 1], "fewer"), "test")  # training's 3 classes, not 2
+    assert fewer.classes == ["0", "1", "2"] and fewer.labels.tolist() == [0, 1, 0, 1]
+    with pytest.raises(DatasetError, match="#test has label 3, past the training split train's "
+                                           "classes 0..2"):  # fmt: skip
+        load_split(numbered([0, 3, 1], "more"), "test")
+    other = table(6).cast_column("label", datasets.ClassLabel(names=["red", "green", "teal"]))
+    datasets.DatasetDict({"train": train, "test": other}).save_to_disk(str(tmp_path / "teal"))
+    with pytest.raises(DatasetError, match="has classes the training split train has not: "
+                                           r"\['teal'\]"):  # fmt: skip
+        load_split(f"hf:{tmp_path / 'teal'}", "test")
+    for names, fine in ((["cat", "dog", "cow"], False), (["red", "blue"], True)):  # none shared:
+        other = table(6).cast_column("label", datasets.Value("int64"))  # refused, not by index;
+        k = len(names)  # fewer: mapped
+        other = other.map(lambda row, k=k: {"label": row["label"] % k})
+        other = other.cast_column("label", datasets.ClassLabel(names=names))
+        folder = tmp_path / "-".join(names)
+        datasets.DatasetDict({"train": train, "test": other}).save_to_disk(str(folder))
+        if fine:
+            got = load_split(f"hf:{folder}", "test")
+            assert got.labels.tolist() == [[0, 2][y % 3 % 2] for y in range(6)]  # red, blue
+            continue
+        with pytest.raises(DatasetError, match="has classes the training split train has not"):
+            load_split(f"hf:{folder}", "test")
+    ints = table(6).cast_column("label", datasets.Value("int64"))  # training's names, by index
+    datasets.DatasetDict({"train": train, "test": ints}).save_to_disk(str(tmp_path / "ints"))
+    by_index = load_split(f"hf:{tmp_path / 'ints'}", "test")
+    assert (
+        by_index.classes == ["red", "green", "blue"] and by_index.labels.tolist() == [0, 1, 2] * 2
+    )
+
+
 def test_train_from_parquet_files(tmp_path: Path, monkeypatch, capsys) -> None:
     """Trains from a parquet file with data.test another; every loader's workers are ended
     (train's after training, validation's after each evaluation, test's after testing)."""

@@ -358,6 +358,44 @@ def test_a_label_that_is_no_class_index_names_its_sample(tmp_path: Path) -> None
         list(split.read(0))
 
 
+def test_an_index_naming_a_command_as_a_shard_runs_nothing(tmp_path: Path, monkeypatch) -> None:
+    """A shard named pipe:CMD in index.json ran CMD in a shell (webdataset's pipe: scheme) for
+    every command reading wds:FOLDER, or an index at a URL (a QA pass). An index names shards by
+    path or URL; a command runs only where it is typed (wds:pipe:CMD)."""
+    import json
+
+    root = write_image_folder(tmp_path / "images", per_class=2)
+    write_shards(f"imagefolder:{root}", tmp_path / "shards", 1500, progress=False, workers=0)
+    good = load_split(f"wds:{tmp_path / 'shards'}", "train")
+    marker = tmp_path / "ran"
+    index = json.loads((tmp_path / "shards" / "index.json").read_text())
+    first = index["splits"]["train"]["shards"][0]
+    real = first["name"]
+    for name in (f"pipe:touch {marker}; cat {tmp_path / 'shards' / real}",
+                 f"ais://bucket/{real}"):  # fmt: skip
+        first["name"] = name
+        (tmp_path / "shards" / "index.json").write_text(json.dumps(index))
+        with pytest.raises(DatasetError, match="names a shard .*: an index names its shards by "
+                                               "path or file, http, https, gs URL"):  # fmt: skip
+            load_split(f"wds:{tmp_path / 'shards'}", "train")
+        assert not marker.exists()
+    for entry in ([real], {"name": real}, {"name": 5, "count": 1}):
+        index["splits"]["train"]["shards"][0] = entry
+        (tmp_path / "shards" / "index.json").write_text(json.dumps(index))
+        with pytest.raises(DatasetError, match="is not a vitlab shard index: a shard entry"):
+            load_split(f"wds:{tmp_path / 'shards'}", "train")
+    index["splits"]["train"]["shards"][0] = first
+    monkeypatch.chdir(tmp_path / "shards")  # wds:. : a name joined to "." is itself (a review)
+    for name in ("ais:bucket/x.tar", "./-", "scp:127.0.0.1:1/x.tar"):
+        first["name"] = name
+        (tmp_path / "shards" / "index.json").write_text(json.dumps(index))
+        with pytest.raises(DatasetError, match="names a shard"):
+            load_split("wds:.", "train")
+    first["name"] = str(tmp_path / "shards" / real)  # an absolute path: read
+    (tmp_path / "shards" / "index.json").write_text(json.dumps(index))
+    assert load_split(f"wds:{tmp_path / 'shards'}", "train").counts == good.counts
+
+
 def test_shards_by_url_over_http_and_file(tmp_path: Path, balanced: Path) -> None:
     """Shards a local HTTP server serves (webdataset's gopen: curl): the index's URL, and a
     pattern of URLs counted from the index beside them; file:// patterns without an index are

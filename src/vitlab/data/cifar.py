@@ -32,15 +32,29 @@ class _ArrayUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) not in self.ALLOWED:
             raise DatasetError(f"refusing to unpickle {module}.{name}: not part of a CIFAR batch")
+        if name == "ndarray":  # only ever _reconstruct's argument: called itself, it would
+            return _NDARRAY  # make an array of any shape from a few bytes (strides 0)
         found = super().find_class(module, name)
         return _empty_array if name == "_reconstruct" else found
 
 
-def _empty_array(subtype: type, shape: tuple, dtype: object) -> np.ndarray:
+class _NdarrayMark:
+    """numpy.ndarray as a CIFAR pickle names it: _empty_array's first argument, never called."""
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        raise DatasetError("refusing to unpickle a call of numpy.ndarray: numpy pickles arrays "
+                           "with their data (through _reconstruct)")  # fmt: skip
+
+
+_NDARRAY = _NdarrayMark()
+
+
+def _empty_array(subtype: object, shape: tuple, dtype: object) -> np.ndarray:
     """numpy's _reconstruct as numpy pickles it: an empty array that __setstate__ then fills with
-    the bytes the file holds. Any other shape would allocate what the file does not hold (a
-    hostile batch could claim terabytes, or a billion labels to check one by one)."""
-    if subtype is not np.ndarray or tuple(shape) != (0,):
+    the bytes the file holds (numpy checks they match its shape). Any other shape would allocate
+    what the file does not hold (a hostile batch could claim terabytes, or a billion labels to
+    check one by one)."""
+    if subtype is not _NDARRAY or tuple(shape) != (0,):
         raise DatasetError(f"refusing to unpickle an array of shape {shape!r} without its data")
     return np.ndarray((0,), dtype=dtype)
 
@@ -48,8 +62,8 @@ def _empty_array(subtype: type, shape: tuple, dtype: object) -> np.ndarray:
 def _load_cifar_batch(raw: bytes, where: str) -> dict:
     try:
         batch = _ArrayUnpickler(io.BytesIO(raw), encoding="bytes").load()
-    except DatasetError:
-        raise
+    except DatasetError as e:  # a refused callable or array: said with the file's name
+        raise DatasetError(f"{where}: {e}") from None
     except Exception as e:  # truncated or damaged pickles fail in many ways, memory included
         raise DatasetError(f"{where} is not a readable CIFAR batch: {e}") from None
     if not isinstance(batch, dict):

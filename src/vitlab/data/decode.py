@@ -215,6 +215,8 @@ def _pil_decode(data: bytes, mode: str, where: str) -> Tensor:
         with Image.open(io.BytesIO(data)) as im:
             return TF.pil_to_tensor(pil_convert(im, mode))
     except Exception as e:  # PIL raises many kinds for bad files
+        if not data:  # said as predict's open_image says it
+            raise DatasetError(f"cannot read image {where}: an empty file") from None
         if "BytesIO" in str(e):  # "cannot identify image file <_io.BytesIO object at 0x...>"
             e = type(e)("not an image file of a format PIL knows")
         raise DatasetError(f"cannot read image {where}: {type(e).__name__}: {e}") from None

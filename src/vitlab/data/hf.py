@@ -7,9 +7,10 @@ named by their file names, as `datasets.load_dataset` reads them), or, online, a
 ClassLabel (else label / labels / cls / fine_label / target) unless data.label_key does. Class
 names come from the ClassLabel, else are the label values (class indices: integers >= 0). The test
 split is `test`, else `validation` / `val` (a split whose labels are all negative, such as
-imagenet-1k's unlabelled test, is passed over), else a seeded 20% of the only split (as an image
-folder's). `hf:NAME#SPLIT` reads split SPLIT alone, as a source of one split (`data.name=
-hf:ILSVRC/imagenet-1k#train data.test=hf:ILSVRC/imagenet-1k#validation`)."""
+imagenet-1k's unlabelled test, is passed over), labelled with the training split's classes, else
+a seeded 20% of the only split (as an image folder's). `hf:NAME#SPLIT` reads split SPLIT alone,
+as a source of one split (`data.name=hf:ILSVRC/imagenet-1k#train
+data.test=hf:ILSVRC/imagenet-1k#validation`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from vitlab.data.classes import named as named_list
+from vitlab.data.classes import numbered
 from vitlab.data.decode import GREY_STATS, channels_of
 from vitlab.data.download import DatasetError
 from vitlab.runtime import quiet, seeded_split
@@ -139,6 +142,53 @@ def _column(table, key: str | None, kind: str, names: tuple[str, ...], what: str
     return (typed + named)[0]
 
 
+def _classes(table, column: str, labels: Tensor | None, where: str, named: str) -> list[str]:
+    """A split's class names: its ClassLabel's, else its labels numbered 0..max (`labels`: the
+    column read already, or None to read it)."""
+    import datasets
+
+    if isinstance(table.features[column], datasets.ClassLabel):
+        return list(table.features[column].names)
+    labels = _labels(table, column, where) if labels is None else labels
+    # numbered by the labels, 0..max (a stray 10**12 made a list that exhausted memory: past
+    top = int(labels.max()) + 1 if len(labels) else 0  # 2^20 classes and the rows, no)
+    if top > max(len(labels), MAX_NUMBERED):
+        raise DatasetError(f"{where}: label {top - 1} in a column of {len(labels)} rows: "
+                           f"labels are class indices 0..K-1 (a ClassLabel feature names "
+                           f"them)")  # fmt: skip
+    empty = top - len(labels[labels >= 0].unique())
+    if top > 0 and empty and (named, top) not in _WARNED:  # once: each split reads the table
+        _WARNED.add((named, top))
+        log.warning("%s: labels 0..%d number %d classes, %d of them with no row (a stray "
+                    "label makes a class of its own)", named, top - 1, top, empty)  # fmt: skip
+    return [str(i) for i in range(top)]
+
+
+def _as_training(
+    labels: Tensor, classes: list[str], own: list[str], where: str, train: str
+) -> tuple[Tensor, list[str]]:
+    """A test split's (labels, classes) in its training split's classes `own`: numbered classes
+    (either side) as indices, which must be training's; names mapped onto training's (a
+    ClassLabel may list them in another order, or fewer); a name of a row that training lacks is
+    a DatasetError naming it. (Not classes.name_order: a model's classes may be only indices
+    where a dataset's are names, a test split's are its training split's.)"""
+    if classes == own:
+        return labels, classes
+    if numbered(classes) or numbered(own):
+        top = int(labels.max()) if len(labels) else -1
+        if top >= len(own):
+            raise DatasetError(f"{where} has label {top}, past the training split {train}'s "
+                               f"classes 0..{len(own) - 1}: a test split is labelled with the "
+                               f"training split's classes")  # fmt: skip
+        return labels, own
+    used = sorted({int(y) for y in labels.unique()})
+    if missing := [classes[y] for y in used if classes[y] not in own]:
+        raise DatasetError(f"{where} has classes the training split {train} has not: "
+                           f"{named_list(missing)} (training's: {named_list(own)})")  # fmt: skip
+    order = torch.tensor([own.index(c) if c in own else -1 for c in classes], dtype=torch.long)
+    return order[labels], own
+
+
 def load_hf(
     spec: str, split: str, keys: tuple[str | None, str | None], seed: int, whole: bool = False
 ) -> HFSplit:
@@ -158,28 +208,19 @@ def load_hf(
     named = where if one_split(spec, splits) else f"{where}#{chosen}"  # "row 3 of" it
     image = _column(table, keys[0], "Image", IMAGE_NAMES, "image")
     label = _column(table, keys[1], "ClassLabel", LABEL_NAMES, "label")
-    feature = table.features[label]
     labels = _labels(table, label, where)
-    if isinstance(feature, datasets.ClassLabel):
-        classes = list(feature.names)
-    else:  # numbered by the labels, 0..max (a stray 10**12 made a list that exhausted memory:
-        top = int(labels.max()) + 1 if len(labels) else 0  # past 2^20 classes and the rows, no)
-        if top > max(len(labels), MAX_NUMBERED):
-            raise DatasetError(f"{where}: label {top - 1} in a column of {len(labels)} rows: "
-                               f"labels are class indices 0..K-1 (a ClassLabel feature names "
-                               f"them)")  # fmt: skip
-        empty = top - len(labels[labels >= 0].unique())
-        if top > 0 and empty and (named, top) not in _WARNED:  # once: each split reads the table
-            _WARNED.add((named, top))
-            log.warning("%s: labels 0..%d number %d classes, %d of them with no row (a stray "
-                        "label makes a class of its own)", named, top - 1, top, empty)  # fmt: skip
-        classes = [str(i) for i in range(top)]
+    classes = _classes(table, label, labels, where, named)
     bad = ((labels < 0) | (labels >= len(classes))).nonzero().flatten()
     if len(bad):
         span = f" {0}..{len(classes) - 1}" if classes else ""
         raise DatasetError(f"{where}: {len(bad)} labels are not class indices{span} (row "
                            f"{int(bad[0])}: {int(labels[bad[0]])}; negative labels mark "
                            f"unlabelled rows)")  # fmt: skip
+    if chosen != train:  # a test split of its own: labelled as the training split is
+        base = splits[train]
+        column = _column(base, keys[1], "ClassLabel", LABEL_NAMES, "label")
+        own = _classes(base, column, None, where, f"{where}#{train}")
+        labels, classes = _as_training(labels, classes, own, f"{where}#{chosen}", train)
     images = table.select_columns([image])
     if isinstance(images.features[image], datasets.Image):
         images = images.cast_column(image, datasets.Image(decode=False))

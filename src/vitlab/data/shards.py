@@ -20,8 +20,10 @@ from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import urlparse
 
 from vitlab.data.download import DatasetError
+from vitlab.validation import shown
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +166,7 @@ def _split_of(
         raise DatasetError(f"{where} has no {' or '.join(names)} split: it has "
                            f"{sorted(index['splits'])}")  # fmt: skip
     shards = found.get("shards", [])
-    urls = [s["name"] if remote(s["name"]) else _join(root, s["name"]) for s in shards]
+    urls = [_shard_url(s, root, where) for s in shards]
     stats = index.get("mean"), index.get("std")
     return ShardSplit(
         urls,
@@ -174,6 +176,27 @@ def _split_of(
         (tuple(stats[0]), tuple(stats[1])) if all(stats) else IMAGENET_STATS,
         *keys,
     )
+
+
+# what an index may name its shards by: paths (relative to it, or absolute) and these URLs; not
+# pipe: (webdataset runs it in a shell: a downloaded or shared index would run its commands) nor
+# the other programs' schemes. A pipe: source is given where it is typed: wds:pipe:CMD
+_INDEX_SCHEMES = ("file", "http", "https", "gs")
+
+
+def _shard_url(shard: object, root: Path | str, where: Path | str) -> str:
+    """Where an index's shard entry is read from; a DatasetError for one that is no
+    {name, count} entry, or whose name is a command or a URL of another scheme."""
+    name = shard.get("name") if isinstance(shard, dict) else None
+    if not isinstance(name, str) or not isinstance(shard.get("count"), int):
+        raise DatasetError(f"{where} is not a vitlab shard index: a shard entry {shown(shard)} "
+                           f"is not {{name, count}}")  # fmt: skip
+    url = name if remote(name) else _join(root, name)  # as webdataset's gopen will see it
+    if url.strip() == "-" or urlparse(url).scheme not in ("", *_INDEX_SCHEMES):
+        raise DatasetError(f"{where} names a shard {shown(name)}: an index names its shards by "
+                           f"path or {', '.join(_INDEX_SCHEMES)} URL (a pipe: command runs only "
+                           f"where it is typed, as wds:pipe:CMD)")  # fmt: skip
+    return url
 
 
 def is_pattern(spec: str) -> bool:
