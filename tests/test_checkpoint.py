@@ -253,6 +253,12 @@ def test_overrides_resample_positions_like_timm_and_replace_the_head(tmp_path: P
     assert five.head.weight.shape == (5, 192) and five.head.weight.abs().sum() == 0
     with torch.no_grad():
         close(ours_features(five, images(224)), timm_features(ref, images(224)))
+    # another patch size: refused as that (it said "img_size 224x224 is not a multiple of
+    # patch_size 32" of the file's size, or "shapes differ" of a table resampled first)
+    for asked in ({"patch_size": 32}, {"patch_size": 32, "img_size": 256}):
+        with pytest.raises(CheckpointError, match="patch_size=32: the weights' patch size is 16"):
+            load_pretrained(tmp_path / "w.safetensors", **asked)
+    assert load_pretrained(tmp_path / "w.safetensors", patch_size=16).config.patch_size == 16
 
 
 # --- Hugging Face --------------------------------------------------------------------------------

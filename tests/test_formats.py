@@ -366,6 +366,34 @@ def test_a_config_json_that_describes_other_weights_is_refused(tmp_path: Path, f
     assert not (tmp_path / "dst").exists()
 
 
+def test_a_config_json_naming_another_family_is_refused(tmp_path: Path) -> None:
+    """A ViT's tensors under a config.json naming a Swin (timm's architecture, transformers'
+    model_type) were read by their tensors without a word; timm or transformers would build a
+    Swin for them and fail."""
+    import json
+
+    from vitlab.formats.base import CheckpointError
+
+    vit = create_model("vit_nano_patch4_28", num_classes=7, in_chans=3)
+    for fmt, key, swin in (("timm", "architecture", "swin_tiny_patch4_window7_224"),
+                           ("hf", "model_type", "swin")):  # fmt: skip
+        save_pretrained(vit, tmp_path / fmt, format=fmt)
+        config = json.loads((tmp_path / fmt / "config.json").read_text())
+        named = config[key]
+        assert load_checkpoint(tmp_path / fmt)[1].config.depth == 4  # as written: read
+        config[key] = swin
+        (tmp_path / fmt / "config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match=f"config.json describes another model than its "
+                                                  f"weights: {swin}, a swin \\(the weights: a "
+                                                  f"vit\\)"):  # fmt: skip
+            load_checkpoint(tmp_path / fmt)
+        assert named.lower().startswith(("vit", "deit"))
+    # transformers' ResNetConfig (no hidden_size: read as timm's) names its family by model_type
+    (tmp_path / "timm" / "config.json").write_text(json.dumps({"model_type": "resnet"}))
+    with pytest.raises(CheckpointError, match="resnet, a cnn \\(the weights: a vit\\)"):
+        load_checkpoint(tmp_path / "timm")
+
+
 def test_a_swins_class_count_is_checked_and_timms_top_level_count_is_the_weights(tmp_path) -> None:
     """A Swin's head is head.fc: its class count went unchecked. timm's model_args.num_classes
     says what to build (timm then leaves the head out); the top-level count is the weights'."""

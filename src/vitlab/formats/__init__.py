@@ -46,8 +46,10 @@ def read(files: Files, name: str) -> Source:
         return src
     config = files.json("config.json") if files.folder is not None else None
     if config is not None:
-        (hf.read_config if hf.is_config(config) else timm.read_config)(config, src)
-        stated.check(config, src, hf.is_config(config))
+        transformers = hf.is_config(config)  # else timm's
+        stated.check_family(config, src, transformers)
+        (hf.read_config if transformers else timm.read_config)(config, src)
+        stated.check(config, src, transformers)
     processor = files.json("preprocessor_config.json") if files.folder is not None else None
     if processor is not None:
         hf.read_processor(processor, src)

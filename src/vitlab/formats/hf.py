@@ -274,9 +274,7 @@ def _channels(src: Source) -> int | None:
 
 def read_config(cfg: dict[str, Any], src: Source) -> None:
     """Hints and class names from transformers' ViTConfig or SwinConfig (config.json)."""
-    family, kind = state_family(src.state), cfg.get("model_type", "vit")
-    if {"deit": "vit"}.get(kind, kind) != family and kind in ("vit", "deit", "swin"):
-        raise CheckpointError(f"{src.where}: config.json is a {kind}'s, the weights a {family}'s")
+    family = state_family(src.state)  # config.json's model_type: checked (stated.check_family)
     if family == "swin":
         hf_swin.read_hints(cfg, src)
     else:

@@ -55,6 +55,26 @@ def in_weights(src: Source) -> dict[str, Any]:
     return out
 
 
+# a config's model name's start -> the family vitlab reads its weights as (a hybrid is a ViT)
+_FAMILIES = (("swin", "swin"), ("resnet", "cnn"), ("vit", "vit"), ("deit", "vit"))
+
+
+def named_family(config: dict[str, Any], hf: bool) -> tuple[str, str] | None:
+    """(the model config.json names, its family), where its name tells one."""
+    name = str(config.get("model_type" if hf else "architecture") or config.get("model_type") or "")
+    family = next((f for start, f in _FAMILIES if name.lower().startswith(start)), None)
+    return (name, family) if family else None
+
+
+def check_family(config: dict[str, Any], src: Source, hf: bool) -> None:
+    """A CheckpointError where config.json names a model of another family than the weights' (a
+    Swin's config over a ViT's tensors), before its fields are read as hints."""
+    named, family = named_family(config, hf), state_family(src.state)
+    if named and named[1] != family:
+        raise CheckpointError(f"{src.where}: config.json describes another model than its weights: "
+                              f"{named[0]}, a {named[1]} (the weights: a {family})")  # fmt: skip
+
+
 def check(config: dict[str, Any], src: Source, hf: bool) -> None:
     """A CheckpointError naming each field config.json states otherwise than the weights."""
     if state_family(src.state) == "cnn":

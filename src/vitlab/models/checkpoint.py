@@ -36,7 +36,7 @@ from vitlab.models.cnn_checkpoint import infer_cnn_config
 from vitlab.models.hybrid_checkpoint import infer_resnet_stem
 from vitlab.models.indices import whole_number
 from vitlab.models.pos_embed import Grid, resample_pos_embed
-from vitlab.models.registry import Model, ModelConfig, build_model, family_of
+from vitlab.models.registry import Model, ModelConfig, build_model, family_of, other_patch_size
 from vitlab.models.swin_checkpoint import infer_swin_config
 from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
@@ -71,12 +71,9 @@ def _files_in(folder: Path, hub_name: str | None = None) -> Files:
                 raise CheckpointError(f"{e}; the run's last checkpoint is {last.parent}") from None
             raise
     found = [folder / n for n in _FOLDER_WEIGHTS if (folder / n).is_file()]
+    suffixes = (".safetensors", ".npz", *TORCH_SUFFIXES)
     if not found:
-        found = sorted(
-            p
-            for p in folder.iterdir()
-            if p.suffix.lower() in (".safetensors", ".npz", *TORCH_SUFFIXES)
-        )
+        found = sorted(p for p in folder.iterdir() if p.suffix.lower() in suffixes)
     if not found:
         raise CheckpointError(
             f"{folder} holds no weights: expected model.safetensors, pytorch_model.bin, a .npz, "
@@ -203,7 +200,8 @@ def _infer_vit(src: Source, img_size: int | tuple[int, int] | None = None) -> Vi
         elif square is None:
             raise CheckpointError(
                 f"{where}: position table of {rows} rows fits no square grid: pass "
-                f"img_size=(H, W), the size it was trained at"
+                f"img_size=(H, W), the size it was trained at (`vitlab cost --img-size HxW`; "
+                f"`vitlab convert SRC DST img_size=[H,W]` writes a checkpoint that states it)"
             )
         else:
             n, no_embed_class = square
@@ -324,9 +322,9 @@ def load_checkpoint(
     resamples the position embeddings (a Swin's relative position tables, its windows kept; a
     CNN's is only recorded), a Swin's window_size resamples its tables to the new window,
     num_classes replaces the head(s) with zero-initialised ones, in_chans adapts the patch
-    kernels (a CNN's conv1); any other field (dropout,
-    drop_path, num_heads, ...) is set before the weights are loaded, and a field the weights
-    cannot take (another width ...) fails naming the tensors."""
+    kernels (a CNN's conv1); any other field (dropout, drop_path, num_heads, ...) is set before
+    the weights are loaded, and one the weights cannot take (another width, patch size ...)
+    fails naming it."""
     src = source if isinstance(source, Source) else read_source(source, format)
     check_keys(CONFIGS[source_family(src)], overrides.keys())
     for key in ("num_classes", "in_chans"):  # applied after loading, not by the config's check
@@ -338,11 +336,14 @@ def load_checkpoint(
             overrides[key] = value
     overrides = validate(CONFIGS[source_family(src)], overrides)  # img_size="96" named here
     before = {k: v for k, v in overrides.items() if k not in _AFTER_LOADING}
-    src.hints.update(before)  # e.g. num_heads, which no tensor shape tells
+    src.hints.update({k: v for k, v in before.items() if k != "patch_size"})  # e.g. num_heads,
+    # which no tensor shape tells (the kernels tell the patch size: another is refused below)
     try:
         native = infer_config(src, overrides.get("img_size"))
     except CheckpointError as e:  # e.g. num_heads=3 at width 256: the override's fault
         raise CheckpointError(f"{e} (with the overrides {before})" if before else str(e)) from None
+    if wrong := other_patch_size(native, before):
+        raise CheckpointError(f"{src.where}: {wrong}")
     try:
         cfg = native.replace(**before)
     except (ConfigError, TypeError) as e:

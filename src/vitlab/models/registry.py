@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 
-from vitlab.config import ModelSection, check_keys
+from vitlab.config import ModelSection, check_keys, validate
 from vitlab.models.cnn import CNN, CNNConfig, ResNet
 from vitlab.models.resnetv2 import BiTResNet
 from vitlab.models.swin import SwinConfig, SwinTransformer
@@ -303,6 +303,18 @@ def config_of(section: ModelSection) -> ModelConfig:
 def family_of(config: ModelConfig) -> str:
     """'vit', 'swin' or 'cnn': the model family a config builds."""
     return getattr(config, "family", "vit")
+
+
+def other_patch_size(weights: ModelConfig, asked: dict) -> str | None:
+    """What is wrong with a patch_size in `asked` other than that of the weights' config (their
+    patch embedding's kernels; a hybrid's ResNet stride), which loading and fine-tuning keep."""
+    if not hasattr(weights, "patch_size") or "patch_size" not in asked:  # a CNN's: unknown key
+        return None
+    p = validate(type(weights), {"patch_size": asked["patch_size"]})["patch_size"]  # typed
+    if p == weights.patch_size:
+        return None
+    return (f"patch_size={p}: the weights' patch size is {weights.patch_size}, which loading "
+            f"keeps (img_size changes the grid of patches)")  # fmt: skip
 
 
 def shape_of(config: ModelConfig) -> str:
