@@ -22,6 +22,7 @@ from tests.helpers import TINY_MODEL, VITLAB
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
 from vitlab.duration import parse_duration
+from vitlab.formats.base import CheckpointError
 from vitlab.runtime import Dist
 from vitlab.train import budget
 from vitlab.train.budget import Costs, TimeBudget, budget_schedule, plan_steps
@@ -337,6 +338,18 @@ def test_a_plan_written_before_schedules_were_anchored_resumes_on_its_own_steps(
     assert settings.max_steps == 300 and cfg.train.epochs == 8
     for step in (0, 3, 10, 150, 299, 300):
         assert settings.lr_at(step) == pytest.approx(expected(step), abs=1e-15)
+
+
+def test_a_damaged_plan_is_said_naming_its_file(tmp_path: Path) -> None:
+    """A time_budget.json that is not a plan (bytes, not JSON, no steps) was a decoder's message
+    without the file's name, or a KeyError traceback (a QA pass)."""
+    cfg = load_run_config(None, ["train.time_budget=1m"])
+    for damaged in (b"\x80\x04\x95pickle", b"not json", b"{}", b"[1]", b'{"steps": "x"}'):
+        (tmp_path / "time_budget.json").write_bytes(damaged)
+        settings = StepSettings(1, None, lambda step: 0.5, nullcontext)
+        with pytest.raises(CheckpointError, match="time_budget.json, the run's time-budget plan, "
+                                                  "is damaged"):  # fmt: skip
+            TimeBudget(cfg, settings, 40, 4, (64, 100, 200), tmp_path, Dist(), resumed=True)
 
 
 def cpu_seconds() -> float:

@@ -111,5 +111,8 @@ def test_fine_tuning_a_swin_takes_its_keys_without_model_name(tmp_path: Path, ca
     err = capsys.readouterr().err
     said = "model.name=resnet18_28 [ResNet-18, small stem, 28x28] is not used: finetune.from's"
     assert said in err and "architecture [Swin C=" in err and "8x8] is trained" in err, err
+    # the default model named: said too (it was taken for no model.name)
+    assert main([*args, "model.name=vit_nano_patch4_28", "--out", str(tmp_path / "ft4")]) == 0
+    assert "model.name=vit_nano_patch4_28 [D=64" in capsys.readouterr().err
     assert main([*args, "model.depth=2", "--out", str(tmp_path / "ft3")]) == 2  # a ViT's key
     assert "unknown key 'depth' for SwinConfig" in capsys.readouterr().err

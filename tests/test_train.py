@@ -767,6 +767,37 @@ def test_ctrl_c_after_the_last_epoch_is_one_line_and_resume_finishes(tmp_path, m
     assert json.loads((run / "results.json").read_text())["top1"] > 0.1  # chance: 0.1
 
 
+def test_ctrl_c_during_the_last_epochs_save_stops_before_the_test(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C as the last epoch was saved said "stop requested: saving a checkpoint after this
+    step", then ran the whole test and exited 0 (a QA pass): now the run stops there, exit 130,
+    and --resume evaluates the test split."""
+    import os
+
+    from vitlab.train.run import Run
+
+    real = Run.save
+
+    def save(self, name, *args, **kwargs):
+        real(self, name, *args, **kwargs)
+        if name == "last" and self.pos.epoch == at:  # the handler's signal
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(Run, "save", save)
+    at, run = 1, tmp_path / "early"  # at train.stop_at_epoch's: it exited 0 (a review)
+    assert (
+        main(["train", "--out", str(run), *FAST, "train.epochs=2", "train.stop_at_epoch=1"]) == 130
+    )
+    assert "stopped after epoch 1 (saved): continue with" in capsys.readouterr().err
+    at, run = 2, tmp_path / "run"
+    assert main(["train", "--out", str(run), *FAST, "train.epochs=2"]) == 130
+    err = capsys.readouterr().err
+    assert "stopped after epoch 2 (saved): continue with" in err, err
+    assert not (run / "results.json").exists() and "Traceback" not in err
+    monkeypatch.setattr(Run, "save", real)
+    assert main(["train", "--resume", str(run)]) == 0
+    assert json.loads((run / "results.json").read_text())["top1"] > 0.1  # chance: 0.1
+
+
 def test_sigterm_after_the_last_epoch_is_one_line(tmp_path, monkeypatch, capsys):
     """A real SIGTERM while the trained run writes its curves (after the training loop, whose
     handler saves and stops) ended the process silently with 143; now the same exit code and a
@@ -1099,6 +1130,10 @@ def test_finetune_leaves_out_the_pre_logits_layer_as_the_paper_does(tmp_path, ca
                                           "no weights for"):  # fmt: skip
         train(cfg(f"finetune.from={tuned}", "model.representation_size=8"), out=tmp_path / "x")
     assert not (tmp_path / "x").exists()
+    with pytest.raises(ConfigError, match=f"finetune.from={tuned}: model.patch_size=8: the "
+                                          "weights' patch size is 2"):  # fmt: skip
+        train(cfg(f"finetune.from={tuned}", "model.patch_size=8"), out=tmp_path / "x")
+    assert not (tmp_path / "x").exists()
 
 
 def test_finetune_from_timm_weights_takes_model_num_heads_as_the_sources(tmp_path, capsys):
@@ -1193,12 +1228,17 @@ def test_default_run_folders_of_runs_started_in_the_same_second_differ(tmp_path,
     assert default_run_folder(cfg()) == Path("runs/digits-T-3")
 
 
-def test_a_failed_start_leaves_no_empty_default_folder(tmp_path: Path) -> None:
+def test_a_failed_start_leaves_no_empty_default_folder(tmp_path: Path, monkeypatch) -> None:
     """The default folder is made at the start (two runs cannot take one); a start that fails
     on bad input once left it behind, empty, each time."""
     r = subprocess.run([*VITLAB, "train", "data.name=imagefolder:missing"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 2 and "missing" in r.stderr, r.stderr[-2000:]
+    assert not list((tmp_path / "runs").iterdir())
+    # in a process that goes on (a notebook), when train() fails, not at the process's exit
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="model.num_classes=3 but dataset digits has 10"):
+        train(cfg("model.num_classes=3"))
     assert not list((tmp_path / "runs").iterdir())
 
 
@@ -1357,6 +1397,10 @@ def test_resuming_a_run_killed_before_its_first_checkpoint_says_how_to_start_it(
     assert "has no checkpoint yet (a run still in its first epoch, or stopped before" in err
     assert f"--out {run} --overwrite" in err
     assert main(["train", *FAST, "train.epochs=1", "--out", str(run), "--overwrite"]) == 0
+    shutil.rmtree(run / "checkpoints" / "last")  # killed between its first best and last saves:
+    assert main(["train", "--resume", str(run)]) == 2  # said as that (a QA pass)
+    said = f"it has no last checkpoint, only {run / 'checkpoints' / 'best'} (which vitlab eval"
+    assert said in capsys.readouterr().err
 
 
 def test_weights_of_another_depth_copied_in_are_refused_on_resume(tmp_path: Path, capsys):

@@ -88,9 +88,10 @@ def write_image_folder(root: Path, per_class: int = 40) -> Path:
 
 class CtrlCAtCheck(run_mod.StopFlag):
     """The trainer's own Ctrl-C handling, with SIGINT raised at the `at`-th stop check (the
-    engine checks once an optimizer step), so the interruption lands mid-epoch every time."""
+    engine checks once an optimizer step, the run once more after each epoch's save), so the
+    interruption lands mid-epoch every time."""
 
-    at = 7
+    at = 8
     sent = signal.SIGINT  # or SIGTERM: the same stop, another exit code
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -132,7 +133,7 @@ def test_image_folder_run_interrupted_mid_epoch_resumes_exactly(tmp_path, monkey
         train(cfg(*common), out=tmp_path / "stopped")
     monkeypatch.undo()
     # 120 images: 24 test, 96 train of which 19 validation: 77 = 4 batches of 16 an epoch;
-    # checks 1-4 in epoch 1, the 7th before epoch 2's third batch
+    # checks 1-4 in epoch 1's steps, the 5th after its save, the 8th before epoch 2's third batch
     state = load_train_state(tmp_path / "stopped" / "checkpoints" / "last")
     assert (state["epoch"], state["batch"], state["step"]) == (1, 2, 6)
     assert state["partial"][3] == 2 * 16  # epoch 2's two batches so far, with their figures

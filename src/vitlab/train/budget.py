@@ -58,7 +58,7 @@ from pathlib import Path
 
 from vitlab.config import RunConfig
 from vitlab.duration import parse_duration
-from vitlab.formats.base import write_text
+from vitlab.formats.base import CheckpointError, write_text
 from vitlab.runtime import Dist, status_file
 from vitlab.train import distributed
 from vitlab.train.build import Data
@@ -214,11 +214,16 @@ class TimeBudget:
         self.pieces: list[tuple[int, float, int]] = []
         self.watch = not (resumed and self.file.is_file())
         if not self.watch:  # a resumed run keeps its plan
-            plan = json.loads(self.file.read_text())
-            total = int(plan["steps"])  # a plan written before "schedule": laid over its steps
-            laid = plan.get("schedule", {"span": total, "pieces": [[0, 0.0, total]]})
-            self.span = int(laid["span"])
-            self.pieces = [(int(a), float(w), int(n)) for a, w, n in laid["pieces"]]
+            try:  # a plan written before "schedule": laid over its steps
+                plan = json.loads(self.file.read_text(encoding="utf-8"))
+                total = int(plan["steps"])
+                laid = plan.get("schedule", {"span": total, "pieces": [[0, 0.0, total]]})
+                self.span = int(laid["span"])
+                self.pieces = [(int(a), float(w), int(n)) for a, w, n in laid["pieces"]]
+            except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+                raise CheckpointError(f"{self.file}, the run's time-budget plan, is damaged "
+                                      f"({type(e).__name__}: {e}): the run cannot go on as "
+                                      f"planned") from None  # fmt: skip
             self._fix(total, final=True)
             if d.is_main:
                 print(

@@ -25,7 +25,14 @@ from vitlab.models.checkpoint import (
     source_family,
 )
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
-from vitlab.models.registry import ModelConfig, config_of, family_of, get_config, shape_of
+from vitlab.models.registry import (
+    ModelConfig,
+    config_of,
+    family_of,
+    get_config,
+    other_patch_size,
+    shape_of,
+)
 from vitlab.runtime import Dist, first_rank, launched_processes, status_file
 from vitlab.train import distill
 from vitlab.validation import few
@@ -114,7 +121,7 @@ def resolve_model_config(
     if base is not None and family_of(base) == "cnn":  # the source's stem, at any new size
         base = base.replace(small_stem=base.uses_small_stem)
     said = saved is None and first_rank()  # once: not again on resume
-    if base is not None and said and cfg.model.name != ModelSection().name:
+    if base is not None and said and (cfg.model.named or cfg.model.name != ModelSection().name):
         named = get_config(cfg.model.name)  # said where it names another architecture
         rates = [k for k in RATES if k not in cfg.model.overrides
                  and getattr(named, k, None) != getattr(base, k, None)]  # fmt: skip
@@ -127,6 +134,8 @@ def resolve_model_config(
                         "model.KEY=VALUE for another)", cfg.model.name,
                         ", ".join(f"{k}={getattr(named, k)}" for k in rates),
                         ", ".join(f"{k}={getattr(base, k, None)}" for k in rates))  # fmt: skip
+    if base is not None and (wrong := other_patch_size(base, cfg.model.overrides)):
+        raise ConfigError(f"finetune.from={cfg.finetune.from_}: model.{wrong}")
     mc = config_of(cfg.model) if base is None else base.replace(**cfg.model.overrides)
     mc = mc.replace(**auto)
     batchnorm = family_of(mc) == "cnn" and not mc.bit  # BiT's ResNet-v2 has GroupNorm
@@ -220,14 +229,15 @@ def finetune_weights(
         notes.append(f"new zero-initialised head for {cfg.num_classes} classes")
     elif src_cfg.num_classes != cfg.num_classes:  # masked patch prediction: no classifier
         notes.append(f"the classifier of {src_cfg.num_classes} classes left out")
-    layers = getattr(src_cfg, "representation_size", None), getattr(cfg, "representation_size", 0)
-    if layers[1] and not layers[0]:
+    had = getattr(src_cfg, "representation_size", None)  # a pre-logits layer: the source's,
+    wants = getattr(cfg, "representation_size", None)  # the run's
+    if wants and not had:
         raise ConfigError(f"model.representation_size={cfg.representation_size} adds a pre-logits "
                           f"layer {source.where} has no weights for: drop it (the paper fine-tunes "
                           f"with one linear head)")  # fmt: skip
     src, _ = load_checkpoint(source, in_chans=cfg.in_chans, num_classes=cfg.num_classes, **moves)
     state = src.state_dict()
-    new_layer = layers[0] and not layers[1]  # the paper's fine-tuning head: one new linear layer
+    new_layer = had and not wants  # the paper's fine-tuning head: one new linear layer
     if new_layer:
         state = {k: v for k, v in state.items() if not k.startswith(("pre_logits.", "head."))}
         state.update({k: torch.zeros_like(v) for k, v in model.state_dict().items()

@@ -50,6 +50,7 @@ class _Hold(NamedTuple):
 
 
 _held: list[_Hold] = []
+_defaults: list[tuple[int, Path]] = []  # (thread, folder) default_run_folder made, not yet let go
 
 
 def resume_config(run: Path, overrides: list[str]) -> RunConfig:
@@ -65,9 +66,15 @@ def resume_config(run: Path, overrides: list[str]) -> RunConfig:
     if not path.is_file():
         raise CheckpointError(f"cannot resume {run}: it has no config.yaml (not a vitlab run)")
     if not has_checkpoint(Path(run)):  # in, or stopped (or killed) in, its first epoch
-        raise CheckpointError(f"cannot resume {run}: it has no checkpoint yet (a run still in "
-                              f"its first epoch, or stopped before it ended: start that one "
-                              f"again, its command with --out {run} --overwrite)")  # fmt: skip
+        best = Path(run) / "checkpoints" / "best"  # (written before last: killed between them)
+        why = (
+            "it has no checkpoint yet (a run still in its first epoch, or stopped before it ended)"
+        )
+        if best.exists():
+            why = (f"it has no last checkpoint, only {best} (which vitlab eval reads: killed as "
+                   f"its first epoch was saved), not the training state")  # fmt: skip
+        raise CheckpointError(f"cannot resume {run}: {why}: start it again, its command with "
+                              f"--out {run} --overwrite")  # fmt: skip
     cfg = load_saved_config(path)  # read once; damaged: said, not read as the defaults
     tree, saved = cfg.to_tree(), saved_tree(cfg)
     for item in overrides:  # compared as saved: data.name=imagefolder:RELATIVE restates it
@@ -112,7 +119,7 @@ def note_finished(epoch: int, step: int, cfg: RunConfig) -> None:
         limit = f"epoch {epoch} of {t.epochs}"
     extend = t.time_budget is None and t.max_steps is None  # refused for the others
     how = "; --extend train.epochs=N trains it longer" if extend else ""
-    log.info("note: the run had finished (%s): nothing left to train; its test is evaluated again"
+    log.info("note: the run had finished (%s): nothing left to train; its test is evaluated"
              "%s", limit, how)  # fmt: skip
 
 
@@ -273,6 +280,9 @@ def release_run_folders() -> None:
     so do the folders the claim made (a start that failed leaves nothing)."""
     for held in [h for h in _held if h.thread == threading.get_ident() and h.run]:
         _let_go(held)
+    for made in [m for m in _defaults if m[0] == threading.get_ident()]:  # default_run_folder's,
+        _defaults.remove(made)  # now, not at the process's exit (a notebook's failed train())
+        _remove_if_empty(made[1], made[1])
 
 
 def _let_go(held: _Hold) -> None:
@@ -340,15 +350,17 @@ def replace_run(out: Path, d: Dist, device: torch.device, replace: bool) -> None
 
 def default_run_folder(cfg: RunConfig) -> Path:
     """runs/DATASET-DATE-TIME, with -2, -3, ... when a run started in the same second: made here,
-    so that two runs started together cannot both take it (and removed at exit if still empty:
-    a start that failed on bad input leaves nothing)."""
+    so that two runs started together cannot both take it (and removed when the run ends, or at
+    the process's exit, if still empty: a start that failed on bad input leaves nothing)."""
     base = Path("runs") / time.strftime(f"{cfg.data.name.split(':')[0]}-%Y%m%d-%H%M%S")
     base.parent.mkdir(parents=True, exist_ok=True)
     out, n = base, 1
     while True:
         try:
             out.mkdir()
-            atexit.register(_remove_if_empty, out, out)
+            where = out.absolute()  # the same folder after a chdir
+            atexit.register(_remove_if_empty, where, where)
+            _defaults.append((threading.get_ident(), where))
             return out
         except FileExistsError:
             n += 1

@@ -46,7 +46,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 
 
 def learning_rate(cfg: OptimConfig, step: int, total_steps: int, warmup_steps: int) -> float:
-    """Linear warm-up from 0 to cfg.lr over warmup_steps, then cosine / linear decay to min_lr
+    """Linear warm-up to cfg.lr over warmup_steps (step i at (i + 1) / warmup_steps of it: the
+    first step trains, the last warm-up step and the first decay step are at cfg.lr; timm's
+    CosineLRScheduler starts at 0 and is one step behind), then cosine / linear decay to min_lr
     (or constant) until total_steps."""
     if step < warmup_steps:
         return cfg.lr * (step + 1) / warmup_steps

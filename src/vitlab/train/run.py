@@ -357,14 +357,16 @@ class Run:
             while pos.epoch < cfg.train.epochs and pos.step < (cfg.train.max_steps or inf):
                 trained, stats = True, self._epoch(stop)
                 self._end_of_epoch(stats)
+                if distributed.any_rank(stop.requested, self.d, self.device):  # during the save
+                    where = f"stopped after epoch {pos.epoch} (saved)"
+                    raise TrainingStopped(where, distributed.resume_command(self.out, self.d),
+                                          stop.signum)  # fmt: skip
                 if cfg.train.stop_at_epoch == pos.epoch and pos.epoch < cfg.train.epochs:
                     if self.d.is_main:
                         self.log.finish()
-                        print(
-                            f"stopped after epoch {pos.epoch} (train.stop_at_epoch); continue "
-                            f"with {distributed.resume_command(self.out, self.d)}",
-                            file=status_file(),
-                        )
+                        print(f"stopped after epoch {pos.epoch} (train.stop_at_epoch); continue "
+                              f"with {distributed.resume_command(self.out, self.d)}",
+                              file=status_file())  # fmt: skip
                     return False
         if self.d.is_main and not trained and pos.step:  # --resume of a run that had finished
             folder.note_finished(pos.epoch, pos.step, cfg)
