@@ -320,6 +320,22 @@ def test_cost_equals_the_flop_counter_on_a_real_forward(name: str, size: int | N
     assert 2 * r["forward_macs"] == counter.get_total_flops()
 
 
+def test_cost_at_another_size_builds_a_name_as_create_model_and_keeps_a_configs_stem() -> None:
+    """`vitlab cost resnet18 --img-size 32` counted the standard stem where create_model (and a
+    config file's model.img_size) takes the small one, 15x fewer MACs; a built model's config (a
+    checkpoint's, a run's) keeps its stem, as set_image_size does."""
+    for name, size in (("resnet18", 32), ("resnet18_28", 224), ("resnet50", 20)):
+        r = cost_report(name, img_size=size)
+        built = create_model(name, img_size=size)
+        assert r["small_stem"] == built.config.uses_small_stem == (size <= 32), name
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():
+            built.eval()(torch.randn(1, r["in_chans"], size, size))
+        assert 2 * r["forward_macs"] == counter.get_total_flops(), name
+    trained = create_model("resnet18_28").config  # small_stem None, the small one built
+    assert cost_report(trained, img_size=224)["small_stem"] is True
+
+
 def test_cost_and_models_commands(capsys) -> None:
     assert main(["cost", "resnet18_28", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

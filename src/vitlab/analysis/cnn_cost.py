@@ -119,13 +119,16 @@ def cnn_cost_report(
     label: str | None = None,
 ) -> dict:
     """Everything `vitlab cost` prints for a CNN (a registered name or a config, under `label`
-    where given), as a JSON-ready dict. At another img_size the stem stays the model's own (as
-    ResNet.set_image_size). The module is built on the meta device."""
+    where given), as a JSON-ready dict. At another img_size a registered name takes the stem
+    create_model(name, img_size=...) gives it (the small one at 32 px and below); a config's
+    (a checkpoint's, a run's) stays its own, as ResNet.set_image_size keeps a built model's. The
+    module is built on the meta device."""
     name, cfg = named_config(model, label)
     if not isinstance(cfg, CNNConfig):
         raise ValueError(f"{name} is not a CNN (see vitlab.analysis.cost_report)")
     if img_size is not None:
-        cfg = cfg.replace(img_size=img_size, small_stem=cfg.uses_small_stem)
+        named = isinstance(model, str) and cfg.small_stem is None  # as create_model builds it
+        cfg = cfg.replace(img_size=img_size, small_stem=None if named else cfg.uses_small_stem)
     with torch.device("meta"):
         params = cnn_param_breakdown(build_model(cfg))
     grid, stem_macs = stem_cost(cfg)

@@ -179,10 +179,10 @@ def plot_distances(distances: Tensor, path: Path, title: str) -> None:
     ax.set(xlabel="network depth (layer)", ylabel="mean attention distance (pixels)", title=title)
     ax.set_xticks(range(1, depth + 1))
     if heads <= 16:
-        ax.legend(fontsize=6, ncol=2, loc="lower right")
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the dots
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

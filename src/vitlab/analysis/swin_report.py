@@ -74,10 +74,10 @@ def plot_swin_distances(
         title="mean attention distance within windows",
     )
     ax.set_xticks(range(1, len(blocks) + 1))
-    ax.legend(fontsize=6, loc="upper left")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the dots
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
