@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 
 import torch
@@ -27,6 +26,7 @@ from vitlab.models.cpu_attention import attention
 from vitlab.models.cpu_kernels import use_kernel
 
 sys.path.insert(0, os.path.dirname(__file__))
+from machine_info import cpu_flags  # noqa: E402
 from model_speed import hold_to, matmul_peak, median_seconds  # noqa: E402
 
 DEFAULT = [
@@ -73,7 +73,7 @@ def main() -> None:
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else DEFAULT
     threads = args.threads or [torch.get_num_threads()]
     isa = torch.backends.cpu.get_cpu_capability()
-    print(f"torch {torch.__version__}, {platform.processor()}, kernels {isa}")
+    print(f"torch {torch.__version__}, {cpu_flags()}, kernels {isa}")
     torch.manual_seed(0)
     for n in threads:
         torch.set_num_threads(n)

@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from machine_info import cpu_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 AVX2_ENV = {  # as model_speed.py's: ATen's dispatch, oneDNN and MKL held to AVX2
@@ -48,20 +50,6 @@ GOAL2 = [  # name, vitlab train's arguments, top-1 target, seconds
     ("digits", ["--config", "configs/digits.yaml"], 0.95, 60),
     ("plain vitlab train", [], 0.95, 60),
 ]
-
-
-def cpu_flags() -> str:
-    """The CPU's model name and the flags that decide the fast path (Linux)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if "model name" in ln), "")
-    flags = next(
-        (ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []
-    )
-    keep = [f for f in flags if f in ("avx2", "fma") or f.startswith(("avx512", "amx", "avx_vnni"))]
-    return f"{name}; {os.cpu_count()} CPUs; " + " ".join(sorted(set(keep)))
 
 
 class Failed(Exception):
@@ -173,7 +161,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **(AVX2_ENV if args.isa == "avx2" else {})}
     print(f"{cpu_flags()}; path: {args.isa}; logs under {out}", flush=True)
-    judged = args.isa == "avx2" or "avx512f" not in cpu_flags().split()
+    flags = cpu_flags().split()  # judged where the path is AVX2 (an x86 CPU's without AVX-512)
+    judged = args.isa == "avx2" or ("avx2" in flags and "avx512f" not in flags)
     if not judged:
         print("goal 1's targets are an AVX2-only CPU's: shown, not judged, on this path")
     rows, parts = [], {1: lambda: goal1(out, env, args.isa, judged), 2: lambda: goal2(out, env)}

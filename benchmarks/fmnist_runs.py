@@ -5,7 +5,6 @@ benchmark interrupted by the session's end continues where it stopped)."""
 from __future__ import annotations
 
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -23,22 +22,6 @@ RECIPE = ["data.name=fashion-mnist", "train.batch_size=128", "optim.lr=0.002",
           "optim.weight_decay=0.05", "optim.warmup_epochs=0.3",
           "optim.label_smoothing=0.1"]  # fmt: skip
 TRAIN_IMAGES = 54_000  # Fashion-MNIST's training split less the 10% validation
-
-
-def cpu() -> str:
-    """The CPU's model name and the flags that decide the fast path."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if "model name" in ln), "")
-    flags = set(
-        next(
-            (ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []
-        )
-    )
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return f"{name} ({', '.join(f for f in wanted if f in flags)})"
 
 
 def training_img_s(overrides: list[str]) -> float:

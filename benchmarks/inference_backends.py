@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
+from machine_info import cpu_flags
 from model_speed import median_seconds, randomize_heads, timm_twin
 
 import vitlab
@@ -127,7 +127,7 @@ def main() -> None:
     import onnxruntime
 
     print(f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, {args.threads} "
-          f"threads, {platform.processor() or platform.machine()}")  # fmt: skip
+          f"threads, {cpu_flags()}")  # fmt: skip
     results = []
     for case in args.cases:
         row = speed(case, args.repeats, args.threads)

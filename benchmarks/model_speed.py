@@ -19,6 +19,17 @@ of vitlab's stem, so the encoder is what differs.
 MFU: each row's FLOP/s against the same run's measured peak, a 2048x2048 matrix product in the
 row's precision. A ViT's FLOPs are 2 x `vitlab cost`'s forward MACs (attention products included),
 other models' PyTorch's FlopCounterMode count of the forward; a training step is 3x a forward.
+These are the model's FLOPs, every row of every block as timm computes them, for both libraries:
+vitlab's last block computes the class token's rows only (`--all-rows`), so the products it runs
+are fewer (a count on 2026-12-06: 0.76 of the training step's for nano, 0.84 micro, 0.79 the conv
+stem, 0.92 Ti/16 and B/16 forward), and its MFU overstates its share of the matrix-product peak
+by the inverse.
+
+On a bf16 CPU the bf16 pass also times timm's fp32 training step interleaved with vitlab's
+(timm_fp32_train_* columns): default_train_vs_timm_fp32, vitlab's default path (train.precision=
+auto) against timm's eager fp32, is taken from that pass (it divided two passes' figures before
+2026-12-06). The run's CPU (model name and the flags that decide its fast path) is printed and
+kept in the JSON's first row.
 
 `--channels-last` adds a third contestant, vitlab's model as `train.channels_last` trains it
 (convolution weights and images in NHWC memory), timed interleaved with the other two.
@@ -60,7 +71,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import re
 import sys
 import time
@@ -71,6 +81,7 @@ from functools import partial
 
 import torch
 import yaml
+from machine_info import cpu_flags
 
 import vitlab
 from vitlab.analysis.cost import forward_macs, matrix_products
@@ -363,13 +374,14 @@ def main() -> None:
         runs = [(m, args.batch) for m, _ in runs]
     torch.manual_seed(0)
     isa = torch.backends.cpu.get_cpu_capability()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor()}, "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_flags()}, "
           f"kernels {isa}, optimizer {args.optimizer}")  # fmt: skip
     precisions = (False, True) if native and cpu_has_bf16() else (False,)
     peaks = {bf16: matmul_peak(torch.bfloat16 if bf16 else torch.float32) for bf16 in precisions}
     print(json.dumps({"matmul_2048_gflop_s": {("bf16" if k else "fp32"): round(v / 1e9, 1)
                                               for k, v in peaks.items()}}))  # fmt: skip
-    results = [{"kernels": isa, "optimizer": args.optimizer, "threads": torch.get_num_threads(),
+    results = [{"cpu": cpu_flags(), "kernels": isa, "optimizer": args.optimizer,
+                "threads": torch.get_num_threads(),
                 "matmul_2048_gflop_s": {("bf16" if k else "fp32"): round(v / 1e9, 1)
                                         for k, v in peaks.items()}}]  # fmt: skip
     for name, batch in runs:
@@ -424,13 +436,20 @@ def main() -> None:
             }
             if "vitlab_sdpa" in fns:
                 fns["vitlab_sdpa"] = without_kernel(fns["vitlab_sdpa"])
+            if bf16 and not args.infer_only:  # vitlab's default path against timm's eager fp32,
+                fns["timm_fp32"] = step_fns(theirs, x, y, False, opts["timm"])  # interleaved
             for i, kind in enumerate(("infer",) if args.infer_only else ("infer", "train")):
-                timed = {lib: f[i] for lib, f in fns.items()  # packed: fp32 inference only
-                         if lib != "vitlab_packed" or (kind == "infer" and not bf16)}  # fmt: skip
+                timed = {  # packed: fp32 inference only; timm's fp32 beside bf16: training
+                    lib: f[i]
+                    for lib, f in fns.items()
+                    if lib != "vitlab_packed" or (kind == "infer" and not bf16)
+                    if lib != "timm_fp32" or kind == "train"
+                }  # fp32 beside bf16: training
                 secs = median_seconds(timed, args.steps)
                 for lib, s in secs.items():
                     row[f"{lib}_{kind}_img_s"] = round(batch / s, 1)
-                    row[f"{lib}_{kind}_mfu"] = round(flops[kind] / s / peaks[bf16], 3)
+                    peak = peaks[bf16 and lib != "timm_fp32"]
+                    row[f"{lib}_{kind}_mfu"] = round(flops[kind] / s / peak, 3)
                 row[f"{kind}_ratio"] = round(secs["timm"] / secs["vitlab"], 3)
                 if "vitlab_packed" in secs:
                     row["infer_packed_gain"] = round(secs["vitlab"] / secs["vitlab_packed"], 3)
@@ -456,12 +475,13 @@ def main() -> None:
             continue
         # vitlab's default path (train.precision=auto) against timm's eager fp32
         default = "bf16" if native and use_bf16("auto", x.device) else "fp32"
+        timm_fp32 = "timm_fp32" if default == "bf16" else "timm"  # timed in the same pass
         summary = {
             "model": name,
             "default_precision": default,
             "default_train_vs_timm_fp32": round(
                 by_precision[default]["vitlab_train_img_s"]
-                / by_precision["fp32"]["timm_train_img_s"],
+                / by_precision[default][f"{timm_fp32}_train_img_s"],
                 2,
             ),
         }

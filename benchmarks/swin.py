@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 import torch
-from fmnist_runs import cpu, same_budget
+from fmnist_runs import same_budget
+from machine_info import cpu_flags
 from model_speed import median_seconds, optimizer, step_fns
 
 import vitlab
@@ -130,7 +131,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/swin-fmnist"), help="fmnist: runs")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu()}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_flags()}")
     if args.part == "speed":
         results = speed(args.steps)
     elif args.part == "memory":

@@ -23,7 +23,8 @@ import json
 from pathlib import Path
 
 import torch
-from fmnist_runs import cpu, same_budget, train
+from fmnist_runs import same_budget, train
+from machine_info import cpu_flags
 
 FULL_PRESET = Path(__file__).resolve().parent.parent / "configs" / "fashion-mnist.yaml"
 TEACHER = ["model.name=resnet18_28", "data.name=fashion-mnist", "data.crop_padding=1",
@@ -77,7 +78,7 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=150.0, help="stems: training seconds each")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu()}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_flags()}")
     if args.part == "teacher":
         results: object = teacher(args.teacher or args.out / "teacher", args.teacher_epochs)
     elif args.part == "deit":
