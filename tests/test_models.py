@@ -81,6 +81,17 @@ def test_aliases_and_unknown_names() -> None:
         vitlab.list_models(family="cnnx")  # once an empty list
     with pytest.raises(vitlab.UnknownModelError, match="a model name is a string.*got 16"):
         vitlab.create_model(16)  # once AttributeError: 'int' object has no attribute 'lower'
+    # timm's list of patterns (any one matches); a config built as create_model(name) builds it
+    assert vitlab.list_models(["vit_tiny*", "Swin-T"]) == [
+        "vit_tiny_patch16_224", "vit_tiny_patch16_384", "swin_tiny_patch4_window7_224",
+    ]  # fmt: skip
+    with pytest.raises(TypeError, match="pattern is a glob pattern or a list of them, got \\[1\\]"):
+        vitlab.list_models([1])
+    cfg = vitlab.get_config("vit_nano_patch4_28")
+    model = vitlab.create_model(cfg, num_classes=3)
+    assert model.config == cfg.replace(num_classes=3) and model.head.weight.shape == (3, 64)
+    with pytest.raises(vitlab.UnknownModelError, match="create_model\\(config\\) builds a config"):
+        vitlab.get_config(cfg)
 
 
 def test_config_overrides_are_strict() -> None:

@@ -49,6 +49,14 @@ def test_resample_errors() -> None:
         resample_pos_embed(torch.randn(1, 11, 4), (4, 4), (3, 3), num_prefix_tokens=1)
     with pytest.raises(ValueError, match="cannot infer the grid"):
         resample_pos_embed(torch.randn(1, 13, 4), (4, 4), num_prefix_tokens=1)
+    # one number is a square grid (it was "'int' object is not subscriptable"); others said
+    timm_layers = pytest.importorskip("timm.layers")
+    pe = torch.randn(1, 1 + 14 * 14, 8)
+    ref = timm_layers.resample_abs_pos_embed(pe, [10, 10], [14, 14], num_prefix_tokens=1)
+    torch.testing.assert_close(resample_pos_embed(pe, 10, 14, 1), ref, atol=1e-6, rtol=0)
+    for grid in [(0, 3), (1, 2, 3), 2.5, "ab"]:
+        with pytest.raises(ValueError, match=r"new_grid is \(rows, columns\) of patches or one"):
+            resample_pos_embed(pe, grid)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -418,3 +418,36 @@ def test_preprocessing_dicts_round_trip_and_old_ones_still_load() -> None:
     assert (loaded.crop_mode, loaded.reference) == ("center", None)
     with pytest.raises(ValueError, match="crop_mode must be one of"):
         Preprocessing((32, 32), 3, HALF, HALF, crop_pct=0.9, crop_mode="letterbox")
+
+
+def test_batch_takes_uint8_images_and_the_models_channels_as_eval_does() -> None:
+    """A float batch in [0, 1] was divided by 255 again (every value about -1, no word); a grey
+    batch for an RGB model failed in a broadcast; bad statistics were taken (a std of 0 gave
+    NaN later): each is now refused or converted as `vitlab eval` converts a dataset."""
+    pre = Preprocessing((8, 8), 3, HALF, HALF)
+    images = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    expected = (images.float() / 255 - 0.5) / 0.5  # by hand
+    torch.testing.assert_close(pre.batch(images), expected, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match=r"expected uint8 images \(0..255\), got torch.float32"):
+        pre.batch(images.float() / 255)
+    with pytest.raises(ValueError, match=r"got \(3, 8, 8\) \(one image: images\[None\]\)"):
+        pre.batch(images[0])
+    with pytest.raises(ValueError, match="expected images of 3 channels .or grey., got 2"):
+        pre.batch(images[:, :2])
+    grey = images[:, :1]
+    torch.testing.assert_close(pre.batch(grey), expected[:, :1].expand(-1, 3, -1, -1))
+    luma = (images.double() * torch.tensor([0.2989, 0.587, 0.114]).view(1, 3, 1, 1)).sum(1)
+    one = Preprocessing(8, 1, (0.5,), (0.5,))  # a square's one number, as timm's sizes
+    assert one.img_size == (8, 8)
+    got = one.batch(images)[:, 0].double() * 0.5 + 0.5  # back in [0, 1]
+    assert (got * 255 - luma).abs().max() <= 1.0  # ITU-R 601 luma, within a grey level
+    for bad, said in [
+        (dict(mean=(0.5, 0.5)), "a value per channel, 3 for in_chans=3; got 2 and 3"),
+        (dict(std=(0.0, 1.0, 1.0)), "std positive"),
+        (dict(std=(0.5, math.nan, 0.5)), "std positive"),
+        (dict(in_chans=0, mean=(), std=()), "in_chans is a number of channels .1 or more., got 0"),
+        (dict(img_size=(8, 0)), "img_size is .height, width. in pixels"),
+        (dict(mean=0.5), "mean is a value per channel, got 0.5"),
+    ]:
+        with pytest.raises(ValueError, match=said):
+            Preprocessing(**{"img_size": (8, 8), "in_chans": 3, "mean": HALF, "std": HALF, **bad})

@@ -6,6 +6,7 @@ timm's pretrained cfg, transformers' image processors)."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 
 import torch
@@ -26,6 +27,13 @@ def _tf():
     from torchvision.transforms.v2 import functional
 
     return functional
+
+
+def _per_channel(values: object, name: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in values)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} is a value per channel, got {values!r}") from None
 
 
 def crop_pct_for(crop: int, resize: int) -> float:
@@ -65,6 +73,26 @@ class Preprocessing:
     reference: str | None = None
 
     def __post_init__(self) -> None:
+        size = self.img_size
+        try:
+            pair = (size, size) if isinstance(size, numbers.Integral) else tuple(size)
+            ok = len(pair) == 2 and all(isinstance(n, numbers.Integral) and n > 0 for n in pair)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"img_size is (height, width) in pixels, or one number for a "
+                             f"square, got {size!r}")  # fmt: skip
+        self.img_size = (int(pair[0]), int(pair[1]))
+        if not isinstance(self.in_chans, numbers.Integral) or self.in_chans < 1:
+            raise ValueError(f"in_chans is a number of channels (1 or more), got {self.in_chans!r}")
+        self.mean, self.std = _per_channel(self.mean, "mean"), _per_channel(self.std, "std")
+        if len(self.mean) != self.in_chans or len(self.std) != self.in_chans:
+            raise ValueError(f"mean and std have a value per channel, {self.in_chans} for "
+                             f"in_chans={self.in_chans}; got {len(self.mean)} and "
+                             f"{len(self.std)}: {self.mean}, {self.std}")  # fmt: skip
+        if not all(math.isfinite(v) for v in self.mean + self.std) or min(self.std) <= 0:
+            raise ValueError(f"mean must be finite and std positive (they divide), got mean "
+                             f"{self.mean}, std {self.std}")  # fmt: skip
         if self.interpolation not in _MODES:
             raise ValueError(
                 f"interpolation must be one of {sorted(_MODES)}, got {self.interpolation!r}"
@@ -157,13 +185,39 @@ class Preprocessing:
         """uint8 (B, C, h, w) at img_size -> float (B, C, h, w), scaled to [0, 1], normalised:
         x * (1 / (255 std)) - mean / std, in two passes over one new tensor (the chain of four
         a float(), a div and torchvision's normalize take costs twice the time)."""
+        self._uint8(images)
         mean = torch.tensor(self.mean, dtype=torch.float32, device=images.device).view(-1, 1, 1)
         std = torch.tensor(self.std, dtype=torch.float32, device=images.device).view(-1, 1, 1)
         x = images.to(torch.float32, copy=True)  # never the caller's tensor, changed in place
         return x.mul_(1.0 / (255.0 * std)).add_(-mean / std)
 
+    def _uint8(self, images: Tensor) -> None:
+        if images.dtype != torch.uint8:  # a float one was divided by 255 again, without a word
+            raise ValueError(
+                f"expected uint8 images (0..255), got {images.dtype}: a float image in [0, 1] is "
+                f"(x * 255).round().to(torch.uint8), or normalise it as (x - mean) / std, mean "
+                f"{self.mean}, std {self.std}"
+            )
+
     def batch(self, images: Tensor) -> Tensor:
-        """uint8 (B, C, H, W) -> normalised float (B, C, h, w) at img_size."""
+        """uint8 (B, C, H, W) -> normalised float (B, in_chans, h, w) at img_size. As `vitlab
+        eval` takes images: a grey batch for an RGB model is repeated to RGB, an RGB one for a
+        grey model converted (ITU-R 601 luma, torchvision's rgb_to_grayscale)."""
+        if not isinstance(images, Tensor) or images.ndim != 4:
+            got = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
+            one = isinstance(images, Tensor) and images.ndim == 3
+            raise ValueError(f"expected a uint8 batch (B, C, H, W), got {got}"
+                             f"{' (one image: images[None])' * one}")  # fmt: skip
+        self._uint8(images)
+        have = images.shape[1]
+        if have != self.in_chans:
+            if have == 1:
+                images = images.expand(-1, self.in_chans, -1, -1)
+            elif have == 3 and self.in_chans == 1:
+                images = _tf().rgb_to_grayscale(images)
+            else:
+                raise ValueError(f"expected images of {self.in_chans} channels (or grey), got "
+                                 f"{have} in a batch of shape {tuple(images.shape)}")  # fmt: skip
         return self.normalize(self.resize(images))
 
     def pil(self, image: Image.Image) -> Tensor:

@@ -73,8 +73,8 @@ def check_dtype(x: Tensor, weight: Tensor) -> None:
     if not isinstance(x, Tensor) or not x.is_floating_point():  # a uint8 batch, a numpy array
         got = x.dtype if isinstance(x, Tensor) else f"a {type(x).__name__}, not a torch.Tensor"
         raise ValueError(
-            f"expected float images, got {got}: scale them to [0, 1] and normalise (a loaded "
-            "checkpoint's model.preprocessing.batch(images) does it for a uint8 batch)"
+            f"expected float images, got {got}: scale them to [0, 1] and normalise (a uint8 "
+            "batch: a loaded model's model.preprocessing.batch(images), vitlab.Preprocessing's)"
         )
     t = x.device.type  # no autocast on the meta device (FLOP counts, shapes)
     autocast = torch.amp.is_autocast_available(t) and torch.is_autocast_enabled(t)

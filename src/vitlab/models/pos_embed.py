@@ -14,16 +14,29 @@ from torch import Tensor, nn
 Grid = tuple[int, int]
 
 
+def _grid(grid: Grid | int, name: str) -> tuple[int, int]:
+    """(rows, columns) of patches: a pair, or one number for a square grid."""
+    try:
+        pair = (grid, grid) if isinstance(grid, int) else tuple(grid)  # type: ignore[arg-type]
+        if len(pair) == 2 and all(int(n) == n and n > 0 for n in pair):
+            return int(pair[0]), int(pair[1])
+    except (TypeError, ValueError):
+        pass
+    raise ValueError(f"{name} is (rows, columns) of patches or one number for a square grid, "
+                     f"got {grid!r}")  # fmt: skip
+
+
 def resample_pos_embed(
     pos_embed: Tensor,
-    new_grid: Grid,
-    old_grid: Grid | None = None,
+    new_grid: Grid | int,
+    old_grid: Grid | int | None = None,
     num_prefix_tokens: int = 1,
     interpolation: str = "bicubic",
     antialias: bool = True,
     align_corners: bool = False,
 ) -> Tensor:
-    """Resample a 1-D position table (1, prefix + gh * gw, D) to another patch grid (paper §3.2).
+    """Resample a 1-D position table (1, prefix + gh * gw, D) to another patch grid (paper §3.2);
+    a grid is (gh, gw), or one number for a square one.
 
     The patch part is interpolated in 2-D in float32; the prefix rows (class, distillation tokens)
     are kept as they are. `old_grid` defaults to the square grid that fits the table. Resampling to
@@ -35,6 +48,8 @@ def resample_pos_embed(
             f"expected a position table of shape (1, T, D), got {tuple(pos_embed.shape)}"
         )
     num_patches = pos_embed.shape[1] - num_prefix_tokens
+    new_grid = _grid(new_grid, "new_grid")
+    old_grid = None if old_grid is None else _grid(old_grid, "old_grid")
     if old_grid is None:
         side = math.isqrt(num_patches)
         if side * side != num_patches:
@@ -48,8 +63,7 @@ def resample_pos_embed(
             f"position table has {num_patches} patch rows after {num_prefix_tokens} prefix tokens, "
             f"but old_grid {old_grid[0]}x{old_grid[1]} has {old_grid[0] * old_grid[1]}"
         )
-    new_grid = (int(new_grid[0]), int(new_grid[1]))
-    if tuple(old_grid) == new_grid:
+    if old_grid == new_grid:
         return pos_embed
     prefix, patches = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     dim = pos_embed.shape[-1]

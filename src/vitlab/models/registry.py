@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+from collections.abc import Sequence
 
 from vitlab.config import ModelSection, check_keys, validate
 from vitlab.models.cnn import CNN, CNNConfig, ResNet
@@ -251,7 +252,8 @@ for _res, _chans, _data in ((28, 1, "28x28 greyscale"), (32, 3, "32x32 colour"))
 def resolve_name(name: str) -> str:
     """The registered name for `name` or its alias; unknown names raise with the closest names."""
     if not isinstance(name, str):
-        raise UnknownModelError(f"a model name is a string like 'B/16', got {name!r}")
+        built = " (create_model(config) builds a config)" * isinstance(name, ModelConfig)
+        raise UnknownModelError(f"a model name is a string like 'B/16', got {name!r}{built}")
     if name in _MODELS:
         return name
     if name in _ALIASES:
@@ -344,24 +346,29 @@ def build_model(config: ModelConfig) -> Model:
     raise TypeError(f"expected a ViTConfig, SwinConfig or CNNConfig, got {type(config).__name__}")
 
 
-def create_model(name: str, **overrides: object) -> Model:
+def create_model(name: str | ModelConfig, **overrides: object) -> Model:
     """Build a registered model, e.g. create_model("B/16", num_classes=10, img_size=384),
-    create_model("Swin-T", num_classes=10) or create_model("resnet18", num_classes=10)."""
+    create_model("Swin-T", num_classes=10) or create_model("resnet18", num_classes=10); or one
+    of a config (get_config's, a checkpoint's), with any overrides."""
+    if isinstance(name, ViTConfig | SwinConfig | CNNConfig):
+        return build_model(name.replace(**overrides) if overrides else name)
     return build_model(get_config(name, **overrides))
 
 
-def list_models(pattern: str | None = None, family: str | None = None) -> list[str]:
+def list_models(pattern: str | Sequence[str] | None = None, family: str | None = None) -> list[str]:
     """Registered names (aliases excluded), optionally filtered by a glob pattern on names and
-    aliases, in any case as names are resolved ('B/*' and 'b/*' list B/16's name too) and a
-    model family ('vit', 'swin', 'cnn'; None: all)."""
+    aliases (or a list of them, as timm's: any one), in any case as names are resolved ('B/*'
+    and 'b/*' list B/16's name too) and a model family ('vit', 'swin', 'cnn'; None: all)."""
     if family not in (None, "vit", "swin", "cnn"):
         raise ValueError(f"family must be 'vit', 'swin' or 'cnn' (or None: all), got {family!r}")
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern or ["*"])
+    if not all(isinstance(p, str) for p in patterns):
+        raise TypeError(f"pattern is a glob pattern or a list of them, got {pattern!r}")
     return [
         n
         for n, cfg in _MODELS.items()
-        if (
-            pattern is None
-            or any(fnmatch.fnmatchcase(a.lower(), pattern.lower()) for a in [n, *aliases_of(n)])
+        if any(
+            fnmatch.fnmatchcase(a.lower(), p.lower()) for a in [n, *aliases_of(n)] for p in patterns
         )
         and (family is None or family_of(cfg) == family)
     ]
