@@ -197,6 +197,17 @@ def test_cifar_hostile_pickle_and_missing_files(tmp_path: Path) -> None:
         load_split("cifar10", "test", str(tmp_path))
     with pytest.raises(DatasetError, match="not found"):  # offline (conftest)
         load_split("cifar100", "test", str(tmp_path / "empty"))
+    # a label out of range and a batch missing: said which, where (it said every file missing)
+    folder = tmp_path / "cifar-10-batches-py"
+    batch = pickle.loads(cifar_batch(3, 9))
+    batch[b"labels"][1] = 10
+    (folder / "test_batch").write_bytes(pickle.dumps(batch))
+    with pytest.raises(DatasetError, match=rf"test_batch \(under {tmp_path}\): labels\[1\] is "
+                                           r"10, not a class index 0..9"):  # fmt: skip
+        load_split("cifar10", "test", str(tmp_path))
+    (folder / "data_batch_5").unlink()
+    with pytest.raises(DatasetError, match=rf"{folder} holds CIFAR files but not \['data_b"):
+        load_split("cifar10", "train", str(tmp_path))
 
 
 def test_processes_fetching_one_file_take_turns(tmp_path: Path, monkeypatch) -> None:

@@ -255,8 +255,21 @@ def test_a_test_split_with_no_readable_image_is_an_error_not_zero(run, tmp_path,
     args = ["eval", str(run), "--data", f"imagefolder:{root}", "--out", str(tmp_path / "out")]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "no image could be evaluated" in err and "(test)" in err
-    assert not list((tmp_path / "out").glob("*.png"))
+    assert "no image could be evaluated (each of its 359 skipped as unreadable)" in err
+    assert "(test)" in err and not list((tmp_path / "out").glob("*.png"))
+    # training on it: results.json said top-1 0.00%, loss 0 on 0 images (a QA pass); now none
+    out = tmp_path / "trained"
+    args = ["train", f"data.name=imagefolder:{root}", "data.val_fraction=0", "train.max_steps=2",
+            "train.batch_size=32", "model.depth=1", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    assert "test: no image could be evaluated" in capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["num_images"] == 0 and results["top1"] is results["loss"] is None
+    # nor does `vitlab data shard` write a split of no shards (training then said to write more)
+    dst = tmp_path / "shards"
+    assert main(["data", "shard", f"imagefolder:{root}", str(dst), "--workers", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "the test split: none of its 359 images decodes" in err and not dst.exists()
 
 
 def test_an_image_folder_that_is_a_file_is_said_to_be_one(run, tmp_path, capsys) -> None:

@@ -47,7 +47,7 @@ def test_save_to_disk_and_parquet_columns_found_or_named(tmp_path: Path) -> None
         load_split(f"hf:{tmp_path / 'odd.parquet'}", "all")
     odd = load_split(f"hf:{tmp_path / 'odd.parquet'}", "all", keys=(None, "y"))  # image: by type
     assert len(odd) == 12 and odd.classes == ["0", "1", "2"]
-    with pytest.raises(DatasetError, match="data.image_key=photo: no such column"):
+    with pytest.raises(DatasetError, match=r"image_key=photo \(data shard: --image-key\): no such"):
         load_split(f"hf:{tmp_path / 'odd.parquet'}", "all", keys=("photo", "y"))
     with pytest.raises(DatasetError, match="cannot load the Hugging Face dataset"):
         load_split(f"hf:{tmp_path / 'missing.parquet'}", "train")

@@ -93,11 +93,14 @@ def _cifar_arrays(batch: dict, label_key: str, classes: int, where: str) -> tupl
     labels = _cifar_field(batch, label_key, where)
     if isinstance(labels, (list, np.ndarray)) and len(labels) != len(data):
         raise DatasetError(f"CIFAR batch {where}: {len(data)} images but {len(labels)} labels")
-    if not isinstance(labels, (list, np.ndarray)) or not all(
-        isinstance(y, (int, np.integer)) and not isinstance(y, bool) and 0 <= y < classes
-        for y in labels
-    ):
-        raise DatasetError(f"CIFAR batch {where}: {label_key!r} are not class indices < {classes}")
+    if not isinstance(labels, (list, np.ndarray)):
+        raise DatasetError(f"CIFAR batch {where}: {label_key!r} is a {type(labels).__name__}, "
+                           f"not a list of class indices")  # fmt: skip
+    bad = next((i for i, y in enumerate(labels) if not isinstance(y, (int, np.integer))
+                or isinstance(y, bool) or not 0 <= y < classes), None)  # fmt: skip
+    if bad is not None:
+        raise DatasetError(f"CIFAR batch {where}: {label_key}[{bad}] is {labels[bad]!r}, not a "
+                           f"class index 0..{classes - 1}")  # fmt: skip
     return data.reshape(-1, 3, 32, 32), np.array([int(y) for y in labels], dtype=np.int64)
 
 
@@ -162,11 +165,22 @@ def _fetch_archive(root: Path, dataset: str, names: list[str]) -> Path:
         download.fetch(MIRROR + archive, root / archive, sha256, gzipped=False)
     except (OSError, urllib.error.URLError) as e:
         raise DatasetError(
-            f"CIFAR files {names} not found under {root}, and the download of {archive} from "
+            f"{_missing(root, names)}, and the download of {archive} from "
             f"{MIRROR} failed ({e}): put the python-version archive ({archive}) or its extracted "
-            "folder there (or in a folder named by data.dir= or $VITLAB_DATA)"
+            "folder there (or in a folder named by data.dir=, --data-dir or $VITLAB_DATA)"
         ) from None
     return root / archive
+
+
+def _missing(root: Path, names: list[str]) -> str:
+    """Which of the CIFAR files `names` the folder holding most of them lacks, or that root holds
+    none."""
+    folders = [root, *sorted(p for p in root.glob("cifar-*") if p.is_dir())]
+    most = max(folders, key=lambda f: sum((f / n).is_file() for n in names))
+    lacks = [n for n in names if not (most / n).is_file()]
+    if len(lacks) == len(names):
+        return f"CIFAR files {names} not found under {root}"
+    return f"{most} holds CIFAR files but not {lacks}"
 
 
 def _found_members(root: Path, names: list[str]) -> dict[str, bytes] | None:
@@ -190,10 +204,12 @@ def read_cifar(root: Path, name: str, split: str) -> tuple[np.ndarray, np.ndarra
     train, test, meta_name, names_key, label_key = LAYOUT[name]
     names = [test] if split == "test" else train
     members = _cifar_members(root, [*names, meta_name], name)
-    classes = _cifar_names(_load_cifar_batch(members[meta_name], meta_name), names_key, meta_name)
+    meta = f"{meta_name} (under {root})"
+    classes = _cifar_names(_load_cifar_batch(members[meta_name], meta), names_key, meta)
     images, labels = [], []
     for n in names:
-        x, y = _cifar_arrays(_load_cifar_batch(members[n], n), label_key, len(classes), n)
+        where = f"{n} (under {root})"
+        x, y = _cifar_arrays(_load_cifar_batch(members[n], where), label_key, len(classes), where)
         images.append(x)
         labels.append(y)
     return np.concatenate(images), np.concatenate(labels), classes

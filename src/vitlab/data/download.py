@@ -158,7 +158,7 @@ def find_or_fetch_fashion_mnist(data_dir: str | None) -> dict[str, Path]:
             f"Fashion-MNIST not found (looked in {looked}) and the download from {FASHION_MIRROR} "
             f"failed ({e}). Get it either way: `apt-get install dataset-fashion-mnist` (Debian, "
             f"files in {DEBIAN_DIR}), or download the four *-ubyte.gz files from {FASHION_MIRROR} "
-            f"into {target} (or a folder named by data.dir= or $VITLAB_DATA)."
+            f"into {target} (or a folder named by data.dir=, --data-dir or $VITLAB_DATA)."
         ) from None
     return {name: target / name for name in FASHION_SHA256}
 

@@ -112,7 +112,7 @@ def _labels(table, column: str, where: str) -> Tensor:
     if wrong is not fine:  # None too: a missing label
         raise DatasetError(f"{where}: label column {column!r} holds {type(wrong).__name__} "
                            f"values (such as {wrong!r}), not class indices: name another with "
-                           f"data.label_key")  # fmt: skip
+                           f"data.label_key (data shard: --label-key)")  # fmt: skip
     return torch.as_tensor(values, dtype=torch.long)
 
 
@@ -130,7 +130,8 @@ def _column(table, key: str | None, kind: str, names: tuple[str, ...], what: str
     if key is not None:
         if key not in table.column_names:
             raise DatasetError(
-                f"data.{what}_key={key}: no such column; it has {table.column_names}"
+                f"data.{what}_key={key} (data shard: --{what}-key): no such column; it has "
+                f"{table.column_names}"
             )
         return key
     typed = [c for c, f in table.features.items() if type(f).__name__ == kind]
@@ -138,7 +139,7 @@ def _column(table, key: str | None, kind: str, names: tuple[str, ...], what: str
     if not typed + named:
         raise DatasetError(f"no {what} column found (a {kind} feature, or one named "
                            f"{' / '.join(names)}) among {table.column_names}: set "
-                           f"data.{what}_key")  # fmt: skip
+                           f"data.{what}_key (data shard: --{what}-key)")  # fmt: skip
     return (typed + named)[0]
 
 

@@ -203,8 +203,8 @@ def evaluate_checkpoint(
     runner = prepare(model, meta, backend, int8, tta=tta, batch_threads=batch_threads)
     metrics = evaluate(runner, loader, meta.config.num_classes, dev)
     if not metrics["num_images"]:  # an empty split, or every file unreadable: no 0% to report
-        raise DatasetError(f"{source} ({split}): no image could be evaluated ({len(part)} listed, "
-                           f"the rest skipped as unreadable)")  # fmt: skip
+        why = f"each of its {len(part)} skipped as unreadable" if len(part) else "it holds none"
+        raise DatasetError(f"{source} ({split}): no image could be evaluated ({why})")
     target = Path(out) if out else (run or Path("."))
     augmented = tta != "none"
     other = run_cfg is None or name != run_cfg.data.name  # not the run's own split: not its PNG
