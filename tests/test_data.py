@@ -578,6 +578,27 @@ def test_a_single_folder_read_for_both_splits_says_each_warning_once(tmp_path: P
     assert sum("classes: fox" in m for m in said) == 1, said
 
 
+def test_class_folders_named_in_another_unicode_form_are_one_class(tmp_path, caplog) -> None:
+    """train/ made on macOS ('café' decomposed, NFD), test/ elsewhere (composed, NFC): the test
+    split lost café's images, with a warning that train/ lacks café and one that test/ has no
+    images of it (a QA pass). The class keeps train/'s name; the digest lists the files too."""
+    import unicodedata
+
+    for split, form in (("train", "NFD"), ("test", "NFC")):
+        for cls, n in (("café", 3), ("zoo", 2)):
+            folder = tmp_path / split / unicodedata.normalize(form, cls)
+            folder.mkdir(parents=True)
+            for i in range(n):
+                Image.new("L", (8, 8), 40 * i).save(folder / f"{i}.png")
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        test = load_split(f"imagefolder:{tmp_path}", "test")
+    assert sorted(test.labels.tolist()) == [0, 0, 0, 1, 1], caplog.text
+    assert test.classes == [unicodedata.normalize("NFD", "café"), "zoo"]
+    assert "lacks" not in caplog.text and "no images" not in caplog.text
+    listed = folder_files(tmp_path)
+    assert len([f for f in listed if f.endswith(".png")]) == 10
+
+
 def test_image_folder_skips_bad_files_with_warnings(tmp_path: Path, caplog) -> None:
     """Scanning lists files only (a non-image suffix is skipped at once); a file that does not
     decode is skipped when first decoded, named once however often it comes: in training the next

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import unicodedata
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,8 +279,9 @@ def scan_image_folder(
     classes = classes or found
     unlabelled = not classes
     files, labels, skipped, empty = [], [], [], []
+    forms = _forms(root)
     for label, cls in enumerate(classes or ["."]):
-        folder = root / cls
+        folder = _class_dir(root, cls, forms)
         if not folder.is_dir():
             empty.append(cls)
             continue
@@ -343,15 +345,30 @@ def folder_files(root: Path, whole: bool = False) -> list[str]:
             files += _list_files(folder, listed, quiet=True, split=True)
             continue
         files += [str(p) for p in folder.iterdir() if not p.is_dir()]  # beside the classes
+        forms = _forms(folder)
         for cls in names:
-            if (folder / cls).is_dir():
-                files += _list_files(folder / cls, listed, quiet=True)
+            if (found := _class_dir(folder, cls, forms)).is_dir():
+                files += _list_files(found, listed, quiet=True)
     return files
 
 
 def _sub_folders(folder: Path) -> list[str]:
     """The names of a folder's sub-folders (links to folders too), sorted: its classes."""
     return sorted(p.name for p in folder.iterdir() if p.is_dir())
+
+
+def _forms(folder: Path) -> dict[str, str]:
+    """A folder's sub-folder names by their NFC form (Unicode's composed one)."""
+    return {unicodedata.normalize("NFC", n): n for n in _sub_folders(folder)}
+
+
+def _class_dir(folder: Path, cls: str, forms: dict[str, str]) -> Path:
+    """Class `cls`'s folder under `folder`: its name, else the same name in another Unicode form
+    (`forms`, _forms'): an archive made on macOS writes 'café' decomposed (NFD), one made
+    elsewhere composed, and the test split lost that class's images."""
+    if (folder / cls).is_dir():
+        return folder / cls
+    return folder / forms.get(unicodedata.normalize("NFC", cls), cls)
 
 
 def _test_folder(root: Path) -> Path | None:
@@ -382,7 +399,9 @@ def load_folder_split(root: Path, split: str, seed: int, whole: bool = False) ->
             return scan_image_folder(train_dir, classes, splits)
         if len(splits) == 1:
             raise DatasetError(f"{root} has train/ but neither test/ nor val/ for the test split")
-        extra = sorted(set(_sub_folders(splits[1])) - set(classes)) if classes else []
+        known = {unicodedata.normalize("NFC", c) for c in classes}  # in either form
+        extra = [c for c in _sub_folders(splits[1])
+                 if classes and unicodedata.normalize("NFC", c) not in known]  # fmt: skip
         if extra:  # never predicted right; data.test of other classes is refused
             _say(f"{splits[1]} has class folders {train_dir} lacks, left out of the test split: "
                  f"{_few(extra)}")  # fmt: skip
