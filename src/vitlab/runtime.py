@@ -209,6 +209,26 @@ def quiet() -> bool:
     return logging.getLogger("vitlab").getEffectiveLevel() >= logging.ERROR
 
 
+_no_bars: contextvars.ContextVar[bool] = contextvars.ContextVar("no_bars", default=False)
+
+
+def bars_off() -> bool:
+    """Whether progress bars (vitlab's and the libraries' it calls) are off: -q, or inside
+    without_bars."""
+    return quiet() or _no_bars.get()
+
+
+@contextmanager
+def without_bars(off: bool = True) -> Iterator[None]:
+    """No progress bars inside, where `off` (`data shard --no-progress`: the datasets library's
+    as it loads an hf: source too)."""
+    token = _no_bars.set(off or _no_bars.get())
+    try:
+        yield
+    finally:
+        _no_bars.reset(token)
+
+
 _quiet_status: contextvars.ContextVar[bool] = contextvars.ContextVar("quiet_status", default=False)
 
 

@@ -13,8 +13,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Dataset tools. `vitlab data shard SRC DST` writes dataset SRC (any name "
         "data.name takes: imagefolder:PATH, cifar10, fashion-mnist, hf:NAME, wds:SHARDS, ...) as "
         "WebDataset shards DST/train-NNNNNN.tar and DST/test-NNNNNN.tar (KEY.jpg/png/webp + "
-        "KEY.cls, in a seeded random order) with DST/index.json (class names, channels, "
-        "statistics, each shard's sample count); train from them with data.name=wds:DST.",
+        "KEY.cls, in a seeded random order) with DST/index.json (class names, channels, the "
+        "normalisation statistics training uses (the dataset's published ones; ImageNet's for "
+        "image folders and hf: sources: not measured), each shard's sample count); train from "
+        "them with data.name=wds:DST.",
     )
     commands = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND", required=True)
     shard = commands.add_parser(
@@ -74,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(str(e)) from None
     for name, split in index["splits"].items():
         skipped = f" ({split['skipped']:,} undecodable skipped)" if split["skipped"] else ""
-        shards = len(split["shards"])
-        print(f"{name}: {split['count']:,} samples in {shards} shard{'s' * (shards != 1)}{skipped}")
+        shards, count = len(split["shards"]), split["count"]
+        print(f"{name}: {count:,} sample{'s' * (count != 1)} in {shards} shard"
+              f"{'s' * (shards != 1)}{skipped}")  # fmt: skip
     print(args.dst / "index.json")
     return 0

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from vitlab.runtime import file_mode, quiet
+from vitlab.runtime import bars_off, file_mode
 
 FASHION_MIRROR = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
 # SHA-256 of the decompressed IDX payloads: the same whichever gzip wrote the .gz (Debian's
@@ -121,7 +121,7 @@ def _download(url: str, dest: Path, expected_sha256: str, gzipped: bool) -> None
     try:
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=30) as resp:
             total = int(resp.headers.get("Content-Length") or 0) or None
-            shown = {"desc": dest.name, "disable": quiet()}  # -q hides it
+            shown = {"desc": dest.name, "disable": bars_off()}  # -q hides it
             with tqdm(total=total, unit="B", unit_scale=True, **shown) as bar:
                 while chunk := resp.read(1 << 20):
                     out.write(chunk)

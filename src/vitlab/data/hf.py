@@ -25,7 +25,7 @@ from vitlab.data.classes import named as named_list
 from vitlab.data.classes import numbered
 from vitlab.data.decode import GREY_STATS, channels_of
 from vitlab.data.download import DatasetError
-from vitlab.runtime import quiet, seeded_split
+from vitlab.runtime import bars_off, seeded_split
 
 IMAGE_NAMES = ("image", "img", "jpg", "png")
 LABEL_NAMES = ("label", "labels", "cls", "fine_label", "target")
@@ -76,7 +76,7 @@ def _open(spec: str) -> dict:
     path = Path(spec).expanduser()
     one = {"split": chosen} if chosen else {}
     bars = datasets.utils.logging.is_progress_bar_enabled()  # -q (vitlab's messages at ERROR):
-    if quiet():  # none of theirs
+    if bars_off():  # none of theirs
         datasets.utils.logging.disable_progress_bar()
     try:
         if path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):

@@ -28,6 +28,7 @@ from vitlab.data.folders import FolderSplit, folder_root, scanned_folders
 from vitlab.data.hf import HFSplit
 from vitlab.data.shards import INDEX, ShardSplit, is_pattern
 from vitlab.data.workers import MAX_WORKERS, signals_to_main
+from vitlab.runtime import without_bars
 
 UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 FORMAT = "vitlab-shards/1"
@@ -238,12 +239,14 @@ def write_shards(
         if any(dst.resolve().is_relative_to(folder) for folder in scanned_folders(root)):
             raise DatasetError(f"{dst} is inside the image folder {root}'s images: write the "
                                f"shards elsewhere")  # fmt: skip
-    splits = {"train": load_split(source, "train", data_dir, seed, keys)}
-    if source.startswith("wds:") and is_pattern(source[4:]):  # one split's shards
-        log.warning("%s names one split's shards: writing them as the train split only (name "
-                    "the test split's source with data.test when training)", source)  # fmt: skip
-    else:
-        splits["test"] = load_split(source, "test", data_dir, seed, keys)
+    with without_bars(not progress):  # a library's too (datasets' as it loads an hf: table)
+        splits = {"train": load_split(source, "train", data_dir, seed, keys)}
+        if source.startswith("wds:") and is_pattern(source[4:]):  # one split's shards
+            log.warning("%s names one split's shards: writing them as the train split only "
+                        "(name the test split's source with data.test when training)",
+                        source)  # fmt: skip
+        else:
+            splits["test"] = load_split(source, "test", data_dir, seed, keys)
     info = dataset_info(source, splits["train"])
     index = {
         "format": FORMAT,
