@@ -400,6 +400,14 @@ def test_finetuning_a_small_stem_run_at_64_px_keeps_its_stem(cnn_run: Path) -> N
     notes = finetune_weights(model, source)
     assert model.conv1.kernel_size == (3, 3) and any("weights are kept" in n for n in notes)
     assert torch.equal(model.conv1.weight, weights_of(cnn_run, "best")["conv1.weight"])
+    # the other stem asked for: said as that (it was "shapes differ: conv1.weight: checkpoint
+    # (64, 1, 3, 3), model (64, 1, 7, 7)", a QA pass); the same stem named is taken
+    cfg = run_config(f"finetune.from={cnn_run}", "model.small_stem=false")
+    with pytest.raises(ConfigError, match="model.small_stem=False: the weights' stem is the small "
+                                          r"\(3x3 stride-1 conv1, no max-pool\) one"):  # fmt: skip
+        resolve_model_config(cfg, info, infer_config(source))
+    cfg = run_config(f"finetune.from={cnn_run}", "model.small_stem=true", "model.img_size=64")
+    assert resolve_model_config(cfg, info, infer_config(source)).small_stem is True
 
 
 def test_under_ddp_validation_is_the_saved_models(tmp_path: Path, capsys) -> None:

@@ -119,7 +119,7 @@ def test_the_distill_section_is_checked() -> None:
         ("distill.alpha=1.5", "alpha must be in"),
         ("distill.alpha=-0.1", "alpha must be in"),
         ("distill.tau=0", "tau must be > 0"),
-        ("distill.type=soft", "set distill.teacher"),
+        ("distill.type=soft", "set distill.teacher .and model.distilled=true"),
         ("distill.tau=2", "soft only"),
         ("distill.type=medium", "expected 'hard' | 'soft'"),
     ]:

@@ -1108,6 +1108,29 @@ def test_finetune_new_head_and_a_kept_head_of_other_class_names(trained_run, cap
         assert all(said in w for w in warned), warned
 
 
+@pytest.mark.parametrize(
+    "kind,said",
+    [
+        ("learned", "position embeddings resampled to the token grid (4, 4) -> (8, 8)"),
+        ("relative", "relative position tables resampled to the token grid (4, 4) -> (8, 8)"),
+        ("sincos2d", "the fixed 2-D sin-cos table (no weights) computed for the token grid"),
+        ("none", "no position embeddings; the token grid (4, 4) -> (8, 8)"),
+    ],
+)
+def test_finetune_at_another_size_says_what_the_position_embedding_gets(tmp_path, kind, said):
+    """Every kind was said to be "position embeddings resampled": a model without any, and the
+    fixed sin-cos table (no weights, computed for the grid), too (a QA pass)."""
+    from tests.helpers import tiny_config
+    from vitlab import VisionTransformer, save_pretrained
+    from vitlab.models.checkpoint import read_source
+
+    save_pretrained(VisionTransformer(tiny_config(pos_embed=kind, img_size=8, patch_size=2)),
+                    tmp_path / "src")  # fmt: skip
+    model = VisionTransformer(tiny_config(pos_embed=kind, img_size=16, patch_size=2))
+    notes = build_mod.finetune_weights(model, read_source(tmp_path / "src"))
+    assert any(said in n for n in notes), notes
+
+
 def test_finetune_leaves_out_the_pre_logits_layer_as_the_paper_does(tmp_path, caplog) -> None:
     """The paper fine-tunes with one zero-initialised linear head: the pre-training head's
     pre-logits layer goes (model.representation_size=null, as the imagenet-finetune-384 preset

@@ -257,7 +257,10 @@ class DistillConfig:
         if not self.tau > 0:
             raise ConfigError(f"distill.tau must be > 0, got {self.tau}")
         if self.type == "soft" and self.teacher is None:
-            raise ConfigError("distill.type=soft softens a teacher's outputs: set distill.teacher")
+            raise ConfigError(
+                "distill.type=soft softens a teacher's outputs: set distill.teacher "
+                "(and model.distilled=true: DeiT's distillation token)"
+            )
         if self.type == "hard" and self.tau != 1.0:  # hard distillation takes the argmax
             raise ConfigError(f"distill.tau={self.tau} applies to distill.type=soft only")
 

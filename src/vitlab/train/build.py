@@ -136,6 +136,13 @@ def resolve_model_config(
                         ", ".join(f"{k}={getattr(base, k, None)}" for k in rates))  # fmt: skip
     if base is not None and (wrong := other_patch_size(base, cfg.model.overrides)):
         raise ConfigError(f"finetune.from={cfg.finetune.from_}: model.{wrong}")
+    stem = cfg.model.overrides.get("small_stem")  # a CNN's conv1 is its weights' (3x3 or 7x7)
+    if base is not None and family_of(base) == "cnn" and stem is (not base.uses_small_stem):
+        kind = "small (3x3 stride-1 conv1, no max-pool)" if base.uses_small_stem else (
+            "ImageNet (7x7 stride-2 conv1, max-pool)")  # fmt: skip
+        raise ConfigError(f"finetune.from={cfg.finetune.from_}: model.small_stem={stem}: the "
+                          f"weights' stem is the {kind} one, which fine-tuning keeps (a new image "
+                          f"size keeps it too)")  # fmt: skip
     mc = config_of(cfg.model) if base is None else base.replace(**cfg.model.overrides)
     mc = mc.replace(**auto)
     batchnorm = family_of(mc) == "cnn" and not mc.bit  # BiT's ResNet-v2 has GroupNorm
@@ -210,8 +217,14 @@ def finetune_weights(
         notes.append(f"image size {src_cfg.img_hw} -> {cfg.img_hw} (a CNN's weights are kept)")
     elif src_cfg.img_hw != cfg.img_hw and swin:  # its tables span a window: kept at the same one
         notes.append(f"token grid {src_cfg.grid} -> {cfg.grid}")
-    elif src_cfg.img_hw != cfg.img_hw:
-        notes.append(f"{where} resampled to the token grid {src_cfg.grid} -> {cfg.grid}")
+    elif src_cfg.img_hw != cfg.img_hw:  # as the ViT's kind of position embedding is
+        what = {
+            "relative": "relative position tables resampled to",
+            "sincos2d": "the fixed 2-D sin-cos table (no weights) computed for",
+            "none": "no position embeddings;",
+        }
+        notes.append(f"{what.get(cfg.pos_embed, f'{where} resampled to')} the token grid "
+                     f"{src_cfg.grid} -> {cfg.grid}")  # fmt: skip
     moves = {"img_size": cfg.img_size}
     if swin:
         moves["window_size"] = cfg.window_size
