@@ -262,6 +262,13 @@ def test_save_pretrained_still_takes_the_old_layout_keyword(tmp_path: Path) -> N
         save_pretrained(model, tmp_path / "y", "hf", layout="timm")
     with pytest.raises(ValueError, match="format must be one of vitlab, timm, hf"):
         save_pretrained(model, tmp_path / "x", "npz")
+    # a file name the format does not write as a file: refused as `vitlab convert` refuses it
+    # (it became a folder of that name, x.pth/model.safetensors: a QA pass)
+    for fmt, name in (("vitlab", "x.pth"), ("hf", "z.safetensors"), ("timm", "w.npz")):
+        with pytest.raises(ValueError, match=f"format={fmt} writes .*a folder DST; .*{name} names"):
+            save_pretrained(model, tmp_path / name, fmt)
+        assert not (tmp_path / name).exists()
+    assert save_pretrained(model, tmp_path / "v.safetensors") == [tmp_path / "v.safetensors"]
 
 
 def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vitlab import formats
-from vitlab.formats.base import TORCH_SUFFIXES
 from vitlab.runtime import folder_refusal
 
 if TYPE_CHECKING:
@@ -74,12 +73,6 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
-# the files each format writes as DST itself (any other DST is a folder)
-FILE_SUFFIXES = {"vitlab": (".safetensors",), "timm": (".safetensors",), "hf": (),
-                 "torchvision": (".safetensors", *TORCH_SUFFIXES)}  # fmt: skip
-WEIGHT_SUFFIXES = (".safetensors", ".npz", ".onnx", ".pt2", ".json", *TORCH_SUFFIXES)
-
-
 def check_dest(dest: Path, to: str, source: str | None = None) -> None:
     """A ValueError for a DST named as a file the format does not write (it would become a
     folder of that name), a DST folder where a file is (or a folder above it is one), a DST
@@ -87,13 +80,8 @@ def check_dest(dest: Path, to: str, source: str | None = None) -> None:
     a DST that is the local `source`, a file in it (a folder) or the folder holding it (a file;
     a new sub-folder, or a file beside a file, is fine): the conversion would write where it
     reads (an HF folder kept its config.json beside vitlab-named weights)."""
-    if dest.suffix.lower() in WEIGHT_SUFFIXES and dest.suffix not in FILE_SUFFIXES[to]:
-        files = " or ".join(f"DST{s}" for s in FILE_SUFFIXES[to])
-        raise ValueError(
-            f"--to {to} writes {files + ' or ' if files else ''}a folder DST; "
-            f"{dest} names a {dest.suffix} file"
-        )
-    file = dest.suffix in FILE_SUFFIXES[to]  # else a folder
+    formats.check_suffix(dest, to, "--to ")
+    file = dest.suffix in formats.FILE_SUFFIXES[to]  # else a folder
     place, what = (dest.parent, dest.name) if file else (dest, "the converted checkpoint")
     if refusal := folder_refusal(place, what):
         raise ValueError(refusal)

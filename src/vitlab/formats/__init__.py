@@ -12,11 +12,12 @@ order, so a format whose keys are a superset of another's comes first."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 
 from vitlab.formats import hf, npz, stated, timm, torchvision
 from vitlab.formats import vitlab as native
-from vitlab.formats.base import CheckpointError, Files, Source
+from vitlab.formats.base import TORCH_SUFFIXES, CheckpointError, Files, Source
 
 FORMATS: dict[str, ModuleType] = {
     "vitlab": native,
@@ -26,8 +27,32 @@ FORMATS: dict[str, ModuleType] = {
     "torchvision": torchvision,
 }
 WRITABLE = ("vitlab", "timm", "hf", "torchvision")
+# the files each format writes as DST itself (any other DST is a folder)
+FILE_SUFFIXES = {"vitlab": (".safetensors",), "timm": (".safetensors",), "hf": (),
+                 "torchvision": (".safetensors", *TORCH_SUFFIXES)}  # fmt: skip
+WEIGHT_SUFFIXES = (".safetensors", ".npz", ".onnx", ".pt2", ".json", *TORCH_SUFFIXES)
 
-__all__ = ["FORMATS", "WRITABLE", "CheckpointError", "Files", "Source", "detect", "get", "read"]
+__all__ = ["FORMATS", "WRITABLE", "CheckpointError", "Files", "Source", "detect", "get", "read",
+           "write"]  # fmt: skip
+
+
+def write(name: str, model: object, dst: Path, option: str = "format=") -> list[Path]:
+    """Write `model` in format `name` at dst (a file or a folder, as the format writes it); a
+    ValueError for a format that writes none, or a dst named as a file of weights the format does
+    not write (it would become a folder of that name: `option` names the choice in the message,
+    "--to " for `vitlab convert`)."""
+    if name not in WRITABLE:
+        raise ValueError(f"format must be one of {', '.join(WRITABLE)}, got {name!r}")
+    check_suffix(dst, name, option)
+    return FORMATS[name].write(model, dst)
+
+
+def check_suffix(dst: Path, name: str, option: str = "format=") -> None:
+    """A ValueError for a dst named as a file of weights format `name` does not write."""
+    if dst.suffix.lower() in WEIGHT_SUFFIXES and dst.suffix not in FILE_SUFFIXES[name]:
+        files = " or ".join(f"DST{s}" for s in FILE_SUFFIXES[name])
+        raise ValueError(f"{option}{name} writes {files + ' or ' if files else ''}a folder DST; "
+                         f"{dst} names a {dst.suffix} file")  # fmt: skip
 
 
 def get(name: str) -> ModuleType:
