@@ -25,8 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Write dataset SRC's train and test splits as WebDataset shards under "
         "DST (a folder holding no shards yet), with a progress bar. Every image is decoded once"
         " on the way (by --workers processes; wds: sources in this one); one that does not "
-        "decode is skipped, named and counted in the index. Image files keep their bytes; "
-        "in-memory datasets (CIFAR, Fashion-MNIST, digits) and formats other than JPEG / PNG / "
+        "decode is skipped, named in a warning (-q hides it) and counted in the index (a split "
+        "none of whose images decodes is an error). Image files keep their bytes; in-memory "
+        "datasets (CIFAR, Fashion-MNIST, digits) and formats other than JPEG / PNG / "
         "WebP are stored as PNG. Shards are written under temporary names and renamed when "
         "whole, index.json last; a failure or Ctrl-C removes what the run wrote.",
         epilog="Example: vitlab data shard imagefolder:/data/imagenet /data/in1k-shards "
