@@ -597,6 +597,11 @@ def test_class_folders_named_in_another_unicode_form_are_one_class(tmp_path, cap
     assert "lacks" not in caplog.text and "no images" not in caplog.text
     listed = folder_files(tmp_path)
     assert len([f for f in listed if f.endswith(".png")]) == 10
+    # an image beside the class folders has no class: not read, and now said (it went unsaid)
+    Image.new("L", (8, 8)).save(tmp_path / "test" / "loose.png")
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        assert len(load_split(f"imagefolder:{tmp_path}", "test")) == 5
+    assert "has 1 image file beside its class folders, not read (no class): loose" in caplog.text
 
 
 def test_image_folder_skips_bad_files_with_warnings(tmp_path: Path, caplog) -> None:

@@ -296,6 +296,10 @@ def scan_image_folder(
             empty.append(cls)
     if skipped:
         _say(f"skipped {len(skipped)} non-image files in {root}: {_few(skipped)}")
+    loose = [] if unlabelled else [f for f in root.iterdir() if f.is_file()]  # no class's
+    if beside := sorted(f.name for f in loose if f.suffix.lower() in IMAGE_SUFFIXES):
+        _say(f"image folder {root} has {len(beside)} image file{'s' * (len(beside) > 1)} beside "
+             f"its class folders, not read (no class): {_few(beside)}")  # fmt: skip
     if not files:
         kinds = ", ".join(sorted(IMAGE_SUFFIXES))
         raise DatasetError(f"image folder {root} holds no image files ({kinds})")
