@@ -18,6 +18,7 @@ from vitlab import load_checkpoint
 from vitlab.cli.main import main
 from vitlab.data import load_split
 from vitlab.data.datasets import DatasetError
+from vitlab.data.writer import write_shards
 from vitlab.eval.run import evaluate_checkpoint
 from vitlab.models.checkpoint import save_pretrained
 
@@ -58,6 +59,13 @@ def test_another_datasets_labels_follow_the_checkpoints_class_names(run, tmp_pat
     assert other["classes"] == WORDS and other["num_images"] == own["num_images"] == 359
     assert other["confusion"] == own["confusion"]  # rows and columns in the checkpoint's order
     assert other["top1"] == own["top1"] > 0.5
+    # the folder's shards (in the folder's class order): refused, naming both orders (it named
+    # neither) and the way out
+    write_shards(f"imagefolder:{folder}", tmp_path / "shards", progress=False, workers=0)
+    with pytest.raises(DatasetError, match=r"another order \(eight, five, four, nine, one, \.\.\.; "
+                                           r"the checkpoint's: zero, one, two, three, four, "
+                                           r"\.\.\.\), .*evaluate their source"):  # fmt: skip
+        evaluate_checkpoint(str(tmp_path / "named"), data=f"wds:{tmp_path / 'shards'}")
 
     # no name shared (another naming of the same classes): by index, with a warning
     letters = digits_folder(tmp_path / "letters", list("abcdefghij"))

@@ -30,6 +30,7 @@ from vitlab.formats.vitlab import resolve_checkpoint, vitlab_weights
 from vitlab.models.checkpoint import load_checkpoint
 from vitlab.preprocessing import Preprocessing
 from vitlab.runtime import pick_device
+from vitlab.validation import few
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +149,9 @@ def align_classes(split: Split, classes: list[str], num_classes: int, name: str)
         return split
     if not hasattr(split, "labels"):  # shards: labels are read with the images
         raise DatasetError(
-            f"{name} names the checkpoint's classes in another order, and shards cannot be "
-            "relabelled: write them in the checkpoint's class order"
+            f"{name} names the checkpoint's classes in another order ({few(have, 5)}; the "
+            f"checkpoint's: {few(classes, 5)}), and shards cannot be relabelled: evaluate their "
+            "source (--data SOURCE: relabelled), or shards written in the checkpoint's order"
         )
     index = torch.tensor(order)
     return dataclasses.replace(split, labels=index[split.labels], classes=list(classes))
