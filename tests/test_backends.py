@@ -321,8 +321,22 @@ def test_device_names_and_output_paths_are_one_line_errors(trained, device, tmp_
         assert (tmp_path / "afile").read_text() == "mine"
         both = str(tmp_path / "same.onnx")  # the program once replaced the ONNX model, exit 0
         assert main(["export", str(trained), "--onnx", both, "--torch-export", both]) == 2
-        assert "--onnx and --torch-export name one file" in capsys.readouterr().err
+        assert "--torch-export writes OUT.pt2, got " in capsys.readouterr().err
         assert not (tmp_path / "same.onnx").exists()
+        # a swapped pair (an ONNX model named .pt2, each written without a word) and an output
+        # under a file, found only after the ONNX model was written: each refused before either
+        for args, said in [
+            (["--onnx", "m.pt2"], "--onnx writes OUT.onnx, got "),
+            (["--onnx", "m.txt"], "name it m.onnx"),
+            (["--onnx", "m.onnx", "--torch-export", "afile/x.pt2"], "afile is a file"),
+        ]:
+            outs = [str(tmp_path / a) if a.startswith(("m.", "afile")) else a for a in args]
+            assert main(["export", str(trained), *outs]) == 2
+            assert said in capsys.readouterr().err
+            assert not list(tmp_path.glob("m.*")) and not list(tmp_path.glob(".m*"))
+        tmp_path.joinpath("m.onnx").write_bytes(b"")  # an exported file given as a checkpoint
+        assert main(["predict", str(tmp_path / "m.onnx"), str(tmp_path / "afile")]) == 2
+        assert "an exported model is no checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

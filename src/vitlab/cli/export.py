@@ -18,7 +18,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "below 1) "
         "before the command succeeds; a model of 1.8 GB or more keeps its weights in a file "
         "beside OUT that OUT names (OUT.<8 hex digits>.data). "
-        "--torch-export writes a program for torch.export.load(OUT).module().",
+        "--torch-export writes a program for torch.export.load(OUT).module(). H and W are the "
+        "checkpoint's, fixed in both (a CNN's too); only the batch can be dynamic: for another "
+        "size, `vitlab convert RUN_OR_CKPT DST.safetensors img_size=S` (a Swin: window_size= "
+        "too), then export DST. An existing OUT is replaced (written whole, then renamed).",
     )
     p.add_argument("checkpoint", metavar="RUN_OR_CKPT")
     p.add_argument("--onnx", type=Path, metavar="OUT.onnx", help="write an ONNX model")
@@ -37,12 +40,10 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.onnx and not args.torch_export:
         raise ValueError("nothing to do: give --onnx OUT.onnx and/or --torch-export OUT.pt2")
-    for out in (args.onnx, args.torch_export):  # both, before either is written
-        if out:
-            check_out(Path(out))
-    if args.onnx and args.torch_export and args.onnx.resolve() == args.torch_export.resolve():
-        raise ValueError(f"--onnx and --torch-export name one file, {args.onnx}: the program "
-                         f"would replace the ONNX model; name two files")  # fmt: skip
+    for out, suffix, option in ((args.onnx, ".onnx", "--onnx"),
+                                (args.torch_export, ".pt2", "--torch-export")):  # fmt: skip
+        if out:  # both, before either is written (one file for both: a suffix is wrong)
+            check_out(Path(out), suffix, option)
     model, meta = load_checkpoint(args.checkpoint)
     if args.onnx:
         r = export_onnx(model, meta, args.onnx, args.dynamic_batch)

@@ -25,6 +25,7 @@ BACKENDS = ("torch", "onnxruntime")
 TTA_MODES = ("none", "flip", "flip-shift")  # test-time augmentation: ViewAverage
 SHIFTS = ((0, 0), (-1, 0), (1, 0), (0, -1), (0, 1))  # flip-shift's (rows down, columns right)
 INSTALL = "pip install 'vitlab[export]' (onnx, onnxscript, onnxruntime)"
+log = logging.getLogger(__name__)
 
 
 class BackendError(ValueError):
@@ -85,6 +86,8 @@ def prepare(
         )
     if backend == "torch":
         runner = quantize_linear(model) if int8 else pack_linear(model)
+        if int8:
+            log.debug("--int8: the nn.Linear layers quantised (torch.ao dynamic, int8 weights)")
         runner = BatchParts(runner, batch_threads).eval() if batch_threads > 1 else runner
     else:
         runner = OnnxRuntimeModel(model, meta, int8, threads or torch.get_num_threads())
@@ -193,7 +196,11 @@ class OnnxRuntimeModel(nn.Module):
         path = Path(self._dir.name) / "model.onnx"
         name = type(model).__name__
         try:
-            large = "data" in export_onnx(model, meta, path, dynamic_batch=True)
+            checked = export_onnx(model, meta, path, dynamic_batch=True)
+            log.debug("--backend onnxruntime: the %s exported to ONNX; onnxruntime matches "
+                      "PyTorch within %.2e at batch %s", name, checked["max_abs_diff"],
+                      ", ".join(map(str, checked["batches_checked"])))  # fmt: skip
+            large = "data" in checked
         except UnsupportedExport as e:  # an op or a control flow the exporter lacks
             raise BackendError(f"--backend onnxruntime: {e}; use --backend torch") from None
         except ExportError as e:
@@ -202,6 +209,7 @@ class OnnxRuntimeModel(nn.Module):
             raise BackendError(f"--backend onnxruntime: the {name} exported wrongly: {e}") from None
         if int8:
             path = _quantize_onnx(path, large)
+            log.debug("--int8: the ONNX model's MatMul / Gemm weights quantised to int8")
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1

@@ -31,6 +31,7 @@ WRITABLE = ("vitlab", "timm", "hf", "torchvision")
 FILE_SUFFIXES = {"vitlab": (".safetensors",), "timm": (".safetensors",), "hf": (),
                  "torchvision": (".safetensors", *TORCH_SUFFIXES)}  # fmt: skip
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".onnx", ".pt2", ".json", *TORCH_SUFFIXES)
+EXPORTED_NOTE = ": an exported model is no checkpoint (give the run or checkpoint it came from)"
 
 __all__ = ["FORMATS", "WRITABLE", "CheckpointError", "Files", "Source", "detect", "get", "read",
            "write"]  # fmt: skip

@@ -113,6 +113,7 @@ def read_source(source: str | Path, format: str = "auto") -> Source:
         raise CheckpointError(
             f"{files.weights}: unknown checkpoint file type {files.suffix!r}; expected "
             f".safetensors, {', '.join(TORCH_SUFFIXES)}, .npz or a shard index (*{INDEX})"
+            f"{formats.EXPORTED_NOTE * (files.suffix in ('.onnx', '.pt2'))}"  # (vitlab export's)
         )
     src = formats.read(files, formats.detect(files) if format == "auto" else format)
     bad = [k for k, t in src.state.items() if t.is_floating_point() and not t.isfinite().all()]

@@ -19,6 +19,7 @@ import torch
 from vitlab.formats.base import fsync
 from vitlab.formats.vitlab import CheckpointMeta
 from vitlab.models.vit import VisionTransformer
+from vitlab.runtime import folder_refusal
 
 TOLERANCE = 1e-4  # of an image's largest |logit| when above 1: float32's rounding scales too
 PROTOBUF_LIMIT = 1.8e9  # weights' bytes an ONNX file takes (protobuf: 2 GiB, the graph with them)
@@ -51,10 +52,16 @@ def _exported(what: str, model: torch.nn.Module, export: Callable[[], object]) -
         ) from None
 
 
-def check_out(out: Path) -> None:
-    """An ExportError for an output path that is a folder (asked before any export runs)."""
+def check_out(out: Path, suffix: str | None = None, option: str = "") -> None:
+    """An ExportError for an output path that is a folder or under a file, or (`suffix`) named
+    for another format: asked of every output before any export runs."""
     if out.is_dir():
         raise ExportError(f"{out} is a folder: name the file to write")
+    if refusal := folder_refusal(out.parent, out.name):
+        raise ExportError(refusal)
+    if suffix is not None and out.suffix.lower() != suffix:  # an ONNX model named .pt2 (a swap)
+        raise ExportError(f"{option} writes OUT{suffix}, got {out}: name it {out.stem}{suffix} "
+                          f"(.onnx: --onnx, .pt2: --torch-export)")  # fmt: skip
 
 
 @contextmanager
