@@ -602,6 +602,18 @@ def test_class_folders_named_in_another_unicode_form_are_one_class(tmp_path, cap
     with caplog.at_level(logging.WARNING, logger="vitlab"):
         assert len(load_split(f"imagefolder:{tmp_path}", "test")) == 5
     assert "has 1 image file beside its class folders, not read (no class): loose" in caplog.text
+    # a checkpoint's names match in either form too; and test/ holding both forms of a class
+    # reads the one that is train/'s name and names the other (it went unread, unsaid)
+    from vitlab.data.classes import name_order
+
+    nfc, nfd = (unicodedata.normalize(f, "café") for f in ("NFC", "NFD"))
+    assert name_order([nfd, "zoo"], ["zoo", nfc], "x") == ([1, 0], None)
+    (tmp_path / "test" / nfd).mkdir()
+    Image.new("L", (8, 8)).save(tmp_path / "test" / nfd / "d.png")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitlab"):
+        assert len(load_split(f"imagefolder:{tmp_path}", "test")) == 3  # nfd's one, zoo's two
+    assert f"train lacks, left out of the test split: {nfc}" in caplog.text
 
 
 def test_image_folder_skips_bad_files_with_warnings(tmp_path: Path, caplog) -> None:

@@ -269,6 +269,8 @@ def test_save_pretrained_still_takes_the_old_layout_keyword(tmp_path: Path) -> N
             save_pretrained(model, tmp_path / name, fmt)
         assert not (tmp_path / name).exists()
     assert save_pretrained(model, tmp_path / "v.safetensors") == [tmp_path / "v.safetensors"]
+    with pytest.raises(ValueError, match=r"a folder DST \(in lower case\); .*a.SAFETENSORS names"):
+        save_pretrained(model, tmp_path / "a.SAFETENSORS")
 
 
 def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> None:

@@ -87,6 +87,8 @@ def test_aliases_and_unknown_names() -> None:
     ]  # fmt: skip
     with pytest.raises(TypeError, match="pattern is a glob pattern or a list of them, got \\[1\\]"):
         vitlab.list_models([1])
+    with pytest.raises(TypeError, match="pattern is a glob pattern or a list of them, got 5"):
+        vitlab.list_models(5)
     cfg = vitlab.get_config("vit_nano_patch4_28")
     model = vitlab.create_model(cfg, num_classes=3)
     assert model.config == cfg.replace(num_classes=3) and model.head.weight.shape == (3, 64)

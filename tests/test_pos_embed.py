@@ -54,7 +54,8 @@ def test_resample_errors() -> None:
     pe = torch.randn(1, 1 + 14 * 14, 8)
     ref = timm_layers.resample_abs_pos_embed(pe, [10, 10], [14, 14], num_prefix_tokens=1)
     torch.testing.assert_close(resample_pos_embed(pe, 10, 14, 1), ref, atol=1e-6, rtol=0)
-    for grid in [(0, 3), (1, 2, 3), 2.5, "ab"]:
+    assert resample_pos_embed(pe, np.int64(10)).shape == ref.shape  # numpy's integers too
+    for grid in [(0, 3), (1, 2, 3), 2.5, "ab", True, (2.0, 2.0), (float("inf"), 2)]:
         with pytest.raises(ValueError, match=r"new_grid is \(rows, columns\) of patches or one"):
             resample_pos_embed(pe, grid)
 

@@ -76,7 +76,9 @@ class Preprocessing:
         size = self.img_size
         try:
             pair = (size, size) if isinstance(size, numbers.Integral) else tuple(size)
-            ok = len(pair) == 2 and all(isinstance(n, numbers.Integral) and n > 0 for n in pair)
+            ok = len(pair) == 2 and all(
+                isinstance(n, numbers.Integral) and not isinstance(n, bool) and n > 0 for n in pair
+            )
         except TypeError:
             ok = False
         if not ok:
@@ -209,16 +211,25 @@ class Preprocessing:
             raise ValueError(f"expected a uint8 batch (B, C, H, W), got {got}"
                              f"{' (one image: images[None])' * one}")  # fmt: skip
         self._uint8(images)
+        if (matched := self.match_channels(images)) is None:
+            other = "RGB" if self.in_chans == 1 else "grey"
+            raise ValueError(f"expected images of {self.in_chans} channel"
+                             f"{'s' * (self.in_chans > 1)} (or {other}), got {images.shape[1]} "
+                             f"in a batch of shape {tuple(images.shape)}")  # fmt: skip
+        return self.normalize(self.resize(matched))
+
+    def match_channels(self, images: Tensor) -> Tensor | None:
+        """uint8 (B, C, H, W) with in_chans channels: grey repeated to RGB (any count), RGB
+        converted to grey (ITU-R 601 luma, torchvision's: as PNG and JPEG files decode grey,
+        where PIL's integer luma is a grey level off on some pixels); None for another pair."""
         have = images.shape[1]
-        if have != self.in_chans:
-            if have == 1:
-                images = images.expand(-1, self.in_chans, -1, -1)
-            elif have == 3 and self.in_chans == 1:
-                images = _tf().rgb_to_grayscale(images)
-            else:
-                raise ValueError(f"expected images of {self.in_chans} channels (or grey), got "
-                                 f"{have} in a batch of shape {tuple(images.shape)}")  # fmt: skip
-        return self.normalize(self.resize(images))
+        if have == self.in_chans:
+            return images
+        if have == 1:
+            return images.expand(-1, self.in_chans, -1, -1)
+        if have == 3 and self.in_chans == 1:
+            return _tf().rgb_to_grayscale(images)
+        return None
 
     def pil(self, image: Image.Image) -> Tensor:
         """A PIL image of any mode and size -> normalised float (C, h, w), the same pixels as the

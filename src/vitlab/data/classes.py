@@ -3,6 +3,8 @@ model (`vitlab eval --data`, a distillation teacher)."""
 
 from __future__ import annotations
 
+import unicodedata
+
 from vitlab.data.download import DatasetError
 
 
@@ -22,7 +24,9 @@ def name_order(have: list[str], want: list[str], what: str) -> tuple[list[int] |
     names come in another order (numbers as text sorted, "10" before "2", included): have[i] is
     want[order[i]]; (None, note) when no name is shared (another naming: by index, the note says
     so). Names partly shared, or repeated and reordered, are a DatasetError naming both (`what`:
-    the two sides, for the message)."""
+    the two sides, for the message). Names are compared in one Unicode form (NFC: 'café'
+    decomposed, as macOS writes folder names, is 'café')."""
+    have, want = _nfc(have), _nfc(want)
     if have == want:
         return None, None
     if sorted(have) == sorted(want) and len(set(have)) == len(have):
@@ -36,3 +40,7 @@ def name_order(have: list[str], want: list[str], what: str) -> tuple[list[int] |
         f"{what} name classes {named(have)} and {named(want)}: some names are "
         f"shared, some not (or repeated): a class cannot be matched by its name"
     )
+
+
+def _nfc(names: list[str]) -> list[str]:
+    return [unicodedata.normalize("NFC", n) for n in names]

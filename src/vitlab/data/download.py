@@ -121,7 +121,7 @@ def _download(url: str, dest: Path, expected_sha256: str, gzipped: bool) -> None
     try:
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=30) as resp:
             total = int(resp.headers.get("Content-Length") or 0) or None
-            shown = {"desc": dest.name, "disable": bars_off()}  # -q hides it
+            shown = {"desc": dest.name, "disable": bars_off()}  # -q hides it (and --no-progress)
             with tqdm(total=total, unit="B", unit_scale=True, **shown) as bar:
                 while chunk := resp.read(1 << 20):
                     out.write(chunk)

@@ -403,9 +403,11 @@ def load_folder_split(root: Path, split: str, seed: int, whole: bool = False) ->
             return scan_image_folder(train_dir, classes, splits)
         if len(splits) == 1:
             raise DatasetError(f"{root} has train/ but neither test/ nor val/ for the test split")
-        known = {unicodedata.normalize("NFC", c) for c in classes}  # in either form
-        extra = [c for c in _sub_folders(splits[1])
-                 if classes and unicodedata.normalize("NFC", c) not in known]  # fmt: skip
+        known = {unicodedata.normalize("NFC", c): c for c in classes}  # in either form
+        forms = _forms(splits[1])  # a folder not read: no class's, or a class's other form
+        extra = [c for c in _sub_folders(splits[1]) if classes and (
+            (cls := known.get(unicodedata.normalize("NFC", c))) is None
+            or _class_dir(splits[1], cls, forms).name != c)]  # fmt: skip
         if extra:  # never predicted right; data.test of other classes is refused
             _say(f"{splits[1]} has class folders {train_dir} lacks, left out of the test split: "
                  f"{_few(extra)}")  # fmt: skip

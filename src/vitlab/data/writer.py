@@ -202,7 +202,7 @@ def write_split(
             shard = None
         if skipped and not n:  # an index of no shards: "write at least 1 (--shard-size)" later
             raise DatasetError(f"the {name} split: none of its {skipped} images decodes (each "
-                               f"named in a warning): nothing to shard")  # fmt: skip
+                               f"named in a warning, unless -q): nothing to shard")  # fmt: skip
     finally:
         if shard is not None:  # failed or interrupted: the shard being written is no use
             shard.discard()

@@ -108,25 +108,15 @@ def evaluation_split(
 
 
 def match_channels(split: Split, pre: Preprocessing, name: str) -> Split:
-    """`split` with as many channels as the model takes: grey images are repeated to RGB, RGB
-    images converted to grey (ITU-R 601 luma, torchvision's: as PNG and JPEG files are decoded
-    grey, where PIL's integer luma is a grey level off on some pixels); image files are read in
-    the model's mode anyway. Any other pair is a DatasetError naming both."""
-    if not isinstance(split, ArraySplit):
+    """`split` with as many channels as the model takes (Preprocessing.match_channels: grey
+    repeated to RGB, RGB converted to grey); image files are read in the model's mode anyway.
+    Any other pair is a DatasetError naming both."""
+    if not isinstance(split, ArraySplit) or split.images.shape[1] == pre.in_chans:
         return split
-    have, want = split.images.shape[1], pre.in_chans
-    if have == want:
-        return split
-    if have == 1:
-        images = split.images.expand(-1, want, -1, -1)
-    elif have == 3 and want == 1:
-        from torchvision.transforms.v2 import functional as TF
-
-        images = TF.rgb_to_grayscale(split.images)
-    else:
+    if (images := pre.match_channels(split.images)) is None:
         raise DatasetError(
-            f"{name} has {have}-channel images and the model's preprocessing takes {want} "
-            "channels: only grey -> any and RGB -> grey are converted"
+            f"{name} has {split.images.shape[1]}-channel images and the model's preprocessing "
+            f"takes {pre.in_chans} channels: only grey -> any and RGB -> grey are converted"
         )
     return ArraySplit(images, split.labels, split.classes)
 

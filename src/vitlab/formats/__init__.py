@@ -52,8 +52,9 @@ def check_suffix(dst: Path, name: str, option: str = "format=") -> None:
     """A ValueError for a dst named as a file of weights format `name` does not write."""
     if dst.suffix.lower() in WEIGHT_SUFFIXES and dst.suffix not in FILE_SUFFIXES[name]:
         files = " or ".join(f"DST{s}" for s in FILE_SUFFIXES[name])
-        raise ValueError(f"{option}{name} writes {files + ' or ' if files else ''}a folder DST; "
-                         f"{dst} names a {dst.suffix} file")  # fmt: skip
+        case = " (in lower case)" * (dst.suffix.lower() in FILE_SUFFIXES[name])
+        raise ValueError(f"{option}{name} writes {files + ' or ' if files else ''}a folder DST"
+                         f"{case}; {dst} names a {dst.suffix} file")  # fmt: skip
 
 
 def get(name: str) -> ModuleType:

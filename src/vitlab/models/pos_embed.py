@@ -6,6 +6,7 @@ width, (gh, gw) the patch grid."""
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -14,13 +15,18 @@ from torch import Tensor, nn
 Grid = tuple[int, int]
 
 
+def _whole(n: object) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool)
+
+
 def _grid(grid: Grid | int, name: str) -> tuple[int, int]:
     """(rows, columns) of patches: a pair, or one number for a square grid."""
     try:
-        pair = (grid, grid) if isinstance(grid, int) else tuple(grid)  # type: ignore[arg-type]
-        if len(pair) == 2 and all(int(n) == n and n > 0 for n in pair):
+        pair = (grid, grid) if isinstance(grid, numbers.Integral) else tuple(grid)  # type: ignore
+        if len(pair) == 2 and all(_whole(n) and n > 0 for n in pair):
             return int(pair[0]), int(pair[1])
-    except (TypeError, ValueError):
+    except TypeError:
         pass
     raise ValueError(f"{name} is (rows, columns) of patches or one number for a square grid, "
                      f"got {grid!r}")  # fmt: skip

@@ -361,7 +361,10 @@ def list_models(pattern: str | Sequence[str] | None = None, family: str | None =
     and 'b/*' list B/16's name too) and a model family ('vit', 'swin', 'cnn'; None: all)."""
     if family not in (None, "vit", "swin", "cnn"):
         raise ValueError(f"family must be 'vit', 'swin' or 'cnn' (or None: all), got {family!r}")
-    patterns = [pattern] if isinstance(pattern, str) else list(pattern or ["*"])
+    try:
+        patterns = [pattern] if isinstance(pattern, str) else list(pattern or ["*"])
+    except TypeError:  # list_models(5)
+        patterns = [pattern]
     if not all(isinstance(p, str) for p in patterns):
         raise TypeError(f"pattern is a glob pattern or a list of them, got {pattern!r}")
     return [

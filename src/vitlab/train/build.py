@@ -201,10 +201,11 @@ def finetune_weights(
     model: nn.Module, source: Source, classes: list[str] | None = None, new_head: bool = False
 ) -> list[str]:
     """Load another checkpoint's weights (read by read_source, any format vitlab reads) into
-    model: the source is moved to the model's resolution (position embeddings of any kind
-    resampled; a Swin's relative position tables, also to a new window; a CNN's size only
-    recorded) and channels (patch kernels, a CNN's conv1, adapted), and gets a zero-initialised
-    head when the class count differs or `new_head` (finetune.new_head), or when the model has no
+    model: the source is moved to the model's resolution (learned and relative position tables
+    resampled, a fixed sin-cos table computed for the new grid; a Swin's relative position
+    tables, also to a new window; a CNN's size only recorded) and channels (patch kernels, a
+    CNN's conv1, adapted), and gets a zero-initialised head when the class count differs or
+    `new_head` (finetune.new_head), or when the model has no
     pre-logits layer where the source has one (model.representation_size=null: the paper's
     fine-tuning head, one linear layer). A head kept whose class names (the source's) are not
     the data's (`classes`) is warned of. Returns what was adapted."""
