@@ -133,8 +133,7 @@ def cifar_files(root: Path, name: str) -> list[str]:
     """Every file under root that read_cifar may read for `name` (its batches, in root or an
     extracted cifar-* folder, and the .tar.gz archives but the other dataset's): what a digest
     of the data read covers."""
-    folders = [root, *sorted(p for p in root.glob("cifar-*") if p.is_dir())]
-    found = [str(f / n) for f in folders for n in batch_files(name) if (f / n).is_file()]
+    found = [str(f / n) for f in _folders(root) for n in batch_files(name) if (f / n).is_file()]
     other = {a for d, (a, _) in ARCHIVES.items() if d != name}
     return found + [str(p) for p in sorted(root.glob("*.tar.gz")) if p.name not in other]
 
@@ -172,11 +171,15 @@ def _fetch_archive(root: Path, dataset: str, names: list[str]) -> Path:
     return root / archive
 
 
+def _folders(root: Path) -> list[Path]:
+    """Where CIFAR's batch files are looked for: root and its extracted cifar-* folders."""
+    return [root, *sorted(p for p in root.glob("cifar-*") if p.is_dir())]
+
+
 def _missing(root: Path, names: list[str]) -> str:
     """Which of the CIFAR files `names` the folder holding most of them lacks, or that root holds
     none."""
-    folders = [root, *sorted(p for p in root.glob("cifar-*") if p.is_dir())]
-    most = max(folders, key=lambda f: sum((f / n).is_file() for n in names))
+    most = max(_folders(root), key=lambda f: sum((f / n).is_file() for n in names))
     lacks = [n for n in names if not (most / n).is_file()]
     if len(lacks) == len(names):
         return f"CIFAR files {names} not found under {root}"
@@ -184,7 +187,7 @@ def _missing(root: Path, names: list[str]) -> str:
 
 
 def _found_members(root: Path, names: list[str]) -> dict[str, bytes] | None:
-    for folder in (root, *sorted(p for p in root.glob("cifar-*") if p.is_dir())):
+    for folder in _folders(root):
         if all((folder / n).is_file() for n in names):
             return {n: (folder / n).read_bytes() for n in names}
     for archive in sorted(root.glob("cifar-*python.tar.gz")) + sorted(root.glob("*.tar.gz")):

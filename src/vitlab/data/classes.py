@@ -26,7 +26,7 @@ def name_order(have: list[str], want: list[str], what: str) -> tuple[list[int] |
     so). Names partly shared, or repeated and reordered, are a DatasetError naming both (`what`:
     the two sides, for the message). Names are compared in one Unicode form (NFC: 'café'
     decomposed, as macOS writes folder names, is 'café')."""
-    have, want = _nfc(have), _nfc(want)
+    have, want = [nfc(c) for c in have], [nfc(c) for c in want]
     if have == want:
         return None, None
     if sorted(have) == sorted(want) and len(set(have)) == len(have):
@@ -42,5 +42,7 @@ def name_order(have: list[str], want: list[str], what: str) -> tuple[list[int] |
     )
 
 
-def _nfc(names: list[str]) -> list[str]:
-    return [unicodedata.normalize("NFC", n) for n in names]
+def nfc(name: str) -> str:
+    """A name in Unicode's composed form (NFC), as names are compared: macOS writes folder
+    names decomposed ('café' as 'cafe' and a combining accent)."""
+    return unicodedata.normalize("NFC", name)

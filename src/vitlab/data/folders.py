@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import unicodedata
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from vitlab.data.classes import nfc
 from vitlab.data.decode import pil_convert
 from vitlab.data.download import DatasetError
 from vitlab.runtime import seeded_split
@@ -363,7 +363,7 @@ def _sub_folders(folder: Path) -> list[str]:
 
 def _forms(folder: Path) -> dict[str, str]:
     """A folder's sub-folder names by their NFC form (Unicode's composed one)."""
-    return {unicodedata.normalize("NFC", n): n for n in _sub_folders(folder)}
+    return {nfc(n): n for n in _sub_folders(folder)}
 
 
 def _class_dir(folder: Path, cls: str, forms: dict[str, str]) -> Path:
@@ -372,7 +372,7 @@ def _class_dir(folder: Path, cls: str, forms: dict[str, str]) -> Path:
     elsewhere composed, and the test split lost that class's images."""
     if (folder / cls).is_dir():
         return folder / cls
-    return folder / forms.get(unicodedata.normalize("NFC", cls), cls)
+    return folder / forms.get(nfc(cls), cls)
 
 
 def _test_folder(root: Path) -> Path | None:
@@ -403,10 +403,10 @@ def load_folder_split(root: Path, split: str, seed: int, whole: bool = False) ->
             return scan_image_folder(train_dir, classes, splits)
         if len(splits) == 1:
             raise DatasetError(f"{root} has train/ but neither test/ nor val/ for the test split")
-        known = {unicodedata.normalize("NFC", c): c for c in classes}  # in either form
+        known = {nfc(c): c for c in classes}  # in either form
         forms = _forms(splits[1])  # a folder not read: no class's, or a class's other form
         extra = [c for c in _sub_folders(splits[1]) if classes and (
-            (cls := known.get(unicodedata.normalize("NFC", c))) is None
+            (cls := known.get(nfc(c))) is None
             or _class_dir(splits[1], cls, forms).name != c)]  # fmt: skip
         if extra:  # never predicted right; data.test of other classes is refused
             _say(f"{splits[1]} has class folders {train_dir} lacks, left out of the test split: "

@@ -36,7 +36,7 @@ from vitlab.models.cnn_checkpoint import infer_cnn_config
 from vitlab.models.hybrid_checkpoint import infer_resnet_stem
 from vitlab.models.indices import whole_number
 from vitlab.models.pos_embed import Grid, resample_pos_embed
-from vitlab.models.registry import Model, ModelConfig, build_model, family_of, other_patch_size
+from vitlab.models.registry import Model, ModelConfig, build_model, family_of, other_than_weights
 from vitlab.models.swin_checkpoint import infer_swin_config
 from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
@@ -343,7 +343,7 @@ def load_checkpoint(
         native = infer_config(src, overrides.get("img_size"))
     except CheckpointError as e:  # e.g. num_heads=3 at width 256: the override's fault
         raise CheckpointError(f"{e} (with the overrides {before})" if before else str(e)) from None
-    if wrong := other_patch_size(native, before):
+    if wrong := other_than_weights(native, before):
         raise CheckpointError(f"{src.where}: {wrong}")
     try:
         cfg = native.replace(**before)

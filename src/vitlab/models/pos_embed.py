@@ -6,26 +6,23 @@ width, (gh, gw) the patch grid."""
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vitlab.models.indices import whole_number
+
 Grid = tuple[int, int]
-
-
-def _whole(n: object) -> bool:
-    """An integer (numpy's too), not a bool."""
-    return isinstance(n, numbers.Integral) and not isinstance(n, bool)
 
 
 def _grid(grid: Grid | int, name: str) -> tuple[int, int]:
     """(rows, columns) of patches: a pair, or one number for a square grid."""
     try:
-        pair = (grid, grid) if isinstance(grid, numbers.Integral) else tuple(grid)  # type: ignore
-        if len(pair) == 2 and all(_whole(n) and n > 0 for n in pair):
-            return int(pair[0]), int(pair[1])
+        pair = (grid, grid) if whole_number(grid) is not None else tuple(grid)  # type: ignore
+        sides = [whole_number(n) for n in pair]
+        if len(sides) == 2 and all(n is not None and n > 0 for n in sides):
+            return sides[0], sides[1]
     except TypeError:
         pass
     raise ValueError(f"{name} is (rows, columns) of patches or one number for a square grid, "

@@ -307,9 +307,18 @@ def family_of(config: ModelConfig) -> str:
     return getattr(config, "family", "vit")
 
 
-def other_patch_size(weights: ModelConfig, asked: dict) -> str | None:
-    """What is wrong with a patch_size in `asked` other than that of the weights' config (their
-    patch embedding's kernels; a hybrid's ResNet stride), which loading and fine-tuning keep."""
+def other_than_weights(weights: ModelConfig, asked: dict) -> str | None:
+    """What is wrong with a patch_size (a ViT's, a Swin's) or small_stem (a CNN's) in `asked`
+    other than the weights' config's (their patch kernels, a hybrid's ResNet stride; a CNN's
+    conv1), which loading and fine-tuning keep; None where `asked` keeps them."""
+    if hasattr(weights, "uses_small_stem") and asked.get("small_stem") is not None:
+        stem = validate(type(weights), {"small_stem": asked["small_stem"]})["small_stem"]
+        if stem == weights.uses_small_stem:
+            return None
+        kind = "small (3x3 stride-1 conv1, no max-pool)" if weights.uses_small_stem else (
+            "ImageNet (7x7 stride-2 conv1, max-pool)")  # fmt: skip
+        return (f"small_stem={stem}: the weights' stem is the {kind} one, which loading and "
+                f"fine-tuning keep (a new image size keeps it too)")  # fmt: skip
     if not hasattr(weights, "patch_size") or "patch_size" not in asked:  # a CNN's: unknown key
         return None
     p = validate(type(weights), {"patch_size": asked["patch_size"]})["patch_size"]  # typed
@@ -350,7 +359,7 @@ def create_model(name: str | ModelConfig, **overrides: object) -> Model:
     """Build a registered model, e.g. create_model("B/16", num_classes=10, img_size=384),
     create_model("Swin-T", num_classes=10) or create_model("resnet18", num_classes=10); or one
     of a config (get_config's, a checkpoint's), with any overrides."""
-    if isinstance(name, ViTConfig | SwinConfig | CNNConfig):
+    if isinstance(name, ModelConfig):
         return build_model(name.replace(**overrides) if overrides else name)
     return build_model(get_config(name, **overrides))
 

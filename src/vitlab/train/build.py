@@ -30,7 +30,7 @@ from vitlab.models.registry import (
     config_of,
     family_of,
     get_config,
-    other_patch_size,
+    other_than_weights,
     shape_of,
 )
 from vitlab.runtime import Dist, first_rank, launched_processes, status_file
@@ -134,15 +134,8 @@ def resolve_model_config(
                         "model.KEY=VALUE for another)", cfg.model.name,
                         ", ".join(f"{k}={getattr(named, k)}" for k in rates),
                         ", ".join(f"{k}={getattr(base, k, None)}" for k in rates))  # fmt: skip
-    if base is not None and (wrong := other_patch_size(base, cfg.model.overrides)):
+    if base is not None and (wrong := other_than_weights(base, cfg.model.overrides)):
         raise ConfigError(f"finetune.from={cfg.finetune.from_}: model.{wrong}")
-    stem = cfg.model.overrides.get("small_stem")  # a CNN's conv1 is its weights' (3x3 or 7x7)
-    if base is not None and family_of(base) == "cnn" and stem is (not base.uses_small_stem):
-        kind = "small (3x3 stride-1 conv1, no max-pool)" if base.uses_small_stem else (
-            "ImageNet (7x7 stride-2 conv1, max-pool)")  # fmt: skip
-        raise ConfigError(f"finetune.from={cfg.finetune.from_}: model.small_stem={stem}: the "
-                          f"weights' stem is the {kind} one, which fine-tuning keeps (a new image "
-                          f"size keeps it too)")  # fmt: skip
     mc = config_of(cfg.model) if base is None else base.replace(**cfg.model.overrides)
     mc = mc.replace(**auto)
     batchnorm = family_of(mc) == "cnn" and not mc.bit  # BiT's ResNet-v2 has GroupNorm

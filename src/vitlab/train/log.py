@@ -141,15 +141,13 @@ class RunLog:
         if not test["num_images"]:
             test.update({k: None for k in ("loss", "top1", "top5", "top1_cls", "top1_dist")
                          if k in test})  # fmt: skip
-            print(f"test: no image could be evaluated (each skipped as unreadable, or the split "
-                  f"is empty): results.json holds no accuracy; run folder {self.out}",
-                  file=status_file())  # fmt: skip
         summary = {k: v for k, v in test.items() if k != "confusion"}
         summary["classes"] = classes
         write_text(self.out / "results.json", json_text(summary) + "\n")
         if not test["num_images"]:
-            return
-        if "num_patches" in test:
+            what = ("no image could be evaluated (each skipped as unreadable, or the split is "
+                    "empty): results.json holds no accuracy")  # fmt: skip
+        elif "num_patches" in test:
             what = f"masked patch prediction:{_acc(test['top1'])} loss {test['loss']:.4f} on "
             what += f"{test['num_patches']:,} corrupted patches of {test['num_images']:,} images"
         else:
