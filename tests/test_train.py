@@ -787,11 +787,11 @@ def test_ctrl_c_during_the_last_epochs_save_stops_before_the_test(tmp_path, monk
     assert (
         main(["train", "--out", str(run), *FAST, "train.epochs=2", "train.stop_at_epoch=1"]) == 130
     )
-    assert "stopped after epoch 1 (saved): continue with" in capsys.readouterr().err
+    assert "stopped after epoch 1; checkpoint saved: continue with" in capsys.readouterr().err
     at, run = 2, tmp_path / "run"
     assert main(["train", "--out", str(run), *FAST, "train.epochs=2"]) == 130
     err = capsys.readouterr().err
-    assert "stopped after epoch 2 (saved): continue with" in err, err
+    assert "stopped after epoch 2; checkpoint saved: continue with" in err, err
     assert not (run / "results.json").exists() and "Traceback" not in err
     monkeypatch.setattr(Run, "save", real)
     assert main(["train", "--resume", str(run)]) == 0

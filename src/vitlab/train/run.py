@@ -358,7 +358,7 @@ class Run:
                 trained, stats = True, self._epoch(stop)
                 self._end_of_epoch(stats)
                 if distributed.any_rank(stop.requested, self.d, self.device):  # during the save
-                    where = f"stopped after epoch {pos.epoch} (saved)"
+                    where = f"stopped after epoch {pos.epoch}; checkpoint saved"
                     raise TrainingStopped(where, distributed.resume_command(self.out, self.d),
                                           stop.signum)  # fmt: skip
                 if cfg.train.stop_at_epoch == pos.epoch and pos.epoch < cfg.train.epochs:
