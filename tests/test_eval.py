@@ -399,3 +399,16 @@ def test_evaluation_and_features_leave_the_callers_model_as_it_was() -> None:
     modes = as_caller_left(mpp)
     assert evaluate_mpp(mpp, [(x, y)], cpu)["num_images"] == 5
     assert {name: m.training for name, m in mpp.named_modules()} == modes
+
+
+def test_a_one_class_report_states_its_top_1_once():
+    """With one class the top-k figure is the top-1 figure: the report printed 'top-1 100.00%
+    top-1 100.00%'. Two classes still show top-2."""
+    from vitlab.eval.run import format_report
+
+    r = {"checkpoint": "c", "data": "d", "split": "test", "num_images": 3, "top1": 1.0,
+         "top5": 1.0, "loss": 0.0, "confusion": [[3]], "confusion_png": None}  # fmt: skip
+    one = format_report({**r, "classes": ["cat"], "per_class": [1.0]})
+    assert one.splitlines()[1] == "top-1 100.00%   loss 0.0000"
+    two = {**r, "classes": ["cat", "dog"], "per_class": [1.0, None], "confusion": [[3, 0], [0, 0]]}
+    assert format_report(two).splitlines()[1] == "top-1 100.00%   top-2 100.00%   loss 0.0000"

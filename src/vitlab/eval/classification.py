@@ -93,6 +93,11 @@ def top5_name(num_classes: int) -> str:
     return f"top-{min(5, num_classes)}"
 
 
+def top5_text(num_classes: int, top5: float, gap: str = "   ") -> str:
+    """'<gap>top-5 12.34%' for a report line; nothing for one class, whose top-1 is its top-k."""
+    return "" if num_classes < 2 else f"{gap}{top5_name(num_classes)} {100 * top5:.2f}%"
+
+
 def format_confusion(confusion: list[list[int]], classes: list[str]) -> str:
     """The confusion matrix as text: rows are true classes, columns predictions (by index)."""
     names = [f"{i:>2} {c[:12]}" for i, c in enumerate(classes)]

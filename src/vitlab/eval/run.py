@@ -24,7 +24,7 @@ from vitlab.eval.classification import (
     evaluate,
     format_confusion,
     save_confusion_png,
-    top5_name,
+    top5_text,
 )
 from vitlab.formats.vitlab import resolve_checkpoint, vitlab_weights
 from vitlab.models.checkpoint import load_checkpoint
@@ -234,7 +234,7 @@ def format_report(r: dict) -> str:
         f"{r['checkpoint']} on {r['data']} ({r['split']}, {r['num_images']:,} images), "
         f"backend {r.get('backend', 'torch')}"
         + (f", test-time augmentation {r['tta']}" if r.get("tta", "none") != "none" else ""),
-        f"top-1 {100 * r['top1']:.2f}%   {top5_name(len(r['classes']))} {100 * r['top5']:.2f}%"
+        f"top-1 {100 * r['top1']:.2f}%{top5_text(len(r['classes']), r['top5'])}"
         f"   loss {r['loss']:.4f}",
     ]
     if "top1_cls" in r:  # a distilled model (DeiT): top-1 is its two heads' average

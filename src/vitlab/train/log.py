@@ -16,7 +16,7 @@ import yaml
 
 from vitlab.config import RunConfig
 from vitlab.data.download import absolute_source
-from vitlab.eval.classification import top5_name
+from vitlab.eval.classification import top5_text
 from vitlab.formats.base import write_text
 from vitlab.runtime import quiet, status_file
 from vitlab.validation import json_text
@@ -151,8 +151,8 @@ class RunLog:
             what = f"masked patch prediction:{_acc(test['top1'])} loss {test['loss']:.4f} on "
             what += f"{test['num_patches']:,} corrupted patches of {test['num_images']:,} images"
         else:
-            what = f"top-1 {100 * test['top1']:.2f}%{_heads(test)}  {top5_name(len(classes))} "
-            what += f"{100 * test['top5']:.2f}%  loss {test['loss']:.4f} on "
+            what = f"top-1 {100 * test['top1']:.2f}%{_heads(test)}"
+            what += f"{top5_text(len(classes), test['top5'], '  ')}  loss {test['loss']:.4f} on "
             what += f"{test['num_images']:,} images"
         print(f"test: {what}; run folder {self.out}", file=status_file())
 
