@@ -519,3 +519,18 @@ def test_what_cannot_run_says_why(trained, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # as if not installed
     with pytest.raises(BackendError, match=r"pip install 'vitlab\[export\]'"):
         prepare(model, meta, "onnxruntime")
+
+
+def test_two_exports_to_one_file_at_once_do_not_share_a_temporary(tmp_path) -> None:
+    """Every export wrote `.OUT.tmp.onnx` beside OUT: a second export to the same OUT while the
+    first ran overwrote (or, failing, removed) the first's half-written file, which was then
+    checked and renamed. Each now has its own temporary; the last one renamed is OUT."""
+    from vitlab.models.export import _checked_file
+
+    out = tmp_path / "m.onnx"
+    with _checked_file(out) as first, _checked_file(out) as second:
+        assert first != second and first.parent == second.parent == tmp_path
+        assert first.suffix == second.suffix == ".onnx" and first.name.startswith(".m.")
+        first.write_text("first")
+        second.write_text("second")
+    assert out.read_text() == "first" and sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]

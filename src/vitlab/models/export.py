@@ -68,10 +68,13 @@ def check_out(out: Path, suffix: str | None = None, option: str = "") -> None:
 def _checked_file(out: Path, suffix: str | None = None) -> Iterator[Path]:
     """A temporary name beside `out` (ending in `suffix`, else out's), renamed over it only when
     the block (writing and checking the export) succeeds: a file that failed its check, or a
-    half-written one, is not left (nor the weights an ONNX exporter wrote beside it, + .data)."""
+    half-written one, is not left (nor the weights an ONNX exporter wrote beside it, + .data).
+    The name is this call's own: two exports to one OUT at once write two files, the last rename
+    wins, and neither reads or removes the other's half-written file."""
     check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp{out.suffix if suffix is None else suffix}")
+    own = f"{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = out.with_name(f".{out.stem}.{own}.tmp{out.suffix if suffix is None else suffix}")
     try:
         yield tmp
         fsync(tmp)
