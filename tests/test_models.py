@@ -96,6 +96,38 @@ def test_aliases_and_unknown_names() -> None:
         vitlab.get_config(cfg)
 
 
+@pytest.mark.parametrize(
+    ("ours", "timms", "args"),
+    [
+        ("vit_nano_patch4_28", "vit_tiny_patch16_224", {}),
+        ("vit_nano_patch4_28", "deit_tiny_distilled_patch16_224", {"distilled": True}),
+        ("swin_nano_patch2_window7_28", "swin_tiny_patch4_window7_224", {}),
+        ("resnet18_28", "resnet18", {}),
+        ("resnetv2_50_28", "resnetv2_50", {}),
+    ],
+)
+def test_timm_classifier_names_work_on_every_family(ours, timms, args) -> None:
+    """Code written for timm reads `model.num_classes` and `model.get_classifier()`: vitlab's
+    models had neither (AttributeError). They give what timm's model of the family gives: the
+    layer making the logits (a distilled model's two heads), and the count after a reset."""
+    timm = pytest.importorskip("timm")
+    mine = vitlab.create_model(ours, num_classes=7, **args)
+    with torch.device("meta"):
+        theirs = timm.create_model(timms, pretrained=False, num_classes=7)
+    assert mine.num_classes == theirs.num_classes == 7
+    got, want = mine.get_classifier(), theirs.get_classifier()
+    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+    assert [type(g) for g in got] == [type(w) for w in want]
+    assert [g.weight.shape[0] for g in got] == [w.weight.shape[0] for w in want] == [7] * len(want)
+    assert got[0] is mine.classifier and got[-1](torch.zeros(1, *got[-1].weight.shape[1:])).numel()
+    mine.reset_classifier(0)
+    heads = mine.get_classifier()
+    heads = heads if isinstance(heads, tuple) else (heads,)
+    assert mine.num_classes == 0 and len(heads) == len(got)
+    assert all(isinstance(h, torch.nn.Identity) for h in heads)
+    assert mine(torch.zeros(1, 1, 28, 28)).shape == (1, mine.num_features)
+
+
 def test_config_overrides_are_strict() -> None:
     with pytest.raises(vitlab.ConfigError, match="unknown key 'embed_dims'.*embed_dim"):
         vitlab.create_model("Ti/16", embed_dims=10)

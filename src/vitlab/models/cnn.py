@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vitlab.config import ConfigError, check_keys, pair, validate
+from vitlab.models.classifier import ClassifierApi
 from vitlab.models.indices import chosen_indices
 from vitlab.models.layers import check_dtype
 
@@ -154,13 +155,12 @@ def _stats_once(block: nn.Module) -> Callable[[], tuple[AbstractContextManager, 
     return lambda: (nullcontext(), _batchnorm_stats_kept(block))
 
 
-class CNN(nn.Module):
+class CNN(ClassifierApi, nn.Module):
     """What the CNN baselines share. A subclass builds its stem, `stages` (each an iterable of
     residual blocks, or a module with `.blocks`) and a classifier at `classifier_name`, and defines
     _stem, forward_head and _classifier_layer."""
 
     num_prefix_tokens = 0  # no tokens: features are a map
-    classifier_name: ClassVar[str]  # the classifier's module path: "fc", "head.fc"
     stages: Sequence[nn.Module]  # the four stages, in order
 
     def __init__(self, config: CNNConfig) -> None:
@@ -183,11 +183,6 @@ class CNN(nn.Module):
     def blocks(self) -> list[nn.Module]:
         """Every residual block in order (FSDP shards each; train.distributed.wrap)."""
         return [block for stage in self.stages for block in self._units(stage)]
-
-    @property
-    def classifier(self) -> nn.Module:
-        """The layer that makes the logits (nn.Identity without classes)."""
-        return self.get_submodule(self.classifier_name)
 
     def _classifier_layer(self, num_classes: int, **device: Any) -> nn.Module:
         """A new classifier from num_features to `num_classes`, with weight and bias."""

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from vitlab.config import ConfigError, check_keys, pair, validate
+from vitlab.models.classifier import ClassifierApi
 from vitlab.models.indices import chosen_indices, positive
 from vitlab.models.swin_layers import (
     TABLE_RESAMPLING,
@@ -159,10 +160,11 @@ class PooledHead(nn.Module):
         return x if pre_logits else self.fc(x)
 
 
-class SwinTransformer(nn.Module):
+class SwinTransformer(ClassifierApi, nn.Module):
     """Swin Transformer built from one SwinConfig, with timm's module names."""
 
     num_prefix_tokens = 0  # no class token: features are a map
+    classifier_name = "head.fc"
 
     def __init__(self, config: SwinConfig) -> None:
         super().__init__()

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vitlab.config import ConfigError, check_keys, pair, validate
 from vitlab.models.chunks import batch_chunk
+from vitlab.models.classifier import ClassifierApi
 from vitlab.models.indices import chosen_indices, positive
 from vitlab.models.layers import Block, LayerNorm, PatchEmbed, lecun_normal_, watched
 from vitlab.models.pos_embed import POS_EMBEDS, timm_table_name
@@ -174,8 +175,10 @@ class PreLogits(nn.Module):
         return self.act(self.fc(x))
 
 
-class VisionTransformer(nn.Module):
+class VisionTransformer(ClassifierApi, nn.Module):
     """ViT of the paper's family, built from one ViTConfig."""
+
+    classifier_name = "head"  # and head_dist, a distilled model's second head
 
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
