@@ -475,3 +475,29 @@ def test_intermediate_indices_take_numpy_and_tensor_ints_and_refuse_the_rest() -
             chosen_indices(bad, 4, "block")
     with pytest.raises(ValueError, match="block index 4 out of range for a 4-block model"):
         chosen_indices([np.int64(4)], 4, "block")
+
+
+def test_timm_keywords_build_timms_model() -> None:
+    """timm's create_model keywords were unknown keys: code written for timm
+    (`pretrained=False, drop_path_rate=0.1, global_pool="avg"`) failed. They now build the model
+    timm builds: its weights load strictly and the outputs match timm's (global_pool='avg' is
+    pool='gap' with timm's fc_norm rule). pretrained=True points at load_pretrained."""
+    timm = pytest.importorskip("timm")
+    kw = {"num_classes": 5, "depth": 2, "drop_path_rate": 0.2, "attn_drop_rate": 0.1}
+    for pool in ("avg", "token"):
+        theirs = timm.create_model("vit_tiny_patch16_224", pretrained=False, global_pool=pool, **kw)
+        mine = vitlab.create_model("vit_tiny_patch16_224", pretrained=False, global_pool=pool, **kw)
+        assert (mine.config.pool, mine.config.fc_norm) == (("gap", True) if pool == "avg" else (
+            "token", False))  # fmt: skip
+        assert (mine.config.drop_path, mine.config.attn_dropout) == (0.2, 0.1)
+        mine.load_state_dict(theirs.state_dict())
+        x = torch.randn(2, 3, 224, 224)
+        with torch.no_grad():
+            torch.testing.assert_close(mine.eval()(x), theirs.eval()(x), rtol=1e-5, atol=1e-5)
+    assert vitlab.create_model("Swin-T", drop_path_rate=0.3).config.drop_path == 0.3
+    with pytest.raises(vitlab.ConfigError, match="pretrained=True.*vitlab.load_pretrained"):
+        vitlab.create_model("vit_tiny_patch16_224", pretrained=True)
+    with pytest.raises(vitlab.ConfigError, match="drop_path_rate .timm's name. and drop_path"):
+        vitlab.create_model("Ti/16", drop_path_rate=0.1, drop_path=0.2)
+    with pytest.raises(vitlab.ConfigError, match="unknown key 'drop_path_rate' for CNNConfig"):
+        vitlab.create_model("resnet18", drop_path_rate=0.1)  # no such field: the name given

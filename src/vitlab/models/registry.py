@@ -3,11 +3,12 @@ config's type picks the model class. A new size is an entry, never a new class."
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 from collections.abc import Sequence
 
-from vitlab.config import ModelSection, check_keys, validate
+from vitlab.config import ConfigError, ModelSection, check_keys, validate
 from vitlab.models.cnn import CNN, CNNConfig, ResNet
 from vitlab.models.resnetv2 import BiTResNet
 from vitlab.models.swin import SwinConfig, SwinTransformer
@@ -358,10 +359,41 @@ def build_model(config: ModelConfig) -> Model:
 def create_model(name: str | ModelConfig, **overrides: object) -> Model:
     """Build a registered model, e.g. create_model("B/16", num_classes=10, img_size=384),
     create_model("Swin-T", num_classes=10) or create_model("resnet18", num_classes=10); or one
-    of a config (get_config's, a checkpoint's), with any overrides."""
-    if isinstance(name, ModelConfig):
-        return build_model(name.replace(**overrides) if overrides else name)
-    return build_model(get_config(name, **overrides))
+    of a config (get_config's, a checkpoint's), with any overrides. timm's keywords of the
+    same settings are taken: pretrained=False, drop_path_rate, attn_drop_rate, global_pool
+    ('avg': pool='gap' and, unless given, fc_norm=True, timm's model)."""
+    config = name if isinstance(name, ModelConfig) else get_config(name)
+    overrides = _from_timm(name, config, overrides)
+    return build_model(config.replace(**overrides) if overrides else config)
+
+
+# timm's create_model keywords that mean one of vitlab's config fields exactly (timm's drop_rate,
+# a ViT's head dropout, has no vitlab field: refused as an unknown key)
+_TIMM_NAMES = {
+    "drop_path_rate": "drop_path", "attn_drop_rate": "attn_dropout", "global_pool": "pool",
+}  # fmt: skip
+
+
+def _from_timm(name: object, config: ModelConfig, overrides: dict) -> dict:
+    """`overrides` with timm's keywords under vitlab's names where `config` has that field (else
+    refused under the name given); pretrained=True refused."""
+    overrides = dict(overrides)
+    if overrides.pop("pretrained", False):
+        raise ConfigError(
+            f"create_model({name!r}, pretrained=True): create_model builds a model with new "
+            "weights; for trained ones, vitlab.load_pretrained(SOURCE, ...) reads a timm, Hugging "
+            "Face, torchvision, .npz or vitlab checkpoint, or a hub name (e.g. "
+            "'timm/vit_base_patch16_224.augreg2_in21k_ft_in1k')"
+        )
+    for theirs, ours in _TIMM_NAMES.items():
+        if theirs in overrides and ours in {f.name for f in dataclasses.fields(config)}:
+            if ours in overrides:
+                raise ConfigError(f"{theirs} (timm's name) and {ours} both given: give one")
+            value = overrides.pop(theirs)
+            overrides[ours] = "gap" if theirs == "global_pool" and value == "avg" else value
+            if overrides[ours] == "gap" and theirs == "global_pool":  # timm's fc_norm=None rule
+                overrides.setdefault("fc_norm", True)
+    return overrides
 
 
 def list_models(pattern: str | Sequence[str] | None = None, family: str | None = None) -> list[str]:
