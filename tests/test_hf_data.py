@@ -273,3 +273,23 @@ def test_quiet_hides_the_datasets_librarys_progress_bars(tmp_path: Path, capfd) 
         err = capfd.readouterr().err
         assert ("Generating train split" in err) == (i == 2), (before, after, err)
     assert datasets.utils.logging.is_progress_bar_enabled()  # restored after -q
+
+
+def test_a_split_with_some_unlabelled_rows_says_how_to_keep_the_others(tmp_path: Path) -> None:
+    """Rows labelled -1 among labelled ones were explained ("negative labels mark unlabelled
+    rows"), then refused, without the way to train on the rest: the message gives it, and
+    doing what it says reads the labelled rows."""
+    import datasets
+
+    some = table(8).cast_column("label", datasets.Value("int64"))
+    some = some.map(lambda r, i: {"label": [0, 1, -1, 2, 0, -1, 1, 2][i]}, with_indices=True)
+    some.save_to_disk(str(tmp_path / "some"))
+    with pytest.raises(DatasetError, match=r"2 labels are not class indices 0..2 .row 2: -1;") as e:
+        load_split(f"hf:{tmp_path / 'some'}", "all")
+    advice = str(e.value).partition("e.g. `")[2].partition("`")[0]
+    assert advice == "ds.filter(lambda r: r['label'] >= 0).save_to_disk(PATH)"
+    kept_at = tmp_path / "kept"
+    scope = {"ds": datasets.load_from_disk(str(tmp_path / "some")), "PATH": str(kept_at)}
+    eval(advice, scope)
+    kept = load_split(f"hf:{kept_at}", "all")
+    assert len(kept) == 6 and sorted(kept.labels.tolist()) == [0, 0, 1, 1, 2, 2]
