@@ -283,6 +283,33 @@ def test_the_process_age_off_linux_counts_the_start_up_too() -> None:
         assert first >= 2.5 and abs(first - without) <= 1.0, (first, without)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads a parent's /proc")
+def test_under_torchrun_the_budget_counts_from_the_launchers_start() -> None:
+    """torchrun's own start-up and rendezvous (5-10 s on a loaded 2-core machine) came before
+    the worker's start, where the budget counted from: a 30 s budget took 34 s. Under torchrun
+    (TORCHELASTIC_RUN_ID) the parent's start counts; not without it, nor a parent that started
+    more than LAUNCHER_S before the worker (an agent restarting a failed worker)."""
+    child = (
+        "from vitlab.train import budget; import sys; budget.LAUNCHER_S = float(sys.argv[1]); "
+        "print(budget.process_age() - budget._age(budget.os.getpid()))"
+    )  # prints how much earlier than the worker the budget's clock starts
+    launcher = (  # 2 s of a launcher's start-up, then its worker: argv child, window, env
+        "import os, subprocess, sys, time; time.sleep(2.0); "
+        "env = {k: v for k, v in os.environ.items() if k != 'TORCHELASTIC_RUN_ID'}; "
+        "env.update(a.split('=', 1) for a in sys.argv[3:]); "
+        "subprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]], env=env, check=True)"
+    )
+
+    def earlier(window: float, *env: str) -> float:
+        command = [sys.executable, "-c", launcher, child, str(window), *env]
+        return float(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+
+    assert earlier(120, "TORCHELASTIC_RUN_ID=none") >= 2.0  # the launcher's 2 s counted
+    assert earlier(120) == pytest.approx(0, abs=0.05)  # no launcher: the worker's own start
+    # a parent that started long before: not this command's start
+    assert earlier(1.0, "TORCHELASTIC_RUN_ID=none") == pytest.approx(0, abs=0.05)
+
+
 def test_a_stall_in_a_first_epoch_longer_than_the_pace_check_costs_its_time(
     tmp_path, monkeypatch
 ) -> None:

@@ -76,28 +76,42 @@ PACE_STEPS = 5000  # the most latest steps a pace is taken over (a 2-hour CPU ru
 STUB = 0.05  # a last epoch shorter than this share of one is dropped
 FORWARD = 1 / 3  # an evaluation image costs about this share of a training image (no backward)
 PLAN_FILE = "time_budget.json"
+LAUNCHER_S = 120.0  # the most a launcher (torchrun) starts before its worker, as the command's
 _IMPORTED = time.time()
 
 
 def process_age() -> float:
-    """Seconds since this process started: on Linux from /proc; on other POSIX systems (macOS)
+    """Seconds since this command started: this process's start or, under torchrun
+    (TORCHELASTIC_RUN_ID set), its launcher's, the parent process, where that started at most
+    LAUNCHER_S before it (torchrun's own start-up and rendezvous, 5-10 s, are the command's too;
+    an older parent, such as an agent restarting a failed worker, is not this start)."""
+    own = _age(os.getpid())
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
+        launcher = _age(os.getppid())
+        if own <= launcher <= own + LAUNCHER_S:
+            return launcher
+    return own
+
+
+def _age(pid: int) -> float:
+    """Seconds since process `pid` started: on Linux from /proc; on other POSIX systems (macOS)
     from `ps`, to the second; elsewhere (Windows) since this module was imported, which misses
     the interpreter's start-up."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, ticks
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
         return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
-        return time.time() - _started()
+        return time.time() - _started(pid)
 
 
 @functools.cache
-def _started() -> float:
-    """When this process started on the wall clock, asked of `ps` once (its elapsed time), or
+def _started(pid: int) -> float:
+    """When process `pid` started on the wall clock, asked of `ps` once (its elapsed time), or
     when this module was imported where `ps` cannot say."""
-    command = ["ps", "-o", "etime=", "-p", str(os.getpid())]
+    command = ["ps", "-o", "etime=", "-p", str(pid)]
     try:
         out = subprocess.run(command, capture_output=True, text=True, timeout=10, check=True)
         return time.time() - elapsed_seconds(out.stdout) - 0.5  # ps rounds down to the second
