@@ -177,7 +177,7 @@ def test_values_the_command_line_gives_as_a_user_means_them(tmp_path: Path, caps
     bomb = tmp_path / "bomb.yaml"  # 10^7 items once expanded
     bomb.write_text(f"data: {{dir: [{', '.join(levels)}]}}\n")
     assert len(bomb.read_bytes()) < 500
-    with pytest.raises(ConfigError, match="DataConfig.dir: expected str | None, got") as e:
+    with pytest.raises(ConfigError, match="data.dir: expected str | None, got") as e:
         load_run_config(str(bomb))
     assert len(str(e.value)) < 500
 
@@ -229,3 +229,25 @@ def test_train_help_names_every_key_of_every_section(capsys) -> None:
         for field in dataclasses.fields(sections[name]):
             assert re.search(rf"\b{field.name}\b", part), f"{name}.{field.name}"
     assert "train.threads, data.workers" in text  # what --resume may change
+
+
+def test_a_wrong_type_is_named_by_the_key_the_user_wrote() -> None:
+    """Type errors named the Python class (`DataConfig.hflip`, `ViTConfig.depth`) where every
+    other message names the key as typed (`data.hflip`, `model.depth`)."""
+    import vitlab
+
+    for override, message in [
+        ("data.hflip=true", "^data.hflip: expected float, got True \\(bool\\)$"),
+        ("train.ema=true", "^train.ema: expected float \\| None, got True"),
+        ("distill.alpha=x", "^distill.alpha: expected float, got 'x'"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_run_config(None, [override])
+    for overrides, message in [
+        (["model.depth=abc"], "^model.depth: expected int, got 'abc' \\(str\\)$"),
+        (["model.name=Swin-T", "model.depths=3"], "^model.depths: expected tuple\\[int, ...\\]"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            config_of(load_run_config(None, overrides).model)
+    with pytest.raises(ConfigError, match="^ViTConfig.depth: expected int"):  # the Python API's
+        vitlab.create_model("Ti/16", depth="abc")

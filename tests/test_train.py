@@ -962,8 +962,8 @@ def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
         ("optim.min_lr=0.01", "^optim.min_lr must be in \\[0, lr\\], got 0.01$"),
         ("optim.momentum=2", "^optim.momentum must be in \\[0, 1\\), got 2"),
         ("optim.betas=[0.9,1.5]", "optim.betas must be in \\[0, 1\\) each, got \\(0.9, 1.5\\)"),
-        ("optim.lr=nan", "OptimConfig.lr: expected float, got nan \\(float\\): numbers must be"),
-        ("optim.lr=1e400", "OptimConfig.lr: expected float, got inf \\(float\\): numbers must be"),
+        ("optim.lr=nan", "optim.lr: expected float, got nan \\(float\\): numbers must be"),
+        ("optim.lr=1e400", "optim.lr: expected float, got inf \\(float\\): numbers must be"),
         ("train.time_budget=inf", "expected str \\| float \\| None, got inf .*must be finite"),
         ("train.time_budget=off", "\\(null or ~: no budget\\), got False \\(YAML reads off"),
         ("train.time_budget=yes", "\\(null or ~: no budget\\), got True \\(YAML reads on, yes"),
@@ -997,7 +997,7 @@ def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path: Path) -> None:
     loaded = load_run_config(str(tmp_path / "c.yaml"))
     assert (loaded.optim.lr, loaded.optim.min_lr) == (1e-3, 5e-6)
     (tmp_path / "c.yaml").write_text("optim:\n  lr: fast\n")
-    with pytest.raises(ConfigError, match="OptimConfig.lr: expected float, got 'fast'"):
+    with pytest.raises(ConfigError, match="optim.lr: expected float, got 'fast'"):
         load_run_config(str(tmp_path / "c.yaml"))
 
 

@@ -92,7 +92,9 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
 
 def validate(obj: Any, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Check every field of dataclass `obj` against its type hint, converting losslessly; with
-    `values` (some fields' values, `obj` its class), check and return those converted instead."""
+    `values` (some fields' values, `obj` its class), check and return those converted instead.
+    A field is named as `section.field` where the class has `config_section` (a run config's
+    section: `data.hflip`, as the user wrote it), else as `Class.field`."""
     in_place, cls = values is None, obj if values is not None else type(obj)
     if in_place:
         values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
@@ -102,7 +104,8 @@ def validate(obj: Any, values: Mapping[str, Any] | None = None) -> dict[str, Any
         if not ok:
             finite = isinstance(value, float) and not math.isfinite(value)  # nan, inf
             raise ConfigError(
-                f"{cls.__name__}.{name}: expected {_type_name(hints[name])}, got {shown(value)} "
+                f"{getattr(cls, 'config_section', cls.__name__)}.{name}: expected "
+                f"{_type_name(hints[name])}, got {shown(value)} "
                 f"({type(value).__name__}){': numbers must be finite' if finite else ''}"
             )
         if in_place and out[name] is not value:

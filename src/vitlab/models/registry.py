@@ -300,7 +300,13 @@ def config_of(section: ModelSection) -> ModelConfig:
     check_keys(
         type(named), section.overrides, f"section 'model' ({type(named).__name__})", ("name",)
     )
-    return named.replace(**section.overrides)
+    try:
+        return named.replace(**section.overrides)
+    except ConfigError as e:  # a field named as the user wrote it: model.depth, not ViTConfig's
+        kind = f"{type(named).__name__}."
+        raise ConfigError(
+            f"model.{str(e)[len(kind) :]}" if str(e).startswith(kind) else str(e)
+        ) from None
 
 
 def family_of(config: ModelConfig) -> str:
