@@ -1482,3 +1482,14 @@ def test_the_channel_count_is_worded_for_one_channel() -> None:
     model = create_model("vit_nano_patch4_28")  # grey, one channel
     with pytest.raises(ValueError, match=r"expected images with 1 channel, got 3$"):
         model(torch.zeros(1, 3, 28, 28))
+
+
+def test_a_batch_the_processes_cannot_share_says_what_to_change() -> None:
+    """A run of batch 63 resumed on 2 ranks was told "train.batch_size 63 is not divisible by 2
+    processes", and the batch size it then chose was refused (a resumed run keeps it). A resumed
+    run is told which process counts divide its batch; a new run, batch sizes that work."""
+    resumed = build_mod.batch_split(63, 2, resumed=True)
+    assert resumed.startswith("train.batch_size 63 is not divisible by 2 processes: a resumed")
+    assert resumed.endswith("processes that divides 63 (1, 3, 7, 9, 21, 63)")
+    assert build_mod.batch_split(63, 2, resumed=False).endswith("multiple of 2 (e.g. 62 or 64)")
+    assert build_mod.batch_split(3, 4, resumed=False).endswith("multiple of 4 (e.g. 4)")

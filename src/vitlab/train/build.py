@@ -354,6 +354,18 @@ def check_objective(cfg: RunConfig, mc: ModelConfig) -> bool:
     return True
 
 
+def batch_split(batch: int, world: int, resumed: bool) -> str:
+    """What to do about a global batch of `batch` that `world` processes cannot share: another
+    batch, or for a resumed run (whose batch is fixed) another number of processes."""
+    said = f"train.batch_size {batch} is not divisible by {world} processes"
+    if not resumed:
+        near = [n for n in (batch // world * world, (batch // world + 1) * world) if n]
+        return f"{said}: give a multiple of {world} (e.g. {' or '.join(map(str, near))})"
+    fits = [n for n in range(1, batch + 1) if batch % n == 0][:8]
+    return (f"{said}: a resumed run keeps its global batch, so resume it on a number of "
+            f"processes that divides {batch} ({', '.join(map(str, fits))})")  # fmt: skip
+
+
 def check_processes(cfg: RunConfig, d: Dist, device: torch.device) -> None:
     """What the run's processes and device rule out."""
     if cfg.train.ema is not None and cfg.train.strategy == "fsdp" and d.enabled:

@@ -137,9 +137,7 @@ class Run:
             source, base = build.finetune_source(cfg)
         mc = self.model_cfg = resolve_model_config(cfg, self.data.info, base, saved)
         if cfg.train.batch_size % d.world:
-            raise ConfigError(
-                f"train.batch_size {cfg.train.batch_size} is not divisible by {d.world} processes"
-            )
+            raise ConfigError(build.batch_split(cfg.train.batch_size, d.world, bool(resume)))
         build.check_processes(cfg, d, device)
         self.mpp = build.check_objective(cfg, mc)
         self.out = Path(out or default_run_folder(cfg))
