@@ -46,6 +46,22 @@ def test_attending_to_the_right_neighbour_is_one_patch_side() -> None:
     torch.testing.assert_close(mean_attention_distance(attn, grid, 16, 0), torch.tensor([16.0]))
 
 
+def test_a_head_on_the_class_token_is_measured_on_the_little_left_on_patches() -> None:
+    """Queries putting all but 1e-16 of their weight on the class token (float32 holds such
+    weights to seven digits) were renormalised by a sum clamped at 1e-12 and so counted near 0
+    pixels: a timm ViT-Ti head read 26.4 where its attention gives 30.4. Hand computation: one
+    query's remaining weight all on its right neighbour (16 px), the other's split 1:3 between
+    itself and the patch below (12 px); a query with no weight at all on patches is left out,
+    and a head with no query left is NaN."""
+    attn = torch.zeros(1, 2, 5, 5)  # grid 2x2, one class token; head 0 then head 1
+    attn[0, 0, 1, 0], attn[0, 0, 1, 2] = 1.0, 3e-16  # query 0 -> its right neighbour
+    attn[0, 0, 2, 0], attn[0, 0, 2, 2], attn[0, 0, 2, 4] = 1.0, 1e-16, 3e-16  # 1:3, 16 px below
+    attn[0, 0, 3:, 0] = 1.0  # queries 2 and 3: nothing on patches
+    attn[0, 1, :, 0] = 1.0  # head 1: no query has any weight on patches
+    got = mean_attention_distance(attn, (2, 2), 16, 1)
+    assert got[0].item() == pytest.approx((16 + 0.75 * 16) / 2, rel=1e-6) and got[1].isnan()
+
+
 def test_rollout_of_identity_attention_is_the_identity() -> None:
     eye = torch.eye(5).expand(2, 4, 5, 5)
     out = attention_rollout([eye, eye, eye], num_prefix_tokens=1)

@@ -30,7 +30,9 @@ def mean_attention_distance(
 ) -> Tensor:
     """Per head, the pixel distance between query and key patch centres weighted by attention,
     summed over keys, averaged over patch queries and the batch: attention (B, H, T, T) -> (H,).
-    Prefix-token rows and columns are left out and each query's weights re-normalised."""
+    Prefix-token rows and columns are left out and each query's weights re-normalised, however
+    small their sum (float32 keeps 1e-16 to seven digits); a query whose weights on patches are
+    all exactly zero has no distance and is left out (a head with none left: NaN)."""
     if attention.ndim != 4 or attention.shape[-1] != attention.shape[-2]:
         raise ValueError(
             f"expected attention of shape (B, heads, T, T), got {tuple(attention.shape)}"
@@ -43,11 +45,10 @@ def mean_attention_distance(
         )
     p = num_prefix_tokens
     attn = attention[..., p:, p:].double()  # (B, H, N, N)
-    attn = attn / attn.sum(dim=-1, keepdim=True).clamp(min=1e-12)
     centres = patch_centres(grid, patch_size).to(attn.device)
     dist = torch.cdist(centres, centres)  # (N, N)
-    per_query = (attn * dist).sum(dim=-1)  # (B, H, N)
-    return per_query.mean(dim=(0, 2)).float()
+    per_query = (attn * dist).sum(dim=-1) / attn.sum(dim=-1)  # (B, H, N); 0 / 0: NaN
+    return per_query.nanmean(dim=(0, 2)).float()
 
 
 HEAD_FUSIONS = ("mean", "max", "min")
