@@ -1493,3 +1493,45 @@ def test_a_batch_the_processes_cannot_share_says_what_to_change() -> None:
     assert resumed.endswith("processes that divides 63 (1, 3, 7, 9, 21, 63)")
     assert build_mod.batch_split(63, 2, resumed=False).endswith("multiple of 2 (e.g. 62 or 64)")
     assert build_mod.batch_split(3, 4, resumed=False).endswith("multiple of 4 (e.g. 4)")
+
+
+def test_a_step_failing_after_a_stop_signal_is_a_stop_not_a_traceback(
+    tmp_path, monkeypatch, capsys
+):
+    """A SIGTERM to the process group during torch.compile's first compilation killed its gcc
+    too: the step failed with a 1,900-line CppCompileError traceback, exit 1. A step that fails
+    once a stop was asked is now the stop: one line, 143, what was kept and how to go on.
+    (Here the step fails as gcc's did: after the signal, with an error of its own.)"""
+    from vitlab.train import run as run_mod
+
+    real, calls = run_mod.train_epoch, []
+
+    def killed_with_its_helpers(*a, **k):
+        calls.append(1)
+        if len(calls) < fail_at:
+            return real(*a, **k)
+        signal.raise_signal(signal.SIGTERM)
+        raise RuntimeError("C++ compile error: cc1plus killed")
+
+    monkeypatch.setattr(run_mod, "train_epoch", killed_with_its_helpers)
+    fail_at, first = 1, tmp_path / "first"
+    assert main(["train", "--out", str(first), *FAST, "train.epochs=2"]) == 143
+    err = capsys.readouterr().err
+    assert "stopped at epoch 1: the stop signal reached the processes this step needed" in err
+    assert "(RuntimeError)" in err and "none yet: start the run again" in err
+    assert "Traceback" not in err and "--resume" not in err
+    calls.clear()
+    fail_at, second = 2, tmp_path / "second"
+    assert main(["train", "--out", str(second), *FAST, "train.epochs=2"]) == 143
+    err = capsys.readouterr().err
+    assert "stopped at epoch 2: the stop signal" in err and f"--resume {second}" in err, err
+    monkeypatch.setattr(run_mod, "train_epoch", real)
+    assert main(["train", "--resume", str(second)]) == 0  # from epoch 1's checkpoint
+    assert json.loads((second / "results.json").read_text())["top1"] > 0.1
+
+    def broken(*a, **k):  # no stop asked: the failure is the error it is
+        raise RuntimeError("C++ compile error")
+
+    monkeypatch.setattr(run_mod, "train_epoch", broken)
+    with pytest.raises(RuntimeError, match="C\\+\\+ compile error"):
+        main(["train", "--out", str(tmp_path / "third"), *FAST])

@@ -45,7 +45,7 @@ from vitlab.train.state import (
     save_checkpoint,
     saved_rng,
 )
-from vitlab.train.stop import StopFlag, TrainingStopped
+from vitlab.train.stop import StopFlag, TrainingStopped, failed_on_stop
 
 
 def train(
@@ -218,17 +218,11 @@ class Run:
             )
         total, warmup = self._total_steps(), self._warmup_steps()
         warn_schedule(cfg, total, warmup, said=self.d.is_main)  # rank 0 says it
-        return StepSettings(
-            accum_steps=cfg.train.accum_steps,
-            clip_grad=cfg.optim.clip_grad,
-            lr_at=lambda step: learning_rate(cfg.optim, step, total, warmup),
-            autocast=self.autocast,
-            objective=self._objective(),
-            max_steps=cfg.train.max_steps,
-            memory_format=self.layout,
-            batch_threads=cfg.train.batch_threads,
-            seed=cfg.train.seed,
-        )
+        return StepSettings(accum_steps=cfg.train.accum_steps, clip_grad=cfg.optim.clip_grad,
+                            lr_at=lambda step: learning_rate(cfg.optim, step, total, warmup),
+                            autocast=self.autocast, objective=self._objective(),
+                            max_steps=cfg.train.max_steps, memory_format=self.layout,
+                            batch_threads=cfg.train.batch_threads, seed=cfg.train.seed)  # fmt: skip
 
     def _objective(self) -> engine.Objective:
         smoothing = self.cfg.optim.label_smoothing
@@ -399,6 +393,11 @@ class Run:
                 f"{e}, {why} (optim.lr={cfg.optim.lr:g}); "
                 f"stopped, {kept} (weights after this step not saved)"
             ) from None
+        except Exception as e:  # a stop signal the step's helper processes got too
+            if not stop.requested or self.d.enabled:
+                raise
+            again = distributed.resume_command(self.out, self.d)
+            raise failed_on_stop(e, pos.epoch + 1, self.out, again, stop.signum) from None
         finally:
             bar.close()
         if stopped:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 from vitlab.runtime import first_rank, handling
 
@@ -59,3 +60,18 @@ class TrainingStopped(RuntimeError):
     def __init__(self, where: str, command: str | None = None, signum: int = signal.SIGINT):
         self.where, self.signum = where, signum
         super().__init__(f"{where}: continue with {command}" if command else where)
+
+
+def failed_on_stop(
+    error: Exception, epoch: int, out: Path, command: str, signum: int
+) -> TrainingStopped:
+    """A step of `epoch` that failed after a stop signal, which reached the processes it needed
+    too (a signal to the process group: Ctrl-C, `timeout`, a scheduler; torch.compile's compiler
+    workers and gcc die with it): the stop said in a line, not the failure's traceback."""
+    why = (f"stopped at epoch {epoch}: the stop signal reached the processes this step needed "
+           f"too (torch.compile's compiler workers and gcc get the process group's signals), and "
+           f"the step failed ({type(error).__name__}); nothing after the last checkpoint is "
+           f"saved")  # fmt: skip
+    if (out / "checkpoints" / "last").exists():
+        return TrainingStopped(why, command, signum)
+    return TrainingStopped(f"{why}, and there is none yet: start the run again", None, signum)
