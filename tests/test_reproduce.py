@@ -479,6 +479,10 @@ def test_smoke_budget_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert main(["-q", "reproduce", "all", *SMOKE, "--out", str(out)]) == 0
     err = capsys.readouterr().err  # -q: no arm's run speaks (its header, epochs, test line)
     assert "epoch 1:" not in err and "vitlab train:" not in err and "test: " not in err, err
+    # nor reproduce's progress (each experiment's arms and estimate, each arm's line): the
+    # verdicts, results, are what -q leaves
+    assert "arm 1/" not in err and "arm(s), budget" not in err, err
+    assert all(f"vitlab reproduce {name}: " in err for name in EXPERIMENTS), err
     index = (out / "README.md").read_text()
     for name in EXPERIMENTS:
         record = json.loads((out / name / "results.json").read_text())

@@ -209,6 +209,13 @@ def quiet() -> bool:
     return logging.getLogger("vitlab").getEffectiveLevel() >= logging.ERROR
 
 
+def progress(text: str) -> None:
+    """A progress line on stderr (`vitlab reproduce`'s arm by arm), which -q hides as it hides
+    the bars: results and errors are what -q leaves."""
+    if not quiet():
+        print(text, file=sys.stderr, flush=True)
+
+
 _no_bars: contextvars.ContextVar[bool] = contextvars.ContextVar("no_bars", default=False)
 
 

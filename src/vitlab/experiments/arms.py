@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import sys
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,11 +30,13 @@ from vitlab.experiments.budgets import Budget, Plan, arm_seconds
 from vitlab.formats.base import write_json
 from vitlab.models.checkpoint import load_checkpoint
 from vitlab.models.registry import ModelConfig
-from vitlab.runtime import quiet, quiet_status  # -q: no arm run's status lines
+from vitlab.runtime import progress, quiet, quiet_status  # -q: no arm run's status lines
 from vitlab.train.build import resolve_model_config
 from vitlab.train.folder import remove_run_files, resume_config
 from vitlab.train.log import saved_tree
 from vitlab.train.run import train
+
+log = logging.getLogger(__name__)
 
 # the quick preset's optimiser (configs/fashion-mnist-quick.yaml) without its epoch-based warm-up:
 # warm-up is WARMUP of each arm's steps; no validation split, so every image trains (and the run's
@@ -207,8 +209,7 @@ def _state(folder: Path, arm: Arm) -> dict:
     try:
         state = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        print(f"vitlab reproduce: warning: {path} is damaged ({e}): measuring the run again",
-              file=sys.stderr, flush=True)  # fmt: skip
+        log.warning("%s is damaged (%s): measuring the run again", path, e)
         return {}
     if problem := _wrong_record(state):
         again = "trained" if arm.source else "measured"  # the record names a fine-tuning source
@@ -295,20 +296,20 @@ def run_arm(arm: Arm, out: Path, index: int, total: int, ctx: Context) -> dict:
     elif source and (finished or has_last) and state.get("source") != source:
         redo = f"its source {arm.source} changed since it was trained"
     if redo:
-        print(f"{tag}: {redo}, training it again", file=sys.stderr, flush=True)
+        progress(f"{tag}: {redo}, training it again")
         finished, has_last, state = False, False, {}
     if finished:
-        print(f"{tag}: finished run found, reusing it", file=sys.stderr, flush=True)
+        progress(f"{tag}: finished run found, reusing it")
     else:
         t0, trained = time.perf_counter(), False
         try:
             if has_last and not redo:
-                print(f"{tag}: resuming its run", file=sys.stderr, flush=True)
+                progress(f"{tag}: resuming its run")
                 with quiet_status(quiet()):
                     train(resume_config(folder, []), resume=folder)
             else:
-                print(f"{tag}: training {arm.steps} step{'s' * (arm.steps != 1)} of {arm.batch} "
-                      f"on {arm.images:,} images", file=sys.stderr, flush=True)  # fmt: skip
+                progress(f"{tag}: training {arm.steps} step{'s' * (arm.steps != 1)} of "
+                         f"{arm.batch} on {arm.images:,} images")  # fmt: skip
                 state = {"source": source} if source else {}
                 if folder.is_dir():  # no earlier measurement outlives the retraining, killed or not
                     if problem := remove_run_files(folder):  # nor its run (train removes it late)

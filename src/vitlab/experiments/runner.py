@@ -13,6 +13,7 @@ from vitlab.experiments.arms import Arm, Context, run_arm
 from vitlab.experiments.base import Experiment
 from vitlab.experiments.report import machine, write_report
 from vitlab.formats.base import write_text
+from vitlab.runtime import progress
 from vitlab.train.folder import holding
 
 REPRODUCE = "`vitlab reproduce`"
@@ -74,9 +75,9 @@ def _experiment(name: str, ctx: Context) -> dict[str, Path]:
     arms = exp.arms(ctx)
     folder = ctx.out / name
     folder.mkdir(parents=True, exist_ok=True)
-    print(f"vitlab reproduce {name}: {len(arms)} arm(s), budget {ctx.budget.name} on {ctx.data} "
-          f"(estimated {estimate_seconds(arms, ctx) / 60:.1f} min on 2 AVX2 cores from scratch)",
-          file=sys.stderr, flush=True)  # fmt: skip
+    progress(f"vitlab reproduce {name}: {len(arms)} arm(s), budget {ctx.budget.name} on "
+             f"{ctx.data} (estimated {estimate_seconds(arms, ctx) / 60:.1f} min on 2 AVX2 cores "
+             f"from scratch)")  # fmt: skip
     rows = [run_arm(arm, ctx.out, i + 1, len(arms), ctx) for i, arm in enumerate(arms)]
     summary = exp.summarize(ctx, rows, folder)
     seeds = len({r["seed"] for r in rows})
