@@ -96,6 +96,9 @@ def test_missing_fashion_mnist_offline_names_both_ways(no_fashion_anywhere, monk
     msg = str(err.value)
     assert "apt-get install dataset-fashion-mnist" in msg and "127.0.0.1:9" in msg
     assert len(os.listdir("/proc/self/fd")) == open_before  # the temp file's descriptor closed
+    # where else the files may go, as each command takes it (it offered `vitlab reproduce` and
+    # `vitlab train` a --data-dir neither has)
+    assert "$VITLAB_DATA, `vitlab train`'s data.dir= or another command's --data-dir" in msg
 
 
 def test_download_checks_sha256_and_writes_atomically(no_fashion_anywhere, monkeypatch,

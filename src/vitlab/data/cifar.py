@@ -166,7 +166,7 @@ def _fetch_archive(root: Path, dataset: str, names: list[str]) -> Path:
         raise DatasetError(
             f"{_missing(root, names)}, and the download of {archive} from "
             f"{MIRROR} failed ({e}): put the python-version archive ({archive}) or its extracted "
-            "folder there (or in a folder named by data.dir=, --data-dir or $VITLAB_DATA)"
+            f"folder there (or in {download.ELSEWHERE})"
         ) from None
     return root / archive
 

@@ -41,6 +41,11 @@ FASHION_SHA256 = {
     )
 }
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
+# where else a dataset's files may be put, as a message says it (`vitlab reproduce` has only the
+# variable; `train`, data.dir=; eval, fewshot, probe, analyze and `data shard`, --data-dir)
+ELSEWHERE = (
+    "a folder named by $VITLAB_DATA, `vitlab train`'s data.dir= or another command's --data-dir"
+)
 
 
 class DatasetError(ValueError):
@@ -158,7 +163,7 @@ def find_or_fetch_fashion_mnist(data_dir: str | None) -> dict[str, Path]:
             f"Fashion-MNIST not found (looked in {looked}) and the download from {FASHION_MIRROR} "
             f"failed ({e}). Get it either way: `apt-get install dataset-fashion-mnist` (Debian, "
             f"files in {DEBIAN_DIR}), or download the four *-ubyte.gz files from {FASHION_MIRROR} "
-            f"into {target} (or a folder named by data.dir=, --data-dir or $VITLAB_DATA)."
+            f"into {target} (or into {ELSEWHERE})."
         ) from None
     return {name: target / name for name in FASHION_SHA256}
 
