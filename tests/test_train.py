@@ -962,9 +962,10 @@ def test_configs_that_cannot_work_fail_before_training(tmp_path: Path) -> None:
         ("optim.min_lr=0.01", "^optim.min_lr must be in \\[0, lr\\], got 0.01$"),
         ("optim.momentum=2", "^optim.momentum must be in \\[0, 1\\), got 2"),
         ("optim.betas=[0.9,1.5]", "optim.betas must be in \\[0, 1\\) each, got \\(0.9, 1.5\\)"),
-        ("optim.lr=nan", "optim.lr: expected float, got nan \\(float\\): numbers must be"),
+        ("optim.lr=.nan", "optim.lr: expected float, got nan \\(float\\): numbers must be"),
+        ("optim.lr=nan", "optim.lr: expected float, got 'nan' \\(str\\)$"),  # YAML's is .nan
         ("optim.lr=1e400", "optim.lr: expected float, got inf \\(float\\): numbers must be"),
-        ("train.time_budget=inf", "expected str \\| float \\| None, got inf .*must be finite"),
+        ("train.time_budget=.inf", "expected str \\| float \\| None, got inf .*must be finite"),
         ("train.time_budget=off", "\\(null or ~: no budget\\), got False \\(YAML reads off"),
         ("train.time_budget=yes", "\\(null or ~: no budget\\), got True \\(YAML reads on, yes"),
         ("train.time_budget=None", "\\(null or ~: no budget\\), got 'None'"),
@@ -999,6 +1000,29 @@ def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path: Path) -> None:
     (tmp_path / "c.yaml").write_text("optim:\n  lr: fast\n")
     with pytest.raises(ConfigError, match="optim.lr: expected float, got 'fast'"):
         load_run_config(str(tmp_path / "c.yaml"))
+
+
+def test_config_numbers_are_read_as_yaml_1_2_reads_them(tmp_path: Path) -> None:
+    """PyYAML reads YAML 1.1, where `time_budget: 1:30` is sexagesimal 90 (seconds, the log said
+    "time budget 90.0") and `seed: 012` octal 10, while a quoted "0.001" was taken for optim.lr
+    though a quoted "1" for train.epochs was refused. Numbers are now YAML 1.2's, in a file and
+    on the command line alike, and a quoted value is text for every field."""
+    (tmp_path / "c.yaml").write_text("train:\n  seed: 012\n  batch_size: 0x40\n  epochs: 1_0\n")
+    loaded = load_run_config(str(tmp_path / "c.yaml"), ["optim.lr=2e-3", "train.threads=0o2"])
+    assert (loaded.train.seed, loaded.train.batch_size, loaded.train.epochs) == (12, 64, 10)
+    assert (loaded.optim.lr, loaded.train.threads) == (0.002, 2)
+    assert load_run_config(None, ["train.seed=012"]).train.seed == 12
+    for text in ("train:\n  time_budget: 1:30\n", None):
+        args = (str(tmp_path / "c.yaml"), []) if text else (None, ["train.time_budget=1:30"])
+        if text:
+            (tmp_path / "c.yaml").write_text(text)
+        with pytest.raises(ConfigError, match="time_budget: expected a duration .* got '1:30'"):
+            load_run_config(*args)
+    (tmp_path / "c.yaml").write_text('optim:\n  lr: "0.001"\n')
+    with pytest.raises(ConfigError, match="^optim.lr: expected float, got '0.001' \\(str\\)$"):
+        load_run_config(str(tmp_path / "c.yaml"))
+    with pytest.raises(ConfigError, match="^optim.lr: expected float, got '0.003'"):
+        load_run_config(None, ["optim.lr='0.003'"])
 
 
 def test_finetune_at_another_resolution_with_a_new_head(

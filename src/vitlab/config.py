@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vitlab.duration import parse_duration
-from vitlab.overrides import apply_overrides, given_twice, parse_value
+from vitlab.overrides import apply_overrides, given_twice, parse_value, yaml_loader
 from vitlab.validation import ConfigError, check_keys, from_dict, pair, shown, to_dict, validate
 
 log = logging.getLogger(__name__)
@@ -352,11 +352,12 @@ def _fields(klass: type) -> set[str]:
 
 def _strict_loader() -> type:
     """YAML's safe loader (libyaml's where built: Python's scanner is quadratic in nesting,
-    libyaml's takes 1,000 levels) that refuses a key given twice in one mapping, where YAML
-    keeps the last (`train: {epochs: 3, epochs: 4}` trained 4 epochs without a word)."""
+    libyaml's takes 1,000 levels; numbers as YAML 1.2 reads them, overrides.yaml_loader) that
+    refuses a key given twice in one mapping, where YAML keeps the last (`train: {epochs: 3,
+    epochs: 4}` trained 4 epochs without a word)."""
     import yaml
 
-    class Strict(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    class Strict(yaml_loader()):  # type: ignore[misc]
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
@@ -424,7 +425,7 @@ def load_saved_config(path: str | Path) -> RunConfig:
     import yaml
 
     try:
-        tree = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        tree = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=yaml_loader())
     except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError, OverflowError,
             RecursionError) as e:  # fmt: skip
         raise ConfigError(f"{path}, the run's settings, cannot be read: {one_line(e)}") from None

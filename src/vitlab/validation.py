@@ -9,7 +9,6 @@ import dataclasses
 import difflib
 import json
 import math
-import re
 import reprlib
 import types
 import typing
@@ -17,7 +16,6 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE | re.ASCII)
 
 
 class ConfigError(ValueError):
@@ -64,9 +62,7 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         return isinstance(value, bool), value
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:  # a string of digits too: YAML 1.1 reads 1e-3 as text; NaN, inf no setting
-        if isinstance(value, str) and _NUMBER.fullmatch(value):
-            value = float(value)
+    if tp is float:  # NaN, inf: no setting
         ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
         return ok, float(value) if ok else value
     if tp is str:
