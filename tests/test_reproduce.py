@@ -205,6 +205,17 @@ def test_patch_size_rule(curves, cnn, outcome, parts) -> None:
     assert f"d = {'+' if curves is GAIN else '-'}4.00 pp" in v.parts[1].reason
 
 
+def test_patch_size_parts_each_take_the_floor_of_the_arms_they_compare() -> None:
+    """Both parts took the floor at the mean of the ResNet's and the ViTs' accuracies, while the
+    report says the floor is at the compared arms' mean: the slopes compare the ViTs alone
+    (a QA pass: 15.10 pp used where the ViTs' mean gives 15.53)."""
+    vits, cnn = _patch_numbers(*GAIN, (0.70, 0.80))
+    v = patch_size_verdict(vits, cnn, 0.10, vit_floor=0.05)
+    assert "10.00 pp)" in v.parts[0].rule and "5.00 pp)" in v.parts[1].rule
+    assert "5.00 pp" not in v.parts[0].rule and "10.00 pp" not in v.parts[1].rule
+    assert "10.00 pp)" in patch_size_verdict(vits, cnn, 0.10).parts[1].rule  # no ViT floor given
+
+
 def test_patch_size_rule_with_one_seed_and_wide_spread() -> None:
     one = patch_size_verdict({p: {lv: s(x[p]) for lv, x in zip(("C1", "C2"), GAIN)}
                               for p in (2, 4, 7, 14)}, {"C1": s(0.7), "C2": s(0.8)})  # fmt: skip

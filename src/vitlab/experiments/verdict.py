@@ -190,6 +190,7 @@ def patch_size_verdict(
     floor: float = ACC_FLOOR,
     steps: dict[int | str, dict[str, int]] | None = None,
     cnn_ratio: float | None = None,
+    vit_floor: float | None = None,
 ) -> Verdict:
     """Fig. 5 and Table 6 at matched compute. `vits`: patch side -> compute level -> test top-1
     of the plain ViT; `cnn`: compute level -> the ResNet's; levels cheapest first, the same in
@@ -197,14 +198,17 @@ def patch_size_verdict(
     optimizer steps that arm took (None: every arm counts as trained); `cnn_ratio`: the ResNet's
     training FLOPs an image over the patch-4 ViT's, for the rule's words. Two parts: at every
     level where the ResNet and a ViT trained at least MIN_STEPS steps the best such ViT beats the
-    ResNet; smaller patches gain on larger ones as the compute grows."""
+    ResNet; smaller patches gain on larger ones as the compute grows. `floor`: the accuracy floor
+    at the ResNet's and the ViTs' mean accuracy (the first part's arms), `vit_floor` at the ViTs'
+    (the second's; None: `floor`)."""
     levels = list(cnn)
     if len(levels) < 2 or any(list(v) != levels for v in vits.values()) or len(vits) < 2:
         raise ValueError(f"the patch-size verdict needs two or more patch sizes at the same two or "
                          f"more compute levels, got {levels} and {vits}")  # fmt: skip
     return combine(
-        [_vit_beats_cnn(vits, cnn, floor, steps, cnn_ratio), _smaller_patches_gain(vits, floor)]
-    )
+        [_vit_beats_cnn(vits, cnn, floor, steps, cnn_ratio),
+         _smaller_patches_gain(vits, floor if vit_floor is None else vit_floor)]
+    )  # fmt: skip
 
 
 def _vit_beats_cnn(
