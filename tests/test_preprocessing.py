@@ -451,3 +451,37 @@ def test_batch_takes_uint8_images_and_the_models_channels_as_eval_does() -> None
     ]:
         with pytest.raises(ValueError, match=said):
             Preprocessing(**{"img_size": (8, 8), "in_chans": 3, "mean": HALF, "std": HALF, **bad})
+
+
+def test_timms_data_pipeline_prepares_images_as_the_model_says() -> None:
+    """timm's idiom, `create_transform(**resolve_data_config(model=m))`, gave a vitlab model
+    ImageNet's 224-pixel bicubic 0.875 crop and statistics whatever its `.preprocessing` said
+    (vitlab's models had no `pretrained_cfg`): the same pixels as `preprocessing.pil` now, to
+    float rounding where the preprocessing follows timm's and within a grey level where it
+    resizes the whole image as transformers does."""
+    timm_data = pytest.importorskip("timm.data")
+    import vitlab
+
+    rng = np.random.default_rng(0)
+    cases = [
+        (Preprocessing((28, 28), 1, (0.3061,), (0.3954,)), 1 / 255 / 0.3954 + 1e-6),
+        (Preprocessing((32, 32), 3, (0.49, 0.48, 0.45), (0.25, 0.24, 0.26), "bicubic", 0.875,
+                       "center", "timm"), 1e-6),
+        (Preprocessing((32, 24), 3, (0.5,) * 3, (0.5,) * 3, "bilinear", 0.9, "squash", "timm"),
+         1e-6),
+    ]  # fmt: skip
+    for pre, tolerance in cases:
+        model = vitlab.create_model(
+            "vit_nano_patch4_28", in_chans=pre.in_chans, img_size=pre.img_size
+        )
+        model.preprocessing = pre
+        config = timm_data.resolve_data_config(model=model)
+        assert config["input_size"] == (pre.in_chans, *pre.img_size) and config["std"] == pre.std
+        mode, shape = ("L", (45, 61)) if pre.in_chans == 1 else ("RGB", (45, 61, 3))
+        image = Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode)
+        got, want = timm_data.create_transform(**config)(image), pre.pil(image)
+        assert (got - want.reshape(got.shape)).abs().max().item() <= tolerance
+    built = vitlab.create_model("vit_nano_patch4_28")  # no preprocessing: its input size only
+    assert (
+        built.pretrained_cfg == built.default_cfg == {"input_size": (1, 28, 28), "num_classes": 10}
+    )

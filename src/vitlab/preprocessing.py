@@ -111,6 +111,19 @@ class Preprocessing:
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
+    def timm_data_config(self) -> dict:
+        """This preprocessing in timm's data-config keys (`timm.data.create_transform(**it)`):
+        the whole image resized is timm's squash at crop_pct 1.0."""
+        whole = self.crop_pct is None
+        return {
+            "input_size": (self.in_chans, *self.img_size),
+            "interpolation": self.interpolation,
+            "mean": self.mean,
+            "std": self.std,
+            "crop_pct": 1.0 if whole else self.crop_pct,
+            "crop_mode": "squash" if whole else self.crop_mode,
+        }
+
     @classmethod
     def from_dict(cls, d: dict) -> Preprocessing:
         """The inverse of to_dict; a dict written before crop_mode and reference reads with

@@ -268,12 +268,8 @@ def write(model: nn.Module, dst: Path) -> list[Path]:
         classifier = ["head", "head_dist"] if cfg.distilled else "head"
     pre = preprocessing_of(model)
     pretrained_cfg = {
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in pre.timm_data_config().items()},
         "input_size": [cfg.in_chans, *cfg.img_hw],
-        "interpolation": pre.interpolation,
-        "crop_pct": pre.crop_pct if pre.crop_pct is not None else 1.0,
-        "crop_mode": pre.crop_mode if pre.crop_pct is not None else "squash",
-        "mean": list(pre.mean),
-        "std": list(pre.std),
         "num_classes": cfg.num_classes,
         "first_conv": first_conv,
         "classifier": classifier,
