@@ -501,3 +501,28 @@ def test_timm_keywords_build_timms_model() -> None:
         vitlab.create_model("Ti/16", drop_path_rate=0.1, drop_path=0.2)
     with pytest.raises(vitlab.ConfigError, match="unknown key 'drop_path_rate' for CNNConfig"):
         vitlab.create_model("resnet18", drop_path_rate=0.1)  # no such field: the name given
+
+
+@pytest.mark.parametrize("size", ["tiny", "small", "base"])
+def test_deit_names_build_timms_deit_models(size) -> None:
+    """timm's DeiT names were unknown (`create_model("deit_small_patch16_224")`: no such model),
+    though their weights loaded: each is registered with timm's shape and parameter count, and a
+    distilled one takes timm's weights strictly and gives its outputs (the average of its two
+    heads in eval)."""
+    timm = pytest.importorskip("timm")
+    sizes = [224, 384] if size == "base" else [224]
+    for res, kind in [(r, k) for r in sizes for k in ("", "_distilled")]:
+        name = f"deit_{size}{kind}_patch16_{res}"
+        with torch.device("meta"):
+            mine, theirs = vitlab.create_model(name), timm.create_model(name, pretrained=False)
+        count = sum(p.numel() for p in mine.parameters())
+        assert count == sum(p.numel() for p in theirs.parameters()), name
+        assert mine.config.distilled == bool(kind) and mine.config.img_size == res
+    if size != "tiny":  # one forward comparison, the smallest
+        return
+    theirs = timm.create_model("deit_tiny_distilled_patch16_224", pretrained=False, depth=2).eval()
+    mine = vitlab.create_model("deit_tiny_distilled_patch16_224", depth=2).eval()
+    mine.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(mine(x), theirs(x), rtol=1e-5, atol=1e-5)

@@ -83,6 +83,15 @@ for _size, _patch in _PAPER_VARIANTS:
         )
     register_alias(f"{_SHORT[_size]}/{_patch}", f"vit_{_size}_patch{_patch}_224")
 
+# DeiT's (Touvron et al. 2021) names, timm's: the Ti / S / B shapes above, trained by its recipe;
+# `distilled` adds the distillation token and head (their weights, timm's or Facebook's, load)
+for _size, _res in (("tiny", 224), ("small", 224), ("base", 224), ("base", 384)):
+    for _kind in ("", "_distilled"):
+        _plain = _MODELS[f"vit_{_size}_patch16_{_res}"]
+        register_model(f"deit_{_size}{_kind}_patch16_{_res}", _plain.replace(distilled=bool(_kind)),
+                       f"DeiT-{_SHORT[_size]}/16 at {_res}{_kind.replace('_', ', ')}, ImageNet-1k "
+                       f"head")  # fmt: skip
+
 # Small presets sized for training on a CPU: 28x28 grey (MNIST, Fashion-MNIST) and
 # 32x32 colour (CIFAR), patch 4 (a 7x7 or 8x8 grid), 10 classes.
 for _res, _chans, _data in ((28, 1, "28x28 greyscale"), (32, 3, "32x32 colour")):
