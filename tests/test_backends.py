@@ -534,3 +534,21 @@ def test_two_exports_to_one_file_at_once_do_not_share_a_temporary(tmp_path) -> N
         first.write_text("first")
         second.write_text("second")
     assert out.read_text() == "first" and sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def test_int8_onnx_leaves_the_root_logger_without_a_handler(trained) -> None:
+    """onnxruntime's quantiser calls logging.warning, whose basicConfig() gave the root logger a
+    stderr handler of its own: every library's warnings then printed, and a notebook's later
+    logging.basicConfig(...) did nothing. The root logger's handlers and level are kept."""
+    import logging
+
+    root = logging.getLogger()
+    before = (list(root.handlers), root.level)
+    saved, root.handlers = root.handlers, []  # as in a fresh notebook (pytest's are put back)
+    try:
+        model, meta = load_checkpoint(trained)
+        prepare(model, meta, "onnxruntime", int8=True, threads=1)
+        assert root.handlers == []
+    finally:
+        root.handlers = saved
+    assert (list(root.handlers), root.level) == before

@@ -412,3 +412,27 @@ def test_a_one_class_report_states_its_top_1_once():
     assert one.splitlines()[1] == "top-1 100.00%   loss 0.0000"
     two = {**r, "classes": ["cat", "dog"], "per_class": [1.0, None], "confusion": [[3, 0], [0, 0]]}
     assert format_report(two).splitlines()[1] == "top-1 100.00%   top-2 100.00%   loss 0.0000"
+
+
+def test_the_python_functions_check_what_the_command_line_checks(run, tmp_path) -> None:
+    """evaluate_checkpoint(split="validation") (or "train", or a typo) evaluated the test split
+    and labelled it so, writing confusion_matrix_validation.png; batch_size=0 and topk=-1 failed
+    inside torch; fewshot_checkpoint(shots=5) was "'int' object is not iterable". The command
+    line refuses those in words: the functions now too, and one shot count is a list of one."""
+    from vitlab.eval.fewshot import fewshot_checkpoint
+    from vitlab.eval.run import predict_files
+
+    for split in ("validation", "train", "Test"):
+        with pytest.raises(ValueError, match=f"split must be 'test' or 'val'.*got '{split}'"):
+            evaluate_checkpoint(str(run), split=split, out=tmp_path / "e")
+    assert not (tmp_path / "e").exists()
+    with pytest.raises(ValueError, match="batch_size must be a whole number >= 1, got 0"):
+        evaluate_checkpoint(str(run), batch_size=0)
+    image = tmp_path / "seven.png"
+    Image.fromarray(load_split("digits", "test").images[0, 0].numpy().astype(np.uint8)).save(image)
+    for k in (0, -1):
+        with pytest.raises(ValueError, match=f"topk must be a whole number >= 1, got {k}"):
+            predict_files(str(run), [str(image)], topk=k)
+    one = fewshot_checkpoint(str(run), shots=2, seeds=1, progress=False)
+    listed = fewshot_checkpoint(str(run), shots=[2], seeds=1, progress=False)
+    assert [r["shots"] for r in one["results"]] == [2] and one["results"] == listed["results"]

@@ -1559,3 +1559,19 @@ def test_a_step_failing_after_a_stop_signal_is_a_stop_not_a_traceback(
     monkeypatch.setattr(run_mod, "train_epoch", broken)
     with pytest.raises(RuntimeError, match="C\\+\\+ compile error"):
         main(["train", "--out", str(tmp_path / "third"), *FAST])
+
+
+def test_train_in_a_notebook_keeps_the_callers_random_stream_and_says_what_it_takes(
+    tmp_path,
+) -> None:
+    """train() seeded torch's global generator with train.seed and left it there: a notebook's
+    own seeded stream was lost (the next torch.rand differed from the one without training).
+    It is put back; and a dict of sections, which it once met with AttributeError deep inside,
+    is refused naming what to build from it."""
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    train(cfg("train.epochs=1", "train.max_steps=2"), out=tmp_path / "run")
+    assert torch.equal(torch.rand(3), want)
+    with pytest.raises(TypeError, match="RunConfig.from_tree\\(a dict of sections\\)\\), got dict"):
+        train({"model": {"name": "vit_nano_patch4_28"}}, out=tmp_path / "dict")

@@ -232,10 +232,11 @@ def _quantize_onnx(path: Path, large: bool = False) -> Path:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     out = path.with_name("model.int8.onnx")
-    quiet = logging.getLogger()
+    quiet, stub = logging.getLogger(), logging.NullHandler()
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # its advice to run shape pre-processing, at every call
-    try:
+    quiet.addHandler(stub)  # it calls logging.warning, whose basicConfig() would otherwise give
+    try:  # the root logger a handler of its own (a notebook's later basicConfig then did nothing)
         quantize_dynamic(
             path,
             out,
@@ -247,6 +248,7 @@ def _quantize_onnx(path: Path, large: bool = False) -> Path:
         )
     finally:
         quiet.setLevel(level)
+        quiet.removeHandler(stub)
     return out
 
 

@@ -176,7 +176,9 @@ def fewshot_checkpoint(
     cache_dir: Path | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """The few-shot report of a checkpoint on a dataset: its results and the protocol."""
+    """The few-shot report of a checkpoint on a dataset: its results and the protocol. `shots`:
+    shot counts (a list, or one number)."""
+    shots = [shots] if isinstance(shots, int) else shots
     check_l2(l2)  # before any feature is extracted
     check_shots(shots, seeds, np.zeros(0, dtype=np.int64), [])
     extractor = Extractor(source, features, device, batch_size, cache_dir, progress)

@@ -168,6 +168,11 @@ def evaluate_checkpoint(
     """Metrics of a checkpoint on a split, run by `backend` with test-time augmentation `tta`
     (vitlab.eval.backends); saves confusion_matrix.png. The dataset and its validation carve-out
     default to the checkpoint's run config."""
+    if split not in ("test", "val"):  # others were evaluated as the test split, named as asked
+        raise ValueError(f"split must be 'test' or 'val' (a run's validation carve-out), got "
+                         f"{split!r}")  # fmt: skip
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
     if out is not None:  # a file there is refused now, not after the evaluation
         out_folder(Path(out))
     dev = _device(device, backend, int8)
@@ -277,6 +282,8 @@ def predict_files(
     quantised per batch: so each image's scores are its own)."""
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be a whole number >= 1 (or None), got {batch_size}")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk must be a whole number >= 1, got {topk!r}")
     dev = _device(device, backend, int8)
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:

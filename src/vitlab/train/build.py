@@ -46,6 +46,10 @@ def check_settings(cfg: RunConfig) -> None:
     window_size was refused as no ViTConfig key): here only the name. train.threads past this
     process's cores fails. Settings changed from their defaults that nothing reads are warned of
     (by rank 0 under torchrun)."""
+    if not isinstance(cfg, RunConfig):  # a dict of sections: AttributeError deep inside, once
+        raise TypeError(f"a run's settings are a vitlab.config.RunConfig (load_run_config(FILE, "
+                        f"OVERRIDES), or RunConfig.from_tree(a dict of sections)), got "
+                        f"{type(cfg).__name__}")  # fmt: skip
     if cfg.finetune.from_:
         get_config(cfg.model.name)
     else:

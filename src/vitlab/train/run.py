@@ -28,7 +28,7 @@ from vitlab.eval.classification import evaluate
 from vitlab.eval.mpp import evaluate_mpp
 from vitlab.models.mpp import MaskedPatchViT
 from vitlab.models.registry import build_model
-from vitlab.runtime import Dist, pick_device, set_rng_state, status_file, use_bf16
+from vitlab.runtime import Dist, pick_device, rng_state, set_rng_state, status_file, use_bf16
 from vitlab.train import budget, build, distill, distributed, engine, folder
 from vitlab.train.build import finetune_weights, load_data, normalization, resolve_model_config
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
@@ -64,7 +64,8 @@ def train(
     is built). train.time_budget counts from this call, or from the process's start with
     `budget_from_process_start` (`vitlab train`: Python's start-up is in the budget too). A full
     disk or quota raises folder.OutOfSpace (a ValueError) from the OSError, saying how to go on.
-    train.threads sets PyTorch's thread count for the run; the caller's is restored on return."""
+    train.threads sets PyTorch's thread count for the run; the caller's is restored on return,
+    as is the state of torch's random-number generators."""
     before = 0.0 if budget_from_process_start else budget.process_age()
     out = Path(resume) if resume is not None else out
     build.check_settings(cfg)  # an unknown model, key or type fails now, naming it
@@ -76,7 +77,7 @@ def train(
     if device.type == "cuda":
         device = torch.device("cuda", d.local_rank)
         torch.cuda.set_device(device)
-    failed, run, threads = False, None, torch.get_num_threads()
+    failed, run, threads, rng = False, None, torch.get_num_threads(), rng_state(device)
     torch.set_num_threads(cfg.train.threads or threads)
     try:
         if resume is None and out is None:  # rank 0 names it, every rank uses that name
@@ -103,7 +104,8 @@ def train(
         run = None  # its model holds the process group, which shutdown frees
         folder.release_run_folders()  # the lock claim_run_folder took, for the next run
         distributed.shutdown(d, device, failed)
-        torch.set_num_threads(threads)  # a notebook's next cell gets its count back
+        torch.set_num_threads(threads)  # a notebook's next cell gets its count back, and its
+        set_rng_state(rng, device)  # random stream (the run seeds torch's with train.seed)
 
 
 class Run:
