@@ -337,6 +337,17 @@ def test_a_file_named_for_another_format_gets_the_name_that_reads_it(tmp_path: P
     with pytest.raises(CheckpointError, match=r"cut.pt is truncated or not a PyTorch file "
                        r"\(PytorchStreamReader failed [^.()]*\)$"):  # fmt: skip
         load_pretrained(tmp_path / "cut.pt")
+    # an empty file said so (torch's EOFError has no text: "()"); random bytes in an .npz are
+    # no zip, which numpy calls pickled data with its advice to load it unsafely (left out)
+    (tmp_path / "empty.pth").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"empty.pth is truncated or not a PyTorch file "
+                       r"\(an empty file, 0 bytes\)$"):  # fmt: skip
+        load_pretrained(tmp_path / "empty.pth")
+    (tmp_path / "noise.npz").write_bytes(bytes(range(7, 256)) * 16)
+    with pytest.raises(
+        CheckpointError, match=r"noise.npz is .*: not a zip archive of .npy arrays$"
+    ):
+        load_pretrained(tmp_path / "noise.npz")
     # a damaged zip directory makes zipfile raise beyond BadZipFile (a member name that is not
     # UTF-8, an unknown zip version): the reader's error still names the file
     for kind, suffix, at in (("torch", ".pt", 46), ("npz", ".npz", 6)):

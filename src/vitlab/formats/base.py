@@ -378,7 +378,8 @@ def read_torch(path: Path, state_dict: bool = True) -> StateDict | Any:
                 f"{path} {what}holds Python objects beyond tensors, which vitlab refuses to "
                 "unpickle (it could run code); save the state dict alone, or as safetensors"
             ) from None
-        why = text.partition(". ")[0][:200]  # torch's first sentence; the rest is advice
+        why = text.partition(". ")[0][:200] or type(e).__name__  # torch's first sentence
+        why = why if path.stat().st_size else "an empty file, 0 bytes"  # (EOFError's text: '')
         raise CheckpointError(f"{path} is truncated or not a PyTorch file ({why})") from None
     return unwrap(obj, path) if state_dict else obj
 

@@ -65,9 +65,10 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
     # numpy never unpickles here (allow_pickle=False), and a damaged zip or .npy header fails in
     # many ways: BadZipFile, zlib.error, NotImplementedError (compression method), RuntimeError
     # (encrypted), SyntaxError / TokenError (header), MemoryError (shape), ...
-    except Exception as e:  # numpy calls any file not a zip 'pickled data'; say what it holds
+    except Exception as e:  # numpy calls any file not a zip 'pickled data' and advises loading
         why = f"{path} is truncated or not a numpy .npz of arrays (pickled objects are refused)"
-        raise CheckpointError(misnamed(path, "npz") or f"{why}: {e}") from None
+        text = "not a zip archive of .npy arrays" if "allow_pickle" in str(e) else str(e)
+        raise CheckpointError(misnamed(path, "npz") or f"{why}: {text}") from None  # it unsafely
     for k, v in arrays.items():  # members not named .npy come back as raw bytes
         if not isinstance(v, np.ndarray) or v.dtype.kind not in "biuf":
             raise CheckpointError(
