@@ -1019,10 +1019,18 @@ def test_config_numbers_are_read_as_yaml_1_2_reads_them(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="time_budget: expected a duration .* got '1:30'"):
             load_run_config(*args)
     (tmp_path / "c.yaml").write_text('optim:\n  lr: "0.001"\n')
-    with pytest.raises(ConfigError, match="^optim.lr: expected float, got '0.001' \\(str\\)$"):
+    with pytest.raises(
+        ConfigError, match="^optim.lr: expected float, got '0.001' \\(str\\): a number in q"
+    ):
         load_run_config(str(tmp_path / "c.yaml"))
     with pytest.raises(ConfigError, match="^optim.lr: expected float, got '0.003'"):
         load_run_config(None, ["optim.lr='0.003'"])
+    # a prefix without digits is text (it was read as octal and failed inside int()), and a
+    # number Python cannot hold names its key (a bare ValueError before)
+    with pytest.raises(ConfigError, match="^train.seed: expected int, got '0o_'"):
+        load_run_config(None, ["train.seed=0o_"])
+    with pytest.raises(ConfigError, match="^train.seed='1111.*is not a value vitlab can read"):
+        load_run_config(None, ["train.seed=" + "1" * 5000])
 
 
 def test_finetune_at_another_resolution_with_a_new_head(
@@ -1575,3 +1583,16 @@ def test_train_in_a_notebook_keeps_the_callers_random_stream_and_says_what_it_ta
     assert torch.equal(torch.rand(3), want)
     with pytest.raises(TypeError, match="RunConfig.from_tree\\(a dict of sections\\)\\), got dict"):
         train({"model": {"name": "vit_nano_patch4_28"}}, out=tmp_path / "dict")
+
+
+def test_a_runs_config_yaml_reads_back_the_text_it_was_given(tmp_path) -> None:
+    """config.yaml was written with PyYAML's YAML 1.1 quoting and read with YAML 1.2's numbers:
+    data.label_key='1e5' went out plain (`label_key: 1e5`) and came back a float, so --resume,
+    `vitlab cost RUN` and reproduce's reuse refused the run's own settings."""
+    from vitlab.config import load_saved_config
+
+    texts = ["data.label_key='1e5'", "data.image_key='0o7'"]
+    run = train(cfg(*texts, "train.epochs=1", "train.max_steps=1"), out=tmp_path / "run")
+    saved = load_saved_config(run / "config.yaml")
+    assert (saved.data.label_key, saved.data.image_key) == ("1e5", "0o7")
+    assert "label_key: '1e5'" in (run / "config.yaml").read_text()

@@ -14,11 +14,23 @@ from vitlab.validation import ConfigError, shown
 
 # YAML 1.2's numbers (digits' underscores kept): PyYAML resolves YAML 1.1's, where 1e-3 is text,
 # 012 is octal 10 and 1:30 is sexagesimal 90 (`time_budget: 1:30` was 90 seconds, said nowhere)
-_INT = re.compile(r"^[-+]?(?:[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$")
+_INT = re.compile(r"^[-+]?(?:[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)$")
 _FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?
                         |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
                         |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X)  # fmt: skip
 _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+
+
+def _numbers_of_yaml_1_2(cls: type) -> type:
+    """`cls` (a PyYAML loader or dumper class) resolving plain scalars to numbers as YAML 1.2
+    does, in place: a dumper then quotes the text a loader would read as a number."""
+    cls.yaml_implicit_resolvers = {
+        first: [(tag, r) for tag, r in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+        for first, resolvers in cls.yaml_implicit_resolvers.items()
+    }
+    cls.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
+    cls.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
+    return cls
 
 
 @functools.cache
@@ -34,14 +46,20 @@ def yaml_loader() -> type:
             base = {"0o": 8, "0x": 16}.get(digits[:2].lower(), 10)
             return sign * int(digits[2:] if base != 10 else digits, base)
 
-    Loader.yaml_implicit_resolvers = {
-        first: [(tag, r) for tag, r in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
-        for first, resolvers in Loader.yaml_implicit_resolvers.items()
-    }
-    Loader.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
-    Loader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
     Loader.add_constructor(_INT_TAG, Loader.construct_yaml_int)
-    return Loader
+    return _numbers_of_yaml_1_2(Loader)
+
+
+@functools.cache
+def yaml_dumper() -> type:
+    """PyYAML's safe dumper quoting what yaml_loader reads as a number (its own quoting is YAML
+    1.1's: the text '1e5' or '0o7' went out plain and came back a number)."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    return _numbers_of_yaml_1_2(Dumper)
 
 
 def parse_value(text: str, key: str = "KEY") -> Any:
@@ -57,6 +75,8 @@ def parse_value(text: str, key: str = "KEY") -> Any:
         value = yaml.load(text, Loader=yaml_loader())
     except yaml.YAMLError:
         return text
+    except (ValueError, OverflowError) as e:  # a number Python cannot hold (4,300+ digits)
+        raise ConfigError(f"{key}={shown(text)} is not a value vitlab can read: {e}") from None
     if isinstance(value, dict) and not text.lstrip().startswith("{"):  # imagefolder: (a name)
         return text
     return value

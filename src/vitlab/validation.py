@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import reprlib
 import types
 import typing
@@ -99,14 +100,24 @@ def validate(obj: Any, values: Mapping[str, Any] | None = None) -> dict[str, Any
         ok, out[name] = _coerce(value, hints[name])
         if not ok:
             finite = isinstance(value, float) and not math.isfinite(value)  # nan, inf
+            why = ": numbers must be finite" if finite else _quoted(value)
             raise ConfigError(
-                f"{getattr(cls, 'config_section', cls.__name__)}.{name}: expected "
-                f"{_type_name(hints[name])}, got {shown(value)} "
-                f"({type(value).__name__}){': numbers must be finite' if finite else ''}"
+                f"{getattr(cls, 'config_section', cls.__name__)}.{name.rstrip('_')}: expected "
+                f"{_type_name(hints[name])}, got {shown(value)} ({type(value).__name__}){why}"
             )
         if in_place and out[name] is not value:
             object.__setattr__(obj, name, out[name])
     return out
+
+
+_DIGITS = re.compile(r"[-+]?([0-9][0-9_]*\.?[0-9_]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
+
+
+def _quoted(value: Any) -> str:
+    """What to do about a number in quotes, which is text (config files and KEY=VALUE alike)."""
+    if isinstance(value, str) and _DIGITS.fullmatch(value.strip()):
+        return ": a number in quotes is text; write it without them"
+    return ""
 
 
 def check_keys(

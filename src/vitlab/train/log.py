@@ -18,6 +18,7 @@ from vitlab.config import RunConfig
 from vitlab.data.download import absolute_source
 from vitlab.eval.classification import top5_text
 from vitlab.formats.base import write_text
+from vitlab.overrides import yaml_dumper
 from vitlab.runtime import quiet, status_file
 from vitlab.validation import json_text
 
@@ -70,7 +71,8 @@ class RunLog:
         if not active:
             return
         out.mkdir(parents=True, exist_ok=True)
-        write_text(out / "config.yaml", yaml.safe_dump(saved_tree(cfg), sort_keys=False))
+        tree = yaml.dump(saved_tree(cfg), Dumper=yaml_dumper(), sort_keys=False)  # as read back
+        write_text(out / "config.yaml", tree)
         self.metrics = out / "metrics.jsonl"
         if resumed_at is None or not self.metrics.exists():
             self.metrics.write_text("")
