@@ -33,6 +33,15 @@ def mean_attention_distance(
     Prefix-token rows and columns are left out and each query's weights re-normalised, however
     small their sum (float32 keeps 1e-16 to seven digits); a query whose weights on patches are
     all exactly zero has no distance and is left out (a head with none left: NaN)."""
+    total, counted = attention_distance_sums(attention, grid, patch_size, num_prefix_tokens)
+    return (total / counted).float()  # 0 / 0: NaN
+
+
+def attention_distance_sums(
+    attention: Tensor, grid: tuple[int, int], patch_size: int, num_prefix_tokens: int
+) -> tuple[Tensor, Tensor]:
+    """mean_attention_distance's parts, per head, to add up over batches: the sum of the
+    counted queries' distances and their count (float64, (H,) each)."""
     if attention.ndim != 4 or attention.shape[-1] != attention.shape[-2]:
         raise ValueError(
             f"expected attention of shape (B, heads, T, T), got {tuple(attention.shape)}"
@@ -48,7 +57,8 @@ def mean_attention_distance(
     centres = patch_centres(grid, patch_size).to(attn.device)
     dist = torch.cdist(centres, centres)  # (N, N)
     per_query = (attn * dist).sum(dim=-1) / attn.sum(dim=-1)  # (B, H, N); 0 / 0: NaN
-    return per_query.nanmean(dim=(0, 2)).float()
+    counted = ~per_query.isnan()
+    return per_query.nan_to_num().sum(dim=(0, 2)), counted.sum(dim=(0, 2)).double()
 
 
 HEAD_FUSIONS = ("mean", "max", "min")

@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from vitlab.analysis.attention import (
+    attention_distance_sums,
     check_head_fusion,
     embedding_filters,
-    mean_attention_distance,
     pos_embed_similarity,
     rollout_map,
     rollout_step,
@@ -154,7 +154,7 @@ def attention_statistics(
     if not depth:
         raise ValueError("a model without blocks has no attention to analyse (depth=0)")
     check_head_fusion(head_fusion)
-    sums = torch.zeros(depth, cfg.num_heads, dtype=torch.float64)
+    sums = torch.zeros(2, depth, cfg.num_heads, dtype=torch.float64)  # distances, queries
     maps = []
     device = next(model.parameters()).device  # analyze --device's; the results on the CPU
     with eval_mode(model):
@@ -162,12 +162,12 @@ def attention_statistics(
             rollout = None
             for i, _, attn in model.iter_intermediates(batch.to(device), return_attention=True):
                 p = cfg.num_prefix_tokens
-                dist = mean_attention_distance(attn, cfg.grid, cfg.patch_size, p)
-                sums[i] += len(batch) * dist.double().cpu()
+                total, counted = attention_distance_sums(attn, cfg.grid, cfg.patch_size, p)
+                sums[:, i] += torch.stack([total, counted]).cpu()
                 rollout = rollout_step(rollout, attn, head_fusion)
                 del attn  # one layer's maps at a time
             maps.append(rollout_map(rollout, cfg.num_prefix_tokens).cpu())
-    return (sums / len(inputs)).float(), torch.cat(maps)
+    return (sums[0] / sums[1]).float(), torch.cat(maps)  # a head with no query counted: NaN
 
 
 def plot_distances(distances: Tensor, path: Path, title: str) -> None:

@@ -52,6 +52,17 @@ def row_column_score(sim: torch.Tensor) -> float:
     return float(flat[same].mean() - flat[other].mean())
 
 
+def trends(distances: torch.Tensor) -> tuple[float, float]:
+    """(growth: the last layer's mean distance over heads - the first's, mixing: the first
+    layer's spread of heads - the last's), (L, H) pixels; a head without a distance (NaN: no
+    query attended to patches) left out."""
+    unknown = distances.isnan()
+    per_layer = distances.nanmean(dim=1)
+    spread = (distances.masked_fill(unknown, -torch.inf).amax(dim=1)
+              - distances.masked_fill(unknown, torch.inf).amin(dim=1))  # fmt: skip
+    return float(per_layer[-1] - per_layer[0]), float(spread[0] - spread[-1])
+
+
 def measure(folder: Path, ctx: Context, out: Path | None) -> dict:
     """One run's numbers (and, with `out`, its figures)."""
     model, meta = load_checkpoint(str(folder / "checkpoints" / LAST))
@@ -67,12 +78,11 @@ def measure(folder: Path, ctx: Context, out: Path | None) -> dict:
         for i, name in enumerate(images.names):
             path = out / f"rollout_{i:03d}.png"
             plot_rollout(images.display[i], maps[i], model.config.grid, path, name)
-    per_layer = distances.mean(dim=1)
-    spread = distances.max(dim=1).values - distances.min(dim=1).values
+    growth, mixing = trends(distances)
     return {
         "mean_attention_distance": distances.tolist(),
-        "growth": float(per_layer[-1] - per_layer[0]),
-        "mixing": float(spread[0] - spread[-1]),
+        "growth": growth,
+        "mixing": mixing,
         "row_column": row_column_score(sim),
         "images": images.names,
     }
