@@ -494,6 +494,11 @@ def test_timm_keywords_build_timms_model() -> None:
         x = torch.randn(2, 3, 224, 224)
         with torch.no_grad():
             torch.testing.assert_close(mine.eval()(x), theirs.eval()(x), rtol=1e-5, atol=1e-5)
+    # a config's fc_norm is its architecture: global_pool changes the pool only (a review: a
+    # gap config without fc_norm got one, and its checkpoint's weights no longer fitted)
+    gap = vitlab.get_config("vit_tiny_patch16_224", pool="gap", depth=2)
+    assert vitlab.create_model(gap, global_pool="avg").config == gap
+    assert vitlab.create_model(gap.replace(fc_norm=True), global_pool="token").config.fc_norm
     assert vitlab.create_model("Swin-T", drop_path_rate=0.3).config.drop_path == 0.3
     with pytest.raises(vitlab.ConfigError, match="pretrained=True.*vitlab.load_pretrained"):
         vitlab.create_model("vit_tiny_patch16_224", pretrained=True)

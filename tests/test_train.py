@@ -1549,14 +1549,15 @@ def test_a_step_failing_after_a_stop_signal_is_a_stop_not_a_traceback(
     fail_at, first = 1, tmp_path / "first"
     assert main(["train", "--out", str(first), *FAST, "train.epochs=2"]) == 143
     err = capsys.readouterr().err
-    assert "stopped at epoch 1: the stop signal reached the processes this step needed" in err
-    assert "(RuntimeError)" in err and "none yet: start the run again" in err
+    assert "stopped at epoch 1: the step failed after the stop signal, which may have" in err
+    assert "RuntimeError: C++ compile error: cc1plus killed; nothing" in err  # what failed
+    assert "none yet: start the run again" in err
     assert "Traceback" not in err and "--resume" not in err
     calls.clear()
     fail_at, second = 2, tmp_path / "second"
     assert main(["train", "--out", str(second), *FAST, "train.epochs=2"]) == 143
     err = capsys.readouterr().err
-    assert "stopped at epoch 2: the stop signal" in err and f"--resume {second}" in err, err
+    assert "stopped at epoch 2: the step failed" in err and f"--resume {second}" in err, err
     monkeypatch.setattr(run_mod, "train_epoch", real)
     assert main(["train", "--resume", str(second)]) == 0  # from epoch 1's checkpoint
     assert json.loads((second / "results.json").read_text())["top1"] > 0.1

@@ -376,7 +376,8 @@ def create_model(name: str | ModelConfig, **overrides: object) -> Model:
     create_model("Swin-T", num_classes=10) or create_model("resnet18", num_classes=10); or one
     of a config (get_config's, a checkpoint's), with any overrides. timm's keywords of the
     same settings are taken: pretrained=False, drop_path_rate, attn_drop_rate, global_pool
-    ('avg': pool='gap' and, unless given, fc_norm=True, timm's model)."""
+    ('avg': pool='gap'; for a name, fc_norm follows it unless given, as timm builds it; a
+    config's fc_norm stands)."""
     config = name if isinstance(name, ModelConfig) else get_config(name)
     overrides = _from_timm(name, config, overrides)
     return build_model(config.replace(**overrides) if overrides else config)
@@ -406,8 +407,8 @@ def _from_timm(name: object, config: ModelConfig, overrides: dict) -> dict:
                 raise ConfigError(f"{theirs} (timm's name) and {ours} both given: give one")
             value = overrides.pop(theirs)
             overrides[ours] = "gap" if theirs == "global_pool" and value == "avg" else value
-            if overrides[ours] == "gap" and theirs == "global_pool":  # timm's fc_norm=None rule
-                overrides.setdefault("fc_norm", True)
+            if theirs == "global_pool" and isinstance(name, str):  # timm's fc_norm=None rule
+                overrides.setdefault("fc_norm", overrides[ours] == "gap")  # (a config's stands)
     return overrides
 
 
