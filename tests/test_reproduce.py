@@ -837,3 +837,26 @@ def test_an_interrupted_experiment_says_one_way_to_continue(tmp_path, monkeypatc
     assert "rerun the same command to continue" in err and "vitlab train --resume" not in err
     monkeypatch.setattr(CtrlCAtCheck, "sent", signal.SIGTERM)  # rerun, stopped by SIGTERM: 143
     assert main(["-q", "reproduce", "pos-embed", *SMOKE, "--out", str(out)]) == 143
+
+
+def test_patch_size_floors_are_at_the_compared_arms_mean_accuracy(tmp_path: Path) -> None:
+    """The committed run's slopes compare the ViTs alone, but their floor took the ResNet's
+    accuracies into p too. Recomputed here from the rows: part 1 at the mean of the ResNet's
+    and the ViTs' groups, part 2 at the ViTs' alone, 2 sqrt(2 p (1 - p) / n), at least 1 pp."""
+    import math
+    import statistics
+
+    rows = _committed_rows("patch-size")
+    means = {}
+    for r in rows:
+        means.setdefault(r["group"], []).append(r["top1"])
+    vits = [statistics.fmean(v) for g, v in means.items() if g.startswith("ViT patch")]
+    cnns = [statistics.fmean(v) for g, v in means.items() if g.startswith("ResNet")]
+
+    def floor(accuracies: list[float]) -> str:
+        p, n = statistics.fmean(accuracies), rows[0]["test_images"]
+        return f"{100 * max(0.01, 2 * math.sqrt(2 * p * (1 - p) / n)):.2f} pp)"
+
+    assert floor(vits) != floor(cnns + vits)  # the two differ on these rows
+    parts = _judge("patch-size", rows, tmp_path).parts
+    assert floor(cnns + vits) in parts[0].rule and floor(vits) in parts[1].rule

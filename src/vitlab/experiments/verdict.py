@@ -199,8 +199,8 @@ def patch_size_verdict(
     training FLOPs an image over the patch-4 ViT's, for the rule's words. Two parts: at every
     level where the ResNet and a ViT trained at least MIN_STEPS steps the best such ViT beats the
     ResNet; smaller patches gain on larger ones as the compute grows. `floor`: the accuracy floor
-    at the ResNet's and the ViTs' mean accuracy (the first part's arms), `vit_floor` at the ViTs'
-    (the second's; None: `floor`)."""
+    at the mean accuracy of the ResNet's and every ViT's arms (the first part's candidates),
+    `vit_floor` at the ViTs' (the second part's arms; None: `floor`)."""
     levels = list(cnn)
     if len(levels) < 2 or any(list(v) != levels for v in vits.values()) or len(vits) < 2:
         raise ValueError(f"the patch-size verdict needs two or more patch sizes at the same two or "

@@ -211,7 +211,7 @@ def _read_vit_hints(cfg: dict[str, Any], src: Source) -> None:
     with contextlib.suppress(UnknownModelError):  # a name vitlab registers tells the heads
         src.hints["num_heads"] = get_config(arch).num_heads
     deit = arch.split("_patch")[0].removesuffix("_distilled")  # deit_tiny_distilled_patch16_224
-    if deit in DEIT_HEADS:  # DeiT's and DeiT III's entry points, which vitlab does not register
+    if deit in DEIT_HEADS:  # DeiT III's entry points (unregistered) and DeiT's at any size
         src.hints["num_heads"] = DEIT_HEADS[deit]
     if "num_heads" in args:
         src.hints["num_heads"] = args["num_heads"]
