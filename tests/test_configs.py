@@ -240,6 +240,8 @@ def test_a_wrong_type_is_named_by_the_key_the_user_wrote() -> None:
         ("data.hflip=true", "^data.hflip: expected float, got True \\(bool\\)$"),
         ("train.ema=true", "^train.ema: expected float \\| None, got True"),
         ("distill.alpha=x", "^distill.alpha: expected float, got 'x'"),
+        ("finetune.new_head=3", "^finetune.new_head: expected bool, got 3"),  # was taken as true
+        ("finetune.from=5", "^finetune.from: expected str \\| None, got 5"),  # its key, not from_
     ]:
         with pytest.raises(ConfigError, match=message):
             load_run_config(None, [override])

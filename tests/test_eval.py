@@ -433,6 +433,6 @@ def test_the_python_functions_check_what_the_command_line_checks(run, tmp_path) 
     for k in (0, -1):
         with pytest.raises(ValueError, match=f"topk must be a whole number >= 1, got {k}"):
             predict_files(str(run), [str(image)], topk=k)
-    one = fewshot_checkpoint(str(run), shots=2, seeds=1, progress=False)
+    one = fewshot_checkpoint(str(run), shots=np.int64(2), seeds=1, progress=False)  # numpy's too
     listed = fewshot_checkpoint(str(run), shots=[2], seeds=1, progress=False)
     assert [r["shots"] for r in one["results"]] == [2] and one["results"] == listed["results"]

@@ -293,3 +293,8 @@ def test_a_split_with_some_unlabelled_rows_says_how_to_keep_the_others(tmp_path:
     eval(advice, scope)
     kept = load_split(f"hf:{kept_at}", "all")
     assert len(kept) == 6 and sorted(kept.labels.tolist()) == [0, 0, 1, 1, 2, 2]
+    # not where filtering would leave nothing: every row unlabelled
+    none = table(8).cast_column("label", datasets.Value("int64"))
+    none.map(lambda r: {"label": -1}).save_to_disk(str(tmp_path / "none"))
+    with pytest.raises(DatasetError, match="8 labels are not class indices .*unlabelled rows\\)$"):
+        load_split(f"hf:{tmp_path / 'none'}", "all")

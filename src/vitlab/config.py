@@ -284,6 +284,9 @@ class FinetuneConfig:
     from_: str | None = None
     new_head: bool = False  # a zero-initialised head even where the class count is the source's
 
+    def __post_init__(self) -> None:
+        validate(self)  # finetune.new_head=3 was taken (as true), finetune.from=5 as a path
+
 
 @dataclass
 class RunConfig:

@@ -190,9 +190,11 @@ def _as_training(
     return order[labels], own
 
 
-def _unlabelled(labels: Tensor, column: str) -> str:
-    """How to train on the labelled rows of a split with some negative (unlabelled) ones."""
-    if not bool((labels < 0).any()):
+def _unlabelled(labels: Tensor, bad: Tensor, column: str) -> str:
+    """How to train on the labelled rows of a split whose only wrong labels (rows `bad`) are
+    negative, unlabelled (not where every row is, nor where others are wrong too: filtering
+    out the negative ones would not do)."""
+    if not bool((labels[bad] < 0).all()) or not bool((labels >= 0).any()):
         return ""
     return (f": to use the labelled rows, drop the others and save them, e.g. `ds.filter(lambda r: "
             f"r[{column!r}] >= 0).save_to_disk(PATH)`, then data.name=hf:PATH")  # fmt: skip
@@ -224,7 +226,7 @@ def load_hf(
         span = f" {0}..{len(classes) - 1}" if classes else ""
         raise DatasetError(f"{where}: {len(bad)} labels are not class indices{span} (row "
                            f"{int(bad[0])}: {int(labels[bad[0]])}; negative labels mark "
-                           f"unlabelled rows){_unlabelled(labels, label)}")  # fmt: skip
+                           f"unlabelled rows){_unlabelled(labels, bad, label)}")  # fmt: skip
     if chosen != train:  # a test split of its own: labelled as the training split is
         base = splits[train]
         column = _column(base, keys[1], "ClassLabel", LABEL_NAMES, "label")

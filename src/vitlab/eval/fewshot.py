@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +168,7 @@ def fewshot_checkpoint(
     source: str,
     data: str | None = None,
     data_dir: str | None = None,
-    shots: Sequence[int] = DEFAULT_SHOTS,
+    shots: int | Sequence[int] = DEFAULT_SHOTS,
     seeds: int = DEFAULT_SEEDS,
     l2: float = DEFAULT_L2,
     features: str = "prelogits",
@@ -178,7 +179,7 @@ def fewshot_checkpoint(
 ) -> dict[str, Any]:
     """The few-shot report of a checkpoint on a dataset: its results and the protocol. `shots`:
     shot counts (a list, or one number)."""
-    shots = [shots] if isinstance(shots, int) else shots
+    shots = [int(shots)] if isinstance(shots, Integral) else shots
     check_l2(l2)  # before any feature is extracted
     check_shots(shots, seeds, np.zeros(0, dtype=np.int64), [])
     extractor = Extractor(source, features, device, batch_size, cache_dir, progress)

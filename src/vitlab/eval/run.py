@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import re
+from numbers import Integral
 from pathlib import Path
 
 import torch
@@ -171,7 +172,7 @@ def evaluate_checkpoint(
     if split not in ("test", "val"):  # others were evaluated as the test split, named as asked
         raise ValueError(f"split must be 'test' or 'val' (a run's validation carve-out), got "
                          f"{split!r}")  # fmt: skip
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, Integral) or batch_size < 1:
         raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
     if out is not None:  # a file there is refused now, not after the evaluation
         out_folder(Path(out))
@@ -282,7 +283,7 @@ def predict_files(
     quantised per batch: so each image's scores are its own)."""
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be a whole number >= 1 (or None), got {batch_size}")
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+    if isinstance(topk, bool) or not isinstance(topk, Integral) or topk < 1:
         raise ValueError(f"topk must be a whole number >= 1, got {topk!r}")
     dev = _device(device, backend, int8)
     model, meta = load_checkpoint(checkpoint, device=dev)
