@@ -87,11 +87,13 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     return True, value
 
 
-def validate(obj: Any, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def validate(
+    obj: Any, values: Mapping[str, Any] | None = None, section: str | None = None
+) -> dict[str, Any]:
     """Check every field of dataclass `obj` against its type hint, converting losslessly; with
     `values` (some fields' values, `obj` its class), check and return those converted instead.
-    A field is named as `section.field` where the class has `config_section` (a run config's
-    section: `data.hflip`, as the user wrote it), else as `Class.field`."""
+    A field is named as `section.field` (`section`, else the class's `config_section`: a run
+    config's section, `data.hflip`, as the user wrote it), else as `Class.field`."""
     in_place, cls = values is None, obj if values is not None else type(obj)
     if in_place:
         values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
@@ -101,9 +103,10 @@ def validate(obj: Any, values: Mapping[str, Any] | None = None) -> dict[str, Any
         if not ok:
             finite = isinstance(value, float) and not math.isfinite(value)  # nan, inf
             why = ": numbers must be finite" if finite else _quoted(value)
+            where = section or getattr(cls, "config_section", cls.__name__)
             raise ConfigError(
-                f"{getattr(cls, 'config_section', cls.__name__)}.{name.rstrip('_')}: expected "
-                f"{_type_name(hints[name])}, got {shown(value)} ({type(value).__name__}){why}"
+                f"{where}.{name.rstrip('_')}: expected {_type_name(hints[name])}, got "
+                f"{shown(value)} ({type(value).__name__}){why}"
             )
         if in_place and out[name] is not value:
             object.__setattr__(obj, name, out[name])

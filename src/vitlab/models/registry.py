@@ -309,13 +309,8 @@ def config_of(section: ModelSection) -> ModelConfig:
     check_keys(
         type(named), section.overrides, f"section 'model' ({type(named).__name__})", ("name",)
     )
-    try:
-        return named.replace(**section.overrides)
-    except ConfigError as e:  # a field named as the user wrote it: model.depth, not ViTConfig's
-        kind = f"{type(named).__name__}."
-        raise ConfigError(
-            f"model.{str(e)[len(kind) :]}" if str(e).startswith(kind) else str(e)
-        ) from None
+    validate(type(named), section.overrides, "model")  # types named model.depth, as written
+    return named.replace(**section.overrides)
 
 
 def family_of(config: ModelConfig) -> str:
