@@ -49,7 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     shard.add_argument(
         "--label-key", help="hf: the label column; wds: the label extension (default: found)"
     )
-    shard.add_argument("--seed", type=int, default=0, help="sample order (and a carved test split)")
+    shard.add_argument(
+        "--seed", type=int, default=0, help="sample order (and a carved test split; default 0)"
+    )
     shard.add_argument(
         "--workers",
         type=int,

@@ -41,8 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--out",
         type=Path,
         help="where to save confusion_matrix_SPLIT.png (confusion_matrix_DATA_SPLIT.png with "
-        "--data, _last after SPLIT for RUN/checkpoints/last when the run has a best one; default: "
-        "the run folder, else the current one)",
+        "--data naming another dataset than the run's, _last after SPLIT for "
+        "RUN/checkpoints/last when the run has a best one; default: the run folder, else the "
+        "current one)",
     )
     add_backend_arguments(p)
     p.add_argument(

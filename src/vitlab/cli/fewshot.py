@@ -17,7 +17,8 @@ SOURCES = (
 def add_feature_options(p: argparse.ArgumentParser) -> None:
     """The options `fewshot` and `probe` share: data, features, extraction and the cache."""
     p.add_argument("checkpoint", metavar="RUN_OR_CKPT")
-    p.add_argument("--data", help="dataset name (default: the run's data.name)")
+    p.add_argument("--data", help="dataset name (default: the run's data.name; a checkpoint "
+                   "outside a vitlab run needs it)")  # fmt: skip
     p.add_argument("--data-dir", help="where the dataset's files are (default: the run's data.dir)")
     p.add_argument(
         "--features",
