@@ -242,6 +242,7 @@ def test_scaling_plot_is_written_where_the_printed_path_says(tmp_path, capsys) -
         (tmp_path / "plot", tmp_path / "plot.png"),
         (tmp_path, tmp_path / "attention_scaling.png"),
         (tmp_path / "new" / "p.png", tmp_path / "new" / "p.png"),
+        (f"{tmp_path / 'made'}/", tmp_path / "made" / "attention_scaling.png"),  # was made.png
     ]:
         assert main([*args, str(given), "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["plot"] == str(written)

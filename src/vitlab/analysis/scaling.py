@@ -10,6 +10,7 @@ Each model keeps its window and widths; only img_size changes.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -117,11 +118,12 @@ def format_scaling(result: dict) -> str:
 
 
 def plot_path(path: Path | str) -> Path:
-    """Where plot_scaling writes for `path`: DEFAULT_PLOT inside an existing folder, PATH.png for
-    a path without a suffix (as matplotlib names it), else `path`; a ValueError saying what came
-    when a folder above it is a file."""
+    """Where plot_scaling writes for `path`: DEFAULT_PLOT inside an existing folder or a path
+    ending in a separator (a folder to make), PATH.png for a path without a suffix (as matplotlib
+    names it), else `path`; a ValueError saying what came when a folder above it is a file."""
+    folder = str(path).endswith(("/", os.sep))  # (pathlib drops the separator)
     path = Path(path)
-    if path.is_dir():
+    if folder or path.is_dir():
         path = path / DEFAULT_PLOT
     elif not path.suffix:
         path = path.with_name(path.name.rstrip(".") + ".png")

@@ -172,11 +172,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     scaling.add_argument(
         "--out",
-        type=Path,
         default=None,
         metavar="PATH",
         help=f"where the PNG plot goes (default ./{DEFAULT_PLOT}; PATH.png for a PATH without "
-        f"a suffix, {DEFAULT_PLOT} inside an existing folder); the path written is printed",
+        f"a suffix, {DEFAULT_PLOT} inside an existing folder or PATH/); the path written is "
+        "printed",
     )
     p.set_defaults(run=run)
 
