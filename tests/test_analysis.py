@@ -215,28 +215,30 @@ def test_distances_do_not_depend_on_how_the_images_are_batched() -> None:
     """A head with no patch weight in one batch made that head NaN for the whole analysis
     (each batch's mean, NaN, was added up), and the other batches' queries were weighted by
     batch, not counted: now queries are counted over all batches. Image 0's head 1 puts all
-    its weight on the class token; image 1's on its right neighbour (16 px): head 1 is 16 px
-    whether the two images come together or one at a time. The inside experiment's trends
-    leave such a head out."""
-    from vitlab.analysis.attention import attention_distance_sums
+    its weight on the class token; image 1's on its right neighbour (4 px at patch 4): head 1
+    is 4 px whether the two images come together or one at a time. The inside experiment's
+    trends leave such a head out, and refuse a layer none of whose heads has a distance."""
+    from vitlab.analysis.report import attention_statistics
     from vitlab.experiments.inside import trends
 
     attn = torch.zeros(2, 2, 5, 5)  # grid 2x2, one class token
     attn[:, 0, 1:, 1:] = torch.eye(4)  # head 0: each patch on itself, 0 px
     attn[0, 1, :, 0] = 1.0
     attn[1, 1, 1:, 1:] = torch.tensor([1, 0, 3, 2]).view(4, 1).eq(torch.arange(4)).float()
-    whole = mean_attention_distance(attn, (2, 2), 16, 1)
-    parts = [attention_distance_sums(attn[i : i + 1], (2, 2), 16, 1) for i in range(2)]
-    one_at_a_time = sum(t for t, _ in parts) / sum(c for _, c in parts)
-    torch.testing.assert_close(whole, torch.tensor([0.0, 16.0]))
-    torch.testing.assert_close(one_at_a_time.float(), whole)
-    model = VisionTransformer(tiny_config(depth=2)).eval()  # an ordinary model: 1 or 3 a batch
-    x = torch.randn(3, 3, 16, 16)
-    from vitlab.analysis.report import attention_statistics
-
     torch.testing.assert_close(
-        attention_statistics(model, x, batch_size=1)[0], attention_statistics(model, x)[0]
+        mean_attention_distance(attn, (2, 2), 4, 1), torch.tensor([0.0, 4.0])
     )
+    model = VisionTransformer(tiny_config(depth=1, num_heads=2, img_size=8)).eval()
+    model.iter_intermediates = lambda x, return_attention: iter(
+        [(0, None, attn[x[:, 0, 0, 0].long()])]
+    )
+    images = torch.zeros(2, 3, 8, 8)
+    images[1] = 1.0  # image i's attention is attn[i]
+    for batch_size in (1, 2):
+        distances, _ = attention_statistics(model, images, batch_size=batch_size)
+        torch.testing.assert_close(distances, torch.tensor([[0.0, 4.0]]))
     nan = float("nan")
     growth, mixing = trends(torch.tensor([[2.0, 6.0, nan], [5.0, 7.0, 9.0]]))
     assert (growth, mixing) == (3.0, 0.0)  # layer means 4 and 7; spreads 4 and 4
+    with pytest.raises(ValueError, match="layer 2: no head attended to any patch"):
+        trends(torch.tensor([[2.0, 6.0], [nan, nan]]))

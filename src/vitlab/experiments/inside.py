@@ -56,11 +56,20 @@ def trends(distances: torch.Tensor) -> tuple[float, float]:
     """(growth: the last layer's mean distance over heads - the first's, mixing: the first
     layer's spread of heads - the last's), (L, H) pixels; a head without a distance (NaN: no
     query attended to patches) left out."""
+    if (none := distances.isnan().all(dim=-1).nonzero().flatten()).numel():
+        raise ValueError(f"layer {int(none[0]) + 1}: no head attended to any patch (every "
+                         f"query's weight on the prefix tokens): its attention distance is "
+                         f"undefined")  # fmt: skip
+    low, high = head_range(distances)
+    per_layer = distances.nanmean(dim=-1)
+    return float(per_layer[-1] - per_layer[0]), float((high - low)[0] - (high - low)[-1])
+
+
+def head_range(distances: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest and largest of the last dimension (the heads), NaN (no distance) left out."""
     unknown = distances.isnan()
-    per_layer = distances.nanmean(dim=1)
-    spread = (distances.masked_fill(unknown, -torch.inf).amax(dim=1)
-              - distances.masked_fill(unknown, torch.inf).amin(dim=1))  # fmt: skip
-    return float(per_layer[-1] - per_layer[0]), float(spread[0] - spread[-1])
+    return (distances.masked_fill(unknown, torch.inf).amin(dim=-1),
+            distances.masked_fill(unknown, -torch.inf).amax(dim=-1))  # fmt: skip
 
 
 def measure(folder: Path, ctx: Context, out: Path | None) -> dict:
@@ -103,10 +112,12 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
                         "cosine", "Position embeddings learn rows and columns"),
     ])  # fmt: skip
     table = []
-    for layer in range(dist.shape[1]):
-        means = stat(dist[:, layer].mean(dim=1).tolist())
-        table.append([str(layer + 1), means.text(1.0), f"{dist[:, layer].min():.1f}",
-                      f"{dist[:, layer].max():.1f}"])  # fmt: skip
+    for layer in range(dist.shape[1]):  # a head without a distance (NaN) left out
+        means, (low, high) = (
+            stat(dist[:, layer].nanmean(dim=1).tolist()),
+            head_range(dist[:, layer]),
+        )
+        table.append([str(layer + 1), means.text(1.0), f"{low.min():.1f}", f"{high.max():.1f}"])
     figures = [
         ("mean_attention_distance.png", "mean attention distance per head and layer (seed 0)"),
         ("pos_embed_similarity.png", "cosine similarity of position embeddings (seed 0)"),
