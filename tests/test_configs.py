@@ -253,3 +253,21 @@ def test_a_wrong_type_is_named_by_the_key_the_user_wrote() -> None:
             config_of(load_run_config(None, overrides).model)
     with pytest.raises(ConfigError, match="^ViTConfig.depth: expected int"):  # the Python API's
         vitlab.create_model("Ti/16", depth="abc")
+
+
+def test_paths_from_python_are_text_and_a_quoted_number_is_said_to_be_text(tmp_path) -> None:
+    """A pathlib.Path for a text setting (finetune.from, distill.teacher, data.dir) is the text
+    it names (the finetune section, type-checked now, would have refused one). A number in
+    quotes for a number setting is text, and the error says to drop the quotes; for a setting
+    of another type (a bool) that would not help, and it is not said."""
+    from vitlab.config import DataConfig, DistillConfig, FinetuneConfig
+
+    assert FinetuneConfig(from_=tmp_path / "run").from_ == str(tmp_path / "run")
+    assert DistillConfig(teacher=tmp_path / "t").teacher == str(tmp_path / "t")
+    assert DataConfig(dir=tmp_path).dir == str(tmp_path)
+    hint = ": a number in quotes is text; write it without them"
+    for override in ("train.seed='0x10'", "train.ema='.5'", "optim.lr='1e-3'"):
+        with pytest.raises(ConfigError, match=f"got '.*' \\(str\\){hint}$"):
+            load_run_config(None, [override])
+    with pytest.raises(ConfigError, match="^train.compile: expected bool, got '1' \\(str\\)$"):
+        load_run_config(None, ["train.compile='1'"])

@@ -1590,10 +1590,29 @@ def test_a_runs_config_yaml_reads_back_the_text_it_was_given(tmp_path) -> None:
     """config.yaml was written with PyYAML's YAML 1.1 quoting and read with YAML 1.2's numbers:
     data.label_key='1e5' went out plain (`label_key: 1e5`) and came back a float, so --resume,
     `vitlab cost RUN` and reproduce's reuse refused the run's own settings."""
+    import yaml
+
     from vitlab.config import load_saved_config
 
-    texts = ["data.label_key='1e5'", "data.image_key='0o7'"]
+    texts = ["data.label_key='1e5'", "data.image_key='1:30'"]
     run = train(cfg(*texts, "train.epochs=1", "train.max_steps=1"), out=tmp_path / "run")
     saved = load_saved_config(run / "config.yaml")
-    assert (saved.data.label_key, saved.data.image_key) == ("1e5", "0o7")
-    assert "label_key: '1e5'" in (run / "config.yaml").read_text()
+    assert (saved.data.label_key, saved.data.image_key) == ("1e5", "1:30")
+    # and as PyYAML's own YAML 1.1 reader reads it (scripts, earlier vitlab): 1:30 is 90 there
+    plain = yaml.safe_load((run / "config.yaml").read_text())["data"]
+    assert (plain["label_key"], plain["image_key"]) == ("1e5", "1:30")
+
+
+def test_a_fine_tuning_runs_model_keys_are_named_as_written(trained_run, tmp_path) -> None:
+    """A fine-tuning run lays its model.* keys over the source's architecture, where a wrong
+    type was named by the Python class (ViTConfig.dropout), as `vitlab cost` of such a run
+    did; the run config's key now, as for a run from scratch."""
+    source = f"finetune.from={trained_run}"
+    for override, key in (("model.dropout=x", "dropout"), ("model.patch_size=x", "patch_size")):
+        with pytest.raises(ConfigError, match=f"^(finetune.from=.*: )?model.{key}: expected"):
+            train(load_run_config(None, [source, override]), out=tmp_path / key)
+    from vitlab.cli.cost import config_at
+
+    (tmp_path / "ft.yaml").write_text(f"finetune:\n  from: {trained_run}\nmodel:\n  dropout: x\n")
+    with pytest.raises(ConfigError, match="^model.dropout: expected float"):
+        config_at(tmp_path / "ft.yaml")

@@ -5,19 +5,14 @@ same items for a checkpoint's fields)."""
 from __future__ import annotations
 
 import functools
-import re
 import typing
 from collections.abc import Mapping
 from typing import Any
 
-from vitlab.validation import ConfigError, shown
+from vitlab.validation import FLOAT_TEXT, INT_TEXT, ConfigError, shown
 
-# YAML 1.2's numbers (digits' underscores kept): PyYAML resolves YAML 1.1's, where 1e-3 is text,
-# 012 is octal 10 and 1:30 is sexagesimal 90 (`time_budget: 1:30` was 90 seconds, said nowhere)
-_INT = re.compile(r"^[-+]?(?:[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)$")
-_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?
-                        |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
-                        |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X)  # fmt: skip
+# YAML 1.2's numbers (validation's INT_TEXT, FLOAT_TEXT): PyYAML resolves YAML 1.1's, where 1e-3
+# is text, 012 octal 10 and 1:30 sexagesimal 90 (`time_budget: 1:30` was 90 seconds, said nowhere)
 _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 
 
@@ -28,8 +23,8 @@ def _numbers_of_yaml_1_2(cls: type) -> type:
         first: [(tag, r) for tag, r in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
         for first, resolvers in cls.yaml_implicit_resolvers.items()
     }
-    cls.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
-    cls.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
+    cls.add_implicit_resolver(_INT_TAG, INT_TEXT, list("-+0123456789"))
+    cls.add_implicit_resolver(_FLOAT_TAG, FLOAT_TEXT, list("-+0123456789."))
     return cls
 
 
@@ -52,14 +47,19 @@ def yaml_loader() -> type:
 
 @functools.cache
 def yaml_dumper() -> type:
-    """PyYAML's safe dumper quoting what yaml_loader reads as a number (its own quoting is YAML
-    1.1's: the text '1e5' or '0o7' went out plain and came back a number)."""
+    """PyYAML's safe dumper quoting what yaml_loader reads as a number, and what YAML 1.1 does
+    (its own quoting is 1.1's only: the text '1e5' or '0o7' went out plain and came back a
+    number)."""
     import yaml
 
     class Dumper(yaml.SafeDumper):
         pass
 
-    return _numbers_of_yaml_1_2(Dumper)
+    # YAML 1.1's resolvers kept beside 1.2's: text either reads as a number is quoted (1:30 too,
+    # for PyYAML's safe_load and vitlab before YAML 1.2's numbers)
+    Dumper.add_implicit_resolver(_INT_TAG, INT_TEXT, list("-+0123456789"))
+    Dumper.add_implicit_resolver(_FLOAT_TAG, FLOAT_TEXT, list("-+0123456789."))
+    return Dumper
 
 
 def parse_value(text: str, key: str = "KEY") -> Any:

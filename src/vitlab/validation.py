@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import re
 import reprlib
 import types
@@ -66,7 +67,8 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is float:  # NaN, inf: no setting
         ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
         return ok, float(value) if ok else value
-    if tp is str:
+    if tp is str:  # a path object (pathlib's, from Python) as the text it names
+        value = os.fspath(value) if isinstance(value, os.PathLike) else value
         return isinstance(value, str), value
     if origin is tuple:
         if not isinstance(value, (tuple, list)):
@@ -102,7 +104,7 @@ def validate(
         ok, out[name] = _coerce(value, hints[name])
         if not ok:
             finite = isinstance(value, float) and not math.isfinite(value)  # nan, inf
-            why = ": numbers must be finite" if finite else _quoted(value)
+            why = ": numbers must be finite" if finite else _quoted(value, hints[name])
             where = section or getattr(cls, "config_section", cls.__name__)
             raise ConfigError(
                 f"{where}.{name.rstrip('_')}: expected {_type_name(hints[name])}, got "
@@ -113,12 +115,19 @@ def validate(
     return out
 
 
-_DIGITS = re.compile(r"[-+]?([0-9][0-9_]*\.?[0-9_]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
+# YAML 1.2's numbers as text (digits' underscores kept), which overrides.yaml_loader reads as
+# numbers; PyYAML's own resolvers are YAML 1.1's, where 1e-3 is text and 012 octal 10
+INT_TEXT = re.compile(r"^[-+]?(?:[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)$")
+FLOAT_TEXT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?
+                        |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+                        |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X)  # fmt: skip
 
 
-def _quoted(value: Any) -> str:
-    """What to do about a number in quotes, which is text (config files and KEY=VALUE alike)."""
-    if isinstance(value, str) and _DIGITS.fullmatch(value.strip()):
+def _quoted(value: Any, tp: Any) -> str:
+    """What to do about a number in quotes, which is text (config files and KEY=VALUE alike),
+    for a field that takes a number."""
+    numeric = tp in (int, float) or any(a in (int, float) for a in typing.get_args(tp))
+    if numeric and isinstance(value, str) and (INT_TEXT.match(value) or FLOAT_TEXT.match(value)):
         return ": a number in quotes is text; write it without them"
     return ""
 

@@ -29,6 +29,7 @@ from vitlab.models.registry import (
     family_of,
     named_config,
     resolve_name,
+    with_overrides,
 )
 from vitlab.validation import json_text
 
@@ -99,7 +100,7 @@ def config_at(path: Path, img_size: int | tuple[int, int] | None = None) -> Mode
             log.warning("finetune.from cannot be read (%s): the cost of model.name=%s instead, "
                         "which a fine-tuning run does not use", e, run.model.name)  # fmt: skip
             base = None
-        return config_of(run.model) if base is None else base.replace(**run.model.overrides)
+        return config_of(run.model) if base is None else with_overrides(base, run.model.overrides)
     return infer_config(read_source(path), img_size)
 
 

@@ -309,8 +309,14 @@ def config_of(section: ModelSection) -> ModelConfig:
     check_keys(
         type(named), section.overrides, f"section 'model' ({type(named).__name__})", ("name",)
     )
-    validate(type(named), section.overrides, "model")  # types named model.depth, as written
-    return named.replace(**section.overrides)
+    return with_overrides(named, section.overrides)
+
+
+def with_overrides(config: ModelConfig, overrides: dict) -> ModelConfig:
+    """`config` with a run config's model.* overrides, a wrong type named as written
+    (model.depth, not ViTConfig.depth)."""
+    validate(type(config), overrides, "model")
+    return config.replace(**overrides)
 
 
 def family_of(config: ModelConfig) -> str:
@@ -318,12 +324,13 @@ def family_of(config: ModelConfig) -> str:
     return getattr(config, "family", "vit")
 
 
-def other_than_weights(weights: ModelConfig, asked: dict) -> str | None:
+def other_than_weights(weights: ModelConfig, asked: dict, section: str | None = None) -> str | None:
     """What is wrong with a patch_size (a ViT's, a Swin's) or small_stem (a CNN's) in `asked`
     other than the weights' config's (their patch kernels, a hybrid's ResNet stride; a CNN's
-    conv1), which loading and fine-tuning keep; None where `asked` keeps them."""
+    conv1), which loading and fine-tuning keep; None where `asked` keeps them. `section`: how a
+    wrong type names the key (validate's)."""
     if hasattr(weights, "uses_small_stem") and asked.get("small_stem") is not None:
-        stem = validate(type(weights), {"small_stem": asked["small_stem"]})["small_stem"]
+        stem = validate(type(weights), {"small_stem": asked["small_stem"]}, section)["small_stem"]
         if stem == weights.uses_small_stem:
             return None
         kind = "small (3x3 stride-1 conv1, no max-pool)" if weights.uses_small_stem else (
@@ -332,7 +339,7 @@ def other_than_weights(weights: ModelConfig, asked: dict) -> str | None:
                 f"fine-tuning keep (a new image size keeps it too)")  # fmt: skip
     if not hasattr(weights, "patch_size") or "patch_size" not in asked:  # a CNN's: unknown key
         return None
-    p = validate(type(weights), {"patch_size": asked["patch_size"]})["patch_size"]  # typed
+    p = validate(type(weights), {"patch_size": asked["patch_size"]}, section)["patch_size"]
     if p == weights.patch_size:
         return None
     return (f"patch_size={p}: the weights' patch size is {weights.patch_size}, which loading "

@@ -32,6 +32,7 @@ from vitlab.models.registry import (
     get_config,
     other_than_weights,
     shape_of,
+    with_overrides,
 )
 from vitlab.runtime import Dist, first_rank, launched_processes, status_file
 from vitlab.train import distill
@@ -138,9 +139,9 @@ def resolve_model_config(
                         "model.KEY=VALUE for another)", cfg.model.name,
                         ", ".join(f"{k}={getattr(named, k)}" for k in rates),
                         ", ".join(f"{k}={getattr(base, k, None)}" for k in rates))  # fmt: skip
-    if base is not None and (wrong := other_than_weights(base, cfg.model.overrides)):
+    if base is not None and (wrong := other_than_weights(base, cfg.model.overrides, "model")):
         raise ConfigError(f"finetune.from={cfg.finetune.from_}: model.{wrong}")
-    mc = config_of(cfg.model) if base is None else base.replace(**cfg.model.overrides)
+    mc = config_of(cfg.model) if base is None else with_overrides(base, cfg.model.overrides)
     mc = mc.replace(**auto)
     batchnorm = family_of(mc) == "cnn" and not mc.bit  # BiT's ResNet-v2 has GroupNorm
     if batchnorm and cfg.train.compile and cfg.train.grad_checkpointing:
