@@ -434,5 +434,10 @@ def test_the_python_functions_check_what_the_command_line_checks(run, tmp_path) 
         with pytest.raises(ValueError, match=f"topk must be a whole number >= 1, got {k}"):
             predict_files(str(run), [str(image)], topk=k)
     one = fewshot_checkpoint(str(run), shots=np.int64(2), seeds=1, progress=False)  # numpy's too
-    listed = fewshot_checkpoint(str(run), shots=[2], seeds=1, progress=False)
+    listed = fewshot_checkpoint(str(run), shots=[np.int64(2)], seeds=1, progress=False)
     assert [r["shots"] for r in one["results"]] == [2] and one["results"] == listed["results"]
+    assert json.dumps(listed["results"])  # Python ints (numpy's made the JSON fail)
+    numpy_sized = evaluate_checkpoint(str(run), batch_size=np.int64(100))
+    assert numpy_sized["top1"] == evaluate_checkpoint(str(run))["top1"]
+    top = predict_files(str(run), [str(image)], topk=np.int64(3))[0]["top"]
+    assert len(top) == 3

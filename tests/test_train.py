@@ -1616,3 +1616,18 @@ def test_a_fine_tuning_runs_model_keys_are_named_as_written(trained_run, tmp_pat
     (tmp_path / "ft.yaml").write_text(f"finetune:\n  from: {trained_run}\nmodel:\n  dropout: x\n")
     with pytest.raises(ConfigError, match="^model.dropout: expected float"):
         config_at(tmp_path / "ft.yaml")
+
+
+def test_a_failed_steps_stop_line_names_the_failure_it_can(tmp_path) -> None:
+    """The stop line quotes the failure's first informative line: not an empty ': ' for an
+    error without text, nor a first line that only announces the next one (torch's
+    BackendCompilerFailed: "backend='x' raised:")."""
+    from vitlab.train.stop import failed_on_stop
+
+    said = {
+        RuntimeError(): "signals): RuntimeError; nothing",
+        RuntimeError("backend='x' raised:\nCppCompileError: C++ compile error\n\ngcc -c"):
+            "signals): RuntimeError: CppCompileError: C++ compile error; nothing",
+    }  # fmt: skip
+    for error, text in said.items():
+        assert text in failed_on_stop(error, 1, tmp_path, "vitlab train --resume x", 15).where

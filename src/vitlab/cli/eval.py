@@ -41,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--out",
         type=Path,
         help="where to save confusion_matrix_SPLIT.png (confusion_matrix_DATA_SPLIT.png with "
-        "--data naming another dataset than the run's, _last after SPLIT for "
+        "--data naming another dataset than the run's, or for a checkpoint outside a run; "
+        "_last after SPLIT for "
         "RUN/checkpoints/last when the run has a best one; default: the run folder, else the "
         "current one)",
     )

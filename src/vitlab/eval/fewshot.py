@@ -179,7 +179,7 @@ def fewshot_checkpoint(
 ) -> dict[str, Any]:
     """The few-shot report of a checkpoint on a dataset: its results and the protocol. `shots`:
     shot counts (a list, or one number)."""
-    shots = [int(shots)] if isinstance(shots, Integral) else shots
+    shots = [int(k) for k in ([shots] if isinstance(shots, Integral) else shots)]  # numpy's too
     check_l2(l2)  # before any feature is extracted
     check_shots(shots, seeds, np.zeros(0, dtype=np.int64), [])
     extractor = Extractor(source, features, device, batch_size, cache_dir, progress)

@@ -174,6 +174,7 @@ def evaluate_checkpoint(
                          f"{split!r}")  # fmt: skip
     if isinstance(batch_size, bool) or not isinstance(batch_size, Integral) or batch_size < 1:
         raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
+    batch_size = int(batch_size)  # (numpy's: torch's DataLoader takes a Python int)
     if out is not None:  # a file there is refused now, not after the evaluation
         out_folder(Path(out))
     dev = _device(device, backend, int8)
@@ -285,6 +286,7 @@ def predict_files(
         raise ValueError(f"batch_size must be a whole number >= 1 (or None), got {batch_size}")
     if isinstance(topk, bool) or not isinstance(topk, Integral) or topk < 1:
         raise ValueError(f"topk must be a whole number >= 1, got {topk!r}")
+    topk = int(topk)
     dev = _device(device, backend, int8)
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:

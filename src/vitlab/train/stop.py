@@ -68,11 +68,12 @@ def failed_on_stop(
     """A step of `epoch` that failed after a stop signal, which reached the processes it needed
     too (a signal to the process group: Ctrl-C, `timeout`, a scheduler; torch.compile's compiler
     workers and gcc die with it): the stop said in a line, not the failure's traceback."""
-    said = str(error).strip().partition("\n")[0][:200]  # its first line (gcc's output follows)
+    lines = [x.strip() for x in str(error).splitlines() if x.strip()]  # gcc's output follows
+    said = next((x for x in lines if not x.endswith(":")), "")[:200]  # not "backend raised:"
     why = (f"stopped at epoch {epoch}: the step failed after the stop signal, which may have "
            f"reached the processes it needed too (torch.compile's compiler workers and gcc get "
-           f"the process group's signals): {type(error).__name__}: {said}; nothing after the last "
-           f"checkpoint is saved")  # fmt: skip
+           f"the process group's signals): {type(error).__name__}{': ' * bool(said)}{said}; "
+           f"nothing after the last checkpoint is saved")  # fmt: skip
     if (out / "checkpoints" / "last").exists():
         return TrainingStopped(why, command, signum)
     return TrainingStopped(f"{why}, and there is none yet: start the run again", None, signum)
