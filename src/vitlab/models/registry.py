@@ -314,8 +314,9 @@ def config_of(section: ModelSection) -> ModelConfig:
 
 def with_overrides(config: ModelConfig, overrides: dict) -> ModelConfig:
     """`config` with a run config's model.* overrides, a wrong type named as written
-    (model.depth, not ViTConfig.depth)."""
-    validate(type(config), overrides, "model")
+    (model.depth, not ViTConfig.depth); an unknown key is replace's to name."""
+    known = {f.name for f in dataclasses.fields(config)}
+    validate(type(config), {k: v for k, v in overrides.items() if k in known}, "model")
     return config.replace(**overrides)
 
 
