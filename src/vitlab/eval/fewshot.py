@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import numpy as np
 
 from vitlab.data import DatasetError
 from vitlab.eval.features import Extractor, Features, train_and_test
+from vitlab.models.indices import at_least, whole_number
 
 BIAS_CONSTANT = 100.0
 STD_EPS = 1e-5
@@ -179,7 +179,8 @@ def fewshot_checkpoint(
 ) -> dict[str, Any]:
     """The few-shot report of a checkpoint on a dataset: its results and the protocol. `shots`:
     shot counts (a list, or one number)."""
-    shots = [int(k) for k in ([shots] if isinstance(shots, Integral) else shots)]  # numpy's too
+    one = whole_number(shots)  # numpy's too; a list's entries as whole numbers (3.5 refused)
+    shots = [one] if one is not None else [at_least(k, 1, "shots") for k in shots]
     check_l2(l2)  # before any feature is extracted
     check_shots(shots, seeds, np.zeros(0, dtype=np.int64), [])
     extractor = Extractor(source, features, device, batch_size, cache_dir, progress)

@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import os
 import re
-from numbers import Integral
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from vitlab.eval.classification import (
 )
 from vitlab.formats.vitlab import resolve_checkpoint, vitlab_weights
 from vitlab.models.checkpoint import load_checkpoint
+from vitlab.models.indices import at_least
 from vitlab.preprocessing import Preprocessing
 from vitlab.runtime import pick_device
 from vitlab.validation import few
@@ -172,9 +172,7 @@ def evaluate_checkpoint(
     if split not in ("test", "val"):  # others were evaluated as the test split, named as asked
         raise ValueError(f"split must be 'test' or 'val' (a run's validation carve-out), got "
                          f"{split!r}")  # fmt: skip
-    if isinstance(batch_size, bool) or not isinstance(batch_size, Integral) or batch_size < 1:
-        raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
-    batch_size = int(batch_size)  # (numpy's: torch's DataLoader takes a Python int)
+    batch_size = at_least(batch_size, 1, "batch_size")  # (torch's DataLoader: a Python int)
     if out is not None:  # a file there is refused now, not after the evaluation
         out_folder(Path(out))
     dev = _device(device, backend, int8)
@@ -282,11 +280,8 @@ def predict_files(
     cannot be read gives {"image", "error"} and the others are still classified. The images go
     through the model `batch_size` at a time (default 32; 1 with `int8`, whose activations are
     quantised per batch: so each image's scores are its own)."""
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch_size must be a whole number >= 1 (or None), got {batch_size}")
-    if isinstance(topk, bool) or not isinstance(topk, Integral) or topk < 1:
-        raise ValueError(f"topk must be a whole number >= 1, got {topk!r}")
-    topk = int(topk)
+    batch_size = None if batch_size is None else at_least(batch_size, 1, "batch_size")
+    topk = at_least(topk, 1, "topk")
     dev = _device(device, backend, int8)
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:

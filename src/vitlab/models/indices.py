@@ -46,6 +46,15 @@ def whole_number(x: object) -> int | None:
     return int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else None
 
 
+def at_least(value: object, low: int, name: str) -> int:
+    """`value` as an int (whole_number's kinds) when it is at least `low`, else a ValueError
+    naming `name` (a Python function's argument checked as its command-line option is)."""
+    n = whole_number(value)
+    if n is None or n < low:
+        raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
+    return n
+
+
 def positive(**sizes: int | tuple[int, ...]) -> None:
     """A ConfigError naming every size (a pair: either side) that is not positive, if any."""
     bad = [f"{k}={v}" for k, v in sizes.items()
