@@ -76,8 +76,6 @@ def at_least(section: object, lows: dict[str, int], unset: tuple = ()) -> list:
 class DataConfig:
     """Dataset and augmentation. Every augmentation is off at 0 / False."""
 
-    config_section: typing.ClassVar[str] = "data"  # how messages name its keys
-
     # digits | fashion-mnist | cifar10 | cifar100 | imagefolder:PATH | wds:SHARDS | hf:NAME
     name: str = "digits"
     dir: str | None = None  # where the files are (searched first)
@@ -129,8 +127,6 @@ class DataConfig:
 class OptimConfig:
     """Optimiser, schedule and loss."""
 
-    config_section: typing.ClassVar[str] = "optim"  # how messages name its keys
-
     name: typing.Literal["adamw", "sgd"] = "adamw"
     lr: float = 2e-3  # peak learning rate, reached after warm-up
     weight_decay: float = 0.05  # adamw: decoupled; sgd: L2 in the gradient; never on biases,
@@ -162,8 +158,6 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     """The loop: length, batch, precision, devices."""
-
-    config_section: typing.ClassVar[str] = "train"  # how messages name its keys
 
     epochs: int = 40
     batch_size: int = 64  # global batch (split across ranks), before accumulation
@@ -221,8 +215,6 @@ class MPPConfig:
     embedding, `random` by the embedding of another patch of the batch, the rest left as they are;
     a linear head on each corrupted patch's output token predicts its target."""
 
-    config_section: typing.ClassVar[str] = "mpp"  # how messages name its keys
-
     # mean_color: each channel's mean over the patch (in [0, 1] pixel values) quantised to `bits`
     # bits, one class of 2^(bits*channels), cross-entropy; patch_l2: the patch's pixels as the
     # model sees them (normalised by the dataset's mean and std), mean squared error
@@ -252,8 +244,6 @@ class DistillConfig:
     predictions on the same (augmented, mixed) batch. A distilled student without a teacher trains
     both heads on the labels (DeiT's "no distillation" control)."""
 
-    config_section: typing.ClassVar[str] = "distill"  # how messages name its keys
-
     teacher: str | None = None  # a vitlab run or checkpoint, or any file / folder / hub name
     # hard: cross-entropy against the teacher's argmax; soft: tau^2 KL to its softened outputs
     type: typing.Literal["hard", "soft"] = "hard"
@@ -278,8 +268,6 @@ class DistillConfig:
 @dataclass
 class FinetuneConfig:
     """Start from another run's or checkpoint's weights (`finetune.from=RUN_OR_CKPT`)."""
-
-    config_section: typing.ClassVar[str] = "finetune"  # how messages name its keys
 
     from_: str | None = None
     new_head: bool = False  # a zero-initialised head even where the class count is the source's
@@ -347,6 +335,10 @@ class RunConfig:
             body = to_dict(getattr(self, section))
             tree[section] = {k.rstrip("_"): v for k, v in body.items()}
         return tree
+
+
+for _name, _section in RunConfig.SECTIONS.items():  # how validate names a section's keys:
+    _section.config_section = _name  # data.hflip, as the user wrote it
 
 
 def _fields(klass: type) -> set[str]:

@@ -16,13 +16,15 @@ from vitlab.validation import FLOAT_TEXT, INT_TEXT, ConfigError, shown
 _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 
 
-def _numbers_of_yaml_1_2(cls: type) -> type:
+def _numbers_of_yaml_1_2(cls: type, only: bool = True) -> type:
     """`cls` (a PyYAML loader or dumper class) resolving plain scalars to numbers as YAML 1.2
-    does, in place: a dumper then quotes the text a loader would read as a number."""
-    cls.yaml_implicit_resolvers = {
-        first: [(tag, r) for tag, r in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
-        for first, resolvers in cls.yaml_implicit_resolvers.items()
-    }
+    does, in place (`only`: instead of YAML 1.1's, else beside them): a dumper then quotes the
+    text a loader would read as a number."""
+    if only:
+        cls.yaml_implicit_resolvers = {
+            first: [(tag, r) for tag, r in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+            for first, resolvers in cls.yaml_implicit_resolvers.items()
+        }
     cls.add_implicit_resolver(_INT_TAG, INT_TEXT, list("-+0123456789"))
     cls.add_implicit_resolver(_FLOAT_TAG, FLOAT_TEXT, list("-+0123456789."))
     return cls
@@ -57,9 +59,7 @@ def yaml_dumper() -> type:
 
     # YAML 1.1's resolvers kept beside 1.2's: text either reads as a number is quoted (1:30 too,
     # for PyYAML's safe_load and vitlab before YAML 1.2's numbers)
-    Dumper.add_implicit_resolver(_INT_TAG, INT_TEXT, list("-+0123456789"))
-    Dumper.add_implicit_resolver(_FLOAT_TAG, FLOAT_TEXT, list("-+0123456789."))
-    return Dumper
+    return _numbers_of_yaml_1_2(Dumper, only=False)
 
 
 def parse_value(text: str, key: str = "KEY") -> Any:
