@@ -113,10 +113,8 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
     ])  # fmt: skip
     table = []
     for layer in range(dist.shape[1]):  # a head without a distance (NaN) left out
-        means, (low, high) = (
-            stat(dist[:, layer].nanmean(dim=1).tolist()),
-            head_range(dist[:, layer]),
-        )
+        means = stat(dist[:, layer].nanmean(dim=1).tolist())
+        low, high = head_range(dist[:, layer])
         table.append([str(layer + 1), means.text(1.0), f"{low.min():.1f}", f"{high.max():.1f}"])
     figures = [
         ("mean_attention_distance.png", "mean attention distance per head and layer (seed 0)"),

@@ -102,11 +102,9 @@ def summarize(ctx: Context, rows: list[dict], out: Path) -> Summary:
             for label, (*_, p) in MODELS.items() if p is not None}  # fmt: skip
     cnn = {lv: top1[at[CNN, lv]] for lv in levels}
     judged = [*cnn.values(), *(s for v in vits.values() for s in v.values())]  # not the hybrid
-    n = rows[0]["test_images"]  # each part's floor at the mean of the arms it compares:
-    floor, vit_floor = (
-        accuracy_floor(n, judged),
-        accuracy_floor(n, judged[len(cnn) :]),
-    )  # the slopes' ViTs
+    n = rows[0]["test_images"]  # each part's floor at the mean of the arms it compares
+    floor = accuracy_floor(n, judged)
+    vit_floor = accuracy_floor(n, judged[len(cnn) :])  # the slopes': the ViTs alone
     steps = {(p if p is not None else "cnn"): {lv: first[at[label, lv]]["steps"] for lv in levels}
              for label, (*_, vit, p) in MODELS.items() if p is not None or not vit}  # fmt: skip
     off = [f"{g} ({r['training_flops'] / r['compute'] - 1:+.0%})" for g, r in first.items()
