@@ -443,7 +443,7 @@ def attach(
     if cfg.train.time_budget is None:
         return None
     spe = batches_per_epoch // cfg.train.accum_steps
-    warmup = int(round(cfg.optim.warmup_epochs * spe))  # as Run._warmup_steps
+    warmup = int(round(cfg.optim.warmup_epochs * spe))  # as Run.warmup_steps
     val = len(data.val) if data.val is not None else 0
     images = (cfg.train.batch_size * cfg.train.accum_steps, val, len(data.test))  # one step's
     return TimeBudget(cfg, settings, spe, warmup, images, out, d, bf16, resumed, before)

@@ -29,7 +29,7 @@ from vitlab.eval.mpp import evaluate_mpp
 from vitlab.models.mpp import MaskedPatchViT
 from vitlab.models.registry import build_model
 from vitlab.runtime import Dist, pick_device, rng_state, set_rng_state, status_file, use_bf16
-from vitlab.train import budget, build, distill, distributed, engine, folder
+from vitlab.train import budget, build, distill, distributed, engine, folder, resuming
 from vitlab.train.build import finetune_weights, load_data, normalization, resolve_model_config
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
 from vitlab.train.folder import check_resume_length, claim_run_folder, default_run_folder
@@ -37,13 +37,10 @@ from vitlab.train.log import RunLog
 from vitlab.train.optim import EMA, build_optimizer, learning_rate, warn_schedule
 from vitlab.train.state import (
     CheckpointMeta,
-    check_threads,
-    load_train_state,
     load_weights,
     read_metadata,
     resolve_checkpoint,
     save_checkpoint,
-    saved_rng,
 )
 from vitlab.train.stop import StopFlag, TrainingStopped, failed_on_stop
 
@@ -59,13 +56,13 @@ def train(
 ) -> Path:
     """Run cfg; returns the run folder. With `resume` (a run folder, whose saved config cfg must be,
     see vitlab.train.folder.resume_config) training continues exactly where it stopped; a different
-    train.epochs is refused unless `extend` (the schedule is recomputed for it, see Run._extend). An
-    `out` that already holds a run is refused unless `overwrite` (its files removed once the new run
-    is built). train.time_budget counts from this call, or from the process's start with
-    `budget_from_process_start` (`vitlab train`: Python's start-up is in the budget too). A full
-    disk or quota raises folder.OutOfSpace (a ValueError) from the OSError, saying how to go on.
-    train.threads sets PyTorch's thread count for the run; the caller's is restored on return,
-    as is the state of torch's random-number generators."""
+    train.epochs is refused unless `extend` (the schedule is recomputed for it, see
+    vitlab.train.resuming.extend). An `out` that already holds a run is refused unless `overwrite`
+    (its files removed once the new run is built). train.time_budget counts from this call, or
+    from the process's start with `budget_from_process_start` (`vitlab train`: Python's start-up
+    is in the budget too). A full disk or quota raises folder.OutOfSpace (a ValueError) from the
+    OSError, saying how to go on. train.threads sets PyTorch's thread count for the run; the
+    caller's is restored on return, as is the state of torch's random-number generators."""
     before = 0.0 if budget_from_process_start else budget.process_age()
     out = Path(resume) if resume is not None else out
     build.check_settings(cfg)  # an unknown model, key or type fails now, naming it
@@ -126,8 +123,10 @@ class Run:
         planned = None  # the resumed run's train.epochs, before this command's overrides
         if resume is not None:
             if extend and (cfg.train.time_budget is not None or cfg.train.max_steps is not None):
-                raise ConfigError("--extend sets train.epochs, which the schedule of a train."
-                                  "time_budget or train.max_steps run does not span")  # fmt: skip
+                raise ConfigError(
+                    "--extend sets train.epochs, which the schedule of a train.time_budget or "
+                    "train.max_steps run does not span"
+                )
             planned = check_resume_length(Path(resume), cfg, extend, said=d.is_main)
         self.data = load_data(cfg)
         # resumed: the channels and statistics `last` keeps (the model is config.yaml's, which
@@ -188,11 +187,13 @@ class Run:
         self.pos, self.best = Position(), float("-inf")
         self.best_state: dict | None = None  # this rank's best weights (sharded under FSDP)
         if resume is not None:
-            self._restore(Path(resume))
+            resuming.restore(self, Path(resume))
             if planned is not None and planned != cfg.train.epochs:
-                self._extend(planned)
-        self.budget = budget.attach(cfg, self.settings, len(self.loader), self.data, self.out, d,
-                                    self.bf16, resume is not None, before)  # fmt: skip
+                resuming.extend(self, planned)
+        batches, resumed = len(self.loader), resume is not None
+        self.budget = budget.attach(
+            cfg, self.settings, batches, self.data, self.out, d, self.bf16, resumed, before
+        )
         if cfg.train.compile:
             self.train_model = torch.compile(self.train_model)
         self.meta = CheckpointMeta(mc, self.pre, [] if self.mpp else info.classes, {})
@@ -218,13 +219,19 @@ class Run:
                 f"{len(self.data.train)} training images give no full step of batch_size "
                 f"{cfg.train.batch_size} x accum_steps {cfg.train.accum_steps}"
             )
-        total, warmup = self._total_steps(), self._warmup_steps()
+        total, warmup = self.total_steps(), self.warmup_steps()
         warn_schedule(cfg, total, warmup, said=self.d.is_main)  # rank 0 says it
-        return StepSettings(accum_steps=cfg.train.accum_steps, clip_grad=cfg.optim.clip_grad,
-                            lr_at=lambda step: learning_rate(cfg.optim, step, total, warmup),
-                            autocast=self.autocast, objective=self._objective(),
-                            max_steps=cfg.train.max_steps, memory_format=self.layout,
-                            batch_threads=cfg.train.batch_threads, seed=cfg.train.seed)  # fmt: skip
+        return StepSettings(
+            accum_steps=cfg.train.accum_steps,
+            clip_grad=cfg.optim.clip_grad,
+            lr_at=lambda step: learning_rate(cfg.optim, step, total, warmup),
+            autocast=self.autocast,
+            objective=self._objective(),
+            max_steps=cfg.train.max_steps,
+            memory_format=self.layout,
+            batch_threads=cfg.train.batch_threads,
+            seed=cfg.train.seed,
+        )
 
     def _objective(self) -> engine.Objective:
         smoothing = self.cfg.optim.label_smoothing
@@ -234,53 +241,12 @@ class Run:
             return engine.distillation(self.cfg.distill, self.teacher, smoothing)
         return engine.classification(smoothing)
 
-    def _total_steps(self) -> int:
+    def total_steps(self) -> int:
         total = self.steps_per_epoch * self.cfg.train.epochs
         return min(total, self.cfg.train.max_steps or total)
 
-    def _warmup_steps(self) -> int:
+    def warmup_steps(self) -> int:
         return int(round(self.cfg.optim.warmup_epochs * self.steps_per_epoch))
-
-    def _restore(self, run: Path) -> None:
-        weights = resolve_checkpoint(run / "checkpoints" / "last")
-        state = load_train_state(weights.parent)
-        distributed.load_full_state(
-            self.model, self.optimizer, load_weights(weights), state["optimizer"], self.d,
-            self.strategy, f"{weights} (the model is the run's config.yaml's)",
-        )  # fmt: skip
-        if self.ema is not None and state.get("ema") is not None:
-            self.ema.load_state_dict(state["ema"])
-        rng = saved_rng(state, self.d, self.cfg.train.seed, self.device)
-        check_threads(state, self.d, self.device)
-        self.pos = Position(state["epoch"], state["batch"], state["step"], rng,
-                            state.get("partial") or [])  # fmt: skip
-        set_rng_state(self.pos.rng, self.device)
-        self.best = float(state["best"])
-        if self.d.is_main:
-            distill.check_resumed(self.teacher, state.get("teacher"))
-            self.data.check_same(state.get("data"))
-
-    def _extend(self, planned: int) -> None:
-        """Say how the learning-rate schedule changes when a resumed run's length changes: it now
-        spans the new length, as if the run had been started with it (warm-up unchanged)."""
-        cfg, step, new = self.cfg, self.pos.step, self.cfg.train.epochs
-        if new <= self.pos.epoch:
-            raise ConfigError(
-                f"train.epochs={new}, but the run has trained {self.pos.epoch} epochs already: "
-                f"a new length must be longer than that"
-            )
-        if not self.d.is_main:
-            return
-        old_total, total = self.steps_per_epoch * planned, self._total_steps()
-        old_lr = learning_rate(cfg.optim, step, old_total, self._warmup_steps())
-        print(
-            f"{'extending' if new > planned else 'shortening'} the run from {planned} to {new} "
-            f"epochs (--extend): the {cfg.optim.schedule} schedule is recomputed as if the run had "
-            f"started with {new} epochs, {total:,} steps instead of {old_total:,}; the next "
-            f"step's learning rate (step {step + 1:,}) is {self.settings.lr_at(step):.3e} (was "
-            f"{old_lr:.3e}), the last's (step {total:,}) {self.settings.lr_at(total - 1):.3e}",
-            file=status_file(),
-        )
 
     # --- phases ----------------------------------------------------------------------------------
 
@@ -323,22 +289,7 @@ class Run:
             rngs = distributed.gather(self.pos.rng, d)
         if not d.is_main:
             return
-        state = None
-        if with_state:
-            state = {
-                "optimizer": optim,
-                "epoch": self.pos.epoch,
-                "batch": self.pos.batch,
-                "step": self.pos.step,
-                "rng": self.pos.rng,
-                "rng_ranks": rngs,
-                "threads": torch.get_num_threads(),  # float sums' order (check_threads)
-                "partial": self.pos.partial,  # a stopped epoch's figures so far
-                "best": self.best,
-                "ema": self.ema.state_dict() if self.ema else None,
-                "teacher": self.teacher.digest if self.teacher else None,
-                "data": self.data.digest,  # what --resume checks its data against
-            }
+        state = resuming.train_state(self, optim, rngs) if with_state else None
         self.meta.info = {"epoch": self.pos.epoch, "step": self.pos.step, **(info or {})}
         if self.mpp:
             self.meta.info.update(objective="mpp", mpp=to_dict(self.cfg.mpp))
@@ -353,14 +304,17 @@ class Run:
                 self._end_of_epoch(stats)
                 if distributed.any_rank(stop.requested, self.d, self.device):  # during the save
                     where = f"stopped after epoch {pos.epoch}; checkpoint saved"
-                    raise TrainingStopped(where, distributed.resume_command(self.out, self.d),
-                                          stop.signum)  # fmt: skip
+                    again = distributed.resume_command(self.out, self.d)
+                    raise TrainingStopped(where, again, stop.signum)
                 if cfg.train.stop_at_epoch == pos.epoch and pos.epoch < cfg.train.epochs:
                     if self.d.is_main:
                         self.log.finish()
-                        print(f"stopped after epoch {pos.epoch} (train.stop_at_epoch); continue "
-                              f"with {distributed.resume_command(self.out, self.d)}",
-                              file=status_file())  # fmt: skip
+                        again = distributed.resume_command(self.out, self.d)
+                        print(
+                            f"stopped after epoch {pos.epoch} (train.stop_at_epoch); continue "
+                            f"with {again}",
+                            file=status_file(),
+                        )
                     return False
         if self.d.is_main and not trained and pos.step:  # --resume of a run that had finished
             folder.note_finished(pos.epoch, pos.step, cfg)
