@@ -24,7 +24,8 @@ from vitlab.analysis.cost import cost_report, format_cost_report
 from vitlab.cli.main import main
 from vitlab.config import ConfigError, load_run_config
 from vitlab.data import dataset_info, load_split
-from vitlab.formats.base import CheckpointError, Source, state_family
+from vitlab.formats.base import CheckpointError, Source
+from vitlab.formats.families import state_family
 from vitlab.models.checkpoint import infer_config, read_source
 from vitlab.models.cnn import CNNConfig, ResNet
 from vitlab.models.registry import build_model, family_of, get_config, list_models, shape_of

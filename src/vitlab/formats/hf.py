@@ -27,15 +27,12 @@ from vitlab.formats.base import (
     cpu_state,
     fuse_qkv,
     preprocessing_of,
-    refuse_swin_v2,
     rename,
-    state_family,
-    swin_layout,
     unknown,
-    write_cnn_instead,
     write_json,
     write_safetensors,
 )
+from vitlab.formats.families import refuse_swin_v2, state_family, swin_layout, write_cnn_instead
 from vitlab.models.registry import family_of
 from vitlab.models.vit import ViTConfig
 from vitlab.preprocessing import HALF, IMAGENET_MEAN, IMAGENET_STD, Preprocessing, crop_pct_for

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vitlab.formats.base import CheckpointError, Source, state_family
+from vitlab.formats.base import CheckpointError, Source
+from vitlab.formats.families import state_family
 
 # the fields compared: vitlab's name -> (timm model_args' key, transformers' key)
 _KEYS = {

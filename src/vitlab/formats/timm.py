@@ -40,16 +40,18 @@ from vitlab.formats.base import (
     classes_of,
     convert,
     cpu_state,
-    is_resnetv2,
     pass_key,
     preprocessing_of,
-    refuse_swin_v2,
     rename,
+    write_json,
+    write_safetensors,
+)
+from vitlab.formats.families import (
+    is_resnetv2,
+    refuse_swin_v2,
     state_family,
     swin_layout,
     write_cnn_instead,
-    write_json,
-    write_safetensors,
 )
 from vitlab.models.cnn import CNNConfig
 from vitlab.models.registry import UnknownModelError, family_of, get_config

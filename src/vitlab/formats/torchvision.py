@@ -27,11 +27,10 @@ from vitlab.formats.base import (
     convert,
     cpu_state,
     fsync,
-    is_resnet,
     rename,
-    write_cnn_instead,
     write_safetensors,
 )
+from vitlab.formats.families import is_resnet, write_cnn_instead
 from vitlab.models.registry import family_of
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, crop_pct_for
 

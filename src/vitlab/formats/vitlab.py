@@ -26,9 +26,9 @@ from vitlab.formats.base import (
     cpu_state,
     preprocessing_of,
     safetensors_metadata,
-    state_family,
     write_safetensors,
 )
+from vitlab.formats.families import state_family
 from vitlab.models.cnn import CNNConfig
 from vitlab.models.mpp import PREFIX as MPP_PREFIX
 from vitlab.models.registry import ModelConfig, family_of

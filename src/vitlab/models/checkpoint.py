@@ -30,7 +30,8 @@ from torch import Tensor
 
 from vitlab import formats, hub
 from vitlab.config import ConfigError, check_keys, validate
-from vitlab.formats.base import INDEX, TORCH_SUFFIXES, CheckpointError, Files, Source, state_family
+from vitlab.formats.base import INDEX, TORCH_SUFFIXES, CheckpointError, Files, Source
+from vitlab.formats.families import state_family
 from vitlab.formats.vitlab import CONFIGS, CheckpointMeta, resolve_checkpoint
 from vitlab.models.cnn_checkpoint import infer_cnn_config
 from vitlab.models.hybrid_checkpoint import infer_resnet_stem

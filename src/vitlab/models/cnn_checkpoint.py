@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass
 
 from vitlab.config import ConfigError
-from vitlab.formats.base import CheckpointError, Source, is_resnetv2
+from vitlab.formats.base import CheckpointError, Source
+from vitlab.formats.families import is_resnetv2
 from vitlab.models.cnn import ARCHS, BIT_ARCHS, SMALL_SIDE, STEM_WIDTH, CNNConfig
 
 _STEMS = {3: True, 7: False}  # the stem conv's kernel side -> small stem
