@@ -24,7 +24,7 @@ from vitlab.config import ConfigError, load_run_config
 from vitlab.duration import parse_duration
 from vitlab.formats.base import CheckpointError
 from vitlab.runtime import Dist
-from vitlab.train import budget
+from vitlab.train import budget, clock
 from vitlab.train.budget import Costs, TimeBudget, budget_schedule, plan_steps
 from vitlab.train.engine import StepSettings
 from vitlab.train.run import train
@@ -97,15 +97,15 @@ def test_the_budget_plans_from_timed_steps(tmp_path, monkeypatch) -> None:
     steps, planned again at the first epoch end (validation 1 s), then fixed."""
     cfg = load_run_config(None, ["train.time_budget=31s", "train.epochs=2", "optim.lr=0.001"])
     settings = StepSettings(1, None, lambda step: 0.5, nullcontext)
-    clock = [0.0]
-    monkeypatch.setattr(budget, "step_clock", lambda: clock[0])
-    monkeypatch.setattr(budget, "process_age", lambda: 5.0 + clock[0])
+    now = [0.0]
+    monkeypatch.setattr(clock, "step_clock", lambda: now[0])
+    monkeypatch.setattr(clock, "process_age", lambda: 5.0 + now[0])
     b = TimeBudget(cfg, settings, 40, 4, (64, 100, 200), tmp_path, Dist(), bf16=False)
     assert cfg.train.epochs == 2 and settings.max_steps is None
     step = 0
     while settings.max_steps is None or step < settings.max_steps:
         settings.lr_at(step)
-        clock[0] += 0.1 + (1.0 if (step + 1) % 40 == 0 else 0.0)  # an epoch end after step 39
+        now[0] += 0.1 + (1.0 if (step + 1) % 40 == 0 else 0.0)  # an epoch end after step 39
         step += 1
         assert step < 1000
     plan = json.loads((tmp_path / "time_budget.json").read_text())
@@ -128,16 +128,16 @@ def run_on_a_fake_clock(
     schedule from the first plan on. `lrs`: a list to append every step's learning rate to."""
     cfg = load_run_config(None, [f"train.time_budget={seconds}s", "optim.lr=0.001"])
     settings = StepSettings(1, None, lambda step: 0.5, nullcontext)
-    clock = [0.0]
-    monkeypatch.setattr(budget, "step_clock", lambda: clock[0])
-    monkeypatch.setattr(budget, "process_age", lambda: 5.0 + clock[0])
+    now = [0.0]
+    monkeypatch.setattr(clock, "step_clock", lambda: now[0])
+    monkeypatch.setattr(clock, "process_age", lambda: 5.0 + now[0])
     TimeBudget(cfg, settings, spe, warmup, (64, 100, 200), tmp_path, Dist(), bf16=False)
     step, plans, lrs = 0, [], [] if lrs is None else lrs
     while settings.max_steps is None or step < settings.max_steps:
         lrs.append(settings.lr_at(step))
         if settings.max_steps is not None and settings.max_steps not in plans:
             plans.append(settings.max_steps)
-        clock[0] += pace(step) * (0.1 + (end if (step + 1) % spe == 0 else 0.0))
+        now[0] += pace(step) * (0.1 + (end if (step + 1) % spe == 0 else 0.0))
         step += 1
     assert settings.lr_at(step - 1) < 0.001 * 0.001 and settings.lr_at(step) == 0.0
     first = budget.SKIP_STEPS + budget.TIMED_STEPS  # the first plan's step
@@ -154,7 +154,7 @@ def run_on_a_fake_clock(
         assert resumed.lr_at(s) == pytest.approx(lrs[s] if s < step else 0.0, abs=1e-15)
     # after the last step: the last epoch's end, and the test split (200 images at the epoch
     # end's 100 images a pace(s) * end s) and 2 s of files
-    return plans, 5.0 + clock[0] + pace(step) * end * (1.0 + 2.0) + 2.0
+    return plans, 5.0 + now[0] + pace(step) * end * (1.0 + 2.0) + 2.0
 
 
 def test_a_plan_follows_the_steps_pace(tmp_path, monkeypatch) -> None:
@@ -253,9 +253,9 @@ def test_steps_are_timed_on_the_clock_the_budget_counts() -> None:
     """The steps are timed on a clock that runs with the one the budget counts the command on
     (process_age: wall time since the process started), sleep included where the platform's
     clock counts it, not on CPU time: over 0.3 s asleep both advance 0.3 s."""
-    first = budget.step_clock(), budget.process_age()
+    first = clock.step_clock(), clock.process_age()
     time.sleep(0.3)
-    steps, age = budget.step_clock() - first[0], budget.process_age() - first[1]
+    steps, age = clock.step_clock() - first[0], clock.process_age() - first[1]
     assert steps == pytest.approx(0.3, abs=0.05) and age == pytest.approx(steps, abs=0.05)
 
 
@@ -263,18 +263,18 @@ def test_the_process_age_off_linux_counts_the_start_up_too() -> None:
     """Where /proc is missing (macOS), the command's age came from the budget module's import,
     missing the interpreter's and PyTorch's start-up (seconds of a 60 s budget): now from `ps`'s
     elapsed time, which agrees with /proc's to the second here."""
-    assert budget.elapsed_seconds("  05:03\n") == 303
-    assert budget.elapsed_seconds("1:02:03") == 3723
-    assert budget.elapsed_seconds("2-01:02:03") == 2 * 86400 + 3723
+    assert clock.elapsed_seconds("  05:03\n") == 303
+    assert clock.elapsed_seconds("1:02:03") == 3723
+    assert clock.elapsed_seconds("2-01:02:03") == 2 * 86400 + 3723
     for bad in ("", "12", "2-05:03", "a:b"):
         with pytest.raises(ValueError):
-            budget.elapsed_seconds(bad)
+            clock.elapsed_seconds(bad)
     if shutil.which("ps") is None:
         pytest.skip("needs ps")
     script = (  # a command 2.5 s old when it asks, first with /proc, then as without it
-        "import time; time.sleep(2.5); from vitlab.train import budget; a = budget.process_age(); "
-        "budget.open = lambda *args: (_ for _ in ()).throw(OSError('no /proc')); "
-        "print(a, budget.process_age())"
+        "import time; time.sleep(2.5); from vitlab.train import clock; a = clock.process_age(); "
+        "clock.open = lambda *args: (_ for _ in ()).throw(OSError('no /proc')); "
+        "print(a, clock.process_age())"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     first, without = map(float, out.stdout.split())
@@ -290,8 +290,8 @@ def test_under_torchrun_the_budget_counts_from_the_launchers_start() -> None:
     (TORCHELASTIC_RUN_ID) the parent's start counts; not without it, nor a parent that started
     more than LAUNCHER_S before the worker (an agent restarting a failed worker)."""
     child = (
-        "from vitlab.train import budget; import sys; budget.LAUNCHER_S = float(sys.argv[1]); "
-        "print(budget.process_age() - budget._age(budget.os.getpid()))"
+        "from vitlab.train import clock; import sys; clock.LAUNCHER_S = float(sys.argv[1]); "
+        "print(clock.process_age() - clock._age(clock.os.getpid()))"
     )  # prints how much earlier than the worker the budget's clock starts
     launcher = (  # 2 s of a launcher's start-up, then its worker: argv child, window, env
         "import os, subprocess, sys, time; time.sleep(2.0); "
@@ -336,9 +336,9 @@ def test_the_steps_are_observed_once_though_asked_for_each_parameter_group(
     monkeypatch.setattr(TimeBudget, "_plan", lambda self, step, *a, **k: (
         calls.append(step), original(self, step, *a, **k))[1])  # fmt: skip
     cfg = load_run_config(None, ["train.time_budget=31s", "optim.lr=0.001"])
-    clock = [0.0]
-    monkeypatch.setattr(budget, "step_clock", lambda: clock[0])
-    monkeypatch.setattr(budget, "process_age", lambda: 5.0 + clock[0])
+    now = [0.0]
+    monkeypatch.setattr(clock, "step_clock", lambda: now[0])
+    monkeypatch.setattr(clock, "process_age", lambda: 5.0 + now[0])
     for asks in (1, 2):
         settings = StepSettings(1, None, lambda step: 0.5, nullcontext)
         (tmp_path / str(asks)).mkdir()
@@ -347,7 +347,7 @@ def test_the_steps_are_observed_once_though_asked_for_each_parameter_group(
         for step in range(300):
             for _ in range(asks):
                 settings.lr_at(step)
-            clock[0] += 0.1 + (1.0 if (step + 1) % 40 == 0 else 0.0)
+            now[0] += 0.1 + (1.0 if (step + 1) % 40 == 0 else 0.0)
         if asks == 1:
             once = list(calls)
     # the first plan, the first epoch end's, then every 50 steps
@@ -424,7 +424,7 @@ def test_a_resumed_run_keeps_its_plan(tmp_path: Path, monkeypatch, capsys) -> No
     which the test trains 3 short epochs: a plan of more than 3 epochs however loaded the
     machine.)"""
     t0 = time.perf_counter()
-    monkeypatch.setattr(budget, "process_age", lambda: time.perf_counter() - t0)
+    monkeypatch.setattr(clock, "process_age", lambda: time.perf_counter() - t0)
     out = tmp_path / "run"
     first = ["train", "--out", str(out), *TINY_MODEL, "train.time_budget=10m",
              "train.stop_at_epoch=2"]  # fmt: skip
@@ -447,7 +447,7 @@ def test_an_in_process_call_counts_from_the_call(tmp_path: Path, monkeypatch) ->
     (counted from its start, the plan would be the fewest steps). The command counts from the
     process's start (test_a_resumed_run_keeps_its_plan)."""
     t0 = time.perf_counter()
-    monkeypatch.setattr(budget, "process_age", lambda: 1200.0 + time.perf_counter() - t0)
+    monkeypatch.setattr(clock, "process_age", lambda: 1200.0 + time.perf_counter() - t0)
     cfg = load_run_config(None, [*TINY_MODEL, "train.time_budget=10m", "train.stop_at_epoch=2"])
     train(cfg, out=tmp_path / "run")
     steps = json.loads((tmp_path / "run" / "time_budget.json").read_text())["steps"]

@@ -42,14 +42,9 @@ counting this command's time.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,7 +55,7 @@ from vitlab.config import RunConfig
 from vitlab.duration import parse_duration
 from vitlab.formats.base import CheckpointError, write_text
 from vitlab.runtime import Dist, status_file
-from vitlab.train import distributed
+from vitlab.train import clock, distributed
 from vitlab.train.build import Data
 from vitlab.train.engine import StepSettings
 from vitlab.train.optim import learning_rate
@@ -76,69 +71,6 @@ PACE_STEPS = 5000  # the most latest steps a pace is taken over (a 2-hour CPU ru
 STUB = 0.05  # a last epoch shorter than this share of one is dropped
 FORWARD = 1 / 3  # an evaluation image costs about this share of a training image (no backward)
 PLAN_FILE = "time_budget.json"
-LAUNCHER_S = 120.0  # the most a launcher (torchrun) starts before its worker, as the command's
-_IMPORTED = time.time()
-
-
-def process_age() -> float:
-    """Seconds since this command started: this process's start or, under torchrun
-    (TORCHELASTIC_RUN_ID set), its launcher's, the parent process, where that started at most
-    LAUNCHER_S before it (torchrun's own start-up and rendezvous, 5-10 s, are the command's too;
-    an older parent, such as an agent restarting a failed worker, is not this start)."""
-    own = _age(os.getpid())
-    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
-        launcher = _age(os.getppid())
-        if own <= launcher <= own + LAUNCHER_S:
-            return launcher
-    return own
-
-
-def _age(pid: int) -> float:
-    """Seconds since process `pid` started: on Linux from /proc; on other POSIX systems (macOS)
-    from `ps`, to the second; elsewhere (Windows) since this module was imported, which misses
-    the interpreter's start-up."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, ticks
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return time.time() - _started(pid)
-
-
-@functools.cache
-def _started(pid: int) -> float:
-    """When process `pid` started on the wall clock, asked of `ps` once (its elapsed time), or
-    when this module was imported where `ps` cannot say."""
-    command = ["ps", "-o", "etime=", "-p", str(pid)]
-    try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=10, check=True)
-        return time.time() - elapsed_seconds(out.stdout) - 0.5  # ps rounds down to the second
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return _IMPORTED
-
-
-def elapsed_seconds(etime: str) -> int:
-    """`ps`'s elapsed time, [[DD-]hh:]mm:ss, in seconds (a ValueError for anything else)."""
-    days, _, clock = etime.strip().rpartition("-")
-    parts = clock.split(":")
-    if not 2 <= len(parts) <= 3 or (days and len(parts) != 3):
-        raise ValueError(f"not an elapsed time of ps: {etime!r}")
-    seconds = sum(int(p) * 60**i for i, p in enumerate(reversed(parts)))
-    return seconds + 86400 * int(days or 0)
-
-
-def step_clock() -> float:
-    """Seconds on a clock that goes on while the machine sleeps, as process_age's does, so that
-    a suspended laptop's sleep shows between two steps as a stall (perf_counter's stops on Linux):
-    Linux's CLOCK_BOOTTIME (what /proc/uptime counts), macOS's CLOCK_MONOTONIC (which counts
-    sleep there), else perf_counter (Windows; fine-grained, unlike its wall clock)."""
-    if hasattr(time, "CLOCK_BOOTTIME"):
-        return time.clock_gettime(time.CLOCK_BOOTTIME)
-    if sys.platform == "darwin":
-        return time.clock_gettime(time.CLOCK_MONOTONIC)
-    return time.perf_counter()
 
 
 @dataclass
@@ -235,9 +167,10 @@ class TimeBudget:
                 self.span = int(laid["span"])
                 self.pieces = [(int(a), float(w), int(n)) for a, w, n in laid["pieces"]]
             except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-                raise CheckpointError(f"{self.file}, the run's time-budget plan, is damaged "
-                                      f"({type(e).__name__}: {e}): the run cannot go on as "
-                                      f"planned") from None  # fmt: skip
+                raise CheckpointError(
+                    f"{self.file}, the run's time-budget plan, is damaged "
+                    f"({type(e).__name__}: {e}): the run cannot go on as planned"
+                ) from None
             self._fix(total, final=True)
             if d.is_main:
                 print(
@@ -255,7 +188,7 @@ class TimeBudget:
         """The learning rate of step `step` (`step` steps taken); times the steps and plans,
         once a step (the engine asks once per parameter group)."""
         if self.watch and (self.last is None or self.last[0] != step):
-            self._observe(step, step_clock())
+            self._observe(step, clock.step_clock())
         if self.total is None:
             return self.provisional(step)
         return self.schedule(step)
@@ -333,13 +266,14 @@ class TimeBudget:
         plan = None
         costs = costing() if self.d.is_main else None
         if costs is not None:
-            elapsed = process_age() - self.before
+            elapsed = clock.process_age() - self.before
             n = plan_steps(self.seconds, elapsed, step, self.spe, costs)
             plan = None if n == self.total else (n, costs)
             past = elapsed + steps_cost(n, step, self.spe, costs) + costs.final - self.seconds
             if past > 0 and plan is not None:  # start-up and evaluation alone outlast it
-                note += (f"; the budget is too short for this run: it ends about {past:.0f} s "
-                         f"past it")  # fmt: skip
+                note += (
+                    f"; the budget is too short for this run: it ends about {past:.0f} s past it"
+                )
         plan = distributed.broadcast(plan, self.d)
         if plan is None:  # the plan stands (and, once final, the epoch-end re-plan is done)
             self.final = self.final or final

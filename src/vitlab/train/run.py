@@ -29,7 +29,7 @@ from vitlab.eval.mpp import evaluate_mpp
 from vitlab.models.mpp import MaskedPatchViT
 from vitlab.models.registry import build_model
 from vitlab.runtime import Dist, pick_device, rng_state, set_rng_state, status_file, use_bf16
-from vitlab.train import budget, build, distill, distributed, engine, folder, resuming
+from vitlab.train import budget, build, clock, distill, distributed, engine, folder, resuming
 from vitlab.train.build import finetune_weights, load_data, normalization, resolve_model_config
 from vitlab.train.engine import NonFiniteLoss, Position, StepSettings, train_epoch
 from vitlab.train.folder import check_resume_length, claim_run_folder, default_run_folder
@@ -63,7 +63,7 @@ def train(
     is in the budget too). A full disk or quota raises folder.OutOfSpace (a ValueError) from the
     OSError, saying how to go on. train.threads sets PyTorch's thread count for the run; the
     caller's is restored on return, as is the state of torch's random-number generators."""
-    before = 0.0 if budget_from_process_start else budget.process_age()
+    before = 0.0 if budget_from_process_start else clock.process_age()
     out = Path(resume) if resume is not None else out
     build.check_settings(cfg)  # an unknown model, key or type fails now, naming it
     try:
