@@ -432,7 +432,7 @@ def test_distilled_model_averages_its_two_heads() -> None:
 @pytest.mark.parametrize("in_chans", [1, 3])
 def test_patch_embedding_as_a_matrix_product_is_the_convolution(in_chans: int, monkeypatch) -> None:
     """One input channel on the CPU in float32, where vitlab's kernels run: the patches' pixels
-    times the flattened kernel (layers.PatchEmbed.project), not the conv; outputs and the
+    times the flattened kernel (patch_embed.PatchEmbed.project), not the conv; outputs and the
     kernel's gradients are the conv's in float64. Three channels, or a hook on the conv: the
     conv itself."""
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from vitlab.models import cpu_kernels
-from vitlab.models.layers import watched
+from vitlab.models.packed import watched
 from vitlab.runtime import allocator_returns_memory
 
 CHUNK_BYTES = 8 << 20  # of the widest activation a part (measured: BENCHMARKS.md, issue 16)

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from vitlab.config import ConfigError, check_keys, pair, validate
 from vitlab.models.classifier import ClassifierApi
 from vitlab.models.indices import chosen_indices
-from vitlab.models.layers import check_dtype
+from vitlab.models.patch_embed import check_dtype
 
 ResNetArch = Literal["resnet18", "resnet34", "resnet50", "resnetv2_50"]
 

@@ -1,7 +1,7 @@
-"""Building blocks of the Vision Transformer: patch embedding (the convolutional stems are in
-stems.py), attention, MLP, the pre-LN encoder block and stochastic depth; position embeddings are in
-pos_embed.py. Shapes: B batch, T tokens (prefix + N patches), D width, H heads, d = D / H head
-width, (gh, gw) the patch grid."""
+"""Building blocks of the Vision Transformer: attention, MLP, the pre-LN encoder block and
+stochastic depth; the patch embedding is in patch_embed.py (the convolutional stems in stems.py),
+position embeddings in pos_embed.py. Shapes: B batch, T tokens (prefix + N patches), D width,
+H heads, d = D / H head width, (gh, gw) the patch grid."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vitlab.models import cpu_attention, cpu_kernels
-from vitlab.models.packed import HOOKS, PackedLinear, folds, plain
+from vitlab.models.packed import folds, linear, plain, watched
 from vitlab.models.pos_embed import Grid, RelativePositionBias
 from vitlab.runtime import random_stream
 
@@ -67,112 +67,7 @@ class DropPath(nn.Module):
         return f"p={self.p}"
 
 
-def check_dtype(x: Tensor, weight: Tensor) -> None:
-    """Raise ValueError unless x is float images the model's weights take: their dtype, or under
-    autocast any float dtype it casts (all but float64)."""
-    if not isinstance(x, Tensor) or not x.is_floating_point():  # a uint8 batch, a numpy array
-        got = x.dtype if isinstance(x, Tensor) else f"a {type(x).__name__}, not a torch.Tensor"
-        raise ValueError(
-            f"expected float images, got {got}: scale them to [0, 1] and normalise (a uint8 "
-            "batch: a loaded model's model.preprocessing.batch(images), vitlab.Preprocessing's)"
-        )
-    t = x.device.type  # no autocast on the meta device (FLOP counts, shapes)
-    autocast = torch.amp.is_autocast_available(t) and torch.is_autocast_enabled(t)
-    if x.dtype != weight.dtype and not (autocast and x.dtype != torch.float64):
-        raise ValueError(
-            f"expected images in the model's dtype {weight.dtype}, got {x.dtype}: convert them "
-            f"with x.to({weight.dtype}) or the model with model.to({x.dtype})"
-        )
-
-
-class PatchEmbed(nn.Module):
-    """Cuts an image into P x P patches and maps each with one shared linear map E (a P x P conv
-    with stride P): (B, C, H, W) -> (B, N, D), N = (H / P) (W / P), patches in row-major order."""
-
-    def __init__(self, img_size: Grid, patch_size: int, in_chans: int, embed_dim: int) -> None:
-        super().__init__()
-        self.patch_size = patch_size
-        self.in_chans = in_chans
-        self.set_image_size(img_size)
-        self.proj = nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size)
-
-    def set_image_size(self, img_size: Grid) -> None:
-        self.img_size = img_size
-        self.grid = (img_size[0] // self.patch_size, img_size[1] // self.patch_size)
-
-    def check_input(self, x: Tensor) -> None:
-        """Raise ValueError unless x is a (B, C, H, W) batch of the model's channels, size and
-        dtype."""
-        check_dtype(x, self.proj.weight)
-        if x.ndim != 4:
-            raise ValueError(
-                f"expected a batch of images of shape (B, {self.in_chans}, {self.img_size[0]}, "
-                f"{self.img_size[1]}), got a tensor of shape {tuple(x.shape)}"
-            )
-        _, c, h, w = x.shape
-        if c != self.in_chans:
-            s = "s" * (self.in_chans != 1)
-            raise ValueError(f"expected images with {self.in_chans} channel{s}, got {c}")
-        p = self.patch_size
-        if h % p or w % p:
-            raise ValueError(
-                f"image sides must be multiples of the patch size {p}: got {h}x{w}, "
-                f"expected {self.img_size[0]}x{self.img_size[1]}"
-            )
-        if (h, w) != tuple(self.img_size):
-            raise ValueError(
-                f"expected images of size {self.img_size[0]}x{self.img_size[1]}, got {h}x{w} "
-                f"(model.set_image_size() changes the model's resolution)"
-            )
-
-    def forward(self, x: Tensor) -> Tensor:
-        self.check_input(x)
-        return self.project(x).flatten(1, 2)  # (B, N, D)
-
-    def project(self, x: Tensor) -> Tensor:
-        """Every patch's linear map: (B, C, H, W) -> (B, gh, gw, D). With one input channel, in
-        float32 on a CPU where vitlab's kernels run (cpu_kernels.usable: AVX2, outside autocast,
-        tracing and torch.func, the switch on), as the matrix product (B N, P P) x (P P, D) of the
-        patches' pixels, which runs 2-4x faster than oneDNN's convolution there (BENCHMARKS.md,
-        issue 16); the conv otherwise (and where a hook watches it, or it is not a plain
-        nn.Conv2d)."""
-        if not self._as_product(x):
-            return self.proj(x).permute(0, 2, 3, 1)
-        b, c, h, w = x.shape
-        p = self.patch_size
-        patches = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
-        patches = patches.reshape(b, h // p, w // p, c * p * p)  # not -1: an empty batch has 0
-        return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)
-
-    def _as_product(self, x: Tensor) -> bool:
-        if self.in_chans != 1 or not cpu_kernels.usable(x):
-            return False
-        conv, p = self.proj, self.patch_size
-        patchify = conv.kernel_size == conv.stride == (p, p) and conv.padding == (0, 0)
-        return plain(conv, nn.Conv2d) and patchify and conv.dilation == (1, 1) and not watched(conv)
-
-
 # --- the encoder block ---------------------------------------------------------------------------
-
-
-def watched(*modules: nn.Module) -> bool:
-    """Whether a hook (forward or backward; global, or on one of `modules`) may look at what
-    they compute, so a shortcut that changes it must not run. FSDP's own hooks do not count
-    (fully_shard gathers and frees parameters around a forward, whatever it returns)."""
-    hooks = nn.modules.module
-    if any(getattr(hooks, "_global" + kind) for kind in HOOKS):
-        return True
-    return any(
-        not type(getattr(hook, "__self__", None)).__module__.startswith("torch.distributed.fsdp.")
-        for m in modules
-        for kind in HOOKS
-        for hook in getattr(m, kind).values()
-    )
-
-
-def linear(module: nn.Module) -> bool:
-    """A plain nn.Linear, or its packed form for inference (models/packed.py)."""
-    return plain(module) or plain(module, PackedLinear)
 
 
 def attention_probs(q: Tensor, k: Tensor, scale: float, bias: Tensor | None = None) -> Tensor:

@@ -16,7 +16,7 @@ or numpy) is not seen: pack again after one.
 A plain (unpacked) layer's copy of the bias into every row is skipped, in training and
 inference, where the kernel that reads its output adds the bias as it reads (`folds`: qkv's in
 vitlab's attention kernel, fc1's in its GELU, the output projection's and fc2's in the residual
-join; cpu_kernels).
+join; cpu_kernels). `plain`, `folds`, `linear` and `watched` say where such a shortcut may run.
 """
 
 from __future__ import annotations
@@ -111,6 +111,26 @@ def folds(layer: nn.Module, width: int = 1) -> bool:
     if not plain(layer) or bias is None or type(layer.weight.data) is not Tensor:
         return False
     return bias.dtype == torch.float32 and bias.shape[0] % width == 0
+
+
+def watched(*modules: nn.Module) -> bool:
+    """Whether a hook (forward or backward; global, or on one of `modules`) may look at what
+    they compute, so a shortcut that changes it must not run. FSDP's own hooks do not count
+    (fully_shard gathers and frees parameters around a forward, whatever it returns)."""
+    hooks = nn.modules.module
+    if any(getattr(hooks, "_global" + kind) for kind in HOOKS):
+        return True
+    return any(
+        not type(getattr(hook, "__self__", None)).__module__.startswith("torch.distributed.fsdp.")
+        for m in modules
+        for kind in HOOKS
+        for hook in getattr(m, kind).values()
+    )
+
+
+def linear(module: nn.Module) -> bool:
+    """A plain nn.Linear, or its packed form for inference (models/packed.py)."""
+    return plain(module) or plain(module, PackedLinear)
 
 
 def packable(module: nn.Module) -> bool:

@@ -35,7 +35,7 @@ import math
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vitlab.models.layers import PatchEmbed
+from vitlab.models.patch_embed import PatchEmbed
 from vitlab.models.pos_embed import Grid
 
 GN_GROUPS = 32

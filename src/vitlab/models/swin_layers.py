@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from vitlab.models.layers import DropPath, Mlp, PatchEmbed, attention_probs
+from vitlab.models.layers import DropPath, Mlp, attention_probs
+from vitlab.models.patch_embed import PatchEmbed
 from vitlab.models.pos_embed import Grid, resample_pos_embed
 
 MASKED = -100.0  # the additive bias between regions of a shifted window (the paper's, timm's)

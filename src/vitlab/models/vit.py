@@ -34,7 +34,9 @@ from vitlab.config import ConfigError, check_keys, pair, validate
 from vitlab.models.chunks import batch_chunk
 from vitlab.models.classifier import ClassifierApi
 from vitlab.models.indices import chosen_indices, positive
-from vitlab.models.layers import Block, LayerNorm, PatchEmbed, lecun_normal_, watched
+from vitlab.models.layers import Block, LayerNorm, lecun_normal_
+from vitlab.models.packed import watched
+from vitlab.models.patch_embed import PatchEmbed
 from vitlab.models.pos_embed import POS_EMBEDS, timm_table_name
 from vitlab.models.stems import ConvStem, ResNetStem, stem_problem
 
