@@ -54,6 +54,7 @@ def test_convert_timm_file_to_vitlab_hf_and_back(tmp_path: Path, capsys) -> None
     with torch.no_grad():
         assert (model(x) - ref(x)).abs().max() <= 1e-4
     assert main(["convert", str(tmp_path / "ck"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    assert "(vitlab, converted from timm)" in capsys.readouterr().out  # what was read: vitlab's
     hf = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         assert (hf(pixel_values=x).logits - ref(x)).abs().max() <= 1e-4
@@ -66,6 +67,7 @@ def test_convert_with_overrides_and_bad_input(tmp_path: Path, capsys) -> None:
     assert main([*args, "num_classes=3", "img_size=160"]) == 0
     model = load_pretrained(tmp_path / "o.safetensors")
     assert model.config.num_classes == 3 and model.config.img_hw == (160, 160)
+    args.append("--overwrite")  # o.safetensors is there now
     # after an option too, as the README's synopsis puts them (argparse once refused them)
     assert main([*args, "--to", "vitlab", "num_classes=4", "--from", "timm", "img_size=96"]) == 0
     model = load_pretrained(tmp_path / "o.safetensors")
@@ -149,6 +151,51 @@ def test_convert_refuses_to_overwrite_its_source(tmp_path: Path, capsys) -> None
     assert main(["convert", str(deit3), str(tmp_path / "d"), "--to", "hf"]) == 2
     err = capsys.readouterr().err
     assert "no_embed_class" in err and "other than learned" not in err
+
+
+def test_convert_replaces_an_existing_dst_only_with_overwrite(tmp_path: Path, capsys) -> None:
+    """A DST file or a DST folder holding files was replaced without a word (a timm folder
+    written --to hf over kept the old pytorch_model.bin beside the new weights: two models in one
+    folder). Now it is refused, nothing touched, unless --overwrite, which leaves the folder
+    holding the new model alone (its own other files kept) and transformers loads it."""
+    from tests.helpers import tiny_checkpoint
+
+    a = tiny_checkpoint(tmp_path / "a", seed=0, num_classes=3)
+    b = tiny_checkpoint(tmp_path / "b", seed=1, num_classes=5)
+    file = tmp_path / "out.safetensors"
+    assert main(["convert", str(a), str(file)]) == 0
+    first = file.read_bytes()
+    assert main(["convert", str(b), str(file)]) == 2
+    assert f"{file} exists: pass --overwrite" in capsys.readouterr().err
+    assert file.read_bytes() == first
+    assert main(["convert", str(b), str(file), "--overwrite"]) == 0
+    assert load_pretrained(file).config.num_classes == 5
+
+    folder = tmp_path / "timm"
+    assert main(["convert", str(a), str(folder), "--to", "timm"]) == 0
+    torch.save(load_pretrained(a).state_dict(), folder / "pytorch_model.bin")  # a second model
+    (folder / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert main(["convert", str(b), str(folder), "--to", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"{folder} holds config.json, model.safetensors, notes.txt" in err and "--overwrite" in err
+    )
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert main(["convert", str(b), str(folder), "--to", "hf", "--overwrite"]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {folder / 'pytorch_model.bin'}" in out
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["config.json", "model.safetensors", "notes.txt", "preprocessor_config.json"]
+    assert (folder / "notes.txt").read_text() == "mine"
+    hf = transformers.ViTForImageClassification.from_pretrained(folder).eval()
+    ref = load_pretrained(b)
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        assert (hf(pixel_values=x).logits - ref(x)).abs().max() <= 1e-5
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an empty folder holds nothing to replace
+    assert main(["convert", str(a), str(empty)]) == 0
 
 
 def test_convert_refuses_to_write_into_a_runs_checkpoints(tmp_path: Path, capsys) -> None:

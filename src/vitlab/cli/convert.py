@@ -51,6 +51,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--to", default="vitlab", choices=formats.WRITABLE, help="format of DST")
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing DST file, or the checkpoint in an existing DST folder (its "
+        "other weight and config files are removed, so that it holds one model)",
+    )
+    p.add_argument(
         "overrides",
         nargs="*",
         metavar="KEY=VALUE",
@@ -73,13 +79,15 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
-def check_dest(dest: Path, to: str, source: str | None = None) -> None:
+def check_dest(dest: Path, to: str, source: str | None = None, overwrite: bool = False) -> None:
     """A ValueError for a DST named as a file the format does not write (it would become a
     folder of that name), a DST folder where a file is (or a folder above it is one), a DST
-    inside a vitlab run's checkpoints (train, eval and --resume read them in vitlab's format), or
-    a DST that is the local `source`, a file in it (a folder) or the folder holding it (a file;
+    inside a vitlab run's checkpoints (train, eval and --resume read them in vitlab's format), a
+    DST that is the local `source`, a file in it (a folder) or the folder holding it (a file;
     a new sub-folder, or a file beside a file, is fine): the conversion would write where it
-    reads (an HF folder kept its config.json beside vitlab-named weights)."""
+    reads (an HF folder kept its config.json beside vitlab-named weights); or, unless
+    `overwrite`, a DST file that exists or a DST folder that holds files (a model converted
+    there before, or another one, was replaced without a word)."""
     formats.check_suffix(dest, to, "--to ")
     file = dest.suffix in formats.FILE_SUFFIXES[to]  # else a folder
     place, what = (dest.parent, dest.name) if file else (dest, "the converted checkpoint")
@@ -99,6 +107,29 @@ def check_dest(dest: Path, to: str, source: str | None = None) -> None:
         raise ValueError(f"{dest} is the source {source}, a file in it or its folder: "
                          f"the conversion would write where it reads (a folder's config beside "
                          f"other weights); name another DST")  # fmt: skip
+    held = sorted(p.name for p in dest.iterdir()) if dest.is_dir() and not file else []
+    if not overwrite and (held or (file and dest.exists())):
+        what = f"holds {', '.join(held[:5])}{' ...' * (len(held) > 5)}" if held else "exists"
+        raise ValueError(f"{dest} {what}: pass --overwrite to replace it, or name another DST")
+
+
+def clear_replaced(dest: Path, written: list[Path]) -> list[Path]:
+    """Remove the files of DST folder that a reader takes as (part of) a checkpoint, weights or
+    config, and that this conversion did not write: they were the replaced model's (a
+    pytorch_model.bin beside new model.safetensors is a second model). Other files stay."""
+    kept = {Path(p).resolve() for p in written}
+    weights = (".safetensors", ".npz", *formats.TORCH_SUFFIXES)
+    configs = ("config.json", "preprocessor_config.json")
+
+    def read(p: Path) -> bool:  # by a reader, as weights or their config or shard index
+        name = p.name.lower()
+        return p.suffix.lower() in weights or name in configs or name.endswith(".index.json")
+
+    stale = [p for p in sorted(dest.iterdir()) if p.is_file() and read(p)]
+    stale = [p for p in stale if p.resolve() not in kept]
+    for path in stale:
+        path.unlink()
+    return stale
 
 
 def _is_run(folder: Path) -> bool:
@@ -121,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     from vitlab.models.registry import shape_of
     from vitlab.models.swin import SwinConfig
 
-    check_dest(args.dest, args.to, args.source)
+    check_dest(args.dest, args.to, args.source, args.overwrite)
     model, meta = load_checkpoint(args.source, args.src_format, **parse_overrides(args.overrides))
     try:
         if args.to == "vitlab":  # keeps where the weights came from in the metadata
@@ -135,9 +166,15 @@ def run(args: argparse.Namespace) -> int:
         shape = f"{shape_of(cfg)}, {cfg.in_chans}-channel images, {cfg.num_classes} classes"
     else:
         shape = _transformer_shape(cfg, isinstance(cfg, SwinConfig))
-    print(f"read {args.source} ({meta.info.get('source_format', 'vitlab')}): {shape}")
+    read_as = meta.info.get("source_format", "vitlab")
+    if meta.info.get("source") != str(args.source) and read_as != "vitlab":  # converted before
+        read_as = f"vitlab, converted from {read_as}"
+    print(f"read {args.source} ({read_as}): {shape}")
     for path in written:
         print(f"wrote {path}")
+    if args.overwrite and args.dest.is_dir():
+        for path in clear_replaced(args.dest, written):
+            print(f"removed {path} (the replaced checkpoint's)")
     return 0
 
 
