@@ -693,6 +693,36 @@ def test_a_truncated_shard_is_said_in_words_and_a_failed_write_leaves_no_folder(
     assert "BufferedReader" not in str(e.value) and "(" not in str(e.value), str(e.value)
 
 
+def test_a_damaged_shard_met_in_a_worker_is_said_in_one_line(tmp_path: Path, capsys) -> None:
+    """Training read a cut shard in a DataLoader worker, and PyTorch re-raised its error as
+    "Caught DatasetError in DataLoader worker process 0" with the worker's 25-line traceback
+    (evaluation said the one line): now the error as the worker raised it, in both loaders."""
+    assert main(["data", "shard", "digits", str(tmp_path / "s"), "--no-progress"]) == 0
+    shard = tmp_path / "s" / "train-000000.tar"
+    shard.write_bytes(shard.read_bytes()[:3000])  # cut inside its third member
+    capsys.readouterr()
+    args = ["train", "--out", str(tmp_path / "run"), *TINY_MODEL, f"data.name=wds:{tmp_path / 's'}"]
+    assert main([*args, "data.workers=1", "data.val_fraction=0", "train.epochs=1"]) == 2
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("vitlab train: error: ")]
+    assert said == [f"vitlab train: error: cannot read shard {shard}: ReadError: unexpected end "
+                    f"of data, {shard}"], err  # fmt: skip
+    assert "Traceback" not in err and "Caught" not in err
+    from vitlab.data.workers import LoaderOptions, from_workers
+
+    class Failing(torch.utils.data.Dataset):  # an image-file loader's worker, failing
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, i: int):
+            raise DatasetError(f"sample {i}: no label")
+
+    batches = LoaderOptions(workers=1, persistent=False).dataloader(Failing(), batch_size=None)
+    with pytest.raises(DatasetError) as e:
+        list(from_workers(batches))
+    assert str(e.value) == "sample 0: no label"
+
+
 def test_a_signal_as_a_shard_opens_leaves_no_tmp_file(tmp_path: Path, monkeypatch) -> None:
     """Interrupted between a shard's .tmp file opening and its writer's start, the write left that
     file, and so its folder, which a rerun then refused as an interrupted write's remains."""

@@ -25,7 +25,14 @@ from vitlab.data.datasets import ArraySplit, DatasetError, ShardSplit, Split
 from vitlab.data.decode import decode_image
 from vitlab.data.stream import StreamLoader
 from vitlab.data.transforms import BatchAugment
-from vitlab.data.workers import PADDING, Batch, LoaderOptions, shut_down, warn_once
+from vitlab.data.workers import (
+    PADDING,
+    Batch,
+    LoaderOptions,
+    from_workers,
+    shut_down,
+    warn_once,
+)
 from vitlab.preprocessing import Preprocessing
 from vitlab.runtime import derive_seed
 
@@ -205,7 +212,7 @@ class FolderLoader:
             batches.append((plan.batch_seed(epoch, b), index.tolist()))
             pads.append(pad)
         self._sampler.batches = batches
-        for (images, labels, bad), pad in zip(self._dataloader(), pads, strict=True):
+        for (images, labels, bad), pad in zip(from_workers(self._dataloader()), pads, strict=True):
             warn_once(self.skipped, bad)
             yield self.finish(images, torch.full_like(labels, PADDING) if pad else labels)
 

@@ -44,7 +44,14 @@ from torch.utils.data import IterableDataset, get_worker_info
 from vitlab.data.decode import decode_image
 from vitlab.data.download import DatasetError
 from vitlab.data.shards import ShardSplit
-from vitlab.data.workers import PADDING, Batch, LoaderOptions, shut_down, warn_once
+from vitlab.data.workers import (
+    PADDING,
+    Batch,
+    LoaderOptions,
+    from_workers,
+    shut_down,
+    warn_once,
+)
 from vitlab.runtime import derive_seed
 
 SHUFFLE, PASS, SHARDS = 1, 2, 3  # derive_seed tags: one stream of seeds per purpose
@@ -317,7 +324,7 @@ class StreamLoader:
         self.close()
         self._running = iter(options.dataloader(data, batch_size=None))
         n = 0
-        for images, labels, keys, bad in self._running:
+        for images, labels, keys, bad in from_workers(self._running):
             warn_once(self.skipped, bad)
             if self.record is not None:
                 self.record.extend(keys)

@@ -66,6 +66,30 @@ def warn_once(seen: set[str], bad: list[tuple[str, str]]) -> None:
             log.warning("skipping an image that does not decode: %s", why)
 
 
+def from_workers(batches: Iterator) -> Iterator:
+    """`batches` from DataLoader workers, a vitlab error raised in a worker (a damaged shard, a
+    sample without a label) raised here as itself: PyTorch re-raises it with its message replaced
+    by "Caught DatasetError in DataLoader worker process 0" and the worker's whole traceback."""
+    try:
+        yield from batches
+    except Exception as e:
+        raise _as_raised(e) from None
+
+
+def _as_raised(e: Exception) -> Exception:
+    """A worker's vitlab error as raised there (its own message), else `e`."""
+    kind, text = type(e), str(e)
+    said = f"{kind.__module__}.{kind.__qualname__}: "  # the traceback's last line's start
+    if not (kind.__module__.startswith("vitlab.") and text.startswith("Caught ")):
+        return e
+    if "in DataLoader worker process" not in text.partition("\n")[0] or said not in text:
+        return e
+    try:
+        return kind(text[text.rindex(said) + len(said) :].rstrip())
+    except Exception:  # a type that takes other arguments: as PyTorch raised it
+        return e
+
+
 def shut_down(loader: DataLoader | Iterator | None) -> None:
     """End the worker processes of a DataLoader (of its persistent iterator) or of one of its
     iterators now."""
