@@ -161,11 +161,11 @@ def test_evaluation_with_fewer_shards_than_ranks_pads(balanced: Path) -> None:
     assert len(ranks[0]) == len(ranks[1]) == 4  # 16 samples in batches of 5
     assert sum(len(y) for _, y in ranks[0]) == 16 and all((y >= 0).all() for _, y in ranks[0])
     assert all((y == PADDING).all() for _, y in ranks[1])
-    with pytest.raises(DatasetError, match="1 training shards for 2 processes"):
+    with pytest.raises(DatasetError, match="1 training shard for 2 processes"):
         make_loader(split, 4, PRE, shuffle=True, augment=AUG, world=2)
 
 
-def test_empty_shards_and_uneven_deals_are_named(balanced: Path, caplog) -> None:
+def test_empty_shards_and_uneven_deals_are_named(balanced: Path, caplog, monkeypatch) -> None:
     """A training shard of no samples is refused (a stream of them would wait forever). Batch b
     comes from stream b % K: 4 shards of 40 samples in batches of 16 (10 an epoch: 3, 3, 2, 2
     a stream) repeat 16 samples and leave 16 unseen, which was not warned of (the streams held
@@ -196,6 +196,14 @@ def test_empty_shards_and_uneven_deals_are_named(balanced: Path, caplog) -> None
         assert len(loader.record) == 126 and len(set(loader.record)) == 126 - 10  # as it said
         train_val_split(ShardSplit(urls[:2], [16, 16], ["0"]), 0.1, 0)
         assert "carves 50% of the samples for data.val_fraction=0.1" in caplog.text
+        for rank in (0, 1):  # torchrun's other ranks find the same: rank 0 alone says it (each
+            caplog.clear()  # rank said it)
+            monkeypatch.setenv("RANK", str(rank))
+            make_loader(ShardSplit(urls[:3], [40] * 3, ["0"]), 8, PRE, shuffle=True,
+                        augment=AUG, rank=rank, world=2)  # fmt: skip
+            train_val_split(ShardSplit(urls[:2], [16, 16], ["0"]), 0.1, 0)
+            said = caplog.text.count("repeat and"), caplog.text.count("carves 50%")
+            assert said == ((1, 1) if rank == 0 else (0, 0)), caplog.text
 
 
 def test_fractions_of_shards_are_refused_by_their_key(balanced: Path) -> None:

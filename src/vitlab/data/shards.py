@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from vitlab.data.download import DatasetError
+from vitlab.runtime import first_rank
 from vitlab.validation import shown
 
 log = logging.getLogger(__name__)
@@ -330,7 +331,7 @@ def carve_shards(split: ShardSplit, fraction: float, seed: int) -> tuple[ShardSp
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     kept, carved = split.shards(sorted(perm[k:])), split.shards(sorted(perm[:k]))
     share = len(carved) / max(len(split), 1)
-    if not fraction / 1.5 <= share <= fraction * 1.5:
+    if not fraction / 1.5 <= share <= fraction * 1.5 and first_rank():  # every rank's alike
         log.warning("data.val_fraction carves whole shards: %d of %d carves %.0f%% of the samples "
                     "for data.val_fraction=%g; write more (smaller) shards for a closer share",
                     k, n, 100 * share, fraction)  # fmt: skip

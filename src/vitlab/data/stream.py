@@ -160,9 +160,11 @@ class StreamLoader:
         self.options = options or LoaderOptions()
         n_shards = len(split.urls)
         if train and n_shards < world:  # evaluation: a rank without shards pads
-            raise DatasetError(f"{n_shards} training shards for {world} processes: every process "
-                               f"reads shards of its own; write at least {world} (vitlab data "
-                               f"shard --shard-size)")  # fmt: skip
+            raise DatasetError(
+                f"{n_shards} training shard{'s' * (n_shards != 1)} for {world} processes: every "
+                f"process reads shards of its own; write at least {world} (vitlab data shard "
+                f"--shard-size)"
+            )
         empty = [u for u, c in zip(split.urls, split.counts, strict=True) if c == 0]
         if train and empty:  # a stream of them would wait forever for a sample
             raise DatasetError(f"training shard {empty[0]} holds no samples ({len(empty)} such): "
@@ -211,7 +213,7 @@ class StreamLoader:
             draw = (n // self.streams + (k < n % self.streams)) * self.per_rank
             size = self._size(order[g::total])
             over, under = over + max(draw - size, 0), under + max(size - draw, 0)
-        if over > UNEVEN * n * self.batch_size:
+        if over > UNEVEN * n * self.batch_size and self.rank == 0:  # every rank's alike
             log.warning(
                 "%d shards deal unevenly to %d streams (%d ranks x %d; a rank's batch b of %d "
                 "samples comes from its stream b %% %d): in an epoch of %d samples, %d repeat and "
