@@ -11,15 +11,14 @@ The family is the tensors' (Swin blocks are `layers.{i}.blocks.{j}`, a ResNet's 
 the vitlab metadata's. A ViT's architecture is read from the tensors (width, depth, MLP, patch,
 grid, prefix tokens, pooling, pre-logits; a hybrid's ResNet stem in models.hybrid_checkpoint), from
 the config a format carries (heads, eps, activation, labels), and from what the format implies
-(Google: tanh GELU, inputs in [-1, 1]); a Swin's in models.swin_checkpoint, a ResNet's in
-models.cnn_checkpoint. Every tensor must find its place and every parameter must be filled:
-anything else is an error with names and shapes.
+(Google: tanh GELU, inputs in [-1, 1]), in models.vit_checkpoint; a Swin's in
+models.swin_checkpoint, a ResNet's in models.cnn_checkpoint. Every tensor must find its place and
+every parameter must be filled: anything else is an error with names and shapes.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import re
 import warnings
 from pathlib import Path
@@ -34,17 +33,15 @@ from vitlab.formats.base import INDEX, TORCH_SUFFIXES, CheckpointError, Files, S
 from vitlab.formats.families import state_family
 from vitlab.formats.vitlab import CONFIGS, CheckpointMeta, resolve_checkpoint
 from vitlab.models.cnn_checkpoint import infer_cnn_config
-from vitlab.models.hybrid_checkpoint import infer_resnet_stem
 from vitlab.models.indices import whole_number
 from vitlab.models.pos_embed import Grid, resample_pos_embed
 from vitlab.models.registry import Model, ModelConfig, build_model, family_of, other_than_weights
 from vitlab.models.swin_checkpoint import infer_swin_config
-from vitlab.models.vit import ViTConfig
+from vitlab.models.vit_checkpoint import infer_vit_config
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 from vitlab.validation import few
 
 log = logging.getLogger(__name__)
-HEADS = formats.base.pass_key("num_heads") + "; to `vitlab train finetune.from=` model.num_heads=N"
 
 
 # --- the files a source names --------------------------------------------------------------------
@@ -128,10 +125,6 @@ def read_source(source: str | Path, format: str = "auto") -> Source:
 # --- the architecture from the tensors -----------------------------------------------------------
 
 
-# heads of the paper's widths (Ti, S, B, L, H): every released checkpoint of these widths uses them
-_PAPER_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
-
-
 def source_family(src: Source) -> str:
     """'vit', 'swin' or 'cnn': the family of the model `src` holds."""
     return family_of(src.config) if src.config is not None else state_family(src.state)
@@ -149,132 +142,7 @@ def infer_config(src: Source, img_size: int | tuple[int, int] | None = None) -> 
         return infer_swin_config(src, img_size)
     if source_family(src) == "cnn":
         return infer_cnn_config(src, img_size)
-    return _infer_vit(src, img_size)
-
-
-def _infer_vit(src: Source, img_size: int | tuple[int, int] | None = None) -> ViTConfig:
-    s, hints, where = src.state, dict(src.hints), src.where
-
-    def need(key: str) -> Tensor:
-        if key not in s:
-            raise CheckpointError(f"{where}: no {key} tensor, so not a complete ViT checkpoint")
-        return s[key]
-
-    patch = need("patch_embed.proj.weight")
-    if patch.ndim != 4:
-        raise CheckpointError(f"{where}: patch_embed.proj.weight has shape {tuple(patch.shape)}, "
-                              "expected a conv kernel (D, C, P, P)")  # fmt: skip
-    d, chans, p, _ = patch.shape
-    stem = infer_resnet_stem(s, where) or {}  # a hybrid: channels and stride from its ResNet
-    if stem:
-        chans, p = stem.pop("in_chans"), stem.pop("patch_size")
-    depth = len({k.split(".")[1] for k in s if k.startswith("blocks.")})
-    for i in range(depth):
-        need(f"blocks.{i}.norm1.weight")
-    mlp = need("blocks.0.mlp.fc1.weight").shape[0] if depth else 4 * d
-    class_token, distilled = "cls_token" in s, "dist_token" in s
-    prefix = int(class_token) + int(distilled)
-    fc_norm = "fc_norm.weight" in s
-    if not fc_norm:
-        need("norm.weight")
-    heads = hints.pop("num_heads", None) or _PAPER_HEADS.get(d)
-    if heads is None:
-        if d % 64:
-            raise CheckpointError(f"{where}: cannot tell the number of heads of width {d}: {HEADS}")
-        heads = d // 64
-        log.warning("%s: assuming num_heads=%d (head width 64); if not, %s", where, heads, HEADS)
-    no_embed_class, pos_kind = False, "learned"
-    img = hints.pop("img_size", None)
-    if "pos_embed.weight" in s:
-        rows = s["pos_embed.weight"].shape[1]
-        square = _square_grid(rows, prefix)
-        if img is None and img_size is not None:  # the size asked for, if the table is its
-            img = _asked_grid(rows, prefix, p, img_size, square)
-        if img is not None:
-            h, w = (img, img) if isinstance(img, int) else img
-            n = (h // p) * (w // p)
-            if rows not in (n, n + prefix):
-                raise CheckpointError(
-                    f"{where}: position table has {rows} rows; a {h}x{w} image in patches of "
-                    f"{p} has {n} (+{prefix} prefix)"
-                )
-            no_embed_class = rows == n and prefix > 0
-        elif square is None:
-            raise CheckpointError(
-                f"{where}: position table of {rows} rows fits no square grid: pass "
-                f"img_size=(H, W), the size it was trained at (`vitlab cost --img-size HxW`; "
-                f"`vitlab convert SRC DST img_size=[H,W]` writes a checkpoint that states it)"
-            )
-        else:
-            n, no_embed_class = square
-            if no_embed_class:  # or a non-square grid of rows - prefix patches, with prefix rows
-                k = math.isqrt(rows)
-                src.notes.append(
-                    f"the position table's {rows} rows are read as a {k}x{k} grid without "
-                    f"rows for the prefix tokens (no_embed_class); weights trained on a "
-                    f"non-square grid of {rows - prefix} patches need img_size=(H, W)"
-                )
-            img = math.isqrt(n) * p
-    else:
-        pos_kind, img = "none", img if img is not None else img_size  # nothing to resample
-        if img is None:
-            raise CheckpointError(f"{where}: no position table to read the image size from: "
-                                  f"{formats.base.pass_key('img_size')}")  # fmt: skip
-    rep = s["pre_logits.fc.weight"].shape[0] if "pre_logits.fc.weight" in s else None
-    num_classes = s["head.weight"].shape[0] if "head.weight" in s else 0
-    pool = hints.pop("pool", None) or ("gap" if fc_norm or not class_token else "token")
-    fields = dict(
-        img_size=img,
-        patch_size=p,
-        in_chans=chans,
-        num_classes=num_classes,
-        embed_dim=d,
-        depth=depth,
-        num_heads=heads,
-        mlp_dim=mlp,
-        class_token=class_token,
-        pool=pool,
-        pos_embed=pos_kind,
-        representation_size=rep,
-        no_embed_class=no_embed_class,
-        fc_norm=fc_norm,
-        distilled=distilled,
-        layer_scale=1e-5 if "blocks.0.ls1.gamma" in s else None,
-        qkv_bias="blocks.0.attn.qkv.bias" in s or depth == 0,
-        **stem,
-    )
-    fields.update({k: v for k, v in hints.items() if v is not None})
-    try:
-        return ViTConfig(**fields)
-    except (ConfigError, TypeError) as e:
-        raise CheckpointError(f"{where}: the tensors describe no valid ViT: {e}") from None
-
-
-def _square_grid(rows: int, prefix: int) -> tuple[int, bool] | None:
-    """A position table of `rows` rows read as a square grid: (patches, no_embed_class), with
-    `prefix` rows before the grid's, else (when there are prefix tokens) without them; None when
-    neither is square."""
-    side = math.isqrt(rows - prefix) if rows > prefix else -1
-    if side * side == rows - prefix:
-        return rows - prefix, False
-    if math.isqrt(rows) ** 2 == rows:
-        return rows, prefix > 0
-    return None
-
-
-def _asked_grid(
-    rows: int, prefix: int, p: int, img_size: int | tuple[int, int], square: tuple | None
-):
-    """`img_size` when a position table of `rows` rows (`square`: its square reading) can only
-    be its grid: a square grid with its prefix rows is that grid, to be resampled to `img_size`
-    (another grid of as many patches would scramble it); one square only without its prefix rows
-    is taken as `img_size`'s grid with prefix rows when it has that many; a table that fits no
-    square grid, as either reading. None: not `img_size`'s."""
-    h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
-    n = (h // p) * (w // p)
-    if square is not None:
-        return img_size if square[1] and rows == n + prefix else None
-    return img_size if rows in (n, n + prefix) else None
+    return infer_vit_config(src, img_size)
 
 
 _AFTER_LOADING = ("img_size", "window_size", "num_classes", "in_chans")
