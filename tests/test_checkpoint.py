@@ -607,6 +607,40 @@ def test_round_trip_vitlab_timm_vitlab_is_exact(tmp_path: Path) -> None:
         assert torch.equal(v, back.state_dict()[k]), k
 
 
+def test_a_timm_folder_stating_another_size_than_its_table_is_resampled_as_timm_does(
+    tmp_path: Path, caplog
+) -> None:
+    """timm builds a local-dir model at its config.json's img_size and resamples a position
+    table of another square grid to it; vitlab refused the folder ("position table has 17 rows;
+    a 96x96 image ... has 36"), with an img_size=96 override too. Now it loads as timm's, said."""
+    ref = randomize(timm.create_model("vit_tiny_patch16_224", img_size=64, depth=1, num_classes=3))
+    save_pretrained(load_pretrained_state(ref, tmp_path), tmp_path / "out", "timm")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    config["model_args"]["img_size"] = [96, 96]
+    config["pretrained_cfg"]["input_size"] = [3, 96, 96]
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    timm_96 = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True).eval()
+    x = images(96)
+    for overrides in ({}, {"img_size": 96}):
+        with caplog.at_level(logging.WARNING):
+            model = load_pretrained(tmp_path / "out", **overrides)
+        assert "config.json states img_size 96x96, but the position table is a 64x64" in caplog.text
+        caplog.clear()
+        assert model.config.img_hw == (96, 96) and model.preprocessing.img_size == (96, 96)
+        with torch.no_grad():
+            close(model(x), timm_96(x))
+    model = load_pretrained(tmp_path / "out", img_size=80)  # another size asked: as in timm
+    timm_80 = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True, img_size=80)
+    with torch.no_grad():
+        close(model(images(80)), timm_80.eval()(images(80)))
+
+
+def load_pretrained_state(ref: torch.nn.Module, tmp_path: Path) -> torch.nn.Module:
+    """timm's model `ref` through its state dict, as vitlab loads it."""
+    save_file(ref.state_dict(), tmp_path / "ref.safetensors")
+    return load_pretrained(tmp_path / "ref.safetensors")
+
+
 @pytest.mark.parametrize("case", ["GAP with fc_norm", "no_embed_class (DeiT-3, layer scale)",
                                   "DeiT distilled"])  # fmt: skip
 def test_timm_layout_written_by_vitlab_loads_in_timm(case: str, tmp_path: Path) -> None:

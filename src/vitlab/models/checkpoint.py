@@ -37,7 +37,7 @@ from vitlab.models.indices import whole_number
 from vitlab.models.pos_embed import Grid, resample_pos_embed
 from vitlab.models.registry import Model, ModelConfig, build_model, family_of, other_than_weights
 from vitlab.models.swin_checkpoint import infer_swin_config
-from vitlab.models.vit_checkpoint import infer_vit_config
+from vitlab.models.vit_checkpoint import infer_vit_config, resampled_size
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 from vitlab.validation import few
 
@@ -205,6 +205,10 @@ def load_checkpoint(
         if key in overrides:
             overrides[key] = value
     overrides = validate(CONFIGS[source_family(src)], overrides)  # img_size="96" named here
+    if src.format == "timm" and src.config is None and source_family(src) == "vit":
+        stated = resampled_size(src)  # timm's model is its config's size, the table resampled
+        if stated is not None:
+            overrides.setdefault("img_size", stated)
     before = {k: v for k, v in overrides.items() if k not in _AFTER_LOADING}
     src.hints.update({k: v for k, v in before.items() if k != "patch_size"})  # e.g. num_heads,
     # which no tensor shape tells (the kernels tell the patch size: another is refused below)

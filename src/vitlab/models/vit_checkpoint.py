@@ -26,6 +26,37 @@ HEADS = pass_key("num_heads") + "; to `vitlab train finetune.from=` model.num_he
 _PAPER_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
 
 
+def resampled_size(src: Source) -> int | tuple[int, int] | None:
+    """The image size a timm config.json states, taken out of src.hints, when the position table
+    is a square grid of another size: timm builds the model at the stated size and resamples the
+    table to it (vision_transformer.checkpoint_filter_fn), so the table is read at its own size
+    and resampled to the one returned (noted); None when the table fits the stated size (or fits
+    no square grid: infer_vit_config says what)."""
+    s, size = src.state, src.hints.get("img_size")
+    table, patch = s.get("pos_embed.weight"), s.get("patch_embed.proj.weight")
+    if size is None or table is None or patch is None or patch.ndim != 4:
+        return None
+    if any(k.startswith("patch_embed.backbone.") for k in s):  # a hybrid: its stem's stride
+        return None
+    rows, prefix, p = (
+        table.shape[1],
+        int("cls_token" in s) + int("dist_token" in s),
+        patch.shape[-1],
+    )
+    h, w = (size, size) if isinstance(size, int) else size
+    n = (h // p) * (w // p)
+    square = _square_grid(rows, prefix)
+    if rows in (n, n + prefix) or square is None:
+        return None
+    side = math.isqrt(square[0]) * p
+    src.hints.pop("img_size")
+    src.notes.append(
+        f"config.json states img_size {h}x{w}, but the position table is a {side}x{side} image's "
+        f"grid: read at {side} and resampled to {h}x{w}, as timm does"
+    )
+    return size
+
+
 def infer_vit_config(src: Source, img_size: int | tuple[int, int] | None = None) -> ViTConfig:
     s, hints, where = src.state, dict(src.hints), src.where
 
