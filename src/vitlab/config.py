@@ -242,7 +242,7 @@ class DistillConfig:
     """DeiT's distillation (Touvron et al. 2021) for a student with a distillation token
     (model.distilled=true): its class head learns the labels, its distillation head the teacher's
     predictions on the same (augmented, mixed) batch. A distilled student without a teacher trains
-    both heads on the labels (DeiT's "no distillation" control)."""
+    both heads on the labels (the DeiT paper's check of a second class token on the labels)."""
 
     teacher: str | None = None  # a vitlab run or checkpoint, or any file / folder / hub name
     # hard: cross-entropy against the teacher's argmax; soft: tau^2 KL to its softened outputs
