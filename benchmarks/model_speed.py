@@ -88,7 +88,8 @@ from vitlab.analysis.cost import forward_macs, matrix_products
 from vitlab.cli.eval import positive_int
 from vitlab.config import OptimConfig
 from vitlab.eval.backends import BatchParts
-from vitlab.formats.timm import timm_model_args, vitlab_to_timm
+from vitlab.formats.timm import vitlab_to_timm
+from vitlab.formats.timm_names import timm_model_args
 from vitlab.models.cpu_kernels import use_kernel
 from vitlab.models.packed import PACK_BYTES, pack_linear
 from vitlab.models.registry import family_of

@@ -17,13 +17,13 @@ from safetensors.torch import save_file
 
 from tests.helpers import tiny_checkpoint
 from vitlab import ConfigError, load_pretrained
-from vitlab.formats.timm import (
+from vitlab.formats.timm import vitlab_to_timm
+from vitlab.formats.timm_names import (
     DEIT_HEADS,
     REGISTERED,
     REGISTERED_DEIT,
     timm_hybrid_arch,
     timm_model_args,
-    vitlab_to_timm,
 )
 from vitlab.models.checkpoint import CheckpointError, load_checkpoint, save_pretrained
 from vitlab.models.registry import get_config, list_models

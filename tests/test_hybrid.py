@@ -19,7 +19,8 @@ from vitlab.analysis.attention import mean_attention_distance, patch_centres
 from vitlab.analysis.cost import cost_report, forward_macs, macs_by_part
 from vitlab.cli.main import main
 from vitlab.config import ConfigError
-from vitlab.formats.timm import REGISTERED_HYBRIDS, timm_model_args, vitlab_to_timm
+from vitlab.formats.timm import vitlab_to_timm
+from vitlab.formats.timm_names import REGISTERED_HYBRIDS, timm_model_args
 from vitlab.models.checkpoint import CheckpointError, save_pretrained
 from vitlab.models.registry import build_model, get_config, list_models
 from vitlab.models.stems import pad_same
