@@ -293,14 +293,18 @@ def test_an_unsupported_export_is_one_clean_line(tmp_path, capsys) -> None:
     assert not list(tmp_path.iterdir())
     assert isinstance(export.UnsupportedExport("x"), ValueError)  # the CLI's one-line errors
 
-    def interrupted():  # Ctrl-C inside the exporter, which wraps what it meets in its own error
-        try:
-            raise KeyboardInterrupt
-        except KeyboardInterrupt as e:
-            raise RuntimeError("Failed to export the model with torch.export") from e
+    from vitlab.cli.main import Terminated
 
-    with pytest.raises(KeyboardInterrupt):  # it said the model cannot be exported (exit 2)
-        export._exported("to ONNX", Branchy(), interrupted)
+    for signal in (KeyboardInterrupt, Terminated):  # Ctrl-C, or SIGTERM as the command raises it
+
+        def interrupted(signal=signal):  # inside the exporter, which wraps what it meets in its
+            try:  # own error
+                raise signal
+            except signal as e:
+                raise RuntimeError("Failed to export the model with torch.export") from e
+
+        with pytest.raises(signal):  # it said the model cannot be exported (exit 2, not 130 / 143)
+            export._exported("to ONNX", Branchy(), interrupted)
 
 
 @pytest.mark.parametrize("device", ["foo", "CPU", "meta", "cuda:x", "cuda:7"])

@@ -41,9 +41,9 @@ def _exported(what: str, model: torch.nn.Module, export: Callable[[], object]) -
         raise
     except Exception as e:
         cause: BaseException | None = e
-        for _ in range(32):  # a Ctrl-C the exporter wrapped in its own error: interrupted
-            if isinstance(cause, KeyboardInterrupt):
-                raise KeyboardInterrupt from None
+        for _ in range(32):  # a Ctrl-C or SIGTERM (the command's Terminated) the exporter
+            if cause is not None and not isinstance(cause, Exception):  # wrapped in its own
+                raise cause.with_traceback(None) from None  # error: interrupted, as raised
             cause = cause and (cause.__cause__ or cause.__context__)
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
         first = text.splitlines()[0] if text else type(e).__name__
