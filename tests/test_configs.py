@@ -53,7 +53,9 @@ def test_another_model_name_says_which_of_the_files_model_keys_still_apply(
             "model keys still apply to it: patch_size=7") in err  # fmt: skip
     assert "unknown key 'patch_size' for section 'model' (CNNConfig)" in err
     assert main(["train", "model.naem=S/16"]) == 2  # model.name is a key the section takes too
-    assert "did you mean name, stem? (valid keys: name, img_size," in capsys.readouterr().err
+    assert "did you mean name? (valid keys: name, img_size," in capsys.readouterr().err
+    assert main(["train", "model.foo=1"]) == 2  # nothing near it: no guess (it offered pool)
+    assert "did you mean" not in capsys.readouterr().err
     quiet = [  # the file's model in other letters, a restated key, a fine-tune (no model.name)
         ["model.name=VIT_NANO_PATCH4_28"],
         ["model.name=S/16", "model.patch_size=16"],
@@ -75,6 +77,17 @@ def test_another_model_name_says_which_of_the_files_model_keys_still_apply(
     assert main(["train", *fixed, missing]) == 2  # and its keys still said to apply
     err = capsys.readouterr().err
     assert "does not exist" in err and "replaces" in err and "patch_size=7" in err, err
+
+
+def test_a_preset_named_without_its_path_is_pointed_to(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The README lists presets by name (`digits`, ...); `--config digits` said only "No such file
+    or directory", from anywhere but the repository too: now where the preset is."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", "digits"]) == 2
+    preset = Path(__file__).resolve().parents[1] / "configs" / "digits.yaml"
+    assert f"No such file or directory (the preset 'digits' is {preset})" in capsys.readouterr().err
+    assert main(["train", "--config", "nothing.yaml"]) == 2
+    assert "the preset" not in capsys.readouterr().err
 
 
 def test_yaml_errors_name_the_file(tmp_path: Path, capsys) -> None:

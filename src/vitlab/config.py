@@ -399,7 +399,9 @@ def read_config_file(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             tree = yaml.load(f, Loader=_strict_loader())
     except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        preset = Path(__file__).resolve().parents[2] / "configs" / f"{Path(path).stem}.yaml"
+        hint = f" (the preset {Path(path).stem!r} is {preset})" if preset.is_file() else ""
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}{hint}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from None
     # values YAML parses and Python cannot hold (huge integers, a 13th month); deep nesting

@@ -142,7 +142,7 @@ def check_keys(
         if not isinstance(key, str):
             raise ConfigError(f"keys of {where or cls.__name__} are names, got {key!r}")
         if key not in names:
-            close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+            close = difflib.get_close_matches(key, names, n=3)  # (0.5 offered pool for foo)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ConfigError(
                 f"unknown key {key!r} for {where or cls.__name__}{hint} "

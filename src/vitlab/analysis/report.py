@@ -317,7 +317,8 @@ def analyze(
     }
     (out / "analysis.json").write_text(json_text(result, indent=1) + "\n")
     summary = (
-        f"{cfg.depth} layers, {cfg.num_heads} heads, width {cfg.embed_dim}, {cfg.pos_embed} "
+        f"{cfg.depth} layer{'s' * (cfg.depth != 1)}, {cfg.num_heads} "
+        f"head{'s' * (cfg.num_heads != 1)}, width {cfg.embed_dim}, {cfg.pos_embed} "
         f"position embeddings, {cfg.pool} pooling, {len(images.names)} images."
     )
     return write_index(report, title, summary)

@@ -358,7 +358,7 @@ def shape_of(config: ModelConfig) -> str:
         depths = "-".join(map(str, config.depths))
         shape = f"Swin C={config.embed_dim}, depths {depths}, window {config.window_size}"
     else:
-        shape = f"D={config.embed_dim}, {config.depth} layers"
+        shape = f"D={config.embed_dim}, {config.depth} layer{'s' * (config.depth != 1)}"
     return f"{shape}, patch {config.patch_size}, {h}x{w}"
 
 
