@@ -1,6 +1,7 @@
 """The model families (ViT, Swin, CNN baselines): configs, modules, building blocks and registry."""
 
 from vitlab.models.cnn import CNN, CNNConfig, ResNet
+from vitlab.models.intermediates import Intermediates
 from vitlab.models.pos_embed import resample_pos_embed
 from vitlab.models.registry import (
     UnknownModelError,
@@ -13,7 +14,7 @@ from vitlab.models.registry import (
 )
 from vitlab.models.resnetv2 import BiTResNet
 from vitlab.models.swin import SwinConfig, SwinTransformer
-from vitlab.models.vit import Intermediates, VisionTransformer, ViTConfig
+from vitlab.models.vit import VisionTransformer, ViTConfig
 
 __all__ = [
     "BiTResNet",

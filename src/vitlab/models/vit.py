@@ -16,15 +16,16 @@ The paper's hybrid (§3.1) is `stem="resnet"`: tokens from a BiT ResNet's featur
 forward() with pool='token' computes in the last block only the prefix tokens' rows, all the
 head reads (forward_features' head_only): the same logits, less work. In float32 CPU inference
 under glibc's default allocator the blocks take a large batch in parts (chunks.batch_chunk).
+The analyses' view of the blocks (forward_intermediates) is models.intermediates'.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +34,8 @@ from torch.utils.checkpoint import checkpoint
 from vitlab.config import ConfigError, check_keys, pair, validate
 from vitlab.models.chunks import batch_chunk
 from vitlab.models.classifier import ClassifierApi
-from vitlab.models.indices import chosen_indices, positive
+from vitlab.models.indices import positive
+from vitlab.models.intermediates import IntermediatesApi
 from vitlab.models.layers import Block, LayerNorm, lecun_normal_
 from vitlab.models.packed import watched
 from vitlab.models.patch_embed import PatchEmbed
@@ -156,15 +158,6 @@ class ViTConfig:
         return dataclasses.replace(self, **changes)
 
 
-class Intermediates(NamedTuple):
-    """What forward_intermediates returns."""
-
-    features: Tensor  # (B, T, D) final tokens after the last LayerNorm
-    tokens: list[Tensor]  # per chosen block, its output tokens (B, T, D)
-    attentions: list[Tensor] | None  # per chosen block, attention probabilities (B, H, T, T)
-    indices: list[int]  # the chosen blocks
-
-
 class PreLogits(nn.Module):
     """The paper's pre-training head hidden layer: Linear(D, R) -> tanh."""
 
@@ -177,7 +170,7 @@ class PreLogits(nn.Module):
         return self.act(self.fc(x))
 
 
-class VisionTransformer(ClassifierApi, nn.Module):
+class VisionTransformer(ClassifierApi, IntermediatesApi, nn.Module):
     """ViT of the paper's family, built from one ViTConfig."""
 
     classifier_name = "head"  # and head_dist, a distilled model's second head
@@ -381,70 +374,3 @@ class VisionTransformer(ClassifierApi, nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """(B, C, H, W) images -> (B, num_classes) logits."""
         return self.forward_head(self.forward_features(x, head_only=True))
-
-    # --- intermediates (analysis) ----------------------------------------------------------------
-
-    def iter_intermediates(
-        self, x: Tensor, indices: int | Sequence[int] | None = None, return_attention: bool = False
-    ) -> Iterator[tuple[int, Tensor, Tensor | None]]:
-        """Yield (block index, output tokens (B, T, D), attention (B, H, T, T) or None) for each
-        chosen block, one at a time, and stop after the last one; attention is computed only for
-        the chosen blocks. `indices`: an int n (the last n blocks) or block indices (negative
-        allowed); None for all."""
-        chosen = chosen_indices(indices, len(self.blocks), "block")
-        if not chosen:
-            return
-        for i, tokens, attn in self._walk(self._embed(x), set(chosen), return_attention):
-            if i in chosen:
-                yield i, tokens, attn
-            del tokens, attn  # hold no layer's maps while the next block runs
-            if i == chosen[-1]:
-                return
-
-    def forward_intermediates(
-        self,
-        x: Tensor,
-        indices: int | Sequence[int] | None = None,
-        return_attention: bool = False,
-        norm: bool = False,
-    ) -> Intermediates:
-        """Final tokens plus the chosen blocks' output tokens (with the final LayerNorm applied
-        when `norm`) and, when `return_attention`, each chosen block's attention probabilities
-        (B, H, T, T): softmax((q / sqrt(d)) k^T + bias) over the keys (rows sum to 1), the bias
-        being (q / sqrt(d)) . r, r the learned embedding of each query-key offset, with
-        pos_embed='relative', and none otherwise.
-
-        The maps come from layers.attention_probs in the dtype its softmax runs in (q's: the
-        model's, or the autocast dtype under CPU autocast; float32 under CUDA autocast), taken
-        before attention dropout (in training mode the output uses a dropped copy), with autograd
-        history when grad is enabled.
-        With return_attention, the chosen blocks run this explicit path instead of
-        F.scaled_dot_product_attention, which forward() uses (except in bf16 on CPU, where it
-        takes the explicit path too): the same formula, not bit for bit, so tokens and `features`
-        may then differ from forward_features' by rounding; without it every block runs as in
-        forward(). tests/test_attention.py checks in float32, to atol 1e-5, the maps against the
-        formula written out from the weights and `features` against forward_features
-        (test_forward_intermediates_tokens_and_attention_maps), and both paths' outputs against
-        that formula (test_fused_attention_matches_explicit_reference)."""
-        chosen = chosen_indices(indices, len(self.blocks), "block")
-        tokens: list[Tensor] = []
-        attentions: list[Tensor] = []
-        last = self._embed(x)  # stays the embedded input for a model without blocks
-        for i, out, attn in self._walk(last, set(chosen), return_attention):
-            last = out
-            if i in chosen:
-                tokens.append(self.norm(out) if norm else out)
-                if attn is not None:
-                    attentions.append(attn)
-        features = self.norm(last)
-        return Intermediates(features, tokens, attentions if return_attention else None, chosen)
-
-    def _walk(
-        self, x: Tensor, wanted: set[int], return_attention: bool
-    ) -> Iterator[tuple[int, Tensor, Tensor | None]]:
-        """From embedded tokens, yield (index, tokens, attention or None) after every block;
-        attention only for the `wanted` blocks."""
-        for i, blk in enumerate(self.blocks):
-            x, attn = blk(x, return_attention=return_attention and i in wanted)
-            yield i, x, attn
-            del attn
