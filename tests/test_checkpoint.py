@@ -633,6 +633,14 @@ def test_a_timm_folder_stating_another_size_than_its_table_is_resampled_as_timm_
     timm_80 = timm.create_model(f"local-dir:{tmp_path / 'out'}", pretrained=True, img_size=80)
     with torch.no_grad():
         close(model(images(80)), timm_80.eval()(images(80)))
+    # every reader of the folder (a review found `vitlab cost` and finetune.from refusing it)
+    from vitlab.cli.cost import config_at
+    from vitlab.config import load_run_config
+    from vitlab.train.build import finetune_source
+
+    assert config_at(tmp_path / "out").img_hw == (96, 96)  # the cost of the model as it loads
+    run = load_run_config(None, ["data.name=digits", f"finetune.from={tmp_path / 'out'}"])
+    assert finetune_source(run)[1].img_hw == (64, 64)  # the table's: the run resamples it
 
 
 def load_pretrained_state(ref: torch.nn.Module, tmp_path: Path) -> torch.nn.Module:

@@ -101,7 +101,11 @@ def config_at(path: Path, img_size: int | tuple[int, int] | None = None) -> Mode
                         "which a fine-tuning run does not use", e, run.model.name)  # fmt: skip
             base = None
         return config_of(run.model) if base is None else with_overrides(base, run.model.overrides)
-    return infer_config(read_source(path), img_size)
+    src = read_source(path)
+    cfg = infer_config(src, img_size)
+    if img_size is None and src.stated_size is not None:  # as it loads: at its config's size
+        cfg = cfg.replace(img_size=src.stated_size)
+    return cfg
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -169,6 +169,9 @@ class Source:
     # resample_pos_embed); empty: timm's way, the default
     pos_resampling: dict[str, Any] = field(default_factory=dict)
     table_resampling: str = "bicubic"  # a Swin's tables (resample_rel_pos_table's method)
+    # the image size a format states where the tables are another size's (a timm config.json:
+    # timm builds the model at it and resamples the table); loaded at the tables', then resized
+    stated_size: int | tuple[int, int] | None = None
 
 
 # --- key maps ------------------------------------------------------------------------------------

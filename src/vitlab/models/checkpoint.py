@@ -37,7 +37,7 @@ from vitlab.models.indices import whole_number
 from vitlab.models.pos_embed import Grid, resample_pos_embed
 from vitlab.models.registry import Model, ModelConfig, build_model, family_of, other_than_weights
 from vitlab.models.swin_checkpoint import infer_swin_config
-from vitlab.models.vit_checkpoint import infer_vit_config, resampled_size
+from vitlab.models.vit_checkpoint import infer_vit_config, read_stated_size
 from vitlab.preprocessing import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 from vitlab.validation import few
 
@@ -142,6 +142,8 @@ def infer_config(src: Source, img_size: int | tuple[int, int] | None = None) -> 
         return infer_swin_config(src, img_size)
     if source_family(src) == "cnn":
         return infer_cnn_config(src, img_size)
+    if src.format == "timm":  # a config.json's size that the table is not of: timm resamples
+        read_stated_size(src)
     return infer_vit_config(src, img_size)
 
 
@@ -205,10 +207,6 @@ def load_checkpoint(
         if key in overrides:
             overrides[key] = value
     overrides = validate(CONFIGS[source_family(src)], overrides)  # img_size="96" named here
-    if src.format == "timm" and src.config is None and source_family(src) == "vit":
-        stated = resampled_size(src)  # timm's model is its config's size, the table resampled
-        if stated is not None:
-            overrides.setdefault("img_size", stated)
     before = {k: v for k, v in overrides.items() if k not in _AFTER_LOADING}
     src.hints.update({k: v for k, v in before.items() if k != "patch_size"})  # e.g. num_heads,
     # which no tensor shape tells (the kernels tell the patch size: another is refused below)
@@ -216,6 +214,8 @@ def load_checkpoint(
         native = infer_config(src, overrides.get("img_size"))
     except CheckpointError as e:  # e.g. num_heads=3 at width 256: the override's fault
         raise CheckpointError(f"{e} (with the overrides {before})" if before else str(e)) from None
+    if src.stated_size is not None:  # timm's model is its config's size, the table resampled
+        overrides.setdefault("img_size", src.stated_size)
     if wrong := other_than_weights(native, before):
         raise CheckpointError(f"{src.where}: {wrong}")
     try:

@@ -26,18 +26,18 @@ HEADS = pass_key("num_heads") + "; to `vitlab train finetune.from=` model.num_he
 _PAPER_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
 
 
-def resampled_size(src: Source) -> int | tuple[int, int] | None:
-    """The image size a timm config.json states, taken out of src.hints, when the position table
-    is a square grid of another size: timm builds the model at the stated size and resamples the
-    table to it (vision_transformer.checkpoint_filter_fn), so the table is read at its own size
-    and resampled to the one returned (noted); None when the table fits the stated size (or fits
-    no square grid: infer_vit_config says what)."""
+def read_stated_size(src: Source) -> None:
+    """The image size a timm config.json states, moved from src.hints to src.stated_size, when
+    the position table is a square grid of another size: timm builds the model at the stated size
+    and resamples the table to it (vision_transformer.checkpoint_filter_fn), so the table is read
+    at its own size and the model resized after loading (noted). Left in the hints when the table
+    fits it, or fits no square grid (infer_vit_config says what), and for a hybrid."""
     s, size = src.state, src.hints.get("img_size")
     table, patch = s.get("pos_embed.weight"), s.get("patch_embed.proj.weight")
     if size is None or table is None or patch is None or patch.ndim != 4:
-        return None
+        return
     if any(k.startswith("patch_embed.backbone.") for k in s):  # a hybrid: its stem's stride
-        return None
+        return
     rows, prefix, p = (
         table.shape[1],
         int("cls_token" in s) + int("dist_token" in s),
@@ -47,14 +47,13 @@ def resampled_size(src: Source) -> int | tuple[int, int] | None:
     n = (h // p) * (w // p)
     square = _square_grid(rows, prefix)
     if rows in (n, n + prefix) or square is None:
-        return None
+        return
     side = math.isqrt(square[0]) * p
-    src.hints.pop("img_size")
+    src.stated_size = src.hints.pop("img_size")
     src.notes.append(
         f"config.json states img_size {h}x{w}, but the position table is a {side}x{side} image's "
-        f"grid: read at {side} and resampled to {h}x{w}, as timm does"
+        f"grid: read at {side}, as timm does before it resamples the table to {h}x{w}"
     )
-    return size
 
 
 def infer_vit_config(src: Source, img_size: int | tuple[int, int] | None = None) -> ViTConfig:
