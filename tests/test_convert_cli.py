@@ -211,6 +211,10 @@ def test_convert_refuses_to_write_into_a_runs_checkpoints(tmp_path: Path, capsys
     assert "inside the checkpoints of the run" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in best.iterdir()} == before
     assert main(["convert", str(run), str(run / "timm"), "--to", "timm"]) == 0  # beside them: fine
+    for extra in ([], ["--overwrite"]):  # the run folder itself: read as its checkpoints/best
+        assert main(["convert", str(run / "timm"), str(run), *extra]) == 2  # (a review found
+        assert f"{run} is a vitlab run" in capsys.readouterr().err  # RUN/model.safetensors
+    assert not (run / "model.safetensors").exists()  # written, and shadowed by best)
     other = tmp_path / "proj"  # another project's checkpoints/ beside its own config.yaml
     (other / "checkpoints").mkdir(parents=True)
     (other / "config.yaml").write_text("lr: 0.1\n")

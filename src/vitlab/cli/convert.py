@@ -94,6 +94,12 @@ def check_dest(dest: Path, to: str, source: str | None = None, overwrite: bool =
     if refusal := folder_refusal(place, what):
         raise ValueError(refusal)
     at = dest.resolve()  # as the writers take it (no ~)
+    if not file and _is_run(at):  # its checkpoints/best is what reads as the folder's model
+        raise ValueError(
+            f"{dest} is a vitlab run, which eval, predict and convert read as its checkpoints "
+            f"(best, else last): a checkpoint written there would not be the one read; name "
+            f"another DST"
+        )
     for folder in (p for p in (at, *at.parents) if p.name == "checkpoints"):
         if _is_run(folder.parent):
             raise ValueError(
@@ -187,5 +193,6 @@ def _transformer_shape(cfg: ViTConfig | SwinConfig, swin: bool) -> str:
             f"{list(cfg.num_heads)}, window {'x'.join(map(str, cfg.window_hw))}, {size}"
         )
     return (
-        f"{cfg.depth} blocks, width {cfg.embed_dim}, {cfg.num_heads} heads, {size}, pool {cfg.pool}"
+        f"{cfg.depth} block{'s' * (cfg.depth != 1)}, width {cfg.embed_dim}, {cfg.num_heads} "
+        f"head{'s' * (cfg.num_heads != 1)}, {size}, pool {cfg.pool}"
     )
