@@ -730,6 +730,17 @@ def test_a_damaged_shard_met_in_a_worker_is_said_in_one_line(tmp_path: Path, cap
         list(from_workers(batches))
     assert str(e.value) == "sample 0: no label"
 
+    def chained():  # any other error comes through as it was, its cause kept
+        try:
+            raise KeyError("x")
+        except KeyError as cause:
+            raise RuntimeError("collate failed") from cause
+        yield
+
+    with pytest.raises(RuntimeError) as e:
+        list(from_workers(chained()))
+    assert isinstance(e.value.__cause__, KeyError)  # (raised from None, it was lost)
+
 
 def test_a_signal_as_a_shard_opens_leaves_no_tmp_file(tmp_path: Path, monkeypatch) -> None:
     """Interrupted between a shard's .tmp file opening and its writer's start, the write left that

@@ -73,7 +73,10 @@ def from_workers(batches: Iterator) -> Iterator:
     try:
         yield from batches
     except Exception as e:
-        raise _as_raised(e) from None
+        raised = _as_raised(e)
+        if raised is e:
+            raise  # as it came, its cause and traceback kept
+        raise raised from None
 
 
 def _as_raised(e: Exception) -> Exception:
