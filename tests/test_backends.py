@@ -293,7 +293,7 @@ def test_an_unsupported_export_is_one_clean_line(tmp_path, capsys) -> None:
     assert not list(tmp_path.iterdir())
     assert isinstance(export.UnsupportedExport("x"), ValueError)  # the CLI's one-line errors
 
-    from vitlab.cli.main import Terminated
+    from vitlab.runtime import Terminated
 
     for signal in (KeyboardInterrupt, Terminated):  # Ctrl-C, or SIGTERM as the command raises it
 

@@ -377,6 +377,11 @@ def tune_allocator() -> bool:
     return all(applied)
 
 
+class Terminated(BaseException):
+    """SIGTERM outside training's loop (which saves and stops on it: train.stop.StopFlag), as the
+    command raises it (cli.main.sigterm_raises): a BaseException, as KeyboardInterrupt is."""
+
+
 @contextmanager
 def handling(signals: tuple[int, ...], handler: Any, keep_ignored: bool = False) -> Iterator[dict]:
     """`handler` for each of `signals` while the block runs, each one's previous handler put back

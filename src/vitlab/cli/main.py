@@ -148,10 +148,6 @@ _AFTER_CTRL_C = {
 }
 
 
-class Terminated(BaseException):
-    """SIGTERM outside training's loop (which saves and stops on it: train.stop.StopFlag)."""
-
-
 @contextlib.contextmanager
 def sigterm_raises() -> Iterator[None]:
     """SIGTERM raises Terminated in the main thread while the command runs (so it ends with a
@@ -162,7 +158,7 @@ def sigterm_raises() -> Iterator[None]:
     def handle(signum: int, frame: object) -> None:
         raise Terminated
 
-    from vitlab.runtime import handling, launched_processes
+    from vitlab.runtime import Terminated, handling, launched_processes
 
     alone = launched_processes() == 1
     with handling((signal.SIGTERM,) if alone else (), handle, keep_ignored=True):
@@ -193,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("vitlab: interrupted", file=sys.stderr)
         return 130
     from vitlab.models.registry import UnknownModelError
-    from vitlab.runtime import first_rank, tune_allocator
+    from vitlab.runtime import Terminated, first_rank, tune_allocator
 
     if argv is None:  # the command (not a caller's in-process call): reuse freed memory
         tune_allocator()

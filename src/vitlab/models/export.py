@@ -19,7 +19,7 @@ import torch
 from vitlab.formats.base import fsync
 from vitlab.formats.vitlab import CheckpointMeta
 from vitlab.models.vit import VisionTransformer
-from vitlab.runtime import folder_refusal
+from vitlab.runtime import Terminated, folder_refusal
 
 TOLERANCE = 1e-4  # of an image's largest |logit| when above 1: float32's rounding scales too
 PROTOBUF_LIMIT = 1.8e9  # weights' bytes an ONNX file takes (protobuf: 2 GiB, the graph with them)
@@ -41,9 +41,9 @@ def _exported(what: str, model: torch.nn.Module, export: Callable[[], object]) -
         raise
     except Exception as e:
         cause: BaseException | None = e
-        for _ in range(32):  # a Ctrl-C or SIGTERM (the command's Terminated) the exporter
-            if cause is not None and not isinstance(cause, Exception):  # wrapped in its own
-                raise cause.with_traceback(None) from None  # error: interrupted, as raised
+        for _ in range(32):  # a Ctrl-C or SIGTERM the exporter wrapped in its own error:
+            if isinstance(cause, KeyboardInterrupt | Terminated):  # interrupted, as raised
+                raise cause.with_traceback(None) from None
             cause = cause and (cause.__cause__ or cause.__context__)
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
         first = text.splitlines()[0] if text else type(e).__name__
