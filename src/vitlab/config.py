@@ -400,7 +400,8 @@ def read_config_file(path: str) -> dict[str, Any]:
             tree = yaml.load(f, Loader=_strict_loader())
     except OSError as e:
         preset = Path(__file__).resolve().parents[2] / "configs" / f"{Path(path).stem}.yaml"
-        hint = f" (the preset {Path(path).stem!r} is {preset})" if preset.is_file() else ""
+        missing = isinstance(e, FileNotFoundError) and preset.is_file()  # (a wheel has none)
+        hint = f" (the preset {Path(path).stem!r} is {preset})" if missing else ""
         raise ConfigError(f"cannot read config file {path}: {e.strerror}{hint}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from None

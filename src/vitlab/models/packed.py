@@ -129,7 +129,7 @@ def watched(*modules: nn.Module) -> bool:
 
 
 def linear(module: nn.Module) -> bool:
-    """A plain nn.Linear, or its packed form for inference (models/packed.py)."""
+    """A plain nn.Linear, or its packed form for inference (PackedLinear, above)."""
     return plain(module) or plain(module, PackedLinear)
 
 
