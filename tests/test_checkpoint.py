@@ -640,7 +640,9 @@ def test_a_timm_folder_stating_another_size_than_its_table_is_resampled_as_timm_
 
     assert config_at(tmp_path / "out").img_hw == (96, 96)  # the cost of the model as it loads
     run = load_run_config(None, ["data.name=digits", f"finetune.from={tmp_path / 'out'}"])
-    assert finetune_source(run)[1].img_hw == (64, 64)  # the table's: the run resamples it
+    source, base = finetune_source(run)
+    assert base.img_hw == (96, 96) and source.config.img_hw == (64, 64)  # the model as it loads;
+    # the tensors' own size, which the fine-tune resamples from
 
 
 def load_pretrained_state(ref: torch.nn.Module, tmp_path: Path) -> torch.nn.Module:

@@ -21,7 +21,7 @@ from vitlab.cli.eval import positive_int_list
 from vitlab.config import load_run_config
 from vitlab.formats.base import TORCH_SUFFIXES, CheckpointError
 from vitlab.formats.vitlab import vitlab_weights
-from vitlab.models.checkpoint import infer_config, read_source
+from vitlab.models.checkpoint import as_stated, infer_config, read_source
 from vitlab.models.registry import (
     ModelConfig,
     UnknownModelError,
@@ -103,9 +103,7 @@ def config_at(path: Path, img_size: int | tuple[int, int] | None = None) -> Mode
         return config_of(run.model) if base is None else with_overrides(base, run.model.overrides)
     src = read_source(path)
     cfg = infer_config(src, img_size)
-    if img_size is None and src.stated_size is not None:  # as it loads: at its config's size
-        cfg = cfg.replace(img_size=src.stated_size)
-    return cfg
+    return cfg if img_size is not None else as_stated(src, cfg)  # as it loads
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

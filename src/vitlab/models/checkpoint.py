@@ -147,6 +147,12 @@ def infer_config(src: Source, img_size: int | tuple[int, int] | None = None) -> 
     return infer_vit_config(src, img_size)
 
 
+def as_stated(src: Source, cfg: ModelConfig) -> ModelConfig:
+    """`cfg` (src's inferred config) at the image size its format states where the tables are
+    another size's (Source.stated_size: timm builds the model at it, resampling the table)."""
+    return cfg if src.stated_size is None else cfg.replace(img_size=src.stated_size)
+
+
 _AFTER_LOADING = ("img_size", "window_size", "num_classes", "in_chans")
 # the kernel that sees the image, by stem (a Swin's is patch_embed.proj); a ResNet's root is
 # weight-standardised, so adapted kernels answer a grey image only up to a scale per channel
@@ -214,8 +220,8 @@ def load_checkpoint(
         native = infer_config(src, overrides.get("img_size"))
     except CheckpointError as e:  # e.g. num_heads=3 at width 256: the override's fault
         raise CheckpointError(f"{e} (with the overrides {before})" if before else str(e)) from None
-    if src.stated_size is not None:  # timm's model is its config's size, the table resampled
-        overrides.setdefault("img_size", src.stated_size)
+    if src.stated_size is not None:  # built at the table's size, then resized: as_stated's
+        overrides.setdefault("img_size", src.stated_size)  # size, unless another is asked for
     if wrong := other_than_weights(native, before):
         raise CheckpointError(f"{src.where}: {wrong}")
     try:

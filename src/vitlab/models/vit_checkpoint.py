@@ -52,7 +52,7 @@ def read_stated_size(src: Source) -> None:
     src.stated_size = src.hints.pop("img_size")
     src.notes.append(
         f"config.json states img_size {h}x{w}, but the position table is a {side}x{side} image's "
-        f"grid: read at {side}, as timm does before it resamples the table to {h}x{w}"
+        f"grid: read at {side} (timm builds the model at {h}x{w}, resampling the table)"
     )
 
 

@@ -18,6 +18,7 @@ from vitlab.data.decode import available_cores
 from vitlab.formats.base import Source
 from vitlab.formats.vitlab import CheckpointMeta
 from vitlab.models.checkpoint import (
+    as_stated,
     infer_config,
     load_checkpoint,
     load_state_strict,
@@ -91,8 +92,8 @@ def finetune_source(cfg: RunConfig) -> tuple[Source, ModelConfig]:
     heads = cfg.model.overrides.get("num_heads")
     if heads is not None and source_family(source) == "vit":
         source.hints.setdefault("num_heads", heads)
-    source.config = infer_config(source)
-    return source, source.config
+    source.config = infer_config(source)  # the tensors' own size, which loading resamples from
+    return source, as_stated(source, source.config)  # the model as it loads (timm's size)
 
 
 def resolve_model_config(
