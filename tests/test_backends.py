@@ -306,6 +306,15 @@ def test_an_unsupported_export_is_one_clean_line(tmp_path, capsys) -> None:
         with pytest.raises(signal):  # it said the model cannot be exported (exit 2, not 130 / 143)
             export._exported("to ONNX", Branchy(), interrupted)
 
+    def closed():  # any other BaseException in the chain (a generator the exporter closed) is not
+        try:  # an interruption: the export's failure, one line
+            raise GeneratorExit
+        except GeneratorExit as e:
+            raise RuntimeError("Failed to export the model with torch.export") from e
+
+    with pytest.raises(export.UnsupportedExport):
+        export._exported("to ONNX", Branchy(), closed)
+
 
 @pytest.mark.parametrize("device", ["foo", "CPU", "meta", "cuda:x", "cuda:7"])
 def test_device_names_and_output_paths_are_one_line_errors(trained, device, tmp_path, capsys):

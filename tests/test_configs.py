@@ -88,6 +88,12 @@ def test_a_preset_named_without_its_path_is_pointed_to(tmp_path: Path, capsys, m
     assert f"No such file or directory (the preset 'digits' is {preset})" in capsys.readouterr().err
     assert main(["train", "--config", "nothing.yaml"]) == 2
     assert "the preset" not in capsys.readouterr().err
+    (tmp_path / "digits").mkdir()  # a folder of that name (data, say): still no such file
+    assert main(["train", "--config", "digits"]) == 2
+    assert f"(the preset 'digits' is {preset})" in capsys.readouterr().err
+    (tmp_path / "digits.yaml").write_text("train: {epochs: many}\n")  # the user's own file
+    assert main(["train", "--config", "digits.yaml"]) == 2
+    assert "the preset" not in capsys.readouterr().err
 
 
 def test_yaml_errors_name_the_file(tmp_path: Path, capsys) -> None:

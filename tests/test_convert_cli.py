@@ -215,6 +215,10 @@ def test_convert_refuses_to_write_into_a_runs_checkpoints(tmp_path: Path, capsys
         assert main(["convert", str(run / "timm"), str(run), *extra]) == 2  # (a review found
         assert f"{run} is a vitlab run" in capsys.readouterr().err  # RUN/model.safetensors
     assert not (run / "model.safetensors").exists()  # written, and shadowed by best)
+    notes = tmp_path / "notes"  # a folder whose config.yaml is comments only is no run
+    notes.mkdir()
+    (notes / "config.yaml").write_text("# my own notes\n")
+    assert main(["convert", str(run / "timm"), str(notes), "--overwrite"]) == 0
     other = tmp_path / "proj"  # another project's checkpoints/ beside its own config.yaml
     (other / "checkpoints").mkdir(parents=True)
     (other / "config.yaml").write_text("lr: 0.1\n")

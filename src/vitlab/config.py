@@ -400,7 +400,7 @@ def read_config_file(path: str) -> dict[str, Any]:
             tree = yaml.load(f, Loader=_strict_loader())
     except OSError as e:
         preset = Path(__file__).resolve().parents[2] / "configs" / f"{Path(path).stem}.yaml"
-        missing = isinstance(e, FileNotFoundError) and preset.is_file()  # (a wheel has none)
+        missing = not Path(path).is_file() and preset.is_file()  # (a wheel install has none)
         hint = f" (the preset {Path(path).stem!r} is {preset})" if missing else ""
         raise ConfigError(f"cannot read config file {path}: {e.strerror}{hint}") from None
     except UnicodeDecodeError as e:

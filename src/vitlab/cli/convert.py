@@ -97,8 +97,8 @@ def check_dest(dest: Path, to: str, source: str | None = None, overwrite: bool =
     if not file and _is_run(at):  # its checkpoints/best is what reads as the folder's model
         raise ValueError(
             f"{dest} is a vitlab run, which eval, predict and convert read as its checkpoints "
-            f"(best, else last): a checkpoint written there would not be the one read; name "
-            f"another DST"
+            f"(best, else last, once it has them): a checkpoint written there would not be the "
+            f"one read; name another DST"
         )
     for folder in (p for p in (at, *at.parents) if p.name == "checkpoints"):
         if _is_run(folder.parent):
@@ -141,13 +141,17 @@ def clear_replaced(dest: Path, written: list[Path]) -> list[Path]:
 def _is_run(folder: Path) -> bool:
     """Whether `folder` holds a vitlab run: a config.yaml vitlab reads as a run config (another
     project's checkpoints/ beside its own config.yaml is not one)."""
+    import yaml
+
     from vitlab.config import ConfigError, load_run_config
 
     if not (folder / "config.yaml").is_file():
         return False
-    try:
+    try:  # empty or comments only: anyone's notes (a run's states every section), not a run
+        if not yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8")):
+            return False
         load_run_config(str(folder / "config.yaml"))
-    except (ConfigError, ValueError, OSError):
+    except (ConfigError, ValueError, OSError, yaml.YAMLError):
         return False
     return True
 
