@@ -441,3 +441,36 @@ def test_the_python_functions_check_what_the_command_line_checks(run, tmp_path) 
     assert numpy_sized["top1"] == evaluate_checkpoint(str(run))["top1"]
     top = predict_files(str(run), [str(image)], topk=np.int64(3))[0]["top"]
     assert len(top) == 3
+
+
+def test_predict_decodes_a_colour_jpeg_for_a_grey_model_as_training_does(tmp_path) -> None:
+    """Training decodes a colour JPEG for a grey model as libjpeg's luma plane (torchvision's
+    GRAY mode); predict took PIL's convert('L') of the upsampled RGB, up to 12 grey levels away
+    (a QA pass: 11 on an EXIF-tagged photo), so a file was classified differently by `vitlab
+    predict` than in `vitlab eval`. Now predict's input is training's decode."""
+    from tests.helpers import tiny_checkpoint
+    from vitlab.data.decode import decode_image
+    from vitlab.eval.run import predict_files
+
+    model, meta = load_checkpoint(tiny_checkpoint(tmp_path / "tiny", img_size=16))  # grey
+    with torch.no_grad():  # a head that is not zero: the probabilities follow the pixels
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.2)
+    checkpoint = tmp_path / "grey"
+    save_pretrained(model, checkpoint)
+    rng = np.random.default_rng(0)
+    colours = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)  # pixel noise: chroma differs
+    path = tmp_path / "colour.jpg"
+    Image.fromarray(colours).save(path, quality=90)  # 4:2:0 chroma: PIL's luma is not libjpeg's
+    model, meta = load_checkpoint(checkpoint)
+    pre = meta.preprocessing
+    trained = pre.batch(decode_image(path.read_bytes(), 1, str(path))[None])
+    by_pil = pre.pil(Image.open(path).convert("L"))[None]
+    assert (trained - by_pil).abs().max() * 255 * pre.std[0] > 2  # the two decodes differ here
+    with torch.no_grad():
+        expected = model(trained).softmax(dim=1)[0]
+        assert (model(by_pil).softmax(dim=1)[0] - expected).abs().max() > 1e-4  # and so would
+        # the probabilities
+    top = predict_files(str(checkpoint), [str(path)], topk=10)[0]["top"]
+    got = torch.tensor([t["probability"] for t in sorted(top, key=lambda t: t["index"])])
+    assert torch.allclose(got, expected, atol=1e-6), (got, expected)
