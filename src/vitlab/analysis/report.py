@@ -25,7 +25,7 @@ from vitlab.analysis.swin_report import analyze_swin
 from vitlab.config import DataConfig, RunConfig
 from vitlab.data.datasets import ArraySplit, DatasetError
 from vitlab.data.decode import decode_image
-from vitlab.data.folders import FolderSplit, read_image
+from vitlab.data.folders import FolderSplit, decode_file
 from vitlab.data.hf import HFSplit
 from vitlab.data.workers import warn_once
 from vitlab.eval.run import data_config, evaluation_split, reads_whole
@@ -57,11 +57,9 @@ def load_images(
 
 
 def file_images(pre: Preprocessing, files: list[str]) -> Images:
-    """Image files read in the model's mode and resized as it sees them."""
-    from torchvision.transforms.v2 import functional as TF
-
-    mode = "L" if pre.in_chans == 1 else "RGB"
-    shown = [pre.resize(TF.pil_to_tensor(read_image(f, mode))[None])[0] for f in files]
+    """Image files decoded as training decodes them, in the model's channels, and resized as it
+    sees them."""
+    shown = [pre.resize(decode_file(f, pre.in_chans)[None])[0] for f in files]
     display = torch.stack(shown)
     return Images(unique_names(files), display, pre.normalize(display))
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from vitlab.data.classes import nfc
-from vitlab.data.decode import pil_convert
+from vitlab.data.decode import decode_image, pil_convert
 from vitlab.data.download import DatasetError
 from vitlab.runtime import seeded_split
 
@@ -61,13 +61,29 @@ def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
     try:
         with Image.open(path) as im:
             return pil_convert(im, mode)
-    except IsADirectoryError:
-        raise DatasetError(f"cannot read image {path}: it is a folder (name its images: "
-                           f"{os.path.join(path, '*')})") from None  # fmt: skip
     except Exception as e:
-        empty = os.path.isfile(path) and not os.path.getsize(path)
-        why = "an empty file" if empty else f"{type(e).__name__}: {e}"
-        raise DatasetError(f"cannot read image {path}: {why}") from None
+        raise _unreadable(path, e) from None
+
+
+def decode_file(path: Path | str, in_chans: int) -> Tensor:
+    """The image file at `path` as uint8 (in_chans, H, W), decoded as training decodes a folder's
+    files (decode_image: a colour JPEG's grey is libjpeg's luma plane, up to 12 levels from PIL's
+    convert('L') of its RGB); a DatasetError naming the file where it cannot be."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:  # a folder, no permission, gone
+        raise _unreadable(path, e) from None
+    return decode_image(data, in_chans, str(path))
+
+
+def _unreadable(path: Path | str, e: Exception) -> DatasetError:
+    if isinstance(e, IsADirectoryError):
+        return DatasetError(
+            f"cannot read image {path}: it is a folder (name its images: {os.path.join(path, '*')})"
+        )
+    empty = os.path.isfile(path) and not os.path.getsize(path)
+    why = "an empty file" if empty else f"{type(e).__name__}: {e}"
+    return DatasetError(f"cannot read image {path}: {why}")
 
 
 class _Listed:

@@ -15,9 +15,8 @@ from vitlab.config import DataConfig, RunConfig, load_saved_config
 from vitlab.data import ArraySplit, make_loader
 from vitlab.data.classes import name_order, numbered
 from vitlab.data.datasets import DatasetError, Split, check_data_dir, load_run_split, load_split
-from vitlab.data.decode import decode_image
 from vitlab.data.download import absolute_source
-from vitlab.data.folders import folder_root, read_image
+from vitlab.data.folders import decode_file, folder_root
 from vitlab.data.hf import one_split
 from vitlab.data.shards import is_pattern
 from vitlab.eval.backends import backend_device, describe, prepare
@@ -287,6 +286,8 @@ def predict_files(
     model, meta = load_checkpoint(checkpoint, device=dev)
     if meta.config.num_classes == 0:
         raise ValueError(f"{checkpoint} has no classifier (num_classes=0): nothing to predict")
+    from torchvision.transforms.v2 import functional as TF
+
     model = prepare(model, meta, backend, int8, tta=tta)
     k, pre = min(topk, meta.config.num_classes), meta.preprocessing
     batch = batch_size or (1 if int8 else 32)
@@ -309,7 +310,7 @@ def predict_files(
     for path in images:
         results.append({"image": path})
         try:
-            x = pre.pil(_as_trained(path, pre.in_chans))
+            x = pre.pil(TF.to_pil_image(decode_file(path, pre.in_chans)))  # as trained
         except DatasetError as e:
             results[-1]["error"] = str(e)
             continue
@@ -319,16 +320,3 @@ def predict_files(
     if waiting:
         classify()
     return results
-
-
-def _as_trained(path: str, in_chans: int):  # -> PIL.Image.Image
-    """The image file decoded as training and evaluation decode it (data.decode_image: a colour
-    JPEG's grey is libjpeg's luma plane, up to 12 levels from PIL's convert('L') of its RGB);
-    a DatasetError naming the file where it cannot be."""
-    from torchvision.transforms.v2 import functional as TF
-
-    try:
-        data = Path(path).read_bytes()
-    except OSError:  # a folder, no permission, gone: said as read_image says it
-        return read_image(path, "L" if in_chans == 1 else "RGB")
-    return TF.to_pil_image(decode_image(data, in_chans, path))
