@@ -379,9 +379,15 @@ def test_a_cnn_run_learns_and_resumes_exactly(cnn_run: Path, tmp_path: Path) -> 
         assert torch.equal(a[k], b[k]), k
 
 
-def test_a_cnn_refuses_masked_patch_prediction(tmp_path: Path) -> None:
+def test_a_cnn_refuses_masked_patch_prediction(tmp_path: Path, cnn_run: Path) -> None:
     with pytest.raises(ConfigError, match="pre-trains a ViT.*cnn model"):
         train(run_config("train.objective=mpp", "train.epochs=1"), out=tmp_path / "mpp")
+    # a fine-tune names its source's architecture (it named the default model.name, a ViT), and
+    # a CNN student is told it cannot have a distillation head (it was told to set distilled)
+    with pytest.raises(ConfigError, match=f"the architecture of {cnn_run} .*is a cnn model"):
+        train(run_config(f"finetune.from={cnn_run}", "train.objective=mpp"), out=tmp_path / "f")
+    with pytest.raises(ConfigError, match="which a cnn has none of: the student is a ViT"):
+        train(run_config(f"distill.teacher={cnn_run}"), out=tmp_path / "d")
     with pytest.raises(ConfigError, match="compile with train.grad_checkpointing"):
         train(run_config("train.compile=true", "train.grad_checkpointing=true"))
 

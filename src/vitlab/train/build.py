@@ -350,7 +350,7 @@ def check_objective(cfg: RunConfig, mc: ModelConfig) -> bool:
     if family_of(mc) != "vit":
         raise ConfigError(
             f"train.objective=mpp pre-trains a ViT (patch tokens in, one per patch out); "
-            f"{cfg.model.name} is a {family_of(mc)} model"
+            f"{model_label(cfg, mc)} is a {family_of(mc)} model"
         )
     if cfg.data.mixup or cfg.data.cutmix:
         raise ConfigError(

@@ -26,7 +26,7 @@ from vitlab.data.datasets import DatasetError
 from vitlab.eval.classification import distilled_heads
 from vitlab.formats.base import CheckpointError
 from vitlab.models.checkpoint import load_checkpoint
-from vitlab.models.registry import ModelConfig
+from vitlab.models.registry import ModelConfig, family_of
 from vitlab.preprocessing import Preprocessing
 from vitlab.runtime import status_file
 
@@ -186,6 +186,11 @@ def prepare(
     distilled = getattr(model, "distilled", False)  # ViTs only
     if cfg.distill != DistillConfig() and not distilled:
         what = "distill.teacher" if cfg.distill.teacher is not None else "the distill section"
+        if not hasattr(model, "distilled"):  # a Swin or a CNN: no distillation token to add
+            raise ConfigError(
+                f"{what} trains a student's distillation head, which a {family_of(model)} "
+                "has none of: the student is a ViT with model.distilled=true"
+            )
         raise ConfigError(
             f"{what} trains a student's distillation head: set model.distilled=true (a ViT with "
             f"class-token pooling)"
