@@ -386,8 +386,14 @@ def test_a_cnn_refuses_masked_patch_prediction(tmp_path: Path, cnn_run: Path) ->
     # a CNN student is told it cannot have a distillation head (it was told to set distilled)
     with pytest.raises(ConfigError, match=f"the architecture of {cnn_run} .*is a cnn model"):
         train(run_config(f"finetune.from={cnn_run}", "train.objective=mpp"), out=tmp_path / "f")
-    with pytest.raises(ConfigError, match="which a cnn has none of: the student is a ViT"):
+    with pytest.raises(ConfigError, match="which a CNN has none of: the student is a ViT"):
         train(run_config(f"distill.teacher={cnn_run}"), out=tmp_path / "d")
+    from vitlab.models.registry import get_config
+    from vitlab.train import distill
+
+    swin = get_config("swin_nano_patch2_window7_28")  # a Swin student, the same words
+    with pytest.raises(ConfigError, match="which a Swin has none of: the student is a ViT"):
+        distill.prepare(run_config(f"distill.teacher={cnn_run}"), swin, [], None, "cpu", False)
     with pytest.raises(ConfigError, match="compile with train.grad_checkpointing"):
         train(run_config("train.compile=true", "train.grad_checkpointing=true"))
 

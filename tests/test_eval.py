@@ -445,7 +445,7 @@ def test_the_python_functions_check_what_the_command_line_checks(run, tmp_path) 
 
 def test_predict_decodes_a_colour_jpeg_for_a_grey_model_as_training_does(tmp_path) -> None:
     """Training decodes a colour JPEG for a grey model as libjpeg's luma plane (torchvision's
-    GRAY mode); predict took PIL's convert('L') of the upsampled RGB, up to 12 grey levels away
+    GRAY mode); predict took PIL's convert('L') of the upsampled RGB, several grey levels away
     (a QA pass: 11 on an EXIF-tagged photo), so a file was classified differently by `vitlab
     predict` than in `vitlab eval`. Now predict's input is training's decode."""
     from tests.helpers import tiny_checkpoint

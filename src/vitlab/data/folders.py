@@ -67,8 +67,9 @@ def read_image(path: Path | str, mode: str):  # -> PIL.Image.Image
 
 def decode_file(path: Path | str, in_chans: int) -> Tensor:
     """The image file at `path` as uint8 (in_chans, H, W), decoded as training decodes a folder's
-    files (decode_image: a colour JPEG's grey is libjpeg's luma plane, up to 12 levels from PIL's
-    convert('L') of its RGB); a DatasetError naming the file where it cannot be."""
+    files (decode_image: a colour JPEG's grey is libjpeg's luma plane, several levels from PIL's
+    convert('L') of its RGB: 14 on a noisy one); a DatasetError naming the file where it cannot
+    be."""
     try:
         data = Path(path).read_bytes()
     except OSError as e:  # a folder, no permission, gone

@@ -25,14 +25,7 @@ from vitlab.data.datasets import ArraySplit, DatasetError, ShardSplit, Split
 from vitlab.data.decode import decode_image
 from vitlab.data.stream import StreamLoader
 from vitlab.data.transforms import BatchAugment
-from vitlab.data.workers import (
-    PADDING,
-    Batch,
-    LoaderOptions,
-    from_workers,
-    shut_down,
-    warn_once,
-)
+from vitlab.data.workers import PADDING, Batch, LoaderOptions, from_workers, shut_down, warn_once
 from vitlab.preprocessing import Preprocessing
 from vitlab.runtime import derive_seed
 

@@ -44,14 +44,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from vitlab.data.decode import decode_image
 from vitlab.data.download import DatasetError
 from vitlab.data.shards import ShardSplit
-from vitlab.data.workers import (
-    PADDING,
-    Batch,
-    LoaderOptions,
-    from_workers,
-    shut_down,
-    warn_once,
-)
+from vitlab.data.workers import PADDING, Batch, LoaderOptions, from_workers, shut_down, warn_once
 from vitlab.runtime import derive_seed
 
 SHUFFLE, PASS, SHARDS = 1, 2, 3  # derive_seed tags: one stream of seeds per purpose

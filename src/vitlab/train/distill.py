@@ -187,9 +187,10 @@ def prepare(
     if cfg.distill != DistillConfig() and not distilled:
         what = "distill.teacher" if cfg.distill.teacher is not None else "the distill section"
         if not hasattr(model, "distilled"):  # a Swin or a CNN: no distillation token to add
+            kind = {"swin": "Swin", "cnn": "CNN"}.get(family_of(model), family_of(model))
             raise ConfigError(
-                f"{what} trains a student's distillation head, which a {family_of(model)} "
-                "has none of: the student is a ViT with model.distilled=true"
+                f"{what} trains a student's distillation head, which a {kind} has none of: the "
+                "student is a ViT with model.distilled=true"
             )
         raise ConfigError(
             f"{what} trains a student's distillation head: set model.distilled=true (a ViT with "
