@@ -38,11 +38,8 @@ def read_stated_size(src: Source) -> None:
         return
     if any(k.startswith("patch_embed.backbone.") for k in s):  # a hybrid: its stem's stride
         return
-    rows, prefix, p = (
-        table.shape[1],
-        int("cls_token" in s) + int("dist_token" in s),
-        patch.shape[-1],
-    )
+    rows, p = table.shape[1], patch.shape[-1]
+    prefix = int("cls_token" in s) + int("dist_token" in s)
     h, w = (size, size) if isinstance(size, int) else size
     n = (h // p) * (w // p)
     square = _square_grid(rows, prefix)
