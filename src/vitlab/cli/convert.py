@@ -123,13 +123,13 @@ def clear_replaced(dest: Path, written: list[Path]) -> list[Path]:
     """Remove the files of DST folder that a reader takes as (part of) a checkpoint, weights or
     config, and that this conversion did not write: they were the replaced model's (a
     pytorch_model.bin beside new model.safetensors is a second model). Other files stay."""
+    from vitlab.formats.base import INDEX, READ_SUFFIXES, SIDECARS
+
     kept = {Path(p).resolve() for p in written}
-    weights = (".safetensors", ".npz", *formats.TORCH_SUFFIXES)
-    configs = ("config.json", "preprocessor_config.json")
 
     def read(p: Path) -> bool:  # by a reader, as weights or their config or shard index
         name = p.name.lower()
-        return p.suffix.lower() in weights or name in configs or name.endswith(".index.json")
+        return p.suffix.lower() in READ_SUFFIXES or name in SIDECARS or name.endswith(INDEX)
 
     stale = [p for p in sorted(dest.iterdir()) if p.is_file() and read(p)]
     stale = [p for p in stale if p.resolve() not in kept]

@@ -19,7 +19,7 @@ from vitlab.analysis.scaling import (
 )
 from vitlab.cli.eval import positive_int_list
 from vitlab.config import load_run_config
-from vitlab.formats.base import TORCH_SUFFIXES, CheckpointError
+from vitlab.formats.base import READ_SUFFIXES, CheckpointError
 from vitlab.formats.vitlab import vitlab_weights
 from vitlab.models.checkpoint import as_stated, infer_config, read_source
 from vitlab.models.registry import (
@@ -72,7 +72,7 @@ def read_model(
     none (a Swin's tables: no size guessed and warned of)."""
     path = Path(text).expanduser()
     if not path.exists():
-        if path.suffix.lower() in (*CONFIG_SUFFIXES, ".safetensors", ".npz", *TORCH_SUFFIXES):
+        if path.suffix.lower() in (*CONFIG_SUFFIXES, *READ_SUFFIXES):
             raise ValueError(
                 f"no file {text}: expected a run config, a checkpoint or a registered model name"
             )

@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # annotations only: base.py stays free of model code
 StateDict = dict[str, Tensor]
 WEIGHTS = "model.safetensors"
 TORCH_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt")
+READ_SUFFIXES = (".safetensors", ".npz", *TORCH_SUFFIXES)  # the weight files vitlab reads
+SIDECARS = ("config.json", "preprocessor_config.json")  # what a folder's format reads beside them
 INDEX = ".index.json"  # a sharded checkpoint's: model.safetensors.index.json
 
 

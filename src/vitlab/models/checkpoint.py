@@ -29,7 +29,15 @@ from torch import Tensor
 
 from vitlab import formats, hub
 from vitlab.config import ConfigError, check_keys, validate
-from vitlab.formats.base import INDEX, TORCH_SUFFIXES, CheckpointError, Files, Source
+from vitlab.formats.base import (
+    INDEX,
+    READ_SUFFIXES,
+    SIDECARS,
+    TORCH_SUFFIXES,
+    CheckpointError,
+    Files,
+    Source,
+)
 from vitlab.formats.families import state_family
 from vitlab.formats.vitlab import CONFIGS, CheckpointMeta, resolve_checkpoint
 from vitlab.models.cnn_checkpoint import infer_cnn_config
@@ -51,7 +59,6 @@ _FOLDER_WEIGHTS = (
     "pytorch_model.bin.index.json", "open_clip_pytorch_model.bin",
 )  # fmt: skip
 _SHARD = re.compile(r"(.+)-\d+-of-\d+(\.safetensors|\.bin)$")  # model-00001-of-00004.safetensors
-_SIDECARS = ("config.json", "preprocessor_config.json")  # what formats.read applies from a folder
 
 
 def _files_in(folder: Path, hub_name: str | None = None) -> Files:
@@ -69,9 +76,8 @@ def _files_in(folder: Path, hub_name: str | None = None) -> Files:
                 raise CheckpointError(f"{e}; the run's last checkpoint is {last.parent}") from None
             raise
     found = [folder / n for n in _FOLDER_WEIGHTS if (folder / n).is_file()]
-    suffixes = (".safetensors", ".npz", *TORCH_SUFFIXES)
     if not found:
-        found = sorted(p for p in folder.iterdir() if p.suffix.lower() in suffixes)
+        found = sorted(p for p in folder.iterdir() if p.suffix.lower() in READ_SUFFIXES)
     if not found:
         raise CheckpointError(
             f"{folder} holds no weights: expected model.safetensors, pytorch_model.bin, a .npz, "
@@ -87,7 +93,7 @@ def _files(source: str | Path) -> Files:
     if path.is_dir():
         return _files_in(path)
     if path.is_file():
-        sidecars = any((path.parent / n).is_file() for n in _SIDECARS)
+        sidecars = any((path.parent / n).is_file() for n in SIDECARS)
         if path.name in _FOLDER_WEIGHTS and sidecars:  # a hub folder's weights, named by file
             files = _files_in(path.parent)
             return files if files.weights == path else Files(path, path.parent)
@@ -107,7 +113,7 @@ def read_source(source: str | Path, format: str = "auto") -> Source:
     if format not in names:
         raise CheckpointError(f"format must be one of {', '.join(names)}, got {format!r}")
     files = _files(source)
-    if format == "auto" and files.suffix not in (".safetensors", ".npz", *TORCH_SUFFIXES):
+    if format == "auto" and files.suffix not in READ_SUFFIXES:
         raise CheckpointError(
             f"{files.weights}: unknown checkpoint file type {files.suffix!r}; expected "
             f".safetensors, {', '.join(TORCH_SUFFIXES)}, .npz or a shard index (*{INDEX})"
